@@ -1,0 +1,16 @@
+"""pipeckpt: pipeline parallelism and per-stage activation checkpointing for Lightning.
+
+Importing the package registers the ``"pipe"`` strategy, so
+``Trainer(strategy="pipe")`` works.
+"""
+from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
+from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
+from pipeckpt.strategy import PipelineStrategy, register
+
+__all__ = [
+    "PipelineStrategy", "CheckpointMode", "NEVER", "EXCEPT_LAST", "ALWAYS", "OFFLOAD",
+    "PipeckptConfigError", "PipeckptWarning",
+]
+__version__ = "0.1.0"
+
+register()

@@ -1,0 +1,23 @@
+"""One error type for every bad setting, so that users and the CLI can tell a
+configuration mistake (fix the config) from a bug (report it).
+
+Every message follows one shape: the value received, the rule it breaks, and a
+``HINT`` naming the setting to change. Messages are built in one place so they
+stay uniform.
+"""
+from typing import List
+
+__all__: List[str] = []
+
+
+class PipeckptConfigError(ValueError):
+    """A setting of the pipeline breaks a rule; raised before any training step."""
+
+
+class PipeckptWarning(UserWarning):
+    """A setting was accepted but adjusted, or an environment was ignored."""
+
+
+def config_error(what: str, rule: str, hint: str) -> PipeckptConfigError:
+    """Builds the uniform message: ``<what>: <rule>. HINT: <hint>``."""
+    return PipeckptConfigError(f"{what}: {rule}. HINT: {hint}")

@@ -1,0 +1,183 @@
+"""Cutting a user's ``nn.Sequential`` into stages and placing them on devices.
+
+Every engine consumes the same :class:`StagePlan`, so balance, placement and
+modes are decided once, validated once, and mean the same under the local
+(torchgpipe) and the distributed (``torch.distributed.pipelining``) engine.
+Automatic balance reuses torchgpipe's block-partition solver and profilers
+rather than a second implementation.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchgpipe.balance import balance_by_size, balance_by_time, blockpartition
+
+from pipeckpt._errors import config_error
+from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
+
+__all__ = ["StagePlan", "plan", "split", "BALANCE_BY"]
+
+BALANCE_BY = ("params", "time", "memory")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers form each stage, where each stage runs, and how it checkpoints."""
+
+    balance: Tuple[int, ...]
+    devices: Tuple[torch.device, ...]
+    modes: Tuple[CheckpointMode, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.balance)
+
+    @property
+    def ranges(self) -> List[Tuple[int, int]]:
+        """``(start, stop)`` layer indices of each stage in the user's Sequential."""
+        out, start = [], 0
+        for n in self.balance:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"stage {i}: layers {a}-{b - 1} on {d} ({m.name})"
+            for i, ((a, b), d, m) in enumerate(zip(self.ranges, self.devices, self.modes))
+        )
+
+
+def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
+    """Partitions holding the user's own layer objects (no copies), so that the
+    user's module, its ``state_dict`` keys and its optimizer see the same tensors."""
+    layers = list(sequential.children())
+    parts, start = [], 0
+    for n in balance:
+        parts.append(nn.Sequential(*layers[start:start + n]))
+        start += n
+    return parts
+
+
+def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
+    balance = tuple(int(b) for b in balance)
+    if not balance or any(b < 1 for b in balance):
+        raise config_error(
+            f"balance {list(balance)}", "every stage needs at least one layer",
+            "give positive layer counts, one per stage")
+    if sum(balance) != layers:
+        raise config_error(
+            f"balance {list(balance)} (sum {sum(balance)})",
+            f"must sum to the number of layers in the pipelined Sequential ({layers})",
+            f"adjust the counts to sum to {layers}, or drop `balance` and set `stages`")
+    return balance
+
+
+def _check_shared_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
+    owner: Dict[int, int] = {}
+    for stage, part in enumerate(split(sequential, balance)):
+        for name, p in part.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), stage)
+            if first != stage:
+                raise config_error(
+                    f"parameter {name!r} (shared by stages {first} and {stage})",
+                    "a parameter may belong to one stage only, since each stage keeps its "
+                    "own device and gradients",
+                    "untie the weights, or choose a balance that keeps every user of the "
+                    "shared parameter in one stage")
+
+
+@contextmanager
+def _grads_set_aside(module: nn.Module) -> Iterator[None]:
+    """torchgpipe's profiler refuses parameters that hold gradients (it would
+    mix its own backward into them); set them aside while profiling."""
+    saved = [(p, p.grad) for p in module.parameters()]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+def _auto_balance(sequential: nn.Sequential, stages: int, balance_by: str,
+                  sample: Optional[Any], chunks: int, device: torch.device) -> Tuple[int, ...]:
+    if balance_by == "params":
+        # +1 so that parameter-free layers (activations, dropout) still count.
+        costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in sequential]
+        return tuple(len(block) for block in blockpartition.solve(costs, stages))
+    if sample is None:
+        raise config_error(
+            f"balance_by={balance_by!r}", "profiling needs an example input",
+            "set `example_input_array` on your LightningModule (a batch of pipeline input), "
+            "or use balance_by='params' or an explicit balance")
+    if balance_by == "memory" and device.type != "cuda":
+        raise config_error(
+            f"balance_by='memory' on {device}", "torchgpipe profiles memory on CUDA devices only",
+            "use balance_by='time' or 'params' on CPU")
+    with _grads_set_aside(sequential):
+        if balance_by == "time":
+            return tuple(balance_by_time(stages, sequential, sample, device=device))
+        return tuple(balance_by_size(stages, sequential, sample, chunks=chunks, device=device))
+
+
+def _place(stages: int, devices: Sequence[torch.device],
+           placement: Optional[Sequence[int]]) -> Tuple[torch.device, ...]:
+    if placement is not None:
+        placement = list(placement)
+        if len(placement) != stages or any(not 0 <= p < len(devices) for p in placement):
+            raise config_error(
+                f"placement {placement}",
+                f"needs one device index per stage ({stages} stages), each in 0..{len(devices) - 1}",
+                "list, for each stage, the index of the device it runs on")
+        return tuple(devices[p] for p in placement)
+    if len(set(devices)) == 1:  # CPU, or a single GPU: every stage shares it
+        return (devices[0],) * stages
+    if stages > len(devices):
+        raise config_error(
+            f"{stages} stages on {len(devices)} devices",
+            "each stage gets its own device unless a placement puts several on one",
+            f"set stages <= {len(devices)}, more devices, or an explicit `placement` "
+            f"such as {[i * len(devices) // stages for i in range(stages)]}")
+    return tuple(devices[:stages])
+
+
+def plan(sequential: Any, *, devices: Sequence[torch.device], stages: Optional[int] = None,
+         balance: Optional[Sequence[int]] = None, balance_by: str = "params",
+         checkpoint: ModeSpec = "except_last", placement: Optional[Sequence[int]] = None,
+         sample: Optional[Any] = None, chunks: int = 1) -> StagePlan:
+    """Validates every setting against the module and builds the plan."""
+    if not isinstance(sequential, nn.Sequential):
+        raise config_error(
+            f"configure_pipeline() returned {type(sequential).__name__}",
+            "the pipelined part must be a torch.nn.Sequential",
+            "return an nn.Sequential of your layers from configure_pipeline()")
+    layers = len(sequential)
+    if balance is not None:
+        balance = _check_balance(balance, layers)
+        if stages is not None and stages != len(balance):
+            raise config_error(
+                f"stages={stages} with balance {list(balance)}",
+                "the balance lists one layer count per stage",
+                "drop `stages` (the balance decides it) or make them agree")
+        stages = len(balance)
+    stages = stages if stages is not None else max(1, min(len(devices), layers))
+    if stages < 1:
+        raise config_error(f"stages={stages}", "a pipeline needs at least one stage",
+                           "set stages >= 1")
+    if stages > layers:
+        raise config_error(
+            f"stages={stages}", f"cannot exceed the number of layers ({layers})",
+            f"set stages <= {layers}, or split your Sequential into more layers")
+    if balance_by not in BALANCE_BY:
+        raise config_error(f"balance_by={balance_by!r}", f"must be one of {BALANCE_BY}",
+                           "choose params (default), time, or memory")
+    modes = parse_modes(checkpoint, stages)
+    placed = _place(stages, devices, placement)
+    if balance is None:
+        balance = _auto_balance(sequential, stages, balance_by, sample, chunks, placed[0])
+    _check_shared_parameters(sequential, balance)
+    return StagePlan(balance=tuple(balance), devices=placed, modes=modes)
