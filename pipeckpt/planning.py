@@ -3,8 +3,7 @@
 Every engine consumes the same :class:`StagePlan`, so balance, placement and
 modes are decided once, validated once, and mean the same under the local
 (torchgpipe) and the distributed (``torch.distributed.pipelining``) engine.
-Automatic balance reuses torchgpipe's block-partition solver and profilers
-rather than a second implementation.
+Profiled balance (time, memory) reuses torchgpipe's profilers.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torchgpipe.balance import balance_by_size, balance_by_time, blockpartition
+from torchgpipe.balance import balance_by_size, balance_by_time
 
 from pipeckpt._errors import config_error
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
@@ -53,7 +52,7 @@ class StagePlan:
 def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
     """Partitions holding the user's own layer objects (no copies), so that the
     user's module, its ``state_dict`` keys and its optimizer see the same tensors."""
-    layers = list(sequential.children())
+    layers = list(sequential)  # not children(): that drops a repeated layer
     parts, start = [], 0
     for n in balance:
         parts.append(nn.Sequential(*layers[start:start + n]))
@@ -89,6 +88,34 @@ def _check_shared_parameters(sequential: nn.Sequential, balance: Sequence[int]) 
                     "shared parameter in one stage")
 
 
+def min_max_partition(costs: Sequence[int], stages: int) -> Tuple[int, ...]:
+    """Contiguous split of ``costs`` into ``stages`` non-empty blocks that
+    minimises the largest block. Written here because torchgpipe's
+    block-partition solver is an approximation that can pair the heaviest layer
+    with a light one when it alone is the optimum; this exact dynamic program
+    is O(layers^2 x stages), instant for any real layer count."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest max block for the first i layers in k blocks; cut[k][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    sizes, i = [], n
+    for k in range(stages, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(reversed(sizes))
+
+
 @contextmanager
 def _grads_set_aside(module: nn.Module) -> Iterator[None]:
     """torchgpipe's profiler refuses parameters that hold gradients (it would
@@ -108,7 +135,7 @@ def _auto_balance(sequential: nn.Sequential, stages: int, balance_by: str,
     if balance_by == "params":
         # +1 so that parameter-free layers (activations, dropout) still count.
         costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in sequential]
-        return tuple(len(block) for block in blockpartition.solve(costs, stages))
+        return min_max_partition(costs, stages)
     if sample is None:
         raise config_error(
             f"balance_by={balance_by!r}", "profiling needs an example input",

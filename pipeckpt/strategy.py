@@ -19,6 +19,7 @@ this class handles it:
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from pipeckpt import _rng
 from pipeckpt._errors import config_error
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import ENGINES
@@ -36,6 +38,7 @@ from pipeckpt.stage import Stage
 
 __all__ = ["PipelineStrategy"]
 
+_CKPT_KEY = "pipeckpt"
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -201,6 +204,27 @@ class PipelineStrategy(ParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
             _optimizer_state_to_param_devices(optimizer)
+
+    # -- checkpoints ----------------------------------------------------------------
+    # Keys need no translation: the user's Sequential never moved. The RNG states
+    # ride along so that a resumed run draws the same dropout masks as an
+    # uninterrupted one (Lightning does not save them). Writing stays Lightning's
+    # atomic save (an fsspec transaction: temporary file, then move).
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
+        checkpoint[_CKPT_KEY] = {"rng_states": _rng.collect(),
+                                 "balance": list(self._plan.balance) if self._plan else None}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(_CKPT_KEY)
+        if state is not None:
+            _rng.restore(state["rng_states"])
+        return checkpoint
 
     @override
     def teardown(self) -> None:
