@@ -16,9 +16,12 @@ this class handles it:
 - the user's Sequential keeps its place (its ``forward`` is routed through the
   engine), so checkpoints hold the unpipelined keys whatever the layout.
 """
+import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -28,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from pipeckpt import _rng
-from pipeckpt._errors import config_error
+from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import ENGINES
 from pipeckpt.engines.local import LocalEngine, convert_deferred_batch_norm
@@ -62,6 +65,24 @@ def _validate_settings(*, stages: Optional[int], chunks: int, checkpoint: ModeSp
                            "choose params (default), time, or memory")
     names = [checkpoint] if isinstance(checkpoint, (str, CheckpointMode)) else list(checkpoint)
     parse_modes(names, len(names))  # unknown names fail now; the length is checked per plan
+
+
+def _warn_if_slurm_ignored(environment: Optional[ClusterEnvironment]) -> None:
+    """Lightning ignores SLURM in jobs named ``bash`` or ``interactive``; say so,
+    since with several tasks each one then starts its own run and they hang."""
+    name = os.environ.get("SLURM_JOB_NAME")
+    if "SLURM_NTASKS" not in os.environ or name not in ("bash", "interactive"):
+        return
+    if isinstance(environment, SLURMEnvironment):  # the user passed plugins=[SLURMEnvironment()]
+        return
+    rank_zero_warn(
+        f"SLURM_JOB_NAME={name!r}: Lightning ignores SLURM in a job named 'bash' or 'interactive' and"
+        f" launches this node's processes itself, so each of the SLURM_NTASKS={os.environ['SLURM_NTASKS']}"
+        " tasks starts a separate run (several tasks then hang waiting for each other)."
+        " HINT: name the job (`sbatch -J pipeckpt`, `srun -J pipeckpt`), or start one task per node"
+        " if you meant Lightning to launch the processes.",
+        category=PipeckptWarning,
+    )
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -149,6 +170,11 @@ class PipelineStrategy(ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     # -- set-up -----------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        _warn_if_slurm_ignored(self.cluster_environment)
+        super()._configure_launcher()
 
     @override
     def setup(self, trainer: Trainer) -> None:
