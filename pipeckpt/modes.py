@@ -58,7 +58,7 @@ def _one(spec: Union[str, CheckpointMode]) -> CheckpointMode:
         raise config_error(
             f"checkpoint mode {spec!r}",
             f"is not one of {', '.join(MODES)}",
-            "set `checkpoint` (ckpt.mode / ckpt.modes in the configs) to one of those names",
+            "set `checkpoint` (`ckpt=<name>` or `ckpt.modes=[...]` in the configs) to one of those names",
         ) from None
 
 

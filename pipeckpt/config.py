@@ -1,0 +1,214 @@
+"""The schema of the app's Hydra configs (``conf/``), as dataclasses.
+
+YAML alone accepts any key and any value, so ``chunk: 4`` (for ``chunks``)
+or ``max_steps: ten`` would surface late, or never. Registered in Hydra's
+ConfigStore and named at the top of each config's ``defaults``, these
+dataclasses make such mistakes fail when the config is composed, before any
+model is built. They check names and types only. Whether the values make
+sense together (a checkpoint-mode list as long as the number of stages, a
+balance summing to the number of layers) is pipeckpt's own validation, which
+raises :class:`pipeckpt.PipeckptConfigError` from the strategy.
+
+The defaults live in the YAML files, where users read them; fields here are
+``MISSING`` so that a config file which forgets one fails loudly.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+__all__ = ["TrainConfig", "register"]
+
+
+# -- model/ ---------------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    _target_: str = "pipeckpt.models.GPT"
+    size: str = MISSING  # a key of pipeckpt.models.SIZES: tiny, mini, small
+    vocab_size: int = MISSING
+    seq_len: int = MISSING  # also the data's window length
+    dropout: float = MISSING
+    lr: float = MISSING  # peak learning rate, after warm-up
+    weight_decay: float = MISSING
+    warmup_steps: int = MISSING
+    d_model: Optional[int] = None  # None: the size's value
+    n_heads: Optional[int] = None
+    n_layers: Optional[int] = None
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "pipeckpt.models.MLP"
+    in_features: int = MISSING
+    hidden: int = MISSING
+    depth: int = MISSING  # hidden Linear+ReLU pairs
+    num_classes: int = MISSING
+    lr: float = MISSING
+    weight_decay: float = MISSING
+
+
+@dataclass
+class ConvNetConfig:
+    _target_: str = "pipeckpt.models.ConvNet"
+    in_channels: int = MISSING
+    width: int = MISSING  # channels of the first conv; doubled twice
+    num_classes: int = MISSING
+    lr: float = MISSING
+    weight_decay: float = MISSING
+
+
+# -- data/ ----------------------------------------------------------------------------
+
+
+@dataclass
+class TextDataConfig:
+    _target_: str = "pipeckpt.data.TextDataModule"
+    path: Optional[str] = MISSING  # None: the Python standard library's sources
+    pattern: str = MISSING  # file-name glob inside a directory
+    seq_len: int = MISSING
+    batch_size: int = MISSING
+    max_bytes: int = MISSING  # corpus cap, read in file order
+    val_fraction: float = MISSING  # the held-out tail of the corpus
+    num_workers: int = MISSING
+
+
+@dataclass
+class SyntheticTokensConfig:
+    _target_: str = "pipeckpt.data.SyntheticTokens"
+    seq_len: int = MISSING
+    vocab_size: int = MISSING
+    steps: int = MISSING
+    num_samples: int = MISSING
+    val_samples: int = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class SyntheticVectorsConfig:
+    _target_: str = "pipeckpt.data.SyntheticVectors"
+    in_features: int = MISSING
+    num_classes: int = MISSING
+    num_samples: int = MISSING
+    val_samples: int = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class SyntheticImagesConfig:
+    _target_: str = "pipeckpt.data.SyntheticImages"
+    in_channels: int = MISSING
+    image_size: int = MISSING
+    num_classes: int = MISSING
+    noise: float = MISSING
+    num_samples: int = MISSING
+    val_samples: int = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+
+
+# -- strategy/ and ckpt/ --------------------------------------------------------------
+
+
+@dataclass
+class PipeStrategyConfig:
+    """The arguments of :class:`pipeckpt.PipelineStrategy`."""
+
+    _target_: str = "pipeckpt.PipelineStrategy"
+    stages: Optional[int] = MISSING  # None: one per device
+    balance: Optional[list[int]] = MISSING  # layers per stage; None: automatic
+    balance_by: str = MISSING  # params | time | memory
+    chunks: int = MISSING  # micro-batches per batch
+    checkpoint: Any = MISSING  # a mode name or a list, one per stage (from ckpt.modes)
+    placement: Optional[list[int]] = MISSING  # device index per stage
+    deferred_batch_norm: bool = MISSING
+    pin_memory: bool = MISSING  # from ckpt.pin_memory
+    engine: str = MISSING  # local | distributed
+    schedule: str = MISSING  # gpipe | 1f1b | interleaved_1f1b (distributed engine)
+    dp: Optional[int] = MISSING  # data-parallel pipeline replicas (distributed engine)
+    virtual_stages: int = MISSING  # stages per process (interleaved_1f1b)
+    timeout: float = MISSING  # seconds to wait for a peer stage (distributed engine)
+
+
+@dataclass
+class NamedStrategyConfig:
+    """A strategy Lightning builds from its registry name (``auto``, ``ddp``)."""
+
+    name: str = MISSING
+
+
+@dataclass
+class CkptConfig:
+    modes: Any = MISSING  # never | except_last | always | offload, or a list of them, one per stage
+    pin_memory: bool = MISSING  # offload into pinned host memory (CUDA)
+
+
+# -- trainer/, logger/, callbacks ------------------------------------------------------
+
+
+@dataclass
+class TrainerConfig:
+    """The Trainer arguments the app sets; any other stays Lightning's default."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = MISSING
+    devices: Any = MISSING  # "auto", a count or a list of indices (set by the strategy config)
+    num_nodes: int = MISSING
+    precision: str = MISSING  # 32-true, bf16-mixed, 16-mixed
+    max_steps: int = MISSING
+    max_epochs: Optional[int] = MISSING
+    val_check_interval: Any = MISSING  # steps (int) or fraction of an epoch (float)
+    check_val_every_n_epoch: Optional[int] = MISSING
+    limit_val_batches: Any = MISSING
+    limit_train_batches: Any = MISSING
+    log_every_n_steps: int = MISSING
+    num_sanity_val_steps: int = MISSING
+    gradient_clip_val: Optional[float] = MISSING
+    accumulate_grad_batches: int = MISSING
+    enable_progress_bar: bool = MISSING
+    deterministic: Any = MISSING
+    default_root_dir: str = MISSING
+
+
+@dataclass
+class TrainConfig:
+    """The whole training run."""
+
+    model: Any = MISSING
+    data: Any = MISSING
+    strategy: Any = MISSING  # PipeStrategyConfig or NamedStrategyConfig
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: Any = None  # a Lightning logger (_target_), or None for none
+    callbacks: Any = None  # name -> callback (_target_)
+    output_dir: str = MISSING  # the run directory; logs, checkpoints and the stage report go here
+    seed: int = MISSING
+    threads: Optional[int] = MISSING  # torch.set_num_threads; None keeps torch's default
+    ckpt_path: Optional[str] = MISSING  # a checkpoint to resume from
+    validate: bool = MISSING  # validate before and after training, and print both losses
+
+
+_SCHEMAS: dict[tuple[Optional[str], str], Any] = {
+    (None, "train_schema"): TrainConfig,
+    ("model", "gpt_schema"): GPTConfig,
+    ("model", "mlp_schema"): MLPConfig,
+    ("model", "convnet_schema"): ConvNetConfig,
+    ("data", "text_schema"): TextDataConfig,
+    ("data", "synthetic_schema"): SyntheticTokensConfig,
+    ("data", "synthetic_vectors_schema"): SyntheticVectorsConfig,
+    ("data", "synthetic_images_schema"): SyntheticImagesConfig,
+    ("strategy", "pipe_schema"): PipeStrategyConfig,
+    ("strategy", "named_schema"): NamedStrategyConfig,
+    ("ckpt", "ckpt_schema"): CkptConfig,
+}
+
+
+def register() -> None:
+    """Stores the schemas in Hydra's ConfigStore (idempotent); call before composing."""
+    store = ConfigStore.instance()
+    for (group, name), node in _SCHEMAS.items():
+        store.store(group=group, name=name, node=node)

@@ -1,0 +1,122 @@
+"""Train a model with pipeline parallelism and per-stage activation checkpointing.
+
+The configuration is composed by Hydra from conf/ (see docs/README_app.md);
+each command-line override names a config option (``ckpt=always``) or a value
+(``strategy.chunks=8``). Outputs go to outputs/<run>/: logs, checkpoints, and
+the per-stage report (stage_report.png, stage_report.json).
+
+One CPU (the default: tiny GPT on the standard library's sources, 2 stages, except_last):
+
+    python train.py
+    python train.py ckpt=always strategy.stages=4 strategy.chunks=8
+    python train.py ckpt.modes=[always,except_last] trainer.precision=bf16-mixed
+    python train.py -m ckpt=never,except_last,always       # one summary line per run
+    python train.py ckpt_path=outputs/<run>/checkpoints/last.ckpt trainer.max_steps=400
+
+One host with several GPUs (one stage per GPU):
+
+    python train.py model.size=small strategy.stages=null strategy.chunks=8 trainer.precision=bf16-mixed
+    python train.py experiment=gpt_small_offload
+
+SLURM (one process per GPU, the distributed engine):
+
+    sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 examples/slurm/pipe.sbatch experiment=gpt_small_offload
+    python train.py -m hydra/launcher=slurm strategy.engine=distributed trainer.num_nodes=2 \\
+        trainer.devices=4 hydra.launcher.tasks_per_node=4 hydra.launcher.gpus_per_node=4
+"""
+import sys
+import time
+from typing import Any, Optional
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from pipeckpt import PipeckptConfigError
+from pipeckpt.config import register
+from pipeckpt.report import StageReport, format_table, human_bytes
+
+register()
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Builds everything from ``cfg``, trains, and returns the run's summary."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy.name
+    callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values()]
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    say = print if trainer.is_global_zero else (lambda *args, **kwargs: None)
+
+    def validate(ckpt_path: Optional[str] = None) -> float:
+        return trainer.validate(model, datamodule, ckpt_path=ckpt_path, verbose=False)[0]["val_loss"]
+
+    summary: dict[str, Any] = {"output_dir": cfg.output_dir, "is_global_zero": trainer.is_global_zero}
+    if cfg.validate:
+        summary["val_loss_start"] = validate(cfg.ckpt_path)
+        say(f"val_loss at start: {summary['val_loss_start']:.4f}", flush=True)
+    started = time.perf_counter()
+    trainer.fit(model, datamodule, ckpt_path=cfg.ckpt_path)
+    summary["fit_s"] = time.perf_counter() - started
+    summary["global_step"] = trainer.global_step
+    if cfg.validate:
+        summary["val_loss_end"] = validate()
+        say(f"val_loss at end:   {summary['val_loss_end']:.4f}", flush=True)
+    report = next((c for c in callbacks if isinstance(c, StageReport)), None)
+    if report is not None and report.stats:
+        summary["stages"] = report.stats
+        say(format_table(report.stats), flush=True)
+    return summary
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    """One line per run, so that a multirun's jobs compare at a glance."""
+    try:
+        name = " ".join(HydraConfig.get().overrides.task) or "defaults"
+    except ValueError:  # not run by Hydra
+        name = "run"
+    parts = [f"[{name}]"]
+    if "val_loss_end" in summary:
+        parts.append(f"val_loss {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f}")
+    parts.append(f"{summary['global_step']} steps in {summary['fit_s']:.1f} s")
+    if "stages" in summary:
+        peaks = ", ".join(human_bytes(s.peak_activation_bytes) for s in summary["stages"])
+        parts.append(f"peak activations per stage [{peaks}]")
+    parts.append(f"-> {summary['output_dir']}")
+    return ", ".join(parts)
+
+
+def _config_error(error: Optional[BaseException]) -> Optional[BaseException]:
+    """The configuration mistake behind ``error``, if it is one (Hydra's
+    instantiate wraps the errors of the objects it builds)."""
+    while error is not None:
+        if isinstance(error, (PipeckptConfigError, FileNotFoundError)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        summary = train(cfg)
+    except Exception as error:
+        mistake = _config_error(error)
+        if mistake is None:
+            raise
+        # A configuration mistake is the user's to fix: the message says how; a traceback would bury it.
+        print(f"Configuration error: {mistake}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if summary["is_global_zero"]:
+        print(_summary_line(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
