@@ -20,9 +20,11 @@ ModeSpec = Union[str, "CheckpointMode", Sequence[Union[str, "CheckpointMode"]]]
 class CheckpointMode:
     """How one pipeline stage trades memory for recomputation.
 
-    ``recompute_last`` is False only for ``except_last``: the last micro-batch
-    of a step runs backward first (GPipe drains in reverse), so recomputing it
-    would buy no memory, only time.
+    ``recompute_last`` is False only for ``except_last``: under the local engine
+    the last micro-batch of a step runs backward first (torchgpipe drains in
+    reverse), so recomputing it would buy no memory, only time. torch's GPipe and
+    1F1B (distributed engine) run it last: the same micro-batches are recomputed,
+    but the mode saves less memory there.
     """
 
     name: str

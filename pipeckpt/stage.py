@@ -28,7 +28,7 @@ from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
 from pipeckpt.modes import CheckpointMode
 
-__all__ = ["Stage", "CallerState", "capture_caller_state"]
+__all__ = ["Stage", "CallerState", "capture_caller_state", "side_effect_free"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -56,7 +56,7 @@ def capture_caller_state() -> CallerState:
 
 
 @contextmanager
-def _side_effect_free(partition: nn.Module) -> Iterator[None]:
+def side_effect_free(partition: nn.Module) -> Iterator[None]:
     """A recompute must leave module state as the first forward left it:
     BatchNorm running statistics are restored, and torchgpipe's
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
@@ -112,7 +112,7 @@ class Stage(nn.Module):
 
     def _checkpointed(self, input: Tensor) -> Tensor:
         def contexts() -> Tuple[ExitStack, object]:
-            return enable_checkpointing(), _side_effect_free(self.partition)
+            return enable_checkpointing(), side_effect_free(self.partition)
 
         with ExitStack() as stack:
             if self.mode.offloads and self.device.type != "cpu":

@@ -1,0 +1,130 @@
+"""Who runs what in the distributed engine, and the settings that cannot work.
+
+The world is ``pp x dp`` processes: ``dp`` replicas of one pipeline of ``pp``
+processes, each holding ``virtual_stages`` stages (stage ``j`` on pipeline rank
+``j % pp``, torch's interleaved layout; global rank ``replica * pp + pipeline
+rank``, the row-major order of the ``("dp", "pp")`` device mesh). Everything
+here is arithmetic on settings, so a bad combination fails when the Trainer is
+built, before any process starts.
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+from pipeckpt._errors import config_error
+
+__all__: List[str] = []
+
+
+@dataclass(frozen=True)
+class Topology:
+    pp: int
+    dp: int
+    virtual_stages: int
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def stages_of(self, rank: int) -> List[int]:
+        """The stage indices global ``rank`` runs."""
+        return [j for j in range(self.stages) if j % self.pp == rank % self.pp]
+
+    def describe(self, rank: int) -> str:
+        stages = ", ".join(map(str, self.stages_of(rank)))
+        return f"rank {rank} (pipeline stage {stages} of data-parallel replica {rank // self.pp})"
+
+
+def validate_settings(*, schedule: str, virtual_stages: int, dp: Optional[int], timeout: float) -> None:
+    """Checks of the distributed settings alone, when the strategy is built."""
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise config_error(f"virtual_stages={virtual_stages!r}",
+                           "a pipeline rank holds an integer number >= 1 of stages",
+                           "set virtual_stages >= 1")
+    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+        raise config_error(f"virtual_stages={virtual_stages} with schedule={schedule!r}",
+                           "only the interleaved schedule runs several stages per process",
+                           "set schedule='interleaved_1f1b', or virtual_stages=1")
+    if dp is not None and (not isinstance(dp, int) or dp < 1):
+        raise config_error(f"dp={dp!r}", "the data-parallel size is an integer >= 1",
+                           "set dp >= 1, or leave it unset")
+    if not timeout or timeout <= 0:
+        raise config_error(f"timeout={timeout!r}", "a collective needs a positive time limit",
+                           "set timeout in seconds, e.g. 60")
+
+
+def resolve(*, world: int, stages: Optional[int], virtual_stages: int, dp: Optional[int],
+            chunks: int, schedule: str) -> Topology:
+    """``pp`` and ``dp`` for a world of ``world`` processes: from ``dp`` if set, else from
+    the stage count, else one pipeline over the whole world."""
+    v = virtual_stages
+    if stages is not None and stages % v:
+        raise config_error(
+            f"{stages} stages with virtual_stages={v}",
+            "every pipeline rank holds virtual_stages stages, so the stages must divide evenly "
+            "into the processes of a pipeline",
+            f"set stages to a multiple of {v} (for example {(stages // v + 1) * v})")
+    if dp is not None:
+        if world % dp:
+            raise config_error(
+                f"dp={dp} with a world of {world} processes",
+                "pp x dp must equal the world size, so dp must divide it",
+                f"set dp to a divisor of {world}, or run a multiple of {dp} processes "
+                "(the trainer's devices x num_nodes)")
+        pp = world // dp
+    elif stages is not None:
+        pp = stages // v
+        if world % pp:
+            raise config_error(
+                f"{stages} stages (pp={pp} with virtual_stages={v}) on a world of {world} processes",
+                "pp x dp must equal the world size, so the pipeline ranks must divide it",
+                f"run a multiple of {pp} processes (the trainer's devices x num_nodes), or set "
+                f"stages to {v} x a divisor of {world}")
+    else:
+        pp = world
+    topology = Topology(pp=pp, dp=world // pp, virtual_stages=v)
+    if stages is not None and stages != topology.stages:
+        raise config_error(
+            f"{stages} stages on pp={pp} pipeline ranks (a world of {world} = pp x dp={topology.dp}) "
+            f"with virtual_stages={v}",
+            "the stages must divide into the processes: stages = pp x virtual_stages",
+            f"set stages={topology.stages}, or set dp so that pp = stages / virtual_stages = "
+            f"{stages // v}, or change virtual_stages")
+    problem = schedule_rule(schedule, chunks, pp)
+    if problem:
+        raise config_error(f"chunks={chunks} with schedule={schedule!r} on pp={pp}", problem,
+                           "raise chunks, or use schedule='gpipe'")
+    return topology
+
+
+def schedule_rule(schedule: str, microbatches: int, pp: int) -> Optional[str]:
+    """Why ``microbatches`` do not fit ``schedule`` on ``pp`` ranks when training, or None."""
+    if schedule == "1f1b" and microbatches < pp:
+        return (f"1F1B needs at least as many micro-batches as pipeline stages ({pp}); with "
+                f"{microbatches} the schedule cannot fill its pipeline")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return (f"interleaved 1F1B runs the micro-batches in rounds of pp={pp}, so their "
+                    f"number must be a multiple of {rounds} (micro-batches // pp)")
+    return None
+
+
+def microbatches_for(size: int, *, chunks: int, schedule: str, pp: int, train: bool) -> int:
+    """``chunks``, or the largest count below it that cuts a batch of ``size`` samples into
+    equal micro-batches and fits the schedule (``torch.distributed.pipelining`` sends
+    fixed-shape buffers, so micro-batches must be equal)."""
+    strict = train or schedule == "interleaved_1f1b"  # forward-only single-stage runs are GPipe
+
+    def fits(m: int) -> bool:
+        return size % m == 0 and not (strict and schedule_rule(schedule, m, pp))
+
+    if fits(chunks):
+        return chunks
+    fewer = next((m for m in range(min(chunks, size), 0, -1) if fits(m)), None)
+    if fewer is None:
+        rule = schedule_rule(schedule, 1, pp) if strict else None
+        raise config_error(
+            f"a batch of {size} samples with chunks={chunks} and schedule={schedule!r}",
+            "the schedule needs equal micro-batches" + (f", and {rule}" if rule else ""),
+            "use a batch size that is a multiple of chunks, or drop_last=True in the DataLoader")
+    return fewer

@@ -1,0 +1,97 @@
+"""One process of a distributed-engine test run, started by tests/test_distributed_engine.py.
+
+The test starts every rank itself with LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set,
+as torchrun or srun would, so Lightning launches nothing. A JSON spec lists trainings to run one
+after the other in the same processes (a process start costs seconds on a small machine):
+
+    python tests/distributed_worker.py SPEC.json
+
+Each run trains the toy module of toy.py and writes `<name>.ckpt` (global rank 0, the gathered
+checkpoint) and `<name>.rank<R>.json` (what that rank saw) into the spec's `out` directory.
+"""
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from pipeckpt import PipelineStrategy
+from toy import ToyModule, toy_loader
+
+
+def replica_loader(dp: int, replica: int) -> DataLoader:
+    """This replica's share of every batch of toy_loader(): contiguous rows of each batch."""
+    x, y = toy_loader().dataset.tensors
+    batch, share = 16, 16 // dp
+    rows = torch.cat([torch.arange(b, b + batch)[replica * share:(replica + 1) * share]
+                      for b in range(0, len(x), batch)])
+    return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=share, shuffle=False)
+
+
+def die_mid_step(module: L.LightningModule, step: int, microbatch: int, hang: bool = False) -> None:
+    """The rank holding the last layer kills itself (or hangs) in that layer's forward of one
+    micro-batch."""
+    calls = {"n": 0}
+
+    def hook(*_: Any) -> None:
+        if module.trainer.global_step != step or not torch.is_grad_enabled():
+            return
+        calls["n"] += 1
+        if calls["n"] == microbatch + 1:
+            what = "hangs" if hang else "dies"
+            print(f"worker: rank {module.trainer.global_rank} {what} at time={time.time():.3f}", flush=True)
+            if hang:
+                time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    module.layers[-1].register_forward_hook(hook)
+
+
+def resume_run(spec: Dict[str, Any], out: str) -> Any:
+    """`resume_run`: the checkpoint an earlier run of the same spec wrote."""
+    return os.path.join(out, f"{spec['resume_run']}.ckpt") if "resume_run" in spec else None
+
+
+def run(spec: Dict[str, Any], out: str, world: int) -> None:
+    strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
+    module = ToyModule(depth=spec.get("depth", 6))
+    if "die" in spec:
+        die_mid_step(module, **spec["die"])
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=spec["steps"],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=1.0 if spec.get("validate") else 0,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
+        gradient_clip_val=spec.get("gradient_clip_val"))
+    torch.manual_seed(123)
+    dp = trainer.strategy.data_parallel_size
+    trainer.fit(module, replica_loader(dp, trainer.strategy.data_parallel_rank),
+                ckpt_path=spec.get("resume") or resume_run(spec, out))
+    trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
+    seen = {"forward_calls": {s.index: s.forward_calls for s in trainer.strategy.stages},
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if spec.get("validate"):
+        trainer.validate(module, replica_loader(dp, trainer.strategy.data_parallel_rank), verbose=False)
+        seen["metrics"].update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    with open(os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    for one in spec["runs"]:
+        run(one, spec["out"], world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""The distributed engine (`engine="distributed"`): one process per pipeline rank.
+
+Slow tests start real processes with gloo on CPU (tests/distributed_worker.py, one thread each),
+several trainings per start, and compare the parameters with the local engine's on the same stages
+and micro-batches (no dropout). Fast tests check the errors raised before any step.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import lightning as L
+import pytest
+import torch
+
+from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
+from pipeckpt.engines.distributed import DistributedPipelineStrategy
+from pipeckpt.engines.routing import LogRecorder
+from toy import ToyModule, fit, max_relative_difference, params, toy_loader
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "distributed_worker.py"
+START_S = 240  # a group of trainings, processes started on a loaded 2-core machine
+
+
+def distributed(**kwargs: Any) -> PipelineStrategy:
+    return PipelineStrategy(engine="distributed", **kwargs)
+
+
+def trainer(strategy: PipelineStrategy, devices: int) -> L.Trainer:
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False)
+
+
+# -- errors before any step ------------------------------------------------------------
+
+
+def test_engine_distributed_builds_the_distributed_strategy():
+    strategy = distributed(balance=[3, 3])
+    assert isinstance(strategy, DistributedPipelineStrategy)
+    t = trainer(strategy, devices=2)
+    assert t.strategy.is_distributed
+    assert (t.strategy.pipeline_size, t.strategy.data_parallel_size) == (2, 1)
+
+
+def test_replicas_get_their_own_batches_and_stages_of_one_replica_the_same():
+    t = trainer(distributed(balance=[3, 3], dp=2), devices=4)
+    assert (t.strategy.pipeline_size, t.strategy.data_parallel_size) == (2, 2)
+    assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_dp_that_does_not_divide_the_world_is_rejected():
+    with pytest.raises(PipeckptConfigError, match=r"dp=3 with a world of 4.*pp x dp must equal the world size.*HINT"):
+        trainer(distributed(dp=3), devices=4)
+
+
+@pytest.mark.parametrize("settings, devices, rule", [
+    (dict(stages=3, virtual_stages=2, schedule="interleaved_1f1b"), 2, "stages must divide evenly"),
+    (dict(stages=4, dp=1, virtual_stages=2, schedule="interleaved_1f1b"), 4, r"stages = pp x virtual_stages"),
+    (dict(stages=3), 2, "pp x dp must equal the world size"),
+], ids=["virtual", "too-few-stages", "world"])
+def test_stages_that_do_not_divide_into_the_processes_are_rejected(settings, devices, rule):
+    with pytest.raises(PipeckptConfigError, match=rf"(?s){rule}.*HINT"):
+        trainer(distributed(**settings), devices=devices)
+
+
+def test_virtual_stages_need_the_interleaved_schedule():
+    with pytest.raises(PipeckptConfigError, match=r"virtual_stages=2 with schedule='1f1b'.*HINT"):
+        distributed(virtual_stages=2, schedule="1f1b")
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_rejected():
+    with pytest.raises(PipeckptConfigError, match=r"chunks=2 with schedule='1f1b' on pp=4.*at least as many "
+                                                  r"micro-batches as pipeline stages.*HINT"):
+        trainer(distributed(chunks=2, schedule="1f1b"), devices=4)
+
+
+def test_a_batch_chunks_does_not_divide_runs_with_fewer_microbatches_or_fails_clearly():
+    strategy = trainer(distributed(chunks=4, schedule="1f1b"), devices=2).strategy
+    with pytest.warns(PipeckptWarning, match=r"batch of 10 samples.*runs as 2 micro-batches.*HINT"):
+        assert strategy._microbatches_for(10, train=True) == 2
+    assert strategy._microbatches_for(3, train=True) == 3
+    with pytest.raises(PipeckptConfigError, match=r"batch of 1 samples.*equal micro-batches.*at least as many "
+                                                  r"micro-batches as pipeline stages.*HINT: .*drop_last"):
+        strategy._microbatches_for(1, train=True)
+    assert strategy._microbatches_for(1, train=False) == 1  # forward only: any count
+
+
+def _slurm(monkeypatch: pytest.MonkeyPatch, name: str, per_node: int) -> None:
+    for key, value in dict(SLURM_JOB_NAME=name, SLURM_NTASKS=str(per_node), SLURM_NTASKS_PER_NODE=str(per_node),
+                           SLURM_NNODES="1", SLURM_NODELIST="n1", SLURM_JOB_ID="7", SLURM_PROCID="0",
+                           SLURM_LOCALID="0", SLURM_NODEID="0").items():
+        monkeypatch.setenv(key, value)
+
+
+def test_devices_must_match_ntasks_per_node_under_slurm(monkeypatch):
+    _slurm(monkeypatch, "train", per_node=4)
+    with pytest.raises(PipeckptConfigError, match=r"devices=2 with SLURM --ntasks-per-node=4.*HINT: set the "
+                                                  r"trainer's devices=4"):
+        trainer(distributed(), devices=2)
+
+
+@pytest.mark.parametrize("name", ["bash", "interactive"])
+def test_a_slurm_job_named_like_a_shell_warns_that_slurm_is_ignored(monkeypatch, name):
+    _slurm(monkeypatch, name, per_node=2)
+    with pytest.warns(PipeckptWarning, match=rf"(?s)SLURM.*'{name}'.*ignores SLURM.*HINT"):
+        trainer(distributed(), devices=2)
+
+
+def test_logged_values_are_reduced_over_microbatches_like_lightning_would():
+    recorder = LogRecorder("training_step")
+    for v in (1.0, 2.0, 3.0, 6.0):
+        recorder.log("loss", torch.tensor(v), prog_bar=True)
+        recorder.log("seen", v, reduce_fx="sum", batch_size=2)
+        recorder.log("worst", torch.tensor(v), reduce_fx=torch.max)
+    reduced = {name: (value.item(), options) for name, value, options in recorder.reduced()}
+    assert reduced["loss"][0] == 3.0 and reduced["loss"][1]["prog_bar"]
+    assert reduced["seen"][0] == 12.0 and reduced["seen"][1]["batch_size"] == 8
+    assert reduced["worst"][0] == 6.0 and reduced["worst"][1]["reduce_fx"] == "max"
+    with pytest.raises(PipeckptConfigError, match="HINT"):
+        recorder.log("bad", object())
+
+
+# -- real processes ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), NODE_RANK="0",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    procs = []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=dict(env, LOCAL_RANK=str(rank)),
+                                      cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        log.close()
+    return procs
+
+
+def _stop(procs: List[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _logs(out: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
+                     for r in range(world))
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Iterator[Any]:
+    def run(world: int, runs: List[Dict[str, Any]]) -> Path:
+        out = tmp_path_factory.mktemp(f"world{world}")
+        procs = _start(world, runs, out)
+        try:
+            deadline = time.time() + START_S
+            for p in procs:
+                p.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, world)}")
+        finally:
+            _stop(procs)
+        codes = [p.returncode for p in procs]
+        assert codes == [0] * world, f"exit codes {codes}:\n{_logs(out, world)}"
+        return out
+
+    yield run
+
+
+def _state(path: Path) -> Dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _local(**kwargs: Any) -> PipelineStrategy:
+    return PipelineStrategy(**kwargs)
+
+
+TWO = [  # name, distributed settings, the local engine's equivalent, depth
+    ("gpipe", dict(balance=[3, 3], chunks=4, schedule="gpipe", checkpoint="except_last"),
+     dict(balance=[3, 3], chunks=4, checkpoint="except_last"), 6),
+    ("1f1b_mix", dict(balance=[3, 3], chunks=4, schedule="1f1b", checkpoint=["always", "except_last"]),
+     dict(balance=[3, 3], chunks=4, checkpoint=["always", "except_last"]), 6),
+    ("interleaved_mix", dict(balance=[2, 1, 1, 2], chunks=4, schedule="interleaved_1f1b", virtual_stages=2,
+                             checkpoint=["never", "always", "except_last", "offload"]),
+     dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=["never", "always", "except_last", "offload"]), 6),
+]
+FOUR = [
+    ("pp4_1f1b_mix", dict(balance=[2, 2, 1, 1], chunks=4, schedule="1f1b",
+                          checkpoint=["always", "never", "except_last", "always"]),
+     dict(balance=[2, 2, 1, 1], chunks=4, checkpoint=["always", "never", "except_last", "always"]), 6),
+    ("pp4_interleaved", dict(balance=[1] * 8, chunks=4, schedule="interleaved_1f1b", virtual_stages=2,
+                             checkpoint="except_last"),
+     dict(balance=[1] * 8, chunks=4, checkpoint="except_last"), 8),
+    # Two replicas of a 2-stage pipeline, each on half of every batch, against one pipeline on all of it.
+    ("dp2_pp2", dict(balance=[3, 3], chunks=4, schedule="1f1b", dp=2), dict(balance=[3, 3], chunks=4), 6),
+]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def local_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("local") / "local.ckpt"
+    fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=STEPS).save_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_processes(launch, local_checkpoint) -> Path:
+    runs = [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in TWO]
+    runs[0]["validate"] = True
+    runs.append(dict(name="accumulate_clip", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+                     steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05))
+    runs.append(dict(name="from_local", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+                     steps=2 * STEPS, resume=str(local_checkpoint)))
+    runs.append(dict(name="from_distributed", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+                     steps=2 * STEPS, resume_run="gpipe"))
+    return launch(2, runs)
+
+
+@pytest.fixture(scope="module")
+def four_processes(launch) -> Path:
+    return launch(4, [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in FOUR])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, settings, local, depth", TWO, ids=[t[0] for t in TWO])
+def test_two_processes_train_like_the_local_engine(two_processes, name, settings, local, depth):
+    reference = fit(ToyModule(depth=depth), _local(**local), steps=STEPS)
+    got = _state(two_processes / f"{name}.ckpt")
+    assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, settings, local, depth", FOUR, ids=[t[0] for t in FOUR])
+def test_four_processes_train_like_the_local_engine(four_processes, name, settings, local, depth):
+    reference = fit(ToyModule(depth=depth), _local(**local), steps=STEPS)
+    got = _state(four_processes / f"{name}.ckpt")
+    assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
+
+
+@pytest.mark.slow
+def test_accumulation_and_clipping_by_norm_span_the_pipeline(two_processes):
+    reference = fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=2, accumulate_grad_batches=2,
+                    gradient_clip_val=0.05)
+    got = _state(two_processes / "accumulate_clip.ckpt")
+    assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_whole_model_and_optimizer_under_the_local_keys(two_processes, local_checkpoint):
+    got, local = _state(two_processes / "1f1b_mix.ckpt"), _state(local_checkpoint)
+    assert list(got["state_dict"]) == list(local["state_dict"])
+    mine, theirs = got["optimizer_states"][0], local["optimizer_states"][0]
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert sorted(mine["state"]) == sorted(theirs["state"])
+    for i, state in theirs["state"].items():
+        for key, value in state.items():
+            assert torch.allclose(mine["state"][i][key], value, rtol=1e-5, atol=1e-7), (i, key)
+
+
+def _resume_locally(ckpt: Path) -> Dict[str, torch.Tensor]:
+    module = ToyModule(seed=99)  # the checkpoint must overwrite everything
+    torch.manual_seed(123)
+    t = L.Trainer(strategy=_local(balance=[3, 3], chunks=4), accelerator="cpu", devices=1, max_steps=2 * STEPS,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    t.fit(module, toy_loader(), ckpt_path=ckpt)
+    return params(module)
+
+
+@pytest.mark.slow
+def test_a_local_checkpoint_resumes_under_the_distributed_engine(two_processes, local_checkpoint):
+    got = _state(two_processes / "from_local.ckpt")["state_dict"]
+    assert max_relative_difference(got, _resume_locally(local_checkpoint)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_distributed_checkpoint_resumes_under_the_local_engine(two_processes):
+    by_distributed = _state(two_processes / "from_distributed.ckpt")["state_dict"]
+    assert max_relative_difference(_resume_locally(two_processes / "gpipe.ckpt"), by_distributed) < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpoint_modes_count_the_same_recomputes_under_1f1b(two_processes):
+    calls = {}
+    for rank in range(2):
+        calls.update(json.loads((two_processes / f"1f1b_mix.rank{rank}.json").read_text())["forward_calls"])
+    # 4 steps of 4 micro-batches: `always` recomputes all 4, `except_last` all but the last.
+    assert calls == {"0": STEPS * (4 + 4), "1": STEPS * (4 + 3)}
+
+
+@pytest.mark.slow
+def test_rank_zero_sees_what_the_last_stage_logged(two_processes):
+    reference = fit(ToyModule(), _local(balance=[3, 3], chunks=4, checkpoint="except_last"), steps=STEPS,
+                    limit_val_batches=1.0)
+    expected = {"train_loss": float(reference.callback_metrics["train_loss"])}
+    reference.validate(reference.lightning_module, toy_loader(), verbose=False)
+    expected["val_loss"] = float(reference.callback_metrics["val_loss"])
+    seen = json.loads((two_processes / "gpipe.rank0.json").read_text())["metrics"]
+    assert seen == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
+    runs = [dict(name="fault", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"), steps=STEPS,
+                 die=dict(step=2, microbatch=2))]
+    procs = _start(2, runs, tmp_path)
+    try:
+        procs[0].wait(timeout=START_S)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        ended = None
+    finally:
+        _stop(procs)
+    output = _logs(tmp_path, 2)
+    died = re.search(r"worker: rank 1 dies at time=([\d.]+)", output)
+    assert died, output
+    assert ended is not None and ended - float(died.group(1)) < 60, output
+    assert procs[0].returncode != 0, output
+    survivor = (tmp_path / "rank0.log").read_text()
+    assert re.search(r"lost rank 1 \(pipeline stage 1 of data-parallel replica 0\)", survivor), output
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(tmp_path):
+    runs = [dict(name="hang", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=5), steps=STEPS,
+                 die=dict(step=2, microbatch=2, hang=True))]
+    procs = _start(2, runs, tmp_path)
+    try:
+        procs[0].wait(timeout=START_S)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        ended = None
+    finally:
+        _stop(procs)
+    output = _logs(tmp_path, 2)
+    hung = re.search(r"worker: rank 1 hangs at time=([\d.]+)", output)
+    assert hung and ended is not None and ended - float(hung.group(1)) < 30, output
+    assert procs[0].returncode != 0, output
+    assert "every other rank is alive" in (tmp_path / "rank0.log").read_text(), output
