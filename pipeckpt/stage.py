@@ -10,11 +10,13 @@ and stay bitwise equal), and the CPU/CUDA RNG state is replayed for dropout.
 ``offload`` wraps that in ``torch.autograd.graph.save_on_cpu`` so the one
 tensor a checkpoint keeps, the stage input, waits in pinned host memory.
 
-Engines run stages in threads they own (torchgpipe's workers, the
-distributed schedule's loop). Autocast is thread-local, so the engine
-captures the caller's autocast state with :func:`capture_caller_state` and
-the stage re-enters it around its forward; checkpoint then replays it in
-the recompute.
+Engines run stages in threads they own (torchgpipe's workers). Autocast and
+torch dispatch modes (``FlopCounterMode``, ``MemTracker``, debug modes) are
+thread-local, so the engine captures the caller's with
+:func:`capture_caller_state` and the stage re-enters them around its forward:
+``bf16-mixed`` computes the stages in bf16, and a user's FLOP counter or
+memory tracker sees the stages' work. Checkpoint replays autocast in the
+recompute, which runs on the caller's (autograd) thread.
 """
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from typing import Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import checkpoint
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
@@ -38,13 +42,23 @@ class CallerState:
     """Thread-local state of the thread that called the pipeline."""
 
     autocast: Tuple[Tuple[str, torch.dtype], ...] = ()
+    dispatch_modes: Tuple[TorchDispatchMode, ...] = ()
 
     @contextmanager
     def applied(self) -> Iterator[None]:
-        with ExitStack() as stack:
-            for device_type, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-            yield
+        # Modes already on this thread's stack (the caller's own thread) stay as they are.
+        present = {id(m) for m in _get_current_dispatch_mode_stack()}
+        pushed = [m for m in self.dispatch_modes if id(m) not in present]
+        for mode in pushed:
+            _push_mode(mode)
+        try:
+            with ExitStack() as stack:
+                for device_type, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                yield
+        finally:
+            for _ in pushed:
+                _pop_mode()
 
 
 def capture_caller_state() -> CallerState:
@@ -52,7 +66,8 @@ def capture_caller_state() -> CallerState:
     for device_type in _AUTOCAST_DEVICE_TYPES:
         if torch.is_autocast_enabled(device_type):
             enabled.append((device_type, torch.get_autocast_dtype(device_type)))
-    return CallerState(autocast=tuple(enabled))
+    return CallerState(autocast=tuple(enabled),
+                       dispatch_modes=tuple(_get_current_dispatch_mode_stack()))
 
 
 @contextmanager

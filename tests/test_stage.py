@@ -84,3 +84,19 @@ def test_fewer_samples_than_chunks_runs_fewer_microbatches_with_a_warning():
     with pytest.warns(PipeckptWarning, match=r"a batch of 3 samples makes only 3 micro-batches for chunks=4"):
         engine = run("never", chunks=4, batch=3)
     assert counts(engine) == [3, 3, 3]
+
+
+def test_a_flop_counter_around_the_pipeline_sees_every_stages_forward():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(pipelined: bool) -> int:
+        torch.manual_seed(0)
+        seq = toy_layers(depth=6)
+        x = torch.randn(8, 8)
+        run_ = LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="never"),
+                           chunks=4).forward if pipelined else seq
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            run_(x)
+        return counter.get_total_flops()
+
+    assert flops(pipelined=True) == flops(pipelined=False) > 0
