@@ -33,11 +33,9 @@ Commands::
 """
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
 import math
-import platform
 import statistics
 import sys
 import time
@@ -56,6 +54,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import checkpoint
 
+from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from pipeckpt import PipelineStrategy
 from pipeckpt.engines.local import LocalEngine
 from pipeckpt.models.gpt import gpt_layers
@@ -585,7 +584,6 @@ def targets(methods: List[Method], cfg: Config) -> List[str]:
     lines = []
     for clock in ("cpu", "wall"):
         overhead = median(getattr(never, f"{clock}_ratios"))
-        loop = median(getattr(k["loop"], f"{clock}_ratios"))
         recompute = median(getattr(always, f"{clock}_ratios")) / overhead
         lines.append(
             f"- {'CPU' if clock == 'cpu' else 'Wall-clock'} time: pipeline overhead (pipeckpt "
@@ -627,18 +625,6 @@ def targets(methods: List[Method], cfg: Config) -> List[str]:
         f"itself (see the gradient-accumulation table); with `.grad` full it is an extra copy.",
     ]
     return lines
-
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    cpu = names[0] if names else platform.processor() or "unknown CPU"
-    return (f"{cpu}, {len(names) or '?'} cores, torch {torch.__version__}, torchgpipe "
-            f"{torchgpipe.__version__}, lightning {L.__version__}, Python "
-            f"{platform.python_version()}, {datetime.date.today().isoformat()}")
 
 
 def report(*, cfg: Config, command: str, rounds: int, methods: List[Method], checks: Checks,

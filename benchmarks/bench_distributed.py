@@ -31,10 +31,8 @@ Commands::
     python benchmarks/bench_distributed.py --quick --out /tmp/RESULTS_distributed.md
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -52,6 +50,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
+from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from pipeckpt import PipelineStrategy
 from pipeckpt.models import MLP
 from pipeckpt.planning import plan, split
@@ -293,17 +292,6 @@ def pipeline_round(args: argparse.Namespace, model: Dict[str, int]) -> List[Dict
 
 
 # -- the report ---------------------------------------------------------------------
-
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    cpu = names[0] if names else platform.processor() or "unknown CPU"
-    return (f"{cpu}, {len(names) or '?'} cores, torch {torch.__version__}, lightning {L.__version__}, "
-            f"Python {platform.python_version()}, {datetime.date.today().isoformat()}")
 
 
 def report(args: argparse.Namespace, model: Dict[str, int], rounds: List[Dict[str, Any]],

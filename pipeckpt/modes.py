@@ -7,7 +7,7 @@ strings. torchgpipe has one global mode and no offload, so per-stage modes and
 offload live here, independent of any engine.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
 

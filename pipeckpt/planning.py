@@ -16,7 +16,7 @@ from torchgpipe.balance import balance_by_size, balance_by_time
 from pipeckpt._errors import config_error
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
 
-__all__ = ["StagePlan", "plan", "split", "BALANCE_BY"]
+__all__ = ["StagePlan", "plan", "split", "check_balance_by", "BALANCE_BY"]
 
 BALANCE_BY = ("params", "time", "memory")
 
@@ -47,6 +47,12 @@ class StagePlan:
             f"stage {i}: layers {a}-{b - 1} on {d} ({m.name})"
             for i, ((a, b), d, m) in enumerate(zip(self.ranges, self.devices, self.modes))
         )
+
+
+def check_balance_by(balance_by: str) -> None:
+    if balance_by not in BALANCE_BY:
+        raise config_error(f"balance_by={balance_by!r}", f"must be one of {BALANCE_BY}",
+                           "choose params (default), time, or memory")
 
 
 def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
@@ -199,9 +205,7 @@ def plan(sequential: Any, *, devices: Sequence[torch.device], stages: Optional[i
         raise config_error(
             f"stages={stages}", f"cannot exceed the number of layers ({layers})",
             f"set stages <= {layers}, or split your Sequential into more layers")
-    if balance_by not in BALANCE_BY:
-        raise config_error(f"balance_by={balance_by!r}", f"must be one of {BALANCE_BY}",
-                           "choose params (default), time, or memory")
+    check_balance_by(balance_by)
     modes = parse_modes(checkpoint, stages)
     placed = _place(stages, devices, placement)
     if balance is None:

@@ -36,7 +36,7 @@ from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import ENGINES
 from pipeckpt.engines.local import LocalEngine, convert_deferred_batch_norm
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
-from pipeckpt.planning import BALANCE_BY, StagePlan, plan
+from pipeckpt.planning import StagePlan, check_balance_by, plan
 from pipeckpt.stage import Stage
 
 __all__ = ["PipelineStrategy"]
@@ -60,9 +60,7 @@ def _validate_settings(*, stages: Optional[int], chunks: int, checkpoint: ModeSp
     if schedule not in SCHEDULES:
         raise config_error(f"schedule={schedule!r}", f"must be one of {SCHEDULES}",
                            "choose one of those schedules")
-    if balance_by not in BALANCE_BY:
-        raise config_error(f"balance_by={balance_by!r}", f"must be one of {BALANCE_BY}",
-                           "choose params (default), time, or memory")
+    check_balance_by(balance_by)
     names = [checkpoint] if isinstance(checkpoint, (str, CheckpointMode)) else list(checkpoint)
     parse_modes(names, len(names))  # unknown names fail now; the length is checked per plan
 

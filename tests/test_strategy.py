@@ -4,11 +4,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-import pipeckpt
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from toy import (DtypeProbe, ToyModule, assert_bitwise_equal, fit, max_relative_difference,
                  params, toy_loader)

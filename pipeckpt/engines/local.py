@@ -9,9 +9,8 @@ modules that hold the user's own layers and checkpoint themselves, so
 torchgpipe runs with its own checkpointing off.
 """
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
-import torch
 from torch import Tensor, nn
 from torchgpipe import microbatch
 from torchgpipe.batchnorm import DeferredBatchNorm
@@ -91,7 +90,3 @@ class LocalEngine:
         pipeline.run()
         return microbatch.gather(batches)
 
-
-def stage_of_layers(plan: StagePlan) -> Tuple[int, ...]:
-    """The stage index of every layer, in layer order."""
-    return tuple(j for j, n in enumerate(plan.balance) for _ in range(n))
