@@ -29,6 +29,9 @@ Commands::
 
     python benchmarks/bench_distributed.py --rounds 3 --out benchmarks/RESULTS_distributed.md   # ~9 min
     python benchmarks/bench_distributed.py --quick --out /tmp/RESULTS_distributed.md
+
+The section is written on its own; the distributed section of benchmarks/RESULTS.md is such a
+run's output, pasted in beside the checkpointing benchmark.
 """
 import argparse
 import json
