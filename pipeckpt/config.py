@@ -76,39 +76,37 @@ class TextDataConfig:
 
 
 @dataclass
-class SyntheticTokensConfig:
+class _SyntheticConfig:
+    """What every synthetic data set takes: its size, batch size and seed."""
+
+    num_samples: int = MISSING
+    val_samples: int = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class SyntheticTokensConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.data.SyntheticTokens"
     seq_len: int = MISSING
     vocab_size: int = MISSING
     steps: int = MISSING
-    num_samples: int = MISSING
-    val_samples: int = MISSING
-    batch_size: int = MISSING
-    seed: int = MISSING
 
 
 @dataclass
-class SyntheticVectorsConfig:
+class SyntheticVectorsConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.data.SyntheticVectors"
     in_features: int = MISSING
     num_classes: int = MISSING
-    num_samples: int = MISSING
-    val_samples: int = MISSING
-    batch_size: int = MISSING
-    seed: int = MISSING
 
 
 @dataclass
-class SyntheticImagesConfig:
+class SyntheticImagesConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.data.SyntheticImages"
     in_channels: int = MISSING
     image_size: int = MISSING
     num_classes: int = MISSING
     noise: float = MISSING
-    num_samples: int = MISSING
-    val_samples: int = MISSING
-    batch_size: int = MISSING
-    seed: int = MISSING
 
 
 # -- strategy/ and ckpt/ --------------------------------------------------------------

@@ -316,10 +316,9 @@ def test_rank_zero_sees_what_the_last_stage_logged(two_processes):
     assert seen == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.slow
-def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
-    runs = [dict(name="fault", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"), steps=STEPS,
-                 die=dict(step=2, microbatch=2))]
+def _run_until_rank0_exits(runs: Any, tmp_path: Any) -> Any:
+    """Starts 2 ranks, waits for rank 0 to exit (or START_S), always stops both;
+    returns the processes, when rank 0 ended (None: it did not) and both logs."""
     procs = _start(2, runs, tmp_path)
     try:
         procs[0].wait(timeout=START_S)
@@ -328,7 +327,14 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
         ended = None
     finally:
         _stop(procs)
-    output = _logs(tmp_path, 2)
+    return procs, ended, _logs(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
+    runs = [dict(name="fault", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"), steps=STEPS,
+                 die=dict(step=2, microbatch=2))]
+    procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     died = re.search(r"worker: rank 1 dies at time=([\d.]+)", output)
     assert died, output
     assert ended is not None and ended - float(died.group(1)) < 60, output
@@ -341,15 +347,7 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
 def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(tmp_path):
     runs = [dict(name="hang", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=5), steps=STEPS,
                  die=dict(step=2, microbatch=2, hang=True))]
-    procs = _start(2, runs, tmp_path)
-    try:
-        procs[0].wait(timeout=START_S)
-        ended = time.time()
-    except subprocess.TimeoutExpired:
-        ended = None
-    finally:
-        _stop(procs)
-    output = _logs(tmp_path, 2)
+    procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     hung = re.search(r"worker: rank 1 hangs at time=([\d.]+)", output)
     assert hung and ended is not None and ended - float(hung.group(1)) < 30, output
     assert procs[0].returncode != 0, output
