@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,15 @@ def checkpoint_step(path: Path) -> int:
 
 def job_output(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else f"<no output file {path}>"
+
+
+def sbatch_wait(slurm: Any, workload: Any, run_dir: Path, steps: int, out_dir: Path) -> str:
+    """Submits `workload` with `sbatch --wait`, asserts the job exited 0, returns its output."""
+    result = slurm.run("sbatch", "--wait", f"--output={out_dir}/job.out",
+                       *workload.sbatch_args(run_dir, steps), timeout=110, check=False)
+    output = job_output(out_dir / "job.out")
+    assert result.returncode == 0, f"{result.stderr}\n{output}"
+    return output
 
 
 def death_time(output: str) -> float:

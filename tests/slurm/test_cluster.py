@@ -6,7 +6,7 @@ If these fail, so will every other SLURM test, for reasons that have nothing to 
 from __future__ import annotations
 
 import pytest
-from slurm_helpers import assert_loss_fell, checkpoint_step, job_output, read_metric
+from slurm_helpers import assert_loss_fell, checkpoint_step, read_metric, sbatch_wait
 from workloads import DDP
 
 pytestmark = pytest.mark.slow
@@ -21,10 +21,7 @@ def test_tasks_run_on_two_named_nodes(slurm):
 def test_lightning_ddp_job_across_two_nodes(slurm, tmp_path):
     steps = 12
     run_dir = tmp_path / "run"
-    result = slurm.run("sbatch", "--wait", f"--output={tmp_path}/job.out", *DDP.sbatch_args(run_dir, steps),
-                       timeout=110, check=False)
-    output = job_output(tmp_path / "job.out")
-    assert result.returncode == 0, f"{result.stderr}\n{output}"
+    output = sbatch_wait(slurm, DDP, run_dir, steps, tmp_path)
     assert "All distributed processes registered. Starting with 2 processes" in output
     assert_loss_fell(read_metric(run_dir / DDP.metrics, "train_loss"))
     assert checkpoint_step(DDP.last_checkpoint(run_dir)) == steps
