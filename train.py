@@ -20,10 +20,12 @@ One host with several GPUs (one stage per GPU):
 
 SLURM (one process per GPU, the distributed engine):
 
-    sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 examples/slurm/pipe.sbatch experiment=gpt_small_offload
+    sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 \\
+        examples/slurm/pipe.sbatch experiment=gpt_small_offload
     python train.py -m hydra/launcher=slurm strategy.engine=distributed trainer.num_nodes=2 \\
         trainer.devices=4 hydra.launcher.tasks_per_node=4 hydra.launcher.gpus_per_node=4
 """
+
 import sys
 import time
 from typing import Any, Optional

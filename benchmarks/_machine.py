@@ -1,4 +1,5 @@
 """The machine line every results table starts with, shared by the benchmark scripts."""
+
 import datetime
 import platform
 
@@ -15,8 +16,11 @@ def machine() -> str:
     cpu = names[0] if names else platform.processor() or "unknown CPU"
     try:
         import torchgpipe
+
         gpipe = f", torchgpipe {torchgpipe.__version__}"
     except ImportError:
         gpipe = ""
-    return (f"{cpu}, {len(names) or '?'} cores, torch {torch.__version__}{gpipe}, lightning "
-            f"{L.__version__}, Python {platform.python_version()}, {datetime.date.today().isoformat()}")
+    return (
+        f"{cpu}, {len(names) or '?'} cores, torch {torch.__version__}{gpipe}, lightning "
+        f"{L.__version__}, Python {platform.python_version()}, {datetime.date.today().isoformat()}"
+    )

@@ -31,6 +31,7 @@ Commands::
     python benchmarks/bench_checkpoint.py --rounds 3 --out benchmarks/RESULTS.md   # ~12 min
     python benchmarks/bench_checkpoint.py --quick --out /tmp/RESULTS.md            # seconds
 """
+
 import argparse
 import contextlib
 import functools
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 import torchgpipe
 import torchgpipe.worker
+from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import Tensor, nn
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -54,7 +56,6 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import checkpoint
 
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from pipeckpt import PipelineStrategy
 from pipeckpt.engines.local import LocalEngine
 from pipeckpt.models.gpt import gpt_layers
@@ -80,9 +81,14 @@ class Config:
     dropout: float = 0.1
 
     def layers(self) -> nn.Sequential:
-        return gpt_layers(vocab_size=self.vocab_size, d_model=self.d_model,
-                          n_heads=self.n_heads, n_layers=self.n_layers, seq_len=self.seq_len,
-                          dropout=self.dropout)
+        return gpt_layers(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            seq_len=self.seq_len,
+            dropout=self.dropout,
+        )
 
     @property
     def balance(self) -> List[int]:
@@ -91,10 +97,8 @@ class Config:
         return [base + (1 if j < extra else 0) for j in range(self.stages)]
 
 
-FULL = Config(vocab_size=8192, d_model=768, n_heads=12, n_layers=12, seq_len=128, batch=4,
-              chunks=4, stages=4)
-QUICK = Config(vocab_size=256, d_model=64, n_heads=4, n_layers=4, seq_len=32, batch=4,
-               chunks=4, stages=4)
+FULL = Config(vocab_size=8192, d_model=768, n_heads=12, n_layers=12, seq_len=128, batch=4, chunks=4, stages=4)
+QUICK = Config(vocab_size=256, d_model=64, n_heads=4, n_layers=4, seq_len=32, batch=4, chunks=4, stages=4)
 
 # The per-stage mix: recompute where activations wait longest (the early stages wait for
 # the whole drain), keep the last stage, whose backward starts at once.
@@ -123,8 +127,7 @@ class ActivationTracker(MemTracker):
         super().__init__()
         self.params = list(model.parameters())
         self.param_ids = {id(p) for p in self.params}
-        self.with_grad = {id(p): p.numel() * p.element_size()
-                          for p in self.params if p.grad is not None}
+        self.with_grad = {id(p): p.numel() * p.element_size() for p in self.params if p.grad is not None}
         self.peak_activation = self.peak_categories = self.peak_footprint = 0
 
     def _snap(self) -> Dict[str, int]:
@@ -133,7 +136,8 @@ class ActivationTracker(MemTracker):
     def footprint(self) -> int:
         snap = self._snap()
         return snap.get("Total", 0) - sum(
-            snap.get(k, 0) for k in (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT))
+            snap.get(k, 0) for k in (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
+        )
 
     def activation(self) -> int:
         return self.footprint() - self._snap().get(_MemRefType.GRAD, 0)
@@ -143,28 +147,36 @@ class ActivationTracker(MemTracker):
         footprint = self.footprint()
         self.peak_footprint = max(self.peak_footprint, footprint)
         self.peak_activation = max(self.peak_activation, self.activation())
-        self.peak_categories = max(self.peak_categories,
-                                   footprint - sum(self.with_grad.values()))
+        self.peak_categories = max(self.peak_categories, footprint - sum(self.with_grad.values()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = super().__torch_dispatch__(func, types, args, kwargs)
         # Autograd sums a weight's micro-batch gradients in place when it can, out of place
         # otherwise: a sum with a gradient is a gradient.
-        if func is torch.ops.aten.add.Tensor and isinstance(out, Tensor) and any(
-                self._is_gradient(a) for a in args if isinstance(a, Tensor)):
+        if (
+            func is torch.ops.aten.add.Tensor
+            and isinstance(out, Tensor)
+            and any(self._is_gradient(a) for a in args if isinstance(a, Tensor))
+        ):
             self._update_and_maybe_create_winfos(out, _MemRefType.GRAD)
         return out
 
     def _is_gradient(self, t: Tensor) -> bool:
-        return any(self._WINFO.get(st, (None, None))[0] is not None
-                   and self._WINFO[st][0].reftype == _MemRefType.GRAD
-                   for st in get_untyped_storages(t))
+        return any(
+            self._WINFO.get(st, (None, None))[0] is not None
+            and self._WINFO[st][0].reftype == _MemRefType.GRAD
+            for st in get_untyped_storages(t)
+        )
 
     def _saw_grad(self, p: Tensor) -> None:
         self.with_grad[id(p)] = p.numel() * p.element_size()
 
-    def mark_gradient(self, slots: Sequence[int], grad_inputs: Sequence[Optional[Tensor]],
-                      grad_outputs: Sequence[Optional[Tensor]]) -> None:
+    def mark_gradient(
+        self,
+        slots: Sequence[int],
+        grad_inputs: Sequence[Optional[Tensor]],
+        grad_outputs: Sequence[Optional[Tensor]],
+    ) -> None:
         for k in slots:
             if grad_inputs[k] is not None:
                 self._update_and_maybe_create_winfos(grad_inputs[k], _MemRefType.GRAD)
@@ -230,8 +242,7 @@ def tracked(model: nn.Module) -> Iterator[ActivationTracker]:
     global _thread_tracker
     tracker = ActivationTracker(model)
     tracker.track_external(model)
-    handles = [p.register_post_accumulate_grad_hook(tracker._saw_grad)
-               for p in tracker.params]
+    handles = [p.register_post_accumulate_grad_hook(tracker._saw_grad) for p in tracker.params]
     _thread_tracker = tracker
     try:
         with tracker:
@@ -253,11 +264,11 @@ ForwardBackward = Callable[[Tensor, Tensor, Probe], Tensor]
 class Method:
     key: str
     label: str
-    family: str                     # plain / torch / torchgpipe / pipeckpt
-    mode: Optional[str]             # the checkpoint mode where one applies
-    run: ForwardBackward            # forward + backward; probe(loss) between the two
-    peers: Tuple[str, ...] = ()     # keys of the methods this one is compared with
-    one_forward: bool = True        # False: forwards and backwards interleave (no "held")
+    family: str  # plain / torch / torchgpipe / pipeckpt
+    mode: Optional[str]  # the checkpoint mode where one applies
+    run: ForwardBackward  # forward + backward; probe(loss) between the two
+    peers: Tuple[str, ...] = ()  # keys of the methods this one is compared with
+    one_forward: bool = True  # False: forwards and backwards interleave (no "held")
     held_mib: Optional[float] = None
     peak_mib: Optional[float] = None
     categories_mib: Optional[float] = None
@@ -279,6 +290,7 @@ def whole_batch(forward: Callable[[Tensor], Tensor]) -> ForwardBackward:
         probe(loss)
         loss.backward()
         return loss.detach()
+
     return run
 
 
@@ -291,6 +303,7 @@ def micro_batch_loop(model: nn.Sequential, chunks: int) -> ForwardBackward:
             loss.backward()
             total += loss.detach()
         return total
+
     return run
 
 
@@ -303,32 +316,56 @@ def per_block(model: nn.Sequential) -> Callable[[Tensor], Tensor]:
         for block in blocks:
             h = checkpoint(block, h, use_reentrant=False)
         return head(norm(h))
+
     return forward
 
 
 def build_methods(model: nn.Sequential, cfg: Config) -> List[Method]:
     methods = [
         Method("plain", "plain, no checkpointing", "plain", None, whole_batch(model)),
-        Method("loop", f"plain, {cfg.chunks} micro-batches in a loop (grad. accumulation)",
-               "plain", None, micro_batch_loop(model, cfg.chunks), one_forward=False),
-        Method("per-block", "`torch.utils.checkpoint` per block (non-reentrant)", "torch",
-               "always", whole_batch(per_block(model))),
+        Method(
+            "loop",
+            f"plain, {cfg.chunks} micro-batches in a loop (grad. accumulation)",
+            "plain",
+            None,
+            micro_batch_loop(model, cfg.chunks),
+            one_forward=False,
+        ),
+        Method(
+            "per-block",
+            "`torch.utils.checkpoint` per block (non-reentrant)",
+            "torch",
+            "always",
+            whole_batch(per_block(model)),
+        ),
     ]
     for mode in ("never", "except_last", "always"):
-        gpipe = torchgpipe.GPipe(model, cfg.balance, devices=[CPU] * cfg.stages,
-                                 chunks=cfg.chunks, checkpoint=mode)
-        methods.append(Method(f"torchgpipe-{mode}", f"torchgpipe {mode}", "torchgpipe", mode,
-                              whole_batch(gpipe)))
+        gpipe = torchgpipe.GPipe(
+            model, cfg.balance, devices=[CPU] * cfg.stages, chunks=cfg.chunks, checkpoint=mode
+        )
+        methods.append(
+            Method(f"torchgpipe-{mode}", f"torchgpipe {mode}", "torchgpipe", mode, whole_batch(gpipe))
+        )
     for spec in ("never", "except_last", "always", "offload", MIX):
         key = spec if isinstance(spec, str) else "mix"
         name = spec if isinstance(spec, str) else "mix " + "/".join(spec)
-        stage_plan = plan(model, devices=[CPU], balance=cfg.balance, checkpoint=spec,
-                          chunks=cfg.chunks)
+        stage_plan = plan(model, devices=[CPU], balance=cfg.balance, checkpoint=spec, chunks=cfg.chunks)
         engine = LocalEngine(model, stage_plan, chunks=cfg.chunks, pin_memory=False)
-        peers = {"never": ("torchgpipe-never",), "except_last": ("torchgpipe-except_last",),
-                 "always": ("torchgpipe-always", "per-block")}.get(key, ())
-        methods.append(Method(f"pipeckpt-{key}", f"**pipeckpt {name}**", "pipeckpt", key,
-                              whole_batch(engine.forward), peers=peers))
+        peers = {
+            "never": ("torchgpipe-never",),
+            "except_last": ("torchgpipe-except_last",),
+            "always": ("torchgpipe-always", "per-block"),
+        }.get(key, ())
+        methods.append(
+            Method(
+                f"pipeckpt-{key}",
+                f"**pipeckpt {name}**",
+                "pipeckpt",
+                key,
+                whole_batch(engine.forward),
+                peers=peers,
+            )
+        )
     return methods
 
 
@@ -342,8 +379,7 @@ def make_batch(cfg: Config, seed: int = 0) -> Tuple[Tensor, Tensor]:
     return x, y
 
 
-def timed_step(method: Method, x: Tensor, y: Tensor,
-               optimizer: torch.optim.Optimizer) -> Tuple[float, float]:
+def timed_step(method: Method, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer) -> Tuple[float, float]:
     """Wall and process CPU seconds of forward + backward + optimizer step."""
     gc.disable()  # a collection inside a step would land on one method at random
     try:
@@ -356,17 +392,20 @@ def timed_step(method: Method, x: Tensor, y: Tensor,
         gc.enable()
 
 
-def measure_memory(method: Method, model: nn.Module, x: Tensor, y: Tensor,
-                   seed: int) -> Tuple[Tensor, List[Tensor]]:
+def measure_memory(
+    method: Method, model: nn.Module, x: Tensor, y: Tensor, seed: int
+) -> Tuple[Tensor, List[Tensor]]:
     """Memory of one forward + backward (SGD's step allocates nothing); returns the loss
     and gradients for the correctness checks. The weights are not changed."""
     model.zero_grad(set_to_none=True)
     held: List[int] = []
     torch.manual_seed(seed)
     with tracked(model) as tracker:
+
         def probe(loss: Tensor) -> None:
             held.append(tracker.activation())
             mark_pending_gradients(loss, tracker)
+
         loss = method.run(x, y, probe)
     method.held_mib = held[0] / MiB if method.one_forward else None
     method.peak_mib = tracker.peak_activation / MiB
@@ -388,19 +427,26 @@ def measure_accumulating(method: Method, model: nn.Module, x: Tensor, y: Tensor)
     model.zero_grad(set_to_none=True)
 
 
-def measure_time(methods: List[Method], x: Tensor, y: Tensor,
-                 optimizer: torch.optim.Optimizer, *, rounds: int, group: int,
-                 log: Callable[[str], None]) -> None:
+def measure_time(
+    methods: List[Method],
+    x: Tensor,
+    y: Tensor,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rounds: int,
+    group: int,
+    log: Callable[[str], None],
+) -> None:
     plain, others = methods[0], methods[1:]
     for method in methods:
         timed_step(method, x, y, optimizer)  # warm-up
     for r in range(rounds):
         # Rotate the order so that no method always runs right after the baseline.
-        order = others[r % len(others):] + others[:r % len(others)]
+        order = others[r % len(others) :] + others[: r % len(others)]
         gc.collect()  # once per round: a full collection takes about a second here
         before = timed_step(plain, x, y, optimizer)
         for g in range(0, len(order), group):
-            done = [(m, timed_step(m, x, y, optimizer)) for m in order[g:g + group]]
+            done = [(m, timed_step(m, x, y, optimizer)) for m in order[g : g + group]]
             after = timed_step(plain, x, y, optimizer)
             for m, (wall, cpu) in done:
                 m.wall.append(wall)
@@ -410,9 +456,11 @@ def measure_time(methods: List[Method], x: Tensor, y: Tensor,
             plain.wall.append(after[0])
             plain.cpu.append(after[1])
             before = after
-        log(f"round {r + 1}/{rounds}: plain {statistics.median(plain.wall):.2f} s wall, "
-            f"{statistics.median(plain.cpu):.2f} s CPU; CPU ratios " +
-            ", ".join(f"{m.key} {m.cpu_ratios[-1]:.2f}" for m in others))
+        log(
+            f"round {r + 1}/{rounds}: plain {statistics.median(plain.wall):.2f} s wall, "
+            f"{statistics.median(plain.cpu):.2f} s CPU; CPU ratios "
+            + ", ".join(f"{m.key} {m.cpu_ratios[-1]:.2f}" for m in others)
+        )
     plain.wall_ratios = [1.0] * rounds
     plain.cpu_ratios = [1.0] * rounds
 
@@ -446,8 +494,9 @@ class _LM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def lightning_step(cfg: Config, x: Tensor, y: Tensor, plain: Method,
-                   optimizer: torch.optim.Optimizer, steps: int) -> Tuple[float, float]:
+def lightning_step(
+    cfg: Config, x: Tensor, y: Tensor, plain: Method, optimizer: torch.optim.Optimizer, steps: int
+) -> Tuple[float, float]:
     """Median (wall, CPU) ratio of a ``Trainer`` step with the pipe strategy (never) to the
     plain step run right before and after it."""
     torch.manual_seed(0)
@@ -456,11 +505,20 @@ def lightning_step(cfg: Config, x: Tensor, y: Tensor, plain: Method,
     loader = torch.utils.data.DataLoader(data, batch_size=cfg.batch)
     timer = _StepTimer()
     trainer = L.Trainer(
-        strategy=PipelineStrategy(balance=cfg.balance, chunks=cfg.chunks, checkpoint="never",
-                                  pin_memory=False),
-        accelerator="cpu", devices=1, max_steps=steps + 1, logger=False, callbacks=[timer],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, plugins=[LightningEnvironment()])
+        strategy=PipelineStrategy(
+            balance=cfg.balance, chunks=cfg.chunks, checkpoint="never", pin_memory=False
+        ),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps + 1,
+        logger=False,
+        callbacks=[timer],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[LightningEnvironment()],
+    )
     before = timed_step(plain, x, y, optimizer)
     trainer.fit(module, loader)
     after = timed_step(plain, x, y, optimizer)
@@ -484,8 +542,7 @@ class Checks:
 
 
 def _relative(a: List[Tensor], b: List[Tensor]) -> str:
-    worst = max(((p - q).abs().max() / q.abs().max().clamp_min(1e-30)).item()
-                for p, q in zip(a, b))
+    worst = max(((p - q).abs().max() / q.abs().max().clamp_min(1e-30)).item() for p, q in zip(a, b))
     return f" (max relative difference {worst:.1e})"
 
 
@@ -504,9 +561,11 @@ def check(results: Dict[str, Tuple[Tensor, List[Tensor]]]) -> Checks:
             ok, detail = same(key, "pipeckpt-never")
             checks.add(ok, f"{key} loss and gradients bitwise equal to pipeckpt-never{detail}")
     (ours, _), (theirs, _) = results["pipeckpt-never"], results["torchgpipe-never"]
-    checks.add(torch.equal(ours, theirs),
-               f"pipeckpt-never loss {ours.item():.6f} equals torchgpipe-never loss "
-               f"{theirs.item():.6f} (difference {(ours - theirs).abs().item():.1e})")
+    checks.add(
+        torch.equal(ours, theirs),
+        f"pipeckpt-never loss {ours.item():.6f} equals torchgpipe-never loss "
+        f"{theirs.item():.6f} (difference {(ours - theirs).abs().item():.1e})",
+    )
     ok, detail = same("pipeckpt-never", "torchgpipe-never")
     checks.add(ok, f"pipeckpt-never gradients bitwise equal to torchgpipe-never{detail}")
     ok, detail = same("per-block", "plain")
@@ -531,8 +590,12 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def results_table(methods: List[Method]) -> List[str]:
     by_key = {m.key: m for m in methods}
-    never = {"plain": "plain", "torch": "plain", "torchgpipe": "torchgpipe-never",
-             "pipeckpt": "pipeckpt-never"}
+    never = {
+        "plain": "plain",
+        "torch": "plain",
+        "torchgpipe": "torchgpipe-never",
+        "pipeckpt": "pipeckpt-never",
+    }
     rows = [
         "| method | held after fwd MiB | peak MiB | peak, MemTracker categories MiB "
         "| step s wall / CPU | vs plain, CPU | vs plain, wall | peak vs never "
@@ -543,31 +606,37 @@ def results_table(methods: List[Method]) -> List[str]:
         base = by_key[never[m.family]]
         vs_peer = "; ".join(
             f"{fmt(_ratio(median(m.cpu_ratios), median(by_key[p].cpu_ratios)))} / "
-            f"{fmt(_ratio(m.peak_mib, by_key[p].peak_mib))} ({p})" for p in m.peers)
+            f"{fmt(_ratio(m.peak_mib, by_key[p].peak_mib))} ({p})"
+            for p in m.peers
+        )
         rows.append(
             f"| {m.label} | {fmt(m.held_mib, 1)} | {fmt(m.peak_mib, 1)} "
             f"| {fmt(m.categories_mib, 1)} | {fmt(median(m.wall))} / {fmt(median(m.cpu))} "
             f"| {fmt(median(m.cpu_ratios))} | {fmt(median(m.wall_ratios))} "
-            f"| {fmt(_ratio(m.peak_mib, base.peak_mib))} | {vs_peer} |")
+            f"| {fmt(_ratio(m.peak_mib, base.peak_mib))} | {vs_peer} |"
+        )
     return rows
 
 
 def rounds_table(methods: List[Method]) -> List[str]:
-    rows = ["| method | CPU-time ratio to plain, per round | wall-clock ratio, per round |",
-            "|---|---|---|"]
+    rows = ["| method | CPU-time ratio to plain, per round | wall-clock ratio, per round |", "|---|---|---|"]
     for m in methods[1:]:
-        rows.append(f"| {m.label} | {' '.join(f'{r:.2f}' for r in m.cpu_ratios)} "
-                    f"| {' '.join(f'{r:.2f}' for r in m.wall_ratios)} |")
+        rows.append(
+            f"| {m.label} | {' '.join(f'{r:.2f}' for r in m.cpu_ratios)} "
+            f"| {' '.join(f'{r:.2f}' for r in m.wall_ratios)} |"
+        )
     return rows
 
 
 def accumulating_table(methods: List[Method]) -> List[str]:
-    rows = ["| method | peak activations + gradients MiB, `.grad` empty "
-            "| same, `.grad` already holding gradients |", "|---|---|---|"]
+    rows = [
+        "| method | peak activations + gradients MiB, `.grad` empty "
+        "| same, `.grad` already holding gradients |",
+        "|---|---|---|",
+    ]
     for m in methods:
         if m.accumulating_mib is not None:
-            rows.append(f"| {m.label} | {fmt(m.footprint_mib, 1)} "
-                        f"| {fmt(m.accumulating_mib, 1)} |")
+            rows.append(f"| {m.label} | {fmt(m.footprint_mib, 1)} | {fmt(m.accumulating_mib, 1)} |")
     return rows
 
 
@@ -588,12 +657,17 @@ def targets(methods: List[Method], cfg: Config) -> List[str]:
         lines.append(
             f"- {'CPU' if clock == 'cpu' else 'Wall-clock'} time: pipeline overhead (pipeckpt "
             f"never vs plain) {overhead:.2f}x, target <= 1.05: {verdict(overhead <= 1.05)}; "
-            f"always vs never {recompute:.2f}x, target <= 1.25: {verdict(recompute <= 1.25)}.")
-    for attr, what in (("peak_mib", "weight gradients being summed counted as gradients"),
-                       ("categories_mib", "MemTracker categories")):
+            f"always vs never {recompute:.2f}x, target <= 1.25: {verdict(recompute <= 1.25)}."
+        )
+    for attr, what in (
+        ("peak_mib", "weight gradients being summed counted as gradients"),
+        ("categories_mib", "MemTracker categories"),
+    ):
         ours, theirs = getattr(always, attr), getattr(k["torchgpipe-always"], attr)
-        lines.append(f"- Peak of pipeckpt always vs torchgpipe always ({what}): {fmt(ours, 1)} "
-                     f"vs {fmt(theirs, 1)} MiB, target no higher: {verdict(ours <= theirs)}.")
+        lines.append(
+            f"- Peak of pipeckpt always vs torchgpipe always ({what}): {fmt(ours, 1)} "
+            f"vs {fmt(theirs, 1)} MiB, target no higher: {verdict(ours <= theirs)}."
+        )
     rows = cfg.batch // cfg.chunks * cfg.seq_len
     over_loop = cpu("pipeckpt-never") / cpu("loop")
     lines += [
@@ -603,10 +677,12 @@ def targets(methods: List[Method], cfg: Config) -> List[str]:
         f"- The micro-batch floor: the plain loop over {cfg.chunks} micro-batches costs "
         f"{cpu('loop'):.2f}x plain (matrix products of {rows} rows instead of "
         f"{rows * cfg.chunks}), and pipeckpt never costs {over_loop:.2f}x the loop: "
-        + ("the schedule, worker thread and queues add nothing beyond the noise (+-0.05), so "
-           "what exceeds 1.05 is the cost of micro-batching itself on one device."
-           if abs(over_loop - 1) <= 0.05 else
-           f"the schedule, worker thread and queues add {over_loop - 1:+.0%} to micro-batching."),
+        + (
+            "the schedule, worker thread and queues add nothing beyond the noise (+-0.05), so "
+            "what exceeds 1.05 is the cost of micro-batching itself on one device."
+            if abs(over_loop - 1) <= 0.05
+            else f"the schedule, worker thread and queues add {over_loop - 1:+.0%} to micro-batching."
+        ),
         f"- always recomputes the whole forward of every stage and micro-batch (embedding, "
         f"blocks, final norm and head). Per-block checkpointing, which recomputes only the "
         f"{cfg.n_layers} blocks on the full batch, already costs {cpu('per-block'):.2f}x "
@@ -627,13 +703,29 @@ def targets(methods: List[Method], cfg: Config) -> List[str]:
     return lines
 
 
-def report(*, cfg: Config, command: str, rounds: int, methods: List[Method], checks: Checks,
-           lightning: Optional[Tuple[float, float]], params: int, elapsed: float) -> str:
+def report(
+    *,
+    cfg: Config,
+    command: str,
+    rounds: int,
+    methods: List[Method],
+    checks: Checks,
+    lightning: Optional[Tuple[float, float]],
+    params: int,
+    elapsed: float,
+) -> str:
     lines = [
         "# Checkpointing benchmark: pipeckpt against plain training and its peers",
         "",
-        *(["**Quick mode: a tiny model and one round. This checks the harness; the figures "
-           "mean nothing.**", ""] if cfg == QUICK else []),
+        *(
+            [
+                "**Quick mode: a tiny model and one round. This checks the harness; the figures "
+                "mean nothing.**",
+                "",
+            ]
+            if cfg == QUICK
+            else []
+        ),
         f"Machine: {machine()}; one torch thread.",
         "",
         f"Command: `{command}` ({elapsed / 60:.1f} min).",
@@ -663,10 +755,13 @@ def report(*, cfg: Config, command: str, rounds: int, methods: List[Method], che
         "",
     ]
     if lightning is not None:
-        lines += [f"Extra: one Lightning `Trainer` step with `PipelineStrategy(checkpoint="
-                  f"\"never\")` (same model and balance, SGD): {lightning[1]:.2f}x plain in CPU "
-                  f"time, {lightning[0]:.2f}x in wall-clock (not interleaved: one plain run "
-                  "before and after).", ""]
+        lines += [
+            f"Extra: one Lightning `Trainer` step with `PipelineStrategy(checkpoint="
+            f'"never")` (same model and balance, SGD): {lightning[1]:.2f}x plain in CPU '
+            f"time, {lightning[0]:.2f}x in wall-clock (not interleaved: one plain run "
+            "before and after).",
+            "",
+        ]
     lines += [
         "Per round, to judge the noise:",
         "",
@@ -703,23 +798,28 @@ def report(*, cfg: Config, command: str, rounds: int, methods: List[Method], che
 # --------------------------------------------------------------------------- main
 
 
-ACCUMULATION_KEYS = ("plain", "per-block", "torchgpipe-never", "torchgpipe-always",
-                     "pipeckpt-never", "pipeckpt-always")
+ACCUMULATION_KEYS = (
+    "plain",
+    "per-block",
+    "torchgpipe-never",
+    "torchgpipe-always",
+    "pipeckpt-never",
+    "pipeckpt-always",
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--group", type=int, default=2,
-                        help="methods between two runs of the plain baseline")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny model and one round: checks the harness, not the figures")
+    parser.add_argument("--group", type=int, default=2, help="methods between two runs of the plain baseline")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model and one round: checks the harness, not the figures"
+    )
     parser.add_argument("--out", default=None, help="write the Markdown results here")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     cfg = QUICK if args.quick else FULL
-    command = " ".join(["python benchmarks/bench_checkpoint.py",
-                        *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python benchmarks/bench_checkpoint.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.perf_counter()
 
     def log(text: str) -> None:
@@ -738,8 +838,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = {}
     for m in methods:
         results[m.key] = measure_memory(m, model, x, y, seed=1234)
-        log(f"memory {m.key}: held {fmt(m.held_mib, 1)}, peak {fmt(m.peak_mib, 1)}, "
-            f"categories {fmt(m.categories_mib, 1)} MiB")
+        log(
+            f"memory {m.key}: held {fmt(m.held_mib, 1)}, peak {fmt(m.peak_mib, 1)}, "
+            f"categories {fmt(m.categories_mib, 1)} MiB"
+        )
     checks = check(results)
     del results
     for line in checks.lines:
@@ -753,8 +855,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lightning = lightning_step(cfg, x, y, methods[0], optimizer, steps=2)
     log(f"lightning step: {lightning[1]:.2f}x plain CPU, {lightning[0]:.2f}x wall")
 
-    text = report(cfg=cfg, command=command, rounds=rounds, methods=methods, checks=checks,
-                  lightning=lightning, params=params, elapsed=time.perf_counter() - started)
+    text = report(
+        cfg=cfg,
+        command=command,
+        rounds=rounds,
+        methods=methods,
+        checks=checks,
+        lightning=lightning,
+        params=params,
+        elapsed=time.perf_counter() - started,
+    )
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

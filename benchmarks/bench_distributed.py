@@ -33,6 +33,7 @@ Commands::
 The section is written on its own; the distributed section of benchmarks/RESULTS.md is such a
 run's output, pasted in beside the checkpointing benchmark.
 """
+
 import argparse
 import json
 import os
@@ -49,11 +50,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from pipeckpt import PipelineStrategy
 from pipeckpt.models import MLP
 from pipeckpt.planning import plan, split
@@ -131,7 +132,9 @@ class Measure(Callback):
         self._hooks: Any = None
         self.counter: Optional[SavedBytes] = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
         if idx % trainer.accumulate_grad_batches == 0:
             self.starts.append(time.perf_counter())
         if len(self.starts) == self.warmup + self.timed + 1 and self._hooks is None:
@@ -148,17 +151,39 @@ class Measure(Callback):
         return (self.starts[self.warmup + self.timed] - self.starts[self.warmup]) / self.timed
 
 
-def train(strategy: Any, *, devices: int, batch: int, accumulate: int, args: argparse.Namespace,
-          model: Dict[str, int]) -> Measure:
+def train(
+    strategy: Any,
+    *,
+    devices: int,
+    batch: int,
+    accumulate: int,
+    args: argparse.Namespace,
+    model: Dict[str, int],
+) -> Measure:
     steps = args.warmup + args.timed + 1
     measure = Measure(args.warmup, args.timed)
     torch.manual_seed(0)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
-                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[measure], use_distributed_sampler=False)
-    data = loader(batch=batch, steps=steps * accumulate, in_features=model["in_features"],
-                  num_classes=model["num_classes"])
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[measure],
+        use_distributed_sampler=False,
+    )
+    data = loader(
+        batch=batch,
+        steps=steps * accumulate,
+        in_features=model["in_features"],
+        num_classes=model["num_classes"],
+    )
     trainer.fit(MLP(**model), data)
     return measure
 
@@ -208,8 +233,12 @@ def free_halves(args: argparse.Namespace, model: Dict[str, int]) -> float:
     y = torch.randint(0, model["num_classes"], (args.batch,))
     grad = torch.randn(args.batch, model["hidden"])
     dist.barrier()
-    seconds = _plain_steps(part, x, (lambda out: F.cross_entropy(out, y)) if dist.get_rank() == 1
-                           else (lambda out: (out * grad).sum()), args)
+    seconds = _plain_steps(
+        part,
+        x,
+        (lambda out: F.cross_entropy(out, y)) if dist.get_rank() == 1 else (lambda out: (out * grad).sum()),
+        args,
+    )
     dist.barrier()
     return seconds
 
@@ -247,14 +276,23 @@ def worker(spec_path: str) -> None:
     results = [{"free": free_halves(args, spec["model"]), "rank": dist.get_rank()}]
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
-            strategy = PipelineStrategy(engine="distributed", stages=2, chunks=m, schedule=schedule,
-                                        checkpoint="never")
-            measure = train(strategy, devices=2, batch=args.batch, accumulate=1, args=args,
-                            model=spec["model"])
+            strategy = PipelineStrategy(
+                engine="distributed", stages=2, chunks=m, schedule=schedule, checkpoint="never"
+            )
+            measure = train(
+                strategy, devices=2, batch=args.batch, accumulate=1, args=args, model=spec["model"]
+            )
             assert measure.counter is not None
-            results.append({"schedule": schedule, "m": m, "seconds": measure.seconds_per_step(),
-                            "raw": raw_schedule(schedule, m, args, spec["model"]),
-                            "saved_peak": measure.counter.peak, "rank": dist.get_rank()})
+            results.append(
+                {
+                    "schedule": schedule,
+                    "m": m,
+                    "seconds": measure.seconds_per_step(),
+                    "raw": raw_schedule(schedule, m, args, spec["model"]),
+                    "saved_peak": measure.counter.peak,
+                    "rank": dist.get_rank(),
+                }
+            )
     with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
         json.dump(results, f)
 
@@ -272,12 +310,25 @@ def pipeline_round(args: argparse.Namespace, model: Dict[str, int]) -> List[Dict
         with open(spec, "w") as f:
             json.dump({"out": out, "args": vars(args), "model": model}, f)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-                   NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", spec],
-                                  env=dict(env, LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                 for r in range(2)]
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            WORLD_SIZE="2",
+            NODE_RANK="0",
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", spec],
+                env=dict(env, LOCAL_RANK=str(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            for r in range(2)
+        ]
         try:
             outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
         finally:
@@ -297,8 +348,9 @@ def pipeline_round(args: argparse.Namespace, model: Dict[str, int]) -> List[Dict
 # -- the report ---------------------------------------------------------------------
 
 
-def report(args: argparse.Namespace, model: Dict[str, int], rounds: List[Dict[str, Any]],
-           elapsed: float) -> str:
+def report(
+    args: argparse.Namespace, model: Dict[str, int], rounds: List[Dict[str, Any]], elapsed: float
+) -> str:
     params = sum(p.numel() for p in MLP(**model).parameters())
     median = statistics.median
     lines = [
@@ -345,7 +397,8 @@ def report(args: argparse.Namespace, model: Dict[str, int], rounds: List[Dict[st
             lines.append(
                 f"| {m} | {schedule} | {s:.2f} | {ideal:.2f} | {s / ideal:.0%} | {efficiency:.2f} | "
                 f"{median(bounds):.2f} | {median([a / b for a, b in zip(speedups, bounds)]):.0%} | "
-                f"{median(raws):.2f} | {median(own):.2f} |")
+                f"{median(raws):.2f} | {median(own):.2f} |"
+            )
     last = rounds[-1]
     lines += [
         "",
@@ -407,14 +460,21 @@ def main() -> None:
                 by_run.setdefault(f"{r['schedule']}/{r['m']}", []).append(r["seconds"])
                 by_run.setdefault(f"raw {r['schedule']}/{r['m']}", []).append(r["raw"])
         assert before.counter is not None
-        rounds.append({
-            "baseline": baseline, "loop": loop, "capacity": whole / max(by_run.pop("free")),
-            "whole": whole,
-            "pipeline": {k: max(v) for k, v in by_run.items()},  # a step ends when both ranks are done
-            "memory": {f"{r['schedule']}/{r['m']}/{r['rank']}": r["saved_peak"] for r in pipeline
-                       if "free" not in r},
-            "baseline_saved": before.counter.peak,
-        })
+        rounds.append(
+            {
+                "baseline": baseline,
+                "loop": loop,
+                "capacity": whole / max(by_run.pop("free")),
+                "whole": whole,
+                "pipeline": {k: max(v) for k, v in by_run.items()},  # a step ends when both ranks are done
+                "memory": {
+                    f"{r['schedule']}/{r['m']}/{r['rank']}": r["saved_peak"]
+                    for r in pipeline
+                    if "free" not in r
+                },
+                "baseline_saved": before.counter.peak,
+            }
+        )
     text = report(args, model, rounds, time.time() - began)
     with open(args.out, "w") as f:
         f.write(text)

@@ -7,6 +7,7 @@ checkpoint mode, and StageReport prints what each stage cost.
 
     python examples/custom_module.py
 """
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,9 @@ class Residual(nn.Module):
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(x)
@@ -70,7 +73,10 @@ if __name__ == "__main__":
         checkpoint=["always", "except_last", "never"],  # early stages hold activations longest
     )
     trainer = L.Trainer(
-        strategy=strategy, max_steps=60, logger=False, enable_checkpointing=False,
+        strategy=strategy,
+        max_steps=60,
+        logger=False,
+        enable_checkpointing=False,
         callbacks=[StageReport(dirpath="outputs/custom_module")],
     )
     model, data = Regressor(), dataset()

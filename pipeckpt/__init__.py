@@ -3,13 +3,20 @@
 Importing the package registers the ``"pipe"`` strategy, so
 ``Trainer(strategy="pipe")`` works.
 """
+
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.strategy import PipelineStrategy, register
 
 __all__ = [
-    "PipelineStrategy", "CheckpointMode", "NEVER", "EXCEPT_LAST", "ALWAYS", "OFFLOAD",
-    "PipeckptConfigError", "PipeckptWarning",
+    "PipelineStrategy",
+    "CheckpointMode",
+    "NEVER",
+    "EXCEPT_LAST",
+    "ALWAYS",
+    "OFFLOAD",
+    "PipeckptConfigError",
+    "PipeckptWarning",
 ]
 __version__ = "0.1.0"
 

@@ -5,6 +5,7 @@ Every message follows one shape: the value received, the rule it breaks, and a
 ``HINT`` naming the setting to change. Messages are built in one place so they
 stay uniform.
 """
+
 from typing import List
 
 __all__: List[str] = []

@@ -2,6 +2,7 @@
 a checkpoint still loads with ``torch.load(weights_only=True)`` (Lightning's
 default for strategies that do not ask otherwise, e.g. a run without pipeckpt).
 Lightning's own collector keeps a numpy array, which weights_only refuses."""
+
 import random
 from typing import Any, Dict, List
 

@@ -12,6 +12,7 @@ raises :class:`pipeckpt.PipeckptConfigError` from the strategy.
 The defaults live in the YAML files, where users read them; fields here are
 ``MISSING`` so that a config file which forgets one fails loudly.
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

@@ -5,6 +5,7 @@ A user's module defines ``configure_pipeline()`` and returns one of its own
 optimizers. Nothing is discovered by attribute name, and because the returned
 Sequential stays where the user put it, ``state_dict`` keys never change.
 """
+
 from typing import List
 
 from lightning.pytorch import LightningModule
@@ -23,19 +24,25 @@ def pipelined_sequential(module: LightningModule) -> nn.Sequential:
         raise config_error(
             f"{type(module).__name__} has no {HOOK}()",
             "the 'pipe' strategy needs to know which nn.Sequential to split into stages",
-            f"add `def {HOOK}(self): return self.layers` (your nn.Sequential) to the module")
+            f"add `def {HOOK}(self): return self.layers` (your nn.Sequential) to the module",
+        )
     seq = hook()
     if not isinstance(seq, nn.Sequential):
         raise config_error(
             f"{type(module).__name__}.{HOOK}() returned {type(seq).__name__}",
             "the pipelined part must be a torch.nn.Sequential",
-            "return an nn.Sequential of your layers, e.g. nn.Sequential(*blocks)")
+            "return an nn.Sequential of your layers, e.g. nn.Sequential(*blocks)",
+        )
     if not any(m is seq for m in module.modules()):
         raise config_error(
             f"{type(module).__name__}.{HOOK}() returned a Sequential that is not a submodule",
             "it must be part of the module, so its parameters are trained and checkpointed",
-            "assign it as an attribute in __init__ (self.layers = nn.Sequential(...)) and return that")
+            "assign it as an attribute in __init__ (self.layers = nn.Sequential(...)) and return that",
+        )
     if len(seq) == 0:
-        raise config_error(f"{type(module).__name__}.{HOOK}() returned an empty Sequential",
-                           "a pipeline needs at least one layer", "return your layers")
+        raise config_error(
+            f"{type(module).__name__}.{HOOK}() returned an empty Sequential",
+            "a pipeline needs at least one layer",
+            "return your layers",
+        )
     return seq

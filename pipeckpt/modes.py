@@ -6,6 +6,7 @@ inputs moved to host memory? Engines ask the mode; no code compares mode
 strings. torchgpipe has one global mode and no offload, so per-stage modes and
 offload live here, independent of any engine.
 """
+
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple, Union
 

@@ -5,6 +5,7 @@ modes are decided once, validated once, and mean the same under the local
 (torchgpipe) and the distributed (``torch.distributed.pipelining``) engine.
 Profiled balance (time, memory) reuses torchgpipe's profilers.
 """
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -51,8 +52,11 @@ class StagePlan:
 
 def check_balance_by(balance_by: str) -> None:
     if balance_by not in BALANCE_BY:
-        raise config_error(f"balance_by={balance_by!r}", f"must be one of {BALANCE_BY}",
-                           "choose params (default), time, or memory")
+        raise config_error(
+            f"balance_by={balance_by!r}",
+            f"must be one of {BALANCE_BY}",
+            "choose params (default), time, or memory",
+        )
 
 
 def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
@@ -61,7 +65,7 @@ def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequenti
     layers = list(sequential)  # not children(): that drops a repeated layer
     parts, start = [], 0
     for n in balance:
-        parts.append(nn.Sequential(*layers[start:start + n]))
+        parts.append(nn.Sequential(*layers[start : start + n]))
         start += n
     return parts
 
@@ -70,13 +74,16 @@ def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
     balance = tuple(int(b) for b in balance)
     if not balance or any(b < 1 for b in balance):
         raise config_error(
-            f"balance {list(balance)}", "every stage needs at least one layer",
-            "give positive layer counts, one per stage")
+            f"balance {list(balance)}",
+            "every stage needs at least one layer",
+            "give positive layer counts, one per stage",
+        )
     if sum(balance) != layers:
         raise config_error(
             f"balance {list(balance)} (sum {sum(balance)})",
             f"must sum to the number of layers in the pipelined Sequential ({layers})",
-            f"adjust the counts to sum to {layers}, or drop `balance` and set `stages`")
+            f"adjust the counts to sum to {layers}, or drop `balance` and set `stages`",
+        )
     return balance
 
 
@@ -91,7 +98,8 @@ def _check_shared_parameters(sequential: nn.Sequential, balance: Sequence[int]) 
                     "a parameter may belong to one stage only, since each stage keeps its "
                     "own device and gradients",
                     "untie the weights, or choose a balance that keeps every user of the "
-                    "shared parameter in one stage")
+                    "shared parameter in one stage",
+                )
 
 
 def min_max_partition(costs: Sequence[int], stages: int) -> Tuple[int, ...]:
@@ -136,36 +144,48 @@ def _grads_set_aside(module: nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-def _auto_balance(sequential: nn.Sequential, stages: int, balance_by: str,
-                  sample: Optional[Any], chunks: int, device: torch.device) -> Tuple[int, ...]:
+def _auto_balance(
+    sequential: nn.Sequential,
+    stages: int,
+    balance_by: str,
+    sample: Optional[Any],
+    chunks: int,
+    device: torch.device,
+) -> Tuple[int, ...]:
     if balance_by == "params":
         # +1 so that parameter-free layers (activations, dropout) still count.
         costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in sequential]
         return min_max_partition(costs, stages)
     if sample is None:
         raise config_error(
-            f"balance_by={balance_by!r}", "profiling needs an example input",
+            f"balance_by={balance_by!r}",
+            "profiling needs an example input",
             "set `example_input_array` on your LightningModule (a batch of pipeline input), "
-            "or use balance_by='params' or an explicit balance")
+            "or use balance_by='params' or an explicit balance",
+        )
     if balance_by == "memory" and device.type != "cuda":
         raise config_error(
-            f"balance_by='memory' on {device}", "torchgpipe profiles memory on CUDA devices only",
-            "use balance_by='time' or 'params' on CPU")
+            f"balance_by='memory' on {device}",
+            "torchgpipe profiles memory on CUDA devices only",
+            "use balance_by='time' or 'params' on CPU",
+        )
     with _grads_set_aside(sequential):
         if balance_by == "time":
             return tuple(balance_by_time(stages, sequential, sample, device=device))
         return tuple(balance_by_size(stages, sequential, sample, chunks=chunks, device=device))
 
 
-def _place(stages: int, devices: Sequence[torch.device],
-           placement: Optional[Sequence[int]]) -> Tuple[torch.device, ...]:
+def _place(
+    stages: int, devices: Sequence[torch.device], placement: Optional[Sequence[int]]
+) -> Tuple[torch.device, ...]:
     if placement is not None:
         placement = list(placement)
         if len(placement) != stages or any(not 0 <= p < len(devices) for p in placement):
             raise config_error(
                 f"placement {placement}",
                 f"needs one device index per stage ({stages} stages), each in 0..{len(devices) - 1}",
-                "list, for each stage, the index of the device it runs on")
+                "list, for each stage, the index of the device it runs on",
+            )
         return tuple(devices[p] for p in placement)
     if len(set(devices)) == 1:  # CPU, or a single GPU: every stage shares it
         return (devices[0],) * stages
@@ -174,20 +194,30 @@ def _place(stages: int, devices: Sequence[torch.device],
             f"{stages} stages on {len(devices)} devices",
             "each stage gets its own device unless a placement puts several on one",
             f"set stages <= {len(devices)}, more devices, or an explicit `placement` "
-            f"such as {[i * len(devices) // stages for i in range(stages)]}")
+            f"such as {[i * len(devices) // stages for i in range(stages)]}",
+        )
     return tuple(devices[:stages])
 
 
-def plan(sequential: Any, *, devices: Sequence[torch.device], stages: Optional[int] = None,
-         balance: Optional[Sequence[int]] = None, balance_by: str = "params",
-         checkpoint: ModeSpec = "except_last", placement: Optional[Sequence[int]] = None,
-         sample: Optional[Any] = None, chunks: int = 1) -> StagePlan:
+def plan(
+    sequential: Any,
+    *,
+    devices: Sequence[torch.device],
+    stages: Optional[int] = None,
+    balance: Optional[Sequence[int]] = None,
+    balance_by: str = "params",
+    checkpoint: ModeSpec = "except_last",
+    placement: Optional[Sequence[int]] = None,
+    sample: Optional[Any] = None,
+    chunks: int = 1,
+) -> StagePlan:
     """Validates every setting against the module and builds the plan."""
     if not isinstance(sequential, nn.Sequential):
         raise config_error(
             f"configure_pipeline() returned {type(sequential).__name__}",
             "the pipelined part must be a torch.nn.Sequential",
-            "return an nn.Sequential of your layers from configure_pipeline()")
+            "return an nn.Sequential of your layers from configure_pipeline()",
+        )
     layers = len(sequential)
     if balance is not None:
         balance = _check_balance(balance, layers)
@@ -195,16 +225,18 @@ def plan(sequential: Any, *, devices: Sequence[torch.device], stages: Optional[i
             raise config_error(
                 f"stages={stages} with balance {list(balance)}",
                 "the balance lists one layer count per stage",
-                "drop `stages` (the balance decides it) or make them agree")
+                "drop `stages` (the balance decides it) or make them agree",
+            )
         stages = len(balance)
     stages = stages if stages is not None else max(1, min(len(devices), layers))
     if stages < 1:
-        raise config_error(f"stages={stages}", "a pipeline needs at least one stage",
-                           "set stages >= 1")
+        raise config_error(f"stages={stages}", "a pipeline needs at least one stage", "set stages >= 1")
     if stages > layers:
         raise config_error(
-            f"stages={stages}", f"cannot exceed the number of layers ({layers})",
-            f"set stages <= {layers}, or split your Sequential into more layers")
+            f"stages={stages}",
+            f"cannot exceed the number of layers ({layers})",
+            f"set stages <= {layers}, or split your Sequential into more layers",
+        )
     check_balance_by(balance_by)
     modes = parse_modes(checkpoint, stages)
     placed = _place(stages, devices, placement)

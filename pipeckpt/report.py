@@ -38,6 +38,7 @@ Measuring costs time, so only a few steps after a warm-up are measured: the
 first with the memory probe, the others for time (or the first for both if
 there is only one).
 """
+
 import json
 import threading
 import time
@@ -109,9 +110,7 @@ class _Ledger:
 def _storages(tree: Any) -> dict[int, torch.UntypedStorage]:
     leaves, _ = tree_flatten(tree)
     return {
-        id(s): s
-        for s in (t.untyped_storage() for t in leaves if isinstance(t, Tensor))
-        if s.nbytes() > 0
+        id(s): s for s in (t.untyped_storage() for t in leaves if isinstance(t, Tensor)) if s.nbytes() > 0
     }
 
 
@@ -156,8 +155,14 @@ def _stage_nodes(output: Tensor, stop: Optional[Node], seen: set[Node]) -> list[
 class _Probe:
     """Hooks on the user's layers that time and weigh each stage during one step."""
 
-    def __init__(self, layers: nn.Sequential, ranges: list[tuple[int, int]],
-                 devices: list[torch.device], *, memory: bool) -> None:
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        ranges: list[tuple[int, int]],
+        devices: list[torch.device],
+        *,
+        memory: bool,
+    ) -> None:
         self.memory = memory
         self.ledger = _Ledger(devices)
         self.forward_s: dict[int, float] = defaultdict(float)
@@ -261,8 +266,9 @@ class StageReport(L.Callback):
     ``default_root_dir``). The numbers stay in :attr:`stats`.
     """
 
-    def __init__(self, *, warmup_steps: int = 2, steps: int = 3, dirpath: Optional[str] = None,
-                 verbose: bool = True) -> None:
+    def __init__(
+        self, *, warmup_steps: int = 2, steps: int = 3, dirpath: Optional[str] = None, verbose: bool = True
+    ) -> None:
         if warmup_steps < 0 or steps < 1:
             raise ValueError(
                 f"StageReport needs warmup_steps >= 0 and steps >= 1 "
@@ -306,19 +312,24 @@ class StageReport(L.Callback):
         steps_left = trainer.estimated_stepping_batches - trainer.global_step
         budget = (
             int(steps_left) * trainer.accumulate_grad_batches
-            if steps_left != float("inf") else self.warmup_steps + self.steps
+            if steps_left != float("inf")
+            else self.warmup_steps + self.steps
         )
         self._first = max(0, min(self.warmup_steps, budget - 1))
         self._last = self._first + self.steps - 1
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._first <= self._batches <= self._last:
             return
         memory = self._batches == self._first
         self._probe = _Probe(_pipeline_layers(pl_module), self._ranges, self._devices, memory=memory)
         self._started = _now(trainer.strategy.root_device)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._batches += 1
         probe, self._probe = self._probe, None
         if probe is None:
@@ -362,11 +373,20 @@ class StageReport(L.Callback):
             bwd = sum(t[2].get(stage, 0.0) for t in self._timed) / n
             recomputed = round(sum(t[3].get(stage, 0) for t in self._timed) / n)
             params = sum(p.numel() for layer in children[first:stop] for p in layer.parameters())
-            stats.append(StageStats(
-                stage=stage, first_layer=first, last_layer=stop - 1, params=params,
-                peak_activation_bytes=self._peak.get(stage, 0), forward_s=fwd, backward_s=bwd,
-                recomputed=recomputed, step_share=(fwd + bwd) / step if step > 0 else 0.0, mode=mode,
-            ))
+            stats.append(
+                StageStats(
+                    stage=stage,
+                    first_layer=first,
+                    last_layer=stop - 1,
+                    params=params,
+                    peak_activation_bytes=self._peak.get(stage, 0),
+                    forward_s=fwd,
+                    backward_s=bwd,
+                    recomputed=recomputed,
+                    step_share=(fwd + bwd) / step if step > 0 else 0.0,
+                    mode=mode,
+                )
+            )
         return stats
 
 
@@ -381,7 +401,17 @@ def human_bytes(nbytes: float) -> str:
 
 def format_table(stats: list[StageStats]) -> str:
     """The report as an aligned text table, one line per stage."""
-    header = ("stage", "layers", "params", "peak activations", "fwd ms", "bwd ms", "recomputed", "step share", "checkpoint")
+    header = (
+        "stage",
+        "layers",
+        "params",
+        "peak activations",
+        "fwd ms",
+        "bwd ms",
+        "recomputed",
+        "step share",
+        "checkpoint",
+    )
     rows = [
         (
             str(s.stage),
@@ -400,7 +430,9 @@ def format_table(stats: list[StageStats]) -> str:
     numeric = range(2, 8)  # right-aligned columns
 
     def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
 
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
 
@@ -423,7 +455,9 @@ def save_chart(stats: list[StageStats], path: Path) -> None:
     tim.bar(x, fwd, label="forward", color="tab:green")
     tim.bar(x, bwd, bottom=fwd, label="backward + recompute", color="tab:red")
     for i, s in enumerate(stats):
-        tim.text(i, fwd[i] + bwd[i], f"{s.step_share:.0%} of step", ha="center", va="bottom", fontsize="x-small")
+        tim.text(
+            i, fwd[i] + bwd[i], f"{s.step_share:.0%} of step", ha="center", va="bottom", fontsize="x-small"
+        )
     tim.set_title("time per step")
     tim.set_ylabel("ms")
     tim.set_ylim(top=1.35 * max([f + b for f, b in zip(fwd, bwd)] + [1e-3]))  # room for labels and legend

@@ -18,6 +18,7 @@ thread-local, so the engine captures the caller's with
 memory tracker sees the stages' work. Checkpoint replays autocast in the
 recompute, which runs on the caller's (autograd) thread.
 """
+
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Tuple
@@ -25,8 +26,12 @@ from typing import Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils.checkpoint import checkpoint
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
@@ -66,8 +71,7 @@ def capture_caller_state() -> CallerState:
     for device_type in _AUTOCAST_DEVICE_TYPES:
         if torch.is_autocast_enabled(device_type):
             enabled.append((device_type, torch.get_autocast_dtype(device_type)))
-    return CallerState(autocast=tuple(enabled),
-                       dispatch_modes=tuple(_get_current_dispatch_mode_stack()))
+    return CallerState(autocast=tuple(enabled), dispatch_modes=tuple(_get_current_dispatch_mode_stack()))
 
 
 @contextmanager
@@ -95,8 +99,15 @@ class Stage(nn.Module):
     the stage which micro-batch it runs (``except_last`` needs that).
     """
 
-    def __init__(self, partition: nn.Sequential, *, index: int, mode: CheckpointMode,
-                 device: torch.device, pin_memory: bool = True) -> None:
+    def __init__(
+        self,
+        partition: nn.Sequential,
+        *,
+        index: int,
+        mode: CheckpointMode,
+        device: torch.device,
+        pin_memory: bool = True,
+    ) -> None:
         super().__init__()
         self.partition = partition
         self.index = index
@@ -131,10 +142,12 @@ class Stage(nn.Module):
 
         with ExitStack() as stack:
             if self.mode.offloads and self.device.type != "cpu":
-                stack.enter_context(torch.autograd.graph.save_on_cpu(
-                    pin_memory=self.pin_memory, device_type=self.device.type))
-            return checkpoint(self._run, input, use_reentrant=False,
-                              preserve_rng_state=True, context_fn=contexts)
+                stack.enter_context(
+                    torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory, device_type=self.device.type)
+                )
+            return checkpoint(
+                self._run, input, use_reentrant=False, preserve_rng_state=True, context_fn=contexts
+            )
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"

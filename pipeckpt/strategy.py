@@ -16,6 +16,7 @@ this class handles it:
 - the user's Sequential keeps its place (its ``forward`` is routed through the
   engine), so checkpoints hold the unpipelined keys whatever the layout.
 """
+
 import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -45,21 +46,32 @@ _CKPT_KEY = "pipeckpt"
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-def _validate_settings(*, stages: Optional[int], chunks: int, checkpoint: ModeSpec,
-                       balance_by: str, engine: str, schedule: str) -> None:
+def _validate_settings(
+    *, stages: Optional[int], chunks: int, checkpoint: ModeSpec, balance_by: str, engine: str, schedule: str
+) -> None:
     """Checks that need no model, so they fail when the strategy is built."""
     if not isinstance(chunks, int) or chunks < 1:
-        raise config_error(f"chunks={chunks!r}", "the number of micro-batches must be an integer >= 1",
-                           "set chunks to 1 (no micro-batching) or more")
+        raise config_error(
+            f"chunks={chunks!r}",
+            "the number of micro-batches must be an integer >= 1",
+            "set chunks to 1 (no micro-batching) or more",
+        )
     if stages is not None and (not isinstance(stages, int) or stages < 1):
-        raise config_error(f"stages={stages!r}", "a pipeline needs an integer number of stages >= 1",
-                           "set stages >= 1, or leave it unset to use one stage per device")
+        raise config_error(
+            f"stages={stages!r}",
+            "a pipeline needs an integer number of stages >= 1",
+            "set stages >= 1, or leave it unset to use one stage per device",
+        )
     if engine not in ENGINES:
-        raise config_error(f"engine={engine!r}", f"must be one of {ENGINES}",
-                           "use 'local' (one process) or 'distributed' (one process per stage)")
+        raise config_error(
+            f"engine={engine!r}",
+            f"must be one of {ENGINES}",
+            "use 'local' (one process) or 'distributed' (one process per stage)",
+        )
     if schedule not in SCHEDULES:
-        raise config_error(f"schedule={schedule!r}", f"must be one of {SCHEDULES}",
-                           "choose one of those schedules")
+        raise config_error(
+            f"schedule={schedule!r}", f"must be one of {SCHEDULES}", "choose one of those schedules"
+        )
     check_balance_by(balance_by)
     names = [checkpoint] if isinstance(checkpoint, (str, CheckpointMode)) else list(checkpoint)
     parse_modes(names, len(names))  # unknown names fail now; the length is checked per plan
@@ -106,18 +118,37 @@ class PipelineStrategy(ParallelStrategy):
     def __new__(cls, *args: Any, engine: str = "local", **kwargs: Any) -> "PipelineStrategy":
         if cls is PipelineStrategy and engine == "distributed":
             from pipeckpt.engines.distributed import DistributedPipelineStrategy
+
             return super().__new__(DistributedPipelineStrategy)
         return super().__new__(cls)
 
-    def __init__(self, *, stages: Optional[int] = None, balance: Optional[Sequence[int]] = None,
-                 balance_by: str = "params", chunks: int = 1,
-                 checkpoint: ModeSpec = "except_last", placement: Optional[Sequence[int]] = None,
-                 deferred_batch_norm: bool = False, pin_memory: bool = True,
-                 engine: str = "local", schedule: str = "gpipe", dp: Optional[int] = None,
-                 virtual_stages: int = 1, timeout: float = 60.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        stages: Optional[int] = None,
+        balance: Optional[Sequence[int]] = None,
+        balance_by: str = "params",
+        chunks: int = 1,
+        checkpoint: ModeSpec = "except_last",
+        placement: Optional[Sequence[int]] = None,
+        deferred_batch_norm: bool = False,
+        pin_memory: bool = True,
+        engine: str = "local",
+        schedule: str = "gpipe",
+        dp: Optional[int] = None,
+        virtual_stages: int = 1,
+        timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
-        _validate_settings(stages=stages, chunks=chunks, checkpoint=checkpoint,
-                           balance_by=balance_by, engine=engine, schedule=schedule)
+        _validate_settings(
+            stages=stages,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            balance_by=balance_by,
+            engine=engine,
+            schedule=schedule,
+        )
         self.num_stages = stages
         self.balance = list(balance) if balance is not None else None
         self.balance_by = balance_by
@@ -188,10 +219,17 @@ class PipelineStrategy(ParallelStrategy):
             self._optimizers_to_param_devices()
 
     def _plan_for(self, module: LightningModule, sequential: nn.Sequential) -> StagePlan:
-        return plan(sequential, devices=self.parallel_devices or [torch.device("cpu")],
-                    stages=self.num_stages, balance=self.balance, balance_by=self.balance_by,
-                    checkpoint=self.checkpoint, placement=self.placement,
-                    sample=getattr(module, "example_input_array", None), chunks=self.chunks)
+        return plan(
+            sequential,
+            devices=self.parallel_devices or [torch.device("cpu")],
+            stages=self.num_stages,
+            balance=self.balance,
+            balance_by=self.balance_by,
+            checkpoint=self.checkpoint,
+            placement=self.placement,
+            sample=getattr(module, "example_input_array", None),
+            chunks=self.chunks,
+        )
 
     def _build_pipeline(self) -> None:
         module = self.lightning_module
@@ -200,8 +238,7 @@ class PipelineStrategy(ParallelStrategy):
         self._plan = self._plan_for(module, sequential)
         if self.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, self.chunks)
-        self._engine = LocalEngine(sequential, self._plan, chunks=self.chunks,
-                                   pin_memory=self.pin_memory)
+        self._engine = LocalEngine(sequential, self._plan, chunks=self.chunks, pin_memory=self.pin_memory)
         # The user's Sequential keeps its place in the module; only its call is routed.
         sequential.forward = self._engine.forward  # type: ignore[method-assign]
         self._sequential = sequential
@@ -236,10 +273,13 @@ class PipelineStrategy(ParallelStrategy):
     # atomic save (an fsspec transaction: temporary file, then move).
 
     @override
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH,
-                        storage_options: Optional[Any] = None) -> None:
-        checkpoint[_CKPT_KEY] = {"rng_states": _rng.collect(),
-                                 "balance": list(self._plan.balance) if self._plan else None}
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        checkpoint[_CKPT_KEY] = {
+            "rng_states": _rng.collect(),
+            "balance": list(self._plan.balance) if self._plan else None,
+        }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -278,8 +318,9 @@ class PipelineStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls,
-                                   description="GPipe pipeline with per-stage activation checkpointing")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="GPipe pipeline with per-stage activation checkpointing"
+        )
 
 
 def _optimizer_state_to_param_devices(optimizer: Optimizer) -> None:

@@ -9,6 +9,7 @@ after the other in the same processes (a process start costs seconds on a small 
 Each run trains the toy module of toy.py and writes `<name>.ckpt` (global rank 0, the gathered
 checkpoint) and `<name>.rank<R>.json` (what that rank saw) into the spec's `out` directory.
 """
+
 import json
 import os
 import signal
@@ -19,17 +20,18 @@ from typing import Any, Dict
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
-from toy import ToyModule, toy_loader
 
 
 def replica_loader(dp: int, replica: int) -> DataLoader:
     """This replica's share of every batch of toy_loader(): contiguous rows of each batch."""
     x, y = toy_loader().dataset.tensors
     batch, share = 16, 16 // dp
-    rows = torch.cat([torch.arange(b, b + batch)[replica * share:(replica + 1) * share]
-                      for b in range(0, len(x), batch)])
+    rows = torch.cat(
+        [torch.arange(b, b + batch)[replica * share : (replica + 1) * share] for b in range(0, len(x), batch)]
+    )
     return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=share, shuffle=False)
 
 
@@ -63,20 +65,32 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     if "die" in spec:
         die_mid_step(module, **spec["die"])
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=spec["steps"],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=spec["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         limit_val_batches=1.0 if spec.get("validate") else 0,
         use_distributed_sampler=False,
         accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
-        gradient_clip_val=spec.get("gradient_clip_val"))
+        gradient_clip_val=spec.get("gradient_clip_val"),
+    )
     torch.manual_seed(123)
     dp = trainer.strategy.data_parallel_size
-    trainer.fit(module, replica_loader(dp, trainer.strategy.data_parallel_rank),
-                ckpt_path=spec.get("resume") or resume_run(spec, out))
+    trainer.fit(
+        module,
+        replica_loader(dp, trainer.strategy.data_parallel_rank),
+        ckpt_path=spec.get("resume") or resume_run(spec, out),
+    )
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
-    seen = {"forward_calls": {s.index: s.forward_calls for s in trainer.strategy.stages},
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    seen = {
+        "forward_calls": {s.index: s.forward_calls for s in trainer.strategy.stages},
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
     if spec.get("validate"):
         trainer.validate(module, replica_loader(dp, trainer.strategy.data_parallel_rank), verbose=False)
         seen["metrics"].update({k: float(v) for k, v in trainer.callback_metrics.items()})

@@ -2,6 +2,7 @@
 
 Only the harness is checked here (a tiny model, one round); no figure is asserted.
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,13 @@ def first_table(text: str) -> list:
 
 def test_quick_run_writes_a_row_per_method(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = first_table(out.read_text())
     for method in METHODS:

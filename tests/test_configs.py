@@ -1,4 +1,5 @@
 """Every config in conf/ composes against the schema and builds its objects."""
+
 from pathlib import Path
 
 import lightning as L
@@ -44,9 +45,7 @@ def test_every_group_has_options():
     assert all(options(group) for group in GROUPS)
 
 
-@pytest.mark.parametrize(
-    "group,option", [(g, o) for g in GROUPS for o in options(g)], ids=lambda v: str(v)
-)
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)], ids=lambda v: str(v))
 def test_every_config_composes_and_builds(tmp_path, group, option):
     overrides = [f"{group}={option}"]
     if group == "data":
@@ -78,9 +77,15 @@ def test_a_per_stage_mode_list_reaches_the_strategy(tmp_path):
 
 
 def test_pin_memory_and_deferred_batch_norm_reach_the_strategy(tmp_path):
-    cfg = compose_train(tmp_path, "ckpt=offload", "ckpt.pin_memory=false", "strategy.deferred_batch_norm=true")
+    cfg = compose_train(
+        tmp_path, "ckpt=offload", "ckpt.pin_memory=false", "strategy.deferred_batch_norm=true"
+    )
     strategy = build(cfg)["strategy"]
-    assert (strategy.checkpoint, strategy.pin_memory, strategy.deferred_batch_norm) == ("offload", False, True)
+    assert (strategy.checkpoint, strategy.pin_memory, strategy.deferred_batch_norm) == (
+        "offload",
+        False,
+        True,
+    )
 
 
 def test_single_strategy_is_lightning_auto_on_one_device(tmp_path):
@@ -106,7 +111,9 @@ def test_a_misspelled_key_fails_at_compose_time(tmp_path, override):
         compose_train(tmp_path, override)
 
 
-@pytest.mark.parametrize("override", ["trainer.max_steps=ten", "strategy.chunks=4.5", "strategy.balance=[a,b]"])
+@pytest.mark.parametrize(
+    "override", ["trainer.max_steps=ten", "strategy.chunks=4.5", "strategy.balance=[a,b]"]
+)
 def test_a_wrongly_typed_value_fails_at_compose_time(tmp_path, override):
     with pytest.raises(ConfigCompositionException):
         compose_train(tmp_path, override)

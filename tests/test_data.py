@@ -1,4 +1,5 @@
 """The DataModules: corpus reading and splitting, windows, and seeded synthetic data."""
+
 import sysconfig
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_validation_is_the_contiguous_tail_and_training_never_sees_it():
     corpus = torch.frombuffer(bytearray(read_corpus(None, max_bytes=50_000)), dtype=torch.uint8)
     assert torch.equal(dm.val_set.data, corpus[-5_000:])
     assert torch.equal(dm.train_set.data, corpus[:-5_000])
-    last_x, last_y = dm.train_set[len(dm.train_set) - 1]
+    _, last_y = dm.train_set[len(dm.train_set) - 1]
     assert torch.equal(last_y[-1:].to(torch.uint8), corpus[-5_001:-5_000])
 
 

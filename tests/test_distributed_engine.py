@@ -4,6 +4,7 @@ Slow tests start real processes with gloo on CPU (tests/distributed_worker.py, o
 several trainings per start, and compare the parameters with the local engine's on the same stages
 and micro-batches (no dropout). Fast tests check the errors raised before any step.
 """
+
 import json
 import os
 import re
@@ -18,11 +19,11 @@ from typing import Any, Dict, Iterator, List
 import lightning as L
 import pytest
 import torch
+from toy import ToyModule, fit, max_relative_difference, params, toy_loader
 
 from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
 from pipeckpt.engines.distributed import DistributedPipelineStrategy
 from pipeckpt.engines.routing import LogRecorder
-from toy import ToyModule, fit, max_relative_difference, params, toy_loader
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_worker.py"
@@ -55,15 +56,25 @@ def test_replicas_get_their_own_batches_and_stages_of_one_replica_the_same():
 
 
 def test_dp_that_does_not_divide_the_world_is_rejected():
-    with pytest.raises(PipeckptConfigError, match=r"dp=3 with a world of 4.*pp x dp must equal the world size.*HINT"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"dp=3 with a world of 4.*pp x dp must equal the world size.*HINT"
+    ):
         trainer(distributed(dp=3), devices=4)
 
 
-@pytest.mark.parametrize("settings, devices, rule", [
-    (dict(stages=3, virtual_stages=2, schedule="interleaved_1f1b"), 2, "stages must divide evenly"),
-    (dict(stages=4, dp=1, virtual_stages=2, schedule="interleaved_1f1b"), 4, r"stages = pp x virtual_stages"),
-    (dict(stages=3), 2, "pp x dp must equal the world size"),
-], ids=["virtual", "too-few-stages", "world"])
+@pytest.mark.parametrize(
+    "settings, devices, rule",
+    [
+        (dict(stages=3, virtual_stages=2, schedule="interleaved_1f1b"), 2, "stages must divide evenly"),
+        (
+            dict(stages=4, dp=1, virtual_stages=2, schedule="interleaved_1f1b"),
+            4,
+            r"stages = pp x virtual_stages",
+        ),
+        (dict(stages=3), 2, "pp x dp must equal the world size"),
+    ],
+    ids=["virtual", "too-few-stages", "world"],
+)
 def test_stages_that_do_not_divide_into_the_processes_are_rejected(settings, devices, rule):
     with pytest.raises(PipeckptConfigError, match=rf"(?s){rule}.*HINT"):
         trainer(distributed(**settings), devices=devices)
@@ -75,8 +86,11 @@ def test_virtual_stages_need_the_interleaved_schedule():
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_rejected():
-    with pytest.raises(PipeckptConfigError, match=r"chunks=2 with schedule='1f1b' on pp=4.*at least as many "
-                                                  r"micro-batches as pipeline stages.*HINT"):
+    with pytest.raises(
+        PipeckptConfigError,
+        match=r"chunks=2 with schedule='1f1b' on pp=4.*at least as many "
+        r"micro-batches as pipeline stages.*HINT",
+    ):
         trainer(distributed(chunks=2, schedule="1f1b"), devices=4)
 
 
@@ -85,23 +99,37 @@ def test_a_batch_chunks_does_not_divide_runs_with_fewer_microbatches_or_fails_cl
     with pytest.warns(PipeckptWarning, match=r"batch of 10 samples.*runs as 2 micro-batches.*HINT"):
         assert strategy._microbatches_for(10, train=True) == 2
     assert strategy._microbatches_for(3, train=True) == 3
-    with pytest.raises(PipeckptConfigError, match=r"batch of 1 samples.*equal micro-batches.*at least as many "
-                                                  r"micro-batches as pipeline stages.*HINT: .*drop_last"):
+    with pytest.raises(
+        PipeckptConfigError,
+        match=r"batch of 1 samples.*equal micro-batches.*at least as many "
+        r"micro-batches as pipeline stages.*HINT: .*drop_last",
+    ):
         strategy._microbatches_for(1, train=True)
     assert strategy._microbatches_for(1, train=False) == 1  # forward only: any count
 
 
 def _slurm(monkeypatch: pytest.MonkeyPatch, name: str, per_node: int) -> None:
-    for key, value in dict(SLURM_JOB_NAME=name, SLURM_NTASKS=str(per_node), SLURM_NTASKS_PER_NODE=str(per_node),
-                           SLURM_NNODES="1", SLURM_NODELIST="n1", SLURM_JOB_ID="7", SLURM_PROCID="0",
-                           SLURM_LOCALID="0", SLURM_NODEID="0").items():
+    for key, value in dict(
+        SLURM_JOB_NAME=name,
+        SLURM_NTASKS=str(per_node),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        SLURM_NNODES="1",
+        SLURM_NODELIST="n1",
+        SLURM_JOB_ID="7",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+    ).items():
         monkeypatch.setenv(key, value)
 
 
 def test_devices_must_match_ntasks_per_node_under_slurm(monkeypatch):
     _slurm(monkeypatch, "train", per_node=4)
-    with pytest.raises(PipeckptConfigError, match=r"devices=2 with SLURM --ntasks-per-node=4.*HINT: set the "
-                                                  r"trainer's devices=4"):
+    with pytest.raises(
+        PipeckptConfigError,
+        match=r"devices=2 with SLURM --ntasks-per-node=4.*HINT: set the "
+        r"trainer's devices=4",
+    ):
         trainer(distributed(), devices=2)
 
 
@@ -139,14 +167,28 @@ def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), NODE_RANK="0",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+    )
     procs = []
     for rank in range(world):
         log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=dict(env, LOCAL_RANK=str(rank)),
-                                      cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(spec)],
+                env=dict(env, LOCAL_RANK=str(rank)),
+                cwd=HERE.parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         log.close()
     return procs
 
@@ -159,8 +201,10 @@ def _stop(procs: List[subprocess.Popen]) -> None:
 
 
 def _logs(out: Path, world: int) -> str:
-    return "\n".join(f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-                     for r in range(world))
+    return "\n".join(
+        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
+        for r in range(world)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -192,21 +236,51 @@ def _local(**kwargs: Any) -> PipelineStrategy:
 
 
 TWO = [  # name, distributed settings, the local engine's equivalent, depth
-    ("gpipe", dict(balance=[3, 3], chunks=4, schedule="gpipe", checkpoint="except_last"),
-     dict(balance=[3, 3], chunks=4, checkpoint="except_last"), 6),
-    ("1f1b_mix", dict(balance=[3, 3], chunks=4, schedule="1f1b", checkpoint=["always", "except_last"]),
-     dict(balance=[3, 3], chunks=4, checkpoint=["always", "except_last"]), 6),
-    ("interleaved_mix", dict(balance=[2, 1, 1, 2], chunks=4, schedule="interleaved_1f1b", virtual_stages=2,
-                             checkpoint=["never", "always", "except_last", "offload"]),
-     dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=["never", "always", "except_last", "offload"]), 6),
+    (
+        "gpipe",
+        dict(balance=[3, 3], chunks=4, schedule="gpipe", checkpoint="except_last"),
+        dict(balance=[3, 3], chunks=4, checkpoint="except_last"),
+        6,
+    ),
+    (
+        "1f1b_mix",
+        dict(balance=[3, 3], chunks=4, schedule="1f1b", checkpoint=["always", "except_last"]),
+        dict(balance=[3, 3], chunks=4, checkpoint=["always", "except_last"]),
+        6,
+    ),
+    (
+        "interleaved_mix",
+        dict(
+            balance=[2, 1, 1, 2],
+            chunks=4,
+            schedule="interleaved_1f1b",
+            virtual_stages=2,
+            checkpoint=["never", "always", "except_last", "offload"],
+        ),
+        dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=["never", "always", "except_last", "offload"]),
+        6,
+    ),
 ]
 FOUR = [
-    ("pp4_1f1b_mix", dict(balance=[2, 2, 1, 1], chunks=4, schedule="1f1b",
-                          checkpoint=["always", "never", "except_last", "always"]),
-     dict(balance=[2, 2, 1, 1], chunks=4, checkpoint=["always", "never", "except_last", "always"]), 6),
-    ("pp4_interleaved", dict(balance=[1] * 8, chunks=4, schedule="interleaved_1f1b", virtual_stages=2,
-                             checkpoint="except_last"),
-     dict(balance=[1] * 8, chunks=4, checkpoint="except_last"), 8),
+    (
+        "pp4_1f1b_mix",
+        dict(
+            balance=[2, 2, 1, 1],
+            chunks=4,
+            schedule="1f1b",
+            checkpoint=["always", "never", "except_last", "always"],
+        ),
+        dict(balance=[2, 2, 1, 1], chunks=4, checkpoint=["always", "never", "except_last", "always"]),
+        6,
+    ),
+    (
+        "pp4_interleaved",
+        dict(
+            balance=[1] * 8, chunks=4, schedule="interleaved_1f1b", virtual_stages=2, checkpoint="except_last"
+        ),
+        dict(balance=[1] * 8, chunks=4, checkpoint="except_last"),
+        8,
+    ),
     # Two replicas of a 2-stage pipeline, each on half of every batch, against one pipeline on all of it.
     ("dp2_pp2", dict(balance=[3, 3], chunks=4, schedule="1f1b", dp=2), dict(balance=[3, 3], chunks=4), 6),
 ]
@@ -224,12 +298,31 @@ def local_checkpoint(tmp_path_factory) -> Path:
 def two_processes(launch, local_checkpoint) -> Path:
     runs = [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in TWO]
     runs[0]["validate"] = True
-    runs.append(dict(name="accumulate_clip", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
-                     steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05))
-    runs.append(dict(name="from_local", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
-                     steps=2 * STEPS, resume=str(local_checkpoint)))
-    runs.append(dict(name="from_distributed", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
-                     steps=2 * STEPS, resume_run="gpipe"))
+    runs.append(
+        dict(
+            name="accumulate_clip",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+            steps=2,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.05,
+        )
+    )
+    runs.append(
+        dict(
+            name="from_local",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+            steps=2 * STEPS,
+            resume=str(local_checkpoint),
+        )
+    )
+    runs.append(
+        dict(
+            name="from_distributed",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+            steps=2 * STEPS,
+            resume_run="gpipe",
+        )
+    )
     return launch(2, runs)
 
 
@@ -256,8 +349,13 @@ def test_four_processes_train_like_the_local_engine(four_processes, name, settin
 
 @pytest.mark.slow
 def test_accumulation_and_clipping_by_norm_span_the_pipeline(two_processes):
-    reference = fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=2, accumulate_grad_batches=2,
-                    gradient_clip_val=0.05)
+    reference = fit(
+        ToyModule(),
+        _local(balance=[3, 3], chunks=4),
+        steps=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+    )
     got = _state(two_processes / "accumulate_clip.ckpt")
     assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
 
@@ -277,9 +375,18 @@ def test_checkpoint_holds_the_whole_model_and_optimizer_under_the_local_keys(two
 def _resume_locally(ckpt: Path) -> Dict[str, torch.Tensor]:
     module = ToyModule(seed=99)  # the checkpoint must overwrite everything
     torch.manual_seed(123)
-    t = L.Trainer(strategy=_local(balance=[3, 3], chunks=4), accelerator="cpu", devices=1, max_steps=2 * STEPS,
-                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    t = L.Trainer(
+        strategy=_local(balance=[3, 3], chunks=4),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2 * STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     t.fit(module, toy_loader(), ckpt_path=ckpt)
     return params(module)
 
@@ -307,8 +414,12 @@ def test_checkpoint_modes_count_the_same_recomputes_under_1f1b(two_processes):
 
 @pytest.mark.slow
 def test_rank_zero_sees_what_the_last_stage_logged(two_processes):
-    reference = fit(ToyModule(), _local(balance=[3, 3], chunks=4, checkpoint="except_last"), steps=STEPS,
-                    limit_val_batches=1.0)
+    reference = fit(
+        ToyModule(),
+        _local(balance=[3, 3], chunks=4, checkpoint="except_last"),
+        steps=STEPS,
+        limit_val_batches=1.0,
+    )
     expected = {"train_loss": float(reference.callback_metrics["train_loss"])}
     reference.validate(reference.lightning_module, toy_loader(), verbose=False)
     expected["val_loss"] = float(reference.callback_metrics["val_loss"])
@@ -332,8 +443,14 @@ def _run_until_rank0_exits(runs: Any, tmp_path: Any) -> Any:
 
 @pytest.mark.slow
 def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
-    runs = [dict(name="fault", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"), steps=STEPS,
-                 die=dict(step=2, microbatch=2))]
+    runs = [
+        dict(
+            name="fault",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+            steps=STEPS,
+            die=dict(step=2, microbatch=2),
+        )
+    ]
     procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     died = re.search(r"worker: rank 1 dies at time=([\d.]+)", output)
     assert died, output
@@ -345,8 +462,14 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(tmp_path):
-    runs = [dict(name="hang", strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=5), steps=STEPS,
-                 die=dict(step=2, microbatch=2, hang=True))]
+    runs = [
+        dict(
+            name="hang",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=5),
+            steps=STEPS,
+            die=dict(step=2, microbatch=2, hang=True),
+        )
+    ]
     procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     hung = re.search(r"worker: rank 1 hangs at time=([\d.]+)", output)
     assert hung and ended is not None and ended - float(hung.group(1)) < 30, output

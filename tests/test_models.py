@@ -1,4 +1,5 @@
 """The example models: shapes, GPT's initial loss and causality, size presets."""
+
 import math
 
 import pytest

@@ -1,16 +1,20 @@
 """Checkpoint modes are objects: which micro-batches recompute, which offload."""
+
 import pytest
 
 from pipeckpt import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, PipeckptConfigError
 from pipeckpt.modes import parse_modes
 
 
-@pytest.mark.parametrize("mode, expected", [
-    (NEVER, [False, False, False, False]),
-    (EXCEPT_LAST, [True, True, True, False]),
-    (ALWAYS, [True, True, True, True]),
-    (OFFLOAD, [True, True, True, True]),
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        (NEVER, [False, False, False, False]),
+        (EXCEPT_LAST, [True, True, True, False]),
+        (ALWAYS, [True, True, True, True]),
+        (OFFLOAD, [True, True, True, True]),
+    ],
+)
 def test_mode_recomputes_exactly_the_expected_microbatches(mode, expected):
     assert [mode.recomputes(i, 4) for i in range(4)] == expected
 
@@ -32,7 +36,9 @@ def test_per_stage_list_keeps_its_order():
 
 
 def test_unknown_mode_names_value_rule_and_fix():
-    with pytest.raises(PipeckptConfigError, match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT"
+    ):
         parse_modes("sometimes", 2)
 
 

@@ -1,4 +1,5 @@
 """Stage plans: balance, placement and the errors for impossible layouts."""
+
 import pytest
 import torch
 from torch import nn
@@ -25,7 +26,9 @@ def test_default_is_one_stage_per_device():
 
 
 def test_balance_by_params_follows_parameter_counts():
-    seq = nn.Sequential(nn.Linear(256, 256), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    seq = nn.Sequential(
+        nn.Linear(256, 256), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    )
     assert plan(seq, devices=CPU2, stages=2).balance == (1, 4)
 
 
@@ -49,7 +52,9 @@ def test_balance_by_memory_on_cpu_is_refused():
 
 
 def test_balance_must_sum_to_the_layer_count():
-    with pytest.raises(PipeckptConfigError, match=r"balance \[2, 1\] \(sum 3\).*number of layers.*\(4\).*HINT"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"balance \[2, 1\] \(sum 3\).*number of layers.*\(4\).*HINT"
+    ):
         plan(linears(4), devices=CPU2, balance=[2, 1])
 
 
@@ -95,7 +100,7 @@ def test_a_parameter_shared_inside_one_stage_is_allowed():
 
 
 def test_not_a_sequential_is_refused():
-    with pytest.raises(PipeckptConfigError, match="must be a torch.nn.Sequential"):
+    with pytest.raises(PipeckptConfigError, match=r"must be a torch\.nn\.Sequential"):
         plan(nn.ModuleList([nn.Linear(2, 2)]), devices=CPU2)
 
 
@@ -103,11 +108,14 @@ def test_ranges_give_each_stages_layer_indices():
     assert plan(linears(5), devices=CPU2, balance=[2, 3]).ranges == [(0, 2), (2, 5)]
 
 
-@pytest.mark.parametrize("costs, stages, expected", [
-    ([100, 1, 1, 1, 1], 2, (1, 4)),
-    ([1, 1, 1, 1, 100], 2, (4, 1)),
-    ([3, 3, 3, 3], 4, (1, 1, 1, 1)),
-    ([5, 1, 1, 5, 1, 1], 2, (3, 3)),
-])
+@pytest.mark.parametrize(
+    "costs, stages, expected",
+    [
+        ([100, 1, 1, 1, 1], 2, (1, 4)),
+        ([1, 1, 1, 1, 100], 2, (4, 1)),
+        ([3, 3, 3, 3], 4, (1, 1, 1, 1)),
+        ([5, 1, 1, 5, 1, 1], 2, (3, 3)),
+    ],
+)
 def test_min_max_partition_minimises_the_heaviest_stage(costs, stages, expected):
     assert min_max_partition(costs, stages) == expected

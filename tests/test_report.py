@@ -1,4 +1,5 @@
 """StageReport: per-stage time and activation memory measured in real training steps."""
+
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -29,9 +30,16 @@ def fit(out: Path, strategy: Any, steps: int = 3) -> tuple[StageReport, GPT]:
     L.seed_everything(0)
     callback = StageReport(warmup_steps=1, steps=2, dirpath=str(out), verbose=False)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[callback],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[callback],
     )
     model = GPT(size="tiny", n_layers=2, seq_len=32, dropout=0.1)
     trainer.fit(model, SyntheticTokens(seq_len=32, num_samples=64, val_samples=16, batch_size=8))
@@ -97,7 +105,9 @@ def test_writes_a_chart_and_the_numbers(measured):
     callback, _, out = measured("except_last")
     assert (out / "stage_report.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "stage_report.json").read_text())
-    assert [row["peak_activation_bytes"] for row in saved] == [s.peak_activation_bytes for s in callback.stats]
+    assert [row["peak_activation_bytes"] for row in saved] == [
+        s.peak_activation_bytes for s in callback.stats
+    ]
 
 
 def test_a_run_shorter_than_the_warm_up_is_still_measured(tmp_path):
@@ -118,6 +128,8 @@ def test_table_has_a_header_and_one_row_per_stage(measured):
     assert len(lines) == 2 + 2
 
 
-@pytest.mark.parametrize("nbytes,text", [(512, "512 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (5 * 2**30, "5.0 GiB")])
+@pytest.mark.parametrize(
+    "nbytes,text", [(512, "512 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (5 * 2**30, "5.0 GiB")]
+)
 def test_human_bytes(nbytes, text):
     assert human_bytes(nbytes) == text

@@ -1,14 +1,15 @@
 """Stages under the local engine: how often each stage runs, and that
 checkpointing never changes the numbers."""
+
 from typing import Dict, List
 
 import pytest
 import torch
 from torch import nn
+from toy import Counter, toy_layers
 
 from pipeckpt.engines.local import LocalEngine
 from pipeckpt.planning import plan
-from toy import Counter, toy_layers
 
 CPU = [torch.device("cpu")]
 MIXES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]
@@ -18,8 +19,9 @@ def counted(depth: int = 6, dropout: float = 0.3) -> nn.Sequential:
     """Layers with a Counter at the head of each of 3 stages of 2 layers."""
     torch.manual_seed(0)
     layers = list(toy_layers(depth=depth, dropout=dropout))
-    return nn.Sequential(*[nn.Sequential(Counter(), layer) if i % 2 == 0 else layer
-                           for i, layer in enumerate(layers)])
+    return nn.Sequential(
+        *[nn.Sequential(Counter(), layer) if i % 2 == 0 else layer for i, layer in enumerate(layers)]
+    )
 
 
 def run(mode, *, chunks: int = 4, batch: int = 8, seq: nn.Sequential = None) -> LocalEngine:
@@ -35,9 +37,15 @@ def counts(engine: LocalEngine) -> List[int]:
     return [s.partition[0][0].calls for s in engine.stages]
 
 
-@pytest.mark.parametrize("mode, per_stage", [
-    ("never", 4), ("except_last", 7), ("always", 8), ("offload", 8),
-])
+@pytest.mark.parametrize(
+    "mode, per_stage",
+    [
+        ("never", 4),
+        ("except_last", 7),
+        ("always", 8),
+        ("offload", 8),
+    ],
+)
 def test_each_stage_runs_forward_once_per_microbatch_plus_recomputes(mode, per_stage):
     assert counts(run(mode)) == [per_stage] * 3
 
@@ -81,6 +89,7 @@ def test_recompute_leaves_batchnorm_running_statistics_as_never_does():
 
 def test_fewer_samples_than_chunks_runs_fewer_microbatches_with_a_warning():
     from pipeckpt import PipeckptWarning
+
     with pytest.warns(PipeckptWarning, match=r"a batch of 3 samples makes only 3 micro-batches for chunks=4"):
         engine = run("never", chunks=4, batch=3)
     assert counts(engine) == [3, 3, 3]
@@ -93,8 +102,11 @@ def test_a_flop_counter_around_the_pipeline_sees_every_stages_forward():
         torch.manual_seed(0)
         seq = toy_layers(depth=6)
         x = torch.randn(8, 8)
-        run_ = LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="never"),
-                           chunks=4).forward if pipelined else seq
+        run_ = (
+            LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="never"), chunks=4).forward
+            if pipelined
+            else seq
+        )
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             run_(x)
         return counter.get_total_flops()

@@ -1,4 +1,5 @@
 """The 'pipe' strategy under real Lightning Trainer runs on CPU."""
+
 from typing import Any
 
 import lightning as L
@@ -6,10 +7,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from toy import DtypeProbe, ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
-from toy import (DtypeProbe, ToyModule, assert_bitwise_equal, fit, max_relative_difference,
-                 params, toy_loader)
 
 
 def pipe(**kwargs: Any) -> PipelineStrategy:
@@ -28,8 +28,9 @@ def test_pipe_by_name_splits_into_one_stage_per_device():
     assert trainer.strategy.plan.balance == (3, 3)
 
 
-@pytest.mark.parametrize("mode", ["except_last", "always", "offload",
-                                  ["always", "never", "except_last"]], ids=str)
+@pytest.mark.parametrize(
+    "mode", ["except_last", "always", "offload", ["always", "never", "except_last"]], ids=str
+)
 def test_parameters_after_training_with_dropout_are_bitwise_equal_to_never(mode):
     reference = params(fit(ToyModule(dropout=0.3), pipe(checkpoint="never"), steps=5).lightning_module)
     other = params(fit(ToyModule(dropout=0.3), pipe(checkpoint=mode), steps=5).lightning_module)
@@ -74,8 +75,9 @@ def test_deferred_batch_norm_tracks_statistics_per_minibatch():
     class BN(ToyModule):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (8, 1)), nn.BatchNorm1d(8),
-                                        nn.Flatten(), nn.Linear(8, 3))
+            self.layers = nn.Sequential(
+                nn.Linear(8, 8), nn.Unflatten(1, (8, 1)), nn.BatchNorm1d(8), nn.Flatten(), nn.Linear(8, 3)
+            )
 
     plain, piped = BN(), BN()
     piped.load_state_dict(plain.state_dict())
@@ -94,6 +96,7 @@ def test_deferred_batch_norm_tracks_statistics_per_minibatch():
 
 # -- bad input: a clear error before any training step ----------------------------
 
+
 class StepCounter(Callback):
     def __init__(self) -> None:
         self.steps = 0
@@ -102,11 +105,14 @@ class StepCounter(Callback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(balance=[2, 2]), r"balance \[2, 2\] \(sum 4\).*\(6\)"),
-    (dict(balance=None, stages=7), r"stages=7.*number of layers \(6\)"),
-    (dict(checkpoint=["always", "never"]), r"\(2 modes\).*3 stages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(balance=[2, 2]), r"balance \[2, 2\] \(sum 4\).*\(6\)"),
+        (dict(balance=None, stages=7), r"stages=7.*number of layers \(6\)"),
+        (dict(checkpoint=["always", "never"]), r"\(2 modes\).*3 stages"),
+    ],
+)
 def test_layout_errors_are_raised_before_any_training_step(kwargs, message):
     counter = StepCounter()
     with pytest.raises(PipeckptConfigError, match=message):
@@ -114,13 +120,16 @@ def test_layout_errors_are_raised_before_any_training_step(kwargs, message):
     assert counter.steps == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(chunks=0), r"chunks=0.*integer >= 1"),
-    (dict(checkpoint="sometimes"), r"'sometimes'.*not one of"),
-    (dict(stages=0), r"stages=0"),
-    (dict(engine="remote"), r"engine='remote'"),
-    (dict(balance_by="luck"), r"balance_by='luck'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunks=0), r"chunks=0.*integer >= 1"),
+        (dict(checkpoint="sometimes"), r"'sometimes'.*not one of"),
+        (dict(stages=0), r"stages=0"),
+        (dict(engine="remote"), r"engine='remote'"),
+        (dict(balance_by="luck"), r"balance_by='luck'"),
+    ],
+)
 def test_setting_errors_are_raised_when_the_strategy_is_built(kwargs, message):
     with pytest.raises(PipeckptConfigError, match=message):
         PipelineStrategy(**kwargs)
@@ -130,7 +139,9 @@ def test_module_without_configure_pipeline_gets_told_what_to_add():
     class NoHook(ToyModule):
         configure_pipeline = None  # type: ignore[assignment]
 
-    with pytest.raises(PipeckptConfigError, match=r"no configure_pipeline\(\).*HINT: add `def configure_pipeline"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"no configure_pipeline\(\).*HINT: add `def configure_pipeline"
+    ):
         fit(NoHook(), pipe(), steps=1)
 
 
@@ -156,6 +167,7 @@ def test_a_shared_parameter_across_stages_is_refused():
 
 # -- checkpoints -------------------------------------------------------------------
 
+
 def save(trainer: L.Trainer, path: Any) -> Any:
     trainer.save_checkpoint(path)
     return path
@@ -172,26 +184,39 @@ def checkpointed_run(strategy: Any, tmp_path: Any, *, dropout: float = 0.0) -> A
     where Lightning resumes a plain DataLoader exactly; mid-epoch it restarts the
     epoch's data."""
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
-    trainer = fit(ToyModule(dropout=dropout), strategy, steps=8, callbacks=[checkpoints],
-                  enable_checkpointing=True)
+    trainer = fit(
+        ToyModule(dropout=dropout), strategy, steps=8, callbacks=[checkpoints], enable_checkpointing=True
+    )
     return params(trainer.lightning_module), tmp_path / "epoch=0-step=4.ckpt"
 
 
 def resumed_run(strategy: Any, path: Any, *, dropout: float = 0.0) -> L.Trainer:
     torch.manual_seed(999)  # the checkpoint's RNG state, not this seed, must decide dropout
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=8, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(ToyModule(dropout=dropout), toy_loader(), ckpt_path=path)
     assert trainer.global_step == 8
     return trainer
 
 
-@pytest.mark.parametrize("first, second", [
-    (dict(balance=[1, 2, 2, 1]), dict(balance=[3, 3])),
-    (dict(balance=[1, 2, 2, 1]), None),
-    (None, dict(balance=[1, 2, 2, 1])),
-], ids=["4-to-2-stages", "4-stages-to-no-pipeline", "no-pipeline-to-4-stages"])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (dict(balance=[1, 2, 2, 1]), dict(balance=[3, 3])),
+        (dict(balance=[1, 2, 2, 1]), None),
+        (None, dict(balance=[1, 2, 2, 1])),
+    ],
+    ids=["4-to-2-stages", "4-stages-to-no-pipeline", "no-pipeline-to-4-stages"],
+)
 def test_checkpoint_resumes_under_another_layout_to_1e_6(tmp_path, first, second):
     def strategy(kw: Any) -> Any:
         return pipe(**kw) if kw is not None else "auto"
@@ -215,8 +240,16 @@ def test_a_pipe_checkpoint_loads_with_weights_only(tmp_path):
 
 def test_optimizer_state_follows_each_parameter_after_resume(tmp_path):
     path = save(fit(ToyModule(), pipe(), steps=2), tmp_path / "a.ckpt")
-    trainer = L.Trainer(strategy=pipe(), accelerator="cpu", devices=1, max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=pipe(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
     trainer.fit(ToyModule(), toy_loader(), ckpt_path=path)
     for optimizer in trainer.optimizers:
         for p, state in optimizer.state.items():

@@ -1,4 +1,5 @@
 """train.py end to end on CPU, as a user runs it: a subprocess, outputs in tmp_path."""
+
 import json
 import os
 import re
@@ -12,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["trainer=fast", "trainer.enable_progress_bar=false", "threads=1"]
 
 
-def train(out: Path, *overrides: str, multirun: bool = False, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    out: Path, *overrides: str, multirun: bool = False, check: bool = True
+) -> subprocess.CompletedProcess:
     """Runs train.py with fast settings; its run directory (or sweep directory) is ``out``."""
     where = f"hydra.sweep.dir={out}" if multirun else f"hydra.run.dir={out}"
     command = [sys.executable, "train.py", *(["-m"] if multirun else []), *FAST, where, *overrides]
@@ -53,7 +56,7 @@ def test_default_run_prints_the_stage_table_and_a_summary_line(default_run):
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("stage "))
     assert lines[header].split()[:2] == ["stage", "layers"]
-    assert [line.split()[0] for line in lines[header + 2:header + 4]] == ["0", "1"]
+    assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["0", "1"]
     assert lines[-1].startswith("[") and "4 steps" in lines[-1] and str(out) in lines[-1]
 
 
@@ -113,8 +116,11 @@ def test_bf16_autocast(tmp_path):
 @pytest.mark.slow
 def test_resume_from_a_checkpoint_continues_where_it_stopped(tmp_path):
     first = train(tmp_path / "first")
-    resumed = train(tmp_path / "resumed", f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}",
-                    "trainer.max_steps=6")
+    resumed = train(
+        tmp_path / "resumed",
+        f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}",
+        "trainer.max_steps=6",
+    )
     # The resumed run starts from the first run's final weights and makes only the 2 missing steps.
     assert val_losses(resumed.stdout)[0] == val_losses(first.stdout)[1]
     assert "6 steps" in resumed.stdout.splitlines()[-1]
@@ -147,8 +153,13 @@ def test_a_misspelled_override_exits_1_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_the_custom_module_example_learns(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_module.py")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_module.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("mean squared error"))
     before, after = (float(word) for word in re.findall(r"\d+\.\d+", line))

@@ -1,5 +1,6 @@
 """A small LightningModule and data shared by the core tests: a stack of
 Linear layers (optionally with dropout) exposed through configure_pipeline()."""
+
 from typing import Any, Dict, List
 
 import lightning as L
@@ -72,13 +73,21 @@ def toy_loader(*, n: int = 64, batch_size: int = 16, seed: int = 1) -> DataLoade
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def fit(module: L.LightningModule, strategy: Any, *, steps: int = 4, seed: int = 123,
-        **trainer_kwargs: Any) -> L.Trainer:
+def fit(
+    module: L.LightningModule, strategy: Any, *, steps: int = 4, seed: int = 123, **trainer_kwargs: Any
+) -> L.Trainer:
     """Trains `steps` optimizer steps on CPU with a fixed seed."""
-    kwargs: Dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                                  enable_checkpointing=False, enable_progress_bar=False,
-                                  enable_model_summary=False, num_sanity_val_steps=0,
-                                  limit_val_batches=0)
+    kwargs: Dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     kwargs.update(trainer_kwargs)
     torch.manual_seed(seed)
     trainer = L.Trainer(strategy=strategy, **kwargs)

@@ -1,4 +1,5 @@
 """DataModules for the example app: a byte-level text corpus and seeded synthetic data."""
+
 from pipeckpt.data.synthetic import SyntheticImages, SyntheticTokens, SyntheticVectors
 from pipeckpt.data.text import TextDataModule
 

@@ -4,6 +4,7 @@ Each task is learnable (a small model's loss falls within a few dozen steps),
 so an end-to-end test can check that training trains, not only that it runs.
 The same ``seed`` always gives the same tensors, on any machine.
 """
+
 from typing import Optional
 
 import lightning as L
@@ -36,7 +37,9 @@ class _Synthetic(L.LightningDataModule):
         self.train_set: Optional[TensorDataset] = None
         self.val_set: Optional[TensorDataset] = None
 
-    def _make(self, task: torch.Generator, samples: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(
+        self, task: torch.Generator, samples: torch.Generator, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
@@ -80,7 +83,9 @@ class SyntheticTokens(_Synthetic):
         self.vocab_size = vocab_size
         self.steps = steps
 
-    def _make(self, task: torch.Generator, samples: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(
+        self, task: torch.Generator, samples: torch.Generator, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         start = torch.randint(self.vocab_size, (n, 1), generator=samples)
         step = torch.randint(1, self.steps + 1, (n, 1), generator=samples)
         seq = (start + step * torch.arange(self.seq_len + 1)) % self.vocab_size
@@ -104,7 +109,9 @@ class SyntheticVectors(_Synthetic):
         self.in_features = in_features
         self.num_classes = num_classes
 
-    def _make(self, task: torch.Generator, samples: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(
+        self, task: torch.Generator, samples: torch.Generator, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         teacher = torch.randn(self.num_classes, self.in_features, generator=task)
         x = torch.randn(n, self.in_features, generator=samples)
         return x, (x @ teacher.T).argmax(dim=1)
@@ -130,7 +137,9 @@ class SyntheticImages(_Synthetic):
         self.num_classes = num_classes
         self.noise = noise
 
-    def _make(self, task: torch.Generator, samples: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(
+        self, task: torch.Generator, samples: torch.Generator, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         prototypes = torch.randn(self.num_classes, *self.shape, generator=task)
         labels = torch.randint(self.num_classes, (n,), generator=samples)
         images = prototypes[labels] + self.noise * torch.randn(n, *self.shape, generator=samples)

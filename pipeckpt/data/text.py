@@ -8,6 +8,7 @@ visibly falls. Any other directory or file can be used through ``path``.
 Tokens are bytes (vocabulary 256), so there is no tokenizer to install or to
 keep consistent between training and evaluation.
 """
+
 import fnmatch
 import os
 import sysconfig

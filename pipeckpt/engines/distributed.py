@@ -26,6 +26,7 @@ One training step::
     backward(loss)                   adds the step's gradients (Lightning zeroes them in between)
     optimizer.step()                 clipping by norm uses the norm over the whole pipeline
 """
+
 import os
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -37,7 +38,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device, _init_dist_connection, _sync_ddp_if_available)
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
@@ -57,12 +61,11 @@ from typing_extensions import override
 from pipeckpt import _rng
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.contract import pipelined_sequential
-from pipeckpt.engines.topology import Topology, microbatches_for, resolve, validate_settings
 from pipeckpt.engines.liveness import Liveness, is_communication_failure, lost_message
 from pipeckpt.engines.local import convert_deferred_batch_norm
 from pipeckpt.engines.pipelining import LiveStage, Schedules, StageModule, shape_inference_loss
-from pipeckpt.engines.routing import (LogRecorder, Microbatches, answering, capture_input, replay,
-                                      step_loss)
+from pipeckpt.engines.routing import LogRecorder, Microbatches, answering, capture_input, replay, step_loss
+from pipeckpt.engines.topology import Topology, microbatches_for, resolve, validate_settings
 from pipeckpt.planning import StagePlan, plan, split
 from pipeckpt.stage import Stage, capture_caller_state
 from pipeckpt.strategy import PipelineStrategy, _optimizer_state_to_param_devices, _warn_if_slurm_ignored
@@ -104,8 +107,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
     def __init__(self, **kwargs: Any) -> None:
         kwargs["engine"] = "distributed"
         super().__init__(**kwargs)
-        validate_settings(schedule=self.schedule, virtual_stages=self.virtual_stages, dp=self.dp,
-                          timeout=self.timeout)
+        validate_settings(
+            schedule=self.schedule, virtual_stages=self.virtual_stages, dp=self.dp, timeout=self.timeout
+        )
         self._topology: Optional[Topology] = None
         self._pp_group: Optional[dist.ProcessGroup] = None
         self._dp_group: Optional[dist.ProcessGroup] = None
@@ -138,9 +142,13 @@ class DistributedPipelineStrategy(PipelineStrategy):
         """``pp`` x ``dp`` and who runs which stage, from the settings and the world size."""
         if self._topology is None:
             self._topology = resolve(
-                world=max(1, self.num_nodes * self.num_processes), virtual_stages=self.virtual_stages,
+                world=max(1, self.num_nodes * self.num_processes),
+                virtual_stages=self.virtual_stages,
                 stages=self.num_stages if self.balance is None else len(self.balance),
-                dp=self.dp, chunks=self.chunks, schedule=self.schedule)
+                dp=self.dp,
+                chunks=self.chunks,
+                schedule=self.schedule,
+            )
         return self._topology
 
     @property
@@ -188,8 +196,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
         assert self.cluster_environment is not None
         _warn_if_slurm_ignored(self.cluster_environment)
         _check_slurm_tasks(self.cluster_environment, devices=self.num_processes, num_nodes=self.num_nodes)
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                   self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -201,13 +210,16 @@ class DistributedPipelineStrategy(PipelineStrategy):
         options: Dict[str, Any] = {"timeout": timedelta(seconds=self.timeout)}
         if device.type != "cpu":
             options["device_id"] = device
-        _init_dist_connection(self.cluster_environment,
-                              _get_default_process_group_backend_for_device(device), **options)
-        mesh = init_device_mesh(device.type, (self.data_parallel_size, self.pipeline_size),
-                                mesh_dim_names=("dp", "pp"))
+        _init_dist_connection(
+            self.cluster_environment, _get_default_process_group_backend_for_device(device), **options
+        )
+        mesh = init_device_mesh(
+            device.type, (self.data_parallel_size, self.pipeline_size), mesh_dim_names=("dp", "pp")
+        )
         self._pp_group, self._dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        self._liveness = Liveness(dist.distributed_c10d._get_default_store(),
-                                  rank=self.global_rank, world_size=self.world_size)
+        self._liveness = Liveness(
+            dist.distributed_c10d._get_default_store(), rank=self.global_rank, world_size=self.world_size
+        )
         self._liveness.start()
 
     # -- set-up -----------------------------------------------------------------
@@ -222,20 +234,28 @@ class DistributedPipelineStrategy(PipelineStrategy):
             raise config_error(
                 f"{type(module).__name__} uses manual optimization",
                 "the distributed engine's schedule runs backward itself, inside training_step",
-                "use automatic optimization, or engine='local'")
+                "use automatic optimization, or engine='local'",
+            )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise config_error(
                 "precision='16-mixed' (a gradient scaler)",
                 "the schedule runs backward inside training_step, where the scaler cannot scale it",
-                "use precision='bf16-mixed' or '32-true' with the distributed engine")
+                "use precision='bf16-mixed' or '32-true' with the distributed engine",
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self._build_pipeline()
         self.model_to_device()
         assert self._plan is not None and self._pp_group is not None
         self._schedules = Schedules(
-            kind=self.schedule, indices=[m.stage.index for m in self._modules], modules=self._modules,
-            trained=[self._data_parallel(m) for m in self._modules], num_stages=self._plan.stages,
-            device=self.root_device, group=self._pp_group, loss_fn=self._microbatch_loss)
+            kind=self.schedule,
+            indices=[m.stage.index for m in self._modules],
+            modules=self._modules,
+            trained=[self._data_parallel(m) for m in self._modules],
+            num_stages=self._plan.stages,
+            device=self.root_device,
+            group=self._pp_group,
+            loss_fn=self._microbatch_loss,
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -244,15 +264,25 @@ class DistributedPipelineStrategy(PipelineStrategy):
         self._route_gradient_clipping()
 
     @override
-    def _plan_for(self, module: LightningModule, sequential: nn.Sequential,
-                  balance: Optional[Tuple[int, ...]] = None) -> StagePlan:
+    def _plan_for(
+        self, module: LightningModule, sequential: nn.Sequential, balance: Optional[Tuple[int, ...]] = None
+    ) -> StagePlan:
         if self.placement is not None:
-            raise config_error(f"placement={self.placement} with engine='distributed'",
-                               "each process runs its stages on its own device", "drop `placement`")
-        return plan(sequential, devices=[self.root_device], stages=self.topology.stages,
-                    balance=balance if balance is not None else self.balance,
-                    balance_by=self.balance_by, checkpoint=self.checkpoint,
-                    sample=getattr(module, "example_input_array", None), chunks=self.chunks)
+            raise config_error(
+                f"placement={self.placement} with engine='distributed'",
+                "each process runs its stages on its own device",
+                "drop `placement`",
+            )
+        return plan(
+            sequential,
+            devices=[self.root_device],
+            stages=self.topology.stages,
+            balance=balance if balance is not None else self.balance,
+            balance_by=self.balance_by,
+            checkpoint=self.checkpoint,
+            sample=getattr(module, "example_input_array", None),
+            chunks=self.chunks,
+        )
 
     @override
     def _build_pipeline(self) -> None:
@@ -274,10 +304,18 @@ class DistributedPipelineStrategy(PipelineStrategy):
             if j not in mine:
                 part.to_empty(device="meta")  # another rank's: keep the structure, free the memory
         self._modules = [
-            StageModule(Stage(parts[j], index=j, mode=stage_plan.modes[j], device=self.root_device,
-                              pin_memory=self.pin_memory),
-                        entry=self._first_stage_input if j == 0 else None)
-            for j in mine]
+            StageModule(
+                Stage(
+                    parts[j],
+                    index=j,
+                    mode=stage_plan.modes[j],
+                    device=self.root_device,
+                    pin_memory=self.pin_memory,
+                ),
+                entry=self._first_stage_input if j == 0 else None,
+            )
+            for j in mine
+        ]
         sequential.forward = _called_outside_a_step  # type: ignore[method-assign]
         self._sequential = sequential
 
@@ -285,8 +323,12 @@ class DistributedPipelineStrategy(PipelineStrategy):
         if self.data_parallel_size == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
         device = self.root_device
-        ddp = DistributedDataParallel(module, process_group=self._dp_group, broadcast_buffers=False,
-                                      device_ids=None if device.type == "cpu" else [device])
+        ddp = DistributedDataParallel(
+            module,
+            process_group=self._dp_group,
+            broadcast_buffers=False,
+            device_ids=None if device.type == "cpu" else [device],
+        )
         # The schedule arms DDP's reducer itself before the last micro-batch's backward.
         # Any other forward, such as the schedule's shape inference, must not arm it.
         ddp.require_backward_grad_sync = False
@@ -343,8 +385,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
         try:
             if train:
                 with self._gradients_set_aside():
-                    schedule.step(*inputs, target=torch.arange(m) if last is not None else None,
-                                  return_outputs=False)
+                    schedule.step(
+                        *inputs, target=torch.arange(m) if last is not None else None, return_outputs=False
+                    )
             else:
                 output = schedule.step(*inputs)
                 if last is not None:  # forward only: the step sees the whole batch's output
@@ -356,9 +399,11 @@ class DistributedPipelineStrategy(PipelineStrategy):
                 stage.last_output = None
         payload = None
         if last is not None:
-            payload = {"logs": run.recorder.reduced(),
-                       "loss": torch.stack(run.losses).mean().cpu() if train else None,
-                       "prediction": _to_cpu(result) if hook == "predict_step" else None}
+            payload = {
+                "logs": run.recorder.reduced(),
+                "loss": torch.stack(run.losses).mean().cpu() if train else None,
+                "prediction": _to_cpu(result) if hook == "predict_step" else None,
+            }
         payload = self._from_last_stage(payload)
         replay(module, payload["logs"], self.root_device)
         if train:
@@ -368,8 +413,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
     def _first_stage_input(self, tensors: Tuple[Tensor, ...]) -> Tensor:
         run, module, sequential = self._run, self.lightning_module, self._sequential
         assert run is not None and module is not None and sequential is not None
-        return capture_input(module, sequential, run.hook, run.microbatches.rebuild(tensors),
-                             run.rest, run.kwargs)
+        return capture_input(
+            module, sequential, run.hook, run.microbatches.rebuild(tensors), run.rest, run.kwargs
+        )
 
     def _microbatch_loss(self, output: Any, target: Tensor) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step on micro-batch ``target``."""
@@ -384,15 +430,18 @@ class DistributedPipelineStrategy(PipelineStrategy):
         return loss * run.scale
 
     def _microbatches_for(self, size: int, train: bool) -> int:
-        m = microbatches_for(size, chunks=self.chunks, schedule=self.schedule, pp=self.pipeline_size,
-                             train=train)
+        m = microbatches_for(
+            size, chunks=self.chunks, schedule=self.schedule, pp=self.pipeline_size, train=train
+        )
         if m != self.chunks and not self._warned_microbatches:
             self._warned_microbatches = True
             rank_zero_warn(
                 f"a batch of {size} samples cannot be cut into chunks={self.chunks} equal "
                 f"micro-batches; it runs as {m} micro-batches (typically the last, smaller batch "
                 "of an epoch). HINT: use a batch size that is a multiple of chunks, or "
-                "drop_last=True", category=PipeckptWarning)
+                "drop_last=True",
+                category=PipeckptWarning,
+            )
         return m
 
     def _from_last_stage(self, payload: Any) -> Any:
@@ -420,8 +469,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
                 p.grad = g
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any,
-                 **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+    ) -> Tensor:
         """Adds the gradients the schedule computed in ``training_step``, between the hooks."""
         module = self.lightning_module
         assert module is not None
@@ -440,8 +490,11 @@ class DistributedPipelineStrategy(PipelineStrategy):
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
             params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
-            norm = (torch.nn.utils.get_total_norm([p.grad for p in params]).float() if params
-                    else torch.zeros((), device=self.root_device))
+            norm = (
+                torch.nn.utils.get_total_norm([p.grad for p in params]).float()
+                if params
+                else torch.zeros((), device=self.root_device)
+            )
             squared = norm.to(self.root_device) ** 2
             if self.pipeline_size > 1:  # replicas hold the same, DDP-averaged, gradients
                 dist.all_reduce(squared, group=self._pp_group)
@@ -497,8 +550,9 @@ class DistributedPipelineStrategy(PipelineStrategy):
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
     @override
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any,
-                        storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
         # Every rank draws its own dropout masks: a resume on the same world restores each
         # rank's RNG, where the base class restores global rank 0's everywhere.
         if self._set_up():
@@ -539,8 +593,12 @@ class DistributedPipelineStrategy(PipelineStrategy):
         return box[0]
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None,
-               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
+    def reduce(
+        self,
+        tensor: Any,
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean",
+    ) -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -560,11 +618,11 @@ class DistributedPipelineStrategy(PipelineStrategy):
         if not is_communication_failure(exception):
             return
         lost = _exited_children(self) or liveness.lost_ranks()
-        message = lost_message(me=self.global_rank, lost=lost, describe=self.topology.describe,
-                               timeout=self.timeout)
+        message = lost_message(
+            me=self.global_rank, lost=lost, describe=self.topology.describe, timeout=self.timeout
+        )
         print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
-        exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}",
-                          *exception.args[1:])
+        exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 
     @override
     def teardown(self) -> None:
@@ -598,8 +656,8 @@ def _check_all_parameters_pipelined(module: LightningModule, sequential: nn.Sequ
             f"trainable parameters outside the pipelined Sequential ({shown})",
             "under the distributed engine each process holds only its stages, so a parameter "
             "outside them would have no owner",
-            "move those layers into the Sequential returned by configure_pipeline(), or use "
-            "engine='local'")
+            "move those layers into the Sequential returned by configure_pipeline(), or use engine='local'",
+        )
 
 
 def _called_outside_a_step(*args: Any, **kwargs: Any) -> Any:
@@ -607,7 +665,8 @@ def _called_outside_a_step(*args: Any, **kwargs: Any) -> Any:
         "the pipelined Sequential was called outside training/validation/test/predict_step",
         "under the distributed engine each process holds only its stages, so the Sequential "
         "runs only inside a step, through the schedule",
-        "call it from a step, or use engine='local'")
+        "call it from a step, or use engine='local'",
+    )
 
 
 def _check_slurm_tasks(environment: Any, *, devices: int, num_nodes: int) -> None:
@@ -621,7 +680,8 @@ def _check_slurm_tasks(environment: Any, *, devices: int, num_nodes: int) -> Non
             "the distributed engine runs one process per device, and SLURM starts "
             "--ntasks-per-node of them on each node, so the two must agree",
             f"set the trainer's devices={count} (pp x dp = {int(count) * num_nodes} processes "
-            f"on {num_nodes} node(s)), or change --ntasks-per-node")
+            f"on {num_nodes} node(s)), or change --ntasks-per-node",
+        )
 
 
 def _exited_children(strategy: DistributedPipelineStrategy) -> List[int]:

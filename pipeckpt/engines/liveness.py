@@ -13,6 +13,7 @@ Counters rather than timestamps, so that clocks of different nodes never meet.
 Ranks that Lightning's launcher started on this node are known at once: their
 process has exited.
 """
+
 import os
 import threading
 import time
@@ -26,8 +27,7 @@ _PREFIX = "pipeckpt/liveness/"
 
 
 class Liveness:
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int,
-                 period: float = 0.5) -> None:
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, period: float = 0.5) -> None:
         self._store = dist.PrefixStore(_PREFIX, store)
         self.rank = rank
         self.world_size = world_size
@@ -71,8 +71,7 @@ class Liveness:
             left = [self._store.check([f"left/{r}"]) for r in range(self.world_size)]
         except Exception:
             return None
-        return [r for r in range(self.world_size)
-                if r != self.rank and after[r] == before[r] and not left[r]]
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and not left[r]]
 
 
 def is_communication_failure(exception: BaseException) -> bool:
@@ -88,23 +87,41 @@ def is_communication_failure(exception: BaseException) -> bool:
     return False
 
 
-_TRANSPORT_WORDS = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe",
-                    "timed out", "Timed out", "Timeout", "gloo", "NCCL", "Socket", "socket")
+_TRANSPORT_WORDS = (
+    "Connection closed",
+    "Connection reset",
+    "Connection refused",
+    "Broken pipe",
+    "timed out",
+    "Timed out",
+    "Timeout",
+    "gloo",
+    "NCCL",
+    "Socket",
+    "socket",
+)
 
 
-def lost_message(*, me: int, lost: Optional[List[int]], describe: Callable[[int], str],
-                 timeout: float) -> str:
+def lost_message(
+    *, me: int, lost: Optional[List[int]], describe: Callable[[int], str], timeout: float
+) -> str:
     """What a survivor says, given the ranks found lost (None: the store is unreachable)."""
     if lost is None:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        return (f"pipeckpt: lost rank 0 or the rendezvous store at {where} (rank 0 hosts it unless "
-                f"torchrun's agent does): rank {me} cannot reach it after its communication failed. "
-                "HINT: look for the cause in rank 0's output and the job's exit codes")
+        return (
+            f"pipeckpt: lost rank 0 or the rendezvous store at {where} (rank 0 hosts it unless "
+            f"torchrun's agent does): rank {me} cannot reach it after its communication failed. "
+            "HINT: look for the cause in rank 0's output and the job's exit codes"
+        )
     if lost:
         names = "; ".join(describe(r) for r in lost)
-        return (f"pipeckpt: lost {names}: it stopped without reporting an error (killed, out of "
-                f"memory, or its node failed), so rank {me} could not go on. HINT: look for the "
-                f"cause in the output of rank {lost[0]} and the job's exit codes")
-    return (f"pipeckpt: rank {me} failed in a collective while every other rank is alive: one is "
-            f"stuck or slower than timeout={timeout:g}s. HINT: raise the strategy's `timeout`, or "
-            "look for a rank that hangs")
+        return (
+            f"pipeckpt: lost {names}: it stopped without reporting an error (killed, out of "
+            f"memory, or its node failed), so rank {me} could not go on. HINT: look for the "
+            f"cause in the output of rank {lost[0]} and the job's exit codes"
+        )
+    return (
+        f"pipeckpt: rank {me} failed in a collective while every other rank is alive: one is "
+        f"stuck or slower than timeout={timeout:g}s. HINT: raise the strategy's `timeout`, or "
+        "look for a rank that hangs"
+    )

@@ -8,6 +8,7 @@ micro-batch scatter/gather, but hands the pipeline :class:`~pipeckpt.stage.Stage
 modules that hold the user's own layers and checkpoint themselves, so
 torchgpipe runs with its own checkpointing off.
 """
+
 import warnings
 from typing import Dict, List
 
@@ -40,14 +41,17 @@ def convert_deferred_batch_norm(sequential: nn.Sequential, chunks: int) -> None:
 class LocalEngine:
     """Runs the stages of a plan as a GPipe pipeline inside this process."""
 
-    def __init__(self, sequential: nn.Sequential, plan: StagePlan, *, chunks: int,
-                 pin_memory: bool = True) -> None:
+    def __init__(
+        self, sequential: nn.Sequential, plan: StagePlan, *, chunks: int, pin_memory: bool = True
+    ) -> None:
         self.plan = plan
         self.chunks = chunks
         self.stages: List[Stage] = [
             Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory)
-            for j, (part, mode, device) in enumerate(zip(split(sequential, plan.balance),
-                                                         plan.modes, plan.devices))]
+            for j, (part, mode, device) in enumerate(
+                zip(split(sequential, plan.balance), plan.modes, plan.devices)
+            )
+        ]
         self.skip_layout: SkipLayout = inspect_skip_layout(stage_modules(self.stages))
         self._copy_streams: Dict[int, List[List[AbstractStream]]] = {}
         self._warned_small_batch = False
@@ -60,7 +64,8 @@ class LocalEngine:
         if m not in self._copy_streams:
             self._copy_streams[m] = [
                 [new_stream(d) if d.type == "cuda" else current_stream(d) for _ in range(m)]
-                for d in self.plan.devices]
+                for d in self.plan.devices
+            ]
         return self._copy_streams[m]
 
     def _scatter(self, input: Tensor) -> List[microbatch.Batch]:
@@ -75,7 +80,10 @@ class LocalEngine:
                 f"a batch of {size} samples makes only {len(batches)} micro-batches for "
                 f"chunks={self.chunks}; the pipeline runs with fewer micro-batches for such "
                 "batches (typically the last, smaller batch of an epoch). HINT: use a batch "
-                "size that is a multiple of chunks, or drop_last=True", PipeckptWarning)
+                "size that is a multiple of chunks, or drop_last=True",
+                PipeckptWarning,
+                stacklevel=2,
+            )
         return batches
 
     def forward(self, input: Tensor) -> Tensor:
@@ -85,8 +93,8 @@ class LocalEngine:
         for stage in self.stages:
             stage.begin_step(len(batches), caller)
         devices = list(self.plan.devices)
-        pipeline = Pipeline(batches, self.stages, devices, self._streams(len(batches)),
-                            self.skip_layout, checkpoint_stop=0)
+        pipeline = Pipeline(
+            batches, self.stages, devices, self._streams(len(batches)), self.skip_layout, checkpoint_stop=0
+        )
         pipeline.run()
         return microbatch.gather(batches)
-

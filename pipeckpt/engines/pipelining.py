@@ -12,14 +12,14 @@ and remembers the output, by which the loss function tells the two apart.
 A schedule is built for one micro-batch count and one input shape (its
 receive buffers have fixed sizes), so :class:`Schedules` keeps a few.
 """
+
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from typing_extensions import override
 
 from pipeckpt.stage import Stage, side_effect_free
@@ -50,16 +50,27 @@ class StageModule(nn.Module):
 
 
 class LiveStage(PipelineStage):
-    def __init__(self, module: StageModule, submodule: nn.Module, index: int, num_stages: int,
-                 device: torch.device, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        module: StageModule,
+        submodule: nn.Module,
+        index: int,
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+    ) -> None:
         super().__init__(submodule, index, num_stages, device, group=group)
         self.stage_module = module
         self.last_output: Any = None
 
     @override
-    def forward_one_chunk(self, fwd_chunk_id: int, args: Tuple[Any, ...],
-                          kwargs: Optional[Dict[str, Any]] = None,
-                          save_forward_output: bool = True) -> Any:
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: Tuple[Any, ...],
+        kwargs: Optional[Dict[str, Any]] = None,
+        save_forward_output: bool = True,
+    ) -> Any:
         self.stage_module.live = True
         try:
             output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -81,26 +92,40 @@ def shape_inference_loss(output: Tensor) -> Tensor:
 class Schedules:
     """Schedules of one pipeline rank's stages, by (train, micro-batches, input shape)."""
 
-    def __init__(self, *, kind: str, indices: Sequence[int], modules: Sequence[StageModule],
-                 trained: Sequence[nn.Module], num_stages: int, device: torch.device,
-                 group: dist.ProcessGroup, loss_fn: Callable[[Any, Tensor], Tensor]) -> None:
+    def __init__(
+        self,
+        *,
+        kind: str,
+        indices: Sequence[int],
+        modules: Sequence[StageModule],
+        trained: Sequence[nn.Module],
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+    ) -> None:
         self.kind = kind
         self._indices, self._modules, self._trained = list(indices), list(modules), list(trained)
         self._num_stages, self._device, self._group = num_stages, device, group
         self._loss_fn = loss_fn
-        self._cache: "OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]]" = OrderedDict()
+        self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
 
-    def get(self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]) -> Tuple[Any, List[LiveStage]]:
+    def get(
+        self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]
+    ) -> Tuple[Any, List[LiveStage]]:
         key = (train, microbatches, signature)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
         # Training runs the DDP-wrapped modules; forward-only runs need no gradient reduction.
         submodules = self._trained if train else self._modules
-        stages = [LiveStage(m, s, j, self._num_stages, self._device, self._group)
-                  for j, m, s in zip(self._indices, self._modules, submodules)]
-        options: Dict[str, Any] = dict(n_microbatches=microbatches, scale_grads=False,
-                                       loss_fn=self._loss_fn if train else None)
+        stages = [
+            LiveStage(m, s, j, self._num_stages, self._device, self._group)
+            for j, m, s in zip(self._indices, self._modules, submodules)
+        ]
+        options: Dict[str, Any] = dict(
+            n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
+        )
         if self.kind == "interleaved_1f1b":
             schedule: Any = ScheduleInterleaved1F1B(stages, **options)
         elif self.kind == "1f1b" and train:

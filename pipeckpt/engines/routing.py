@@ -18,6 +18,7 @@ This module bridges the two without changing the step:
 A micro-batch is the same slice of every tensor in the batch (dim 0), cut by
 the same ``tensor_split`` as the schedule cuts the pipeline input.
 """
+
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,13 +45,15 @@ class Microbatches:
             raise config_error(
                 f"a batch of type {type(batch).__name__} without tensors",
                 "the distributed engine splits the batch's tensors into micro-batches",
-                "return tensors (or tuples/dicts of tensors) from your DataLoader")
+                "return tensors (or tuples/dicts of tensors) from your DataLoader",
+            )
         sizes = {leaves[i].size(0) if leaves[i].dim() else None for i in self._where}
         if len(sizes) != 1 or None in sizes:
             raise config_error(
                 f"a batch whose tensors have first dimensions {sorted(map(str, sizes))}",
                 "every tensor in the batch must have the samples along dim 0, in the same number",
-                "keep per-batch constants out of the batch, or give them a batch dimension")
+                "keep per-batch constants out of the batch, or give them a batch dimension",
+            )
         self.size: int = sizes.pop()
         self.count = num_microbatches
         self._chunks = [torch.tensor_split(leaves[i], num_microbatches) for i in self._where]
@@ -91,7 +94,9 @@ def _single_tensor(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tensor:
         raise config_error(
             "the pipelined Sequential was called with "
             f"{len(args)} positional and {len(kwargs)} keyword arguments",
-            "a pipeline passes one tensor from stage to stage", "call it with one tensor")
+            "a pipeline passes one tensor from stage to stage",
+            "call it with one tensor",
+        )
     return args[0]
 
 
@@ -121,8 +126,14 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-def capture_input(module: LightningModule, sequential: nn.Sequential, hook: str,
-                  batch: Any, rest: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tensor:
+def capture_input(
+    module: LightningModule,
+    sequential: nn.Sequential,
+    hook: str,
+    batch: Any,
+    rest: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+) -> Tensor:
     """The input the user's ``hook`` passes to the pipelined Sequential for ``batch``.
 
     The step runs up to that call only; its ``self.log`` calls are dropped here,
@@ -139,7 +150,8 @@ def capture_input(module: LightningModule, sequential: nn.Sequential, hook: str,
     raise config_error(
         f"{type(module).__name__}.{hook} returned without calling the pipelined Sequential",
         "under the distributed engine every step must call it exactly once",
-        "call the Sequential returned by configure_pipeline() in every step")
+        "call the Sequential returned by configure_pipeline() in every step",
+    )
 
 
 class _Answer:
@@ -159,13 +171,15 @@ class _Answer:
                 f"{self.hook} called the pipelined Sequential {self.calls} times",
                 "the distributed engine pipelines one call per step",
                 "call it once per step (concatenate inputs along the batch to run several), "
-                "or use engine='local'")
+                "or use engine='local'",
+            )
         return self.output
 
 
 @contextmanager
-def answering(module: LightningModule, sequential: nn.Sequential, output: Any, hook: str,
-              recorder: "LogRecorder") -> Iterator[None]:
+def answering(
+    module: LightningModule, sequential: nn.Sequential, output: Any, hook: str, recorder: "LogRecorder"
+) -> Iterator[None]:
     """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``."""
     answer = _Answer(output, hook)
     with _routed(sequential, answer), _logging_to(module, recorder.log):
@@ -174,7 +188,8 @@ def answering(module: LightningModule, sequential: nn.Sequential, output: Any, h
         raise config_error(
             f"{type(module).__name__}.{hook} returned without calling the pipelined Sequential",
             "under the distributed engine every step must call it exactly once",
-            "call the Sequential returned by configure_pipeline() in every step")
+            "call the Sequential returned by configure_pipeline() in every step",
+        )
 
 
 def step_loss(output: Any, hook: str) -> Tensor:
@@ -185,13 +200,17 @@ def step_loss(output: Any, hook: str) -> Tensor:
             f"training_step returned {type(output).__name__}",
             "the distributed engine needs a loss from every micro-batch, so a step cannot be "
             "skipped by returning None",
-            "return the loss tensor (or a dict with a 'loss' tensor)")
+            "return the loss tensor (or a dict with a 'loss' tensor)",
+        )
     return loss
 
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS: Dict[str, Callable[[Tensor], Tensor]] = {
-    "mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min,
+    "mean": torch.mean,
+    "sum": torch.sum,
+    "max": torch.max,
+    "min": torch.min,
 }
 _NAMED = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
@@ -224,13 +243,14 @@ class LogRecorder:
                 f"self.log({name!r}, <{type(value).__name__}>) in {self.hook}",
                 "the distributed engine reduces logged values over micro-batches and sends them "
                 "to rank 0, which needs a number or a one-element tensor",
-                "log a number or tensor (for a torchmetrics Metric, log metric.compute() at "
-                "epoch end)")
+                "log a number or tensor (for a torchmetrics Metric, log metric.compute() at epoch end)",
+            )
         if options["sync_dist_group"] is not None:
             raise config_error(
                 f"self.log({name!r}, sync_dist_group=...) in {self.hook}",
                 "the process groups of the distributed engine are its own",
-                "use sync_dist=True without a group")
+                "use sync_dist=True without a group",
+            )
         fx = options["reduce_fx"]
         options["reduce_fx"] = _NAMED.get(fx, fx)
         series = self._series.setdefault(name, _Series(options=options))
@@ -256,8 +276,9 @@ class LogRecorder:
         return out
 
 
-def replay(module: LightningModule, records: Sequence[Tuple[str, Tensor, Dict[str, Any]]],
-           device: torch.device) -> None:
+def replay(
+    module: LightningModule, records: Sequence[Tuple[str, Tensor, Dict[str, Any]]], device: torch.device
+) -> None:
     """Logs reduced records on this rank, as the user's step would have."""
     for name, value, options in records:
         module.log(name, value.to(device), **options)

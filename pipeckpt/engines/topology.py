@@ -7,6 +7,7 @@ rank``, the row-major order of the ``("dp", "pp")`` device mesh). Everything
 here is arithmetic on settings, so a bad combination fails when the Trainer is
 built, before any process starts.
 """
+
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -37,23 +38,32 @@ class Topology:
 def validate_settings(*, schedule: str, virtual_stages: int, dp: Optional[int], timeout: float) -> None:
     """Checks of the distributed settings alone, when the strategy is built."""
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise config_error(f"virtual_stages={virtual_stages!r}",
-                           "a pipeline rank holds an integer number >= 1 of stages",
-                           "set virtual_stages >= 1")
+        raise config_error(
+            f"virtual_stages={virtual_stages!r}",
+            "a pipeline rank holds an integer number >= 1 of stages",
+            "set virtual_stages >= 1",
+        )
     if virtual_stages > 1 and schedule != "interleaved_1f1b":
-        raise config_error(f"virtual_stages={virtual_stages} with schedule={schedule!r}",
-                           "only the interleaved schedule runs several stages per process",
-                           "set schedule='interleaved_1f1b', or virtual_stages=1")
+        raise config_error(
+            f"virtual_stages={virtual_stages} with schedule={schedule!r}",
+            "only the interleaved schedule runs several stages per process",
+            "set schedule='interleaved_1f1b', or virtual_stages=1",
+        )
     if dp is not None and (not isinstance(dp, int) or dp < 1):
-        raise config_error(f"dp={dp!r}", "the data-parallel size is an integer >= 1",
-                           "set dp >= 1, or leave it unset")
+        raise config_error(
+            f"dp={dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
+        )
     if not timeout or timeout <= 0:
-        raise config_error(f"timeout={timeout!r}", "a collective needs a positive time limit",
-                           "set timeout in seconds, e.g. 60")
+        raise config_error(
+            f"timeout={timeout!r}",
+            "a collective needs a positive time limit",
+            "set timeout in seconds, e.g. 60",
+        )
 
 
-def resolve(*, world: int, stages: Optional[int], virtual_stages: int, dp: Optional[int],
-            chunks: int, schedule: str) -> Topology:
+def resolve(
+    *, world: int, stages: Optional[int], virtual_stages: int, dp: Optional[int], chunks: int, schedule: str
+) -> Topology:
     """``pp`` and ``dp`` for a world of ``world`` processes: from ``dp`` if set, else from
     the stage count, else one pipeline over the whole world."""
     v = virtual_stages
@@ -62,14 +72,16 @@ def resolve(*, world: int, stages: Optional[int], virtual_stages: int, dp: Optio
             f"{stages} stages with virtual_stages={v}",
             "every pipeline rank holds virtual_stages stages, so the stages must divide evenly "
             "into the processes of a pipeline",
-            f"set stages to a multiple of {v} (for example {(stages // v + 1) * v})")
+            f"set stages to a multiple of {v} (for example {(stages // v + 1) * v})",
+        )
     if dp is not None:
         if world % dp:
             raise config_error(
                 f"dp={dp} with a world of {world} processes",
                 "pp x dp must equal the world size, so dp must divide it",
                 f"set dp to a divisor of {world}, or run a multiple of {dp} processes "
-                "(the trainer's devices x num_nodes)")
+                "(the trainer's devices x num_nodes)",
+            )
         pp = world // dp
     elif stages is not None:
         pp = stages // v
@@ -78,7 +90,8 @@ def resolve(*, world: int, stages: Optional[int], virtual_stages: int, dp: Optio
                 f"{stages} stages (pp={pp} with virtual_stages={v}) on a world of {world} processes",
                 "pp x dp must equal the world size, so the pipeline ranks must divide it",
                 f"run a multiple of {pp} processes (the trainer's devices x num_nodes), or set "
-                f"stages to {v} x a divisor of {world}")
+                f"stages to {v} x a divisor of {world}",
+            )
     else:
         pp = world
     topology = Topology(pp=pp, dp=world // pp, virtual_stages=v)
@@ -88,24 +101,32 @@ def resolve(*, world: int, stages: Optional[int], virtual_stages: int, dp: Optio
             f"with virtual_stages={v}",
             "the stages must divide into the processes: stages = pp x virtual_stages",
             f"set stages={topology.stages}, or set dp so that pp = stages / virtual_stages = "
-            f"{stages // v}, or change virtual_stages")
+            f"{stages // v}, or change virtual_stages",
+        )
     problem = schedule_rule(schedule, chunks, pp)
     if problem:
-        raise config_error(f"chunks={chunks} with schedule={schedule!r} on pp={pp}", problem,
-                           "raise chunks, or use schedule='gpipe'")
+        raise config_error(
+            f"chunks={chunks} with schedule={schedule!r} on pp={pp}",
+            problem,
+            "raise chunks, or use schedule='gpipe'",
+        )
     return topology
 
 
 def schedule_rule(schedule: str, microbatches: int, pp: int) -> Optional[str]:
     """Why ``microbatches`` do not fit ``schedule`` on ``pp`` ranks when training, or None."""
     if schedule == "1f1b" and microbatches < pp:
-        return (f"1F1B needs at least as many micro-batches as pipeline stages ({pp}); with "
-                f"{microbatches} the schedule cannot fill its pipeline")
+        return (
+            f"1F1B needs at least as many micro-batches as pipeline stages ({pp}); with "
+            f"{microbatches} the schedule cannot fill its pipeline"
+        )
     if schedule == "interleaved_1f1b":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            return (f"interleaved 1F1B runs the micro-batches in rounds of pp={pp}, so their "
-                    f"number must be a multiple of {rounds} (micro-batches // pp)")
+            return (
+                f"interleaved 1F1B runs the micro-batches in rounds of pp={pp}, so their "
+                f"number must be a multiple of {rounds} (micro-batches // pp)"
+            )
     return None
 
 
@@ -126,5 +147,6 @@ def microbatches_for(size: int, *, chunks: int, schedule: str, pp: int, train: b
         raise config_error(
             f"a batch of {size} samples with chunks={chunks} and schedule={schedule!r}",
             "the schedule needs equal micro-batches" + (f", and {rule}" if rule else ""),
-            "use a batch size that is a multiple of chunks, or drop_last=True in the DataLoader")
+            "use a batch size that is a multiple of chunks, or drop_last=True in the DataLoader",
+        )
     return fewer

@@ -1,4 +1,5 @@
 """Example models for pipeckpt, each a LightningModule with ``configure_pipeline``."""
+
 from pipeckpt.models.convnet import ConvNet
 from pipeckpt.models.gpt import GPT, SIZES, gpt_layers
 from pipeckpt.models.mlp import MLP

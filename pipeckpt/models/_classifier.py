@@ -3,6 +3,7 @@
 They differ only in their layers, so the steps, metrics and optimizer live here
 once; each subclass builds ``self.layers`` and nothing else.
 """
+
 from typing import Any
 
 import lightning as L

@@ -6,6 +6,7 @@ running statistics once per micro-batch, from a fraction of the batch.
 ``deferred_batch_norm=True`` makes the strategy accumulate the statistics over
 the micro-batches and update them once per mini-batch, as without a pipeline.
 """
+
 from torch import nn
 
 from pipeckpt.models._classifier import Classifier

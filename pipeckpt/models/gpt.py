@@ -11,6 +11,7 @@ The LightningModule around it is ordinary single-device Lightning code. The
 only addition is ``configure_pipeline``, which tells the pipe strategy which
 submodule to partition.
 """
+
 import math
 from typing import Any, Optional
 

@@ -4,6 +4,7 @@ Its Sequential is flat (``Linear, ReLU, Linear, ReLU, ..., Linear``) so that
 every layer is a possible cut; useful for tests, where a pipeline must be
 cheap, and for seeing how balance moves layers between stages.
 """
+
 from torch import nn
 
 from pipeckpt.models._classifier import Classifier
@@ -39,6 +40,4 @@ class MLP(Classifier):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = mlp_layers(
-            in_features=in_features, hidden=hidden, depth=depth, num_classes=num_classes
-        )
+        self.layers = mlp_layers(in_features=in_features, hidden=hidden, depth=depth, num_classes=num_classes)

@@ -42,7 +42,9 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
             ["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120
         )
         if started.returncode != 0:
-            pytest.fail(f"could not start the SLURM cluster:\n{started.stdout}\n{started.stderr}", pytrace=False)
+            pytest.fail(
+                f"could not start the SLURM cluster:\n{started.stdout}\n{started.stderr}", pytrace=False
+            )
         yield env
     finally:
         subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)

@@ -49,7 +49,8 @@ class FaultInjection(Callback):
         # Every rank of every engine runs this hook, unlike the backward hooks of a pipeline stage.
         if trainer.global_rank == self.die_rank and trainer.global_step == self.die_step:
             print(
-                f"faults: rank {trainer.global_rank} dies at global_step={trainer.global_step} time={time.time():.3f}",
+                f"faults: rank {trainer.global_rank} dies at global_step={trainer.global_step}"
+                f" time={time.time():.3f}",
                 flush=True,
             )
             sys.stderr.flush()

@@ -11,8 +11,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +21,16 @@ HERE = Path(__file__).resolve().parent
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
 PYTHON = sys.executable
 # States in which a job still holds, or will hold, nodes.
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING"}
+ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+}
 
 
 def unavailable(reason: str) -> None:
@@ -40,7 +49,9 @@ class Slurm:
     def run(self, *cmd: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def active_jobs(self) -> list[str]:
@@ -64,13 +75,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str | Callable[[], str], poll: float = 0.3
-             ) -> None:
+def wait_for(
+    predicate: Callable[[], object], timeout: float, what: str | Callable[[], str], poll: float = 0.3
+) -> None:
     """Polls `predicate` until it is true; `what` (or what it returns, when it fails) names the wait."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
+            raise AssertionError(
+                f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}"
+            )
         time.sleep(poll)
 
 
@@ -102,8 +116,14 @@ def job_output(path: Path) -> str:
 
 def sbatch_wait(slurm: Any, workload: Any, run_dir: Path, steps: int, out_dir: Path) -> str:
     """Submits `workload` with `sbatch --wait`, asserts the job exited 0, returns its output."""
-    result = slurm.run("sbatch", "--wait", f"--output={out_dir}/job.out",
-                       *workload.sbatch_args(run_dir, steps), timeout=110, check=False)
+    result = slurm.run(
+        "sbatch",
+        "--wait",
+        f"--output={out_dir}/job.out",
+        *workload.sbatch_args(run_dir, steps),
+        timeout=110,
+        check=False,
+    )
     output = job_output(out_dir / "job.out")
     assert result.returncode == 0, f"{result.stderr}\n{output}"
     return output
@@ -126,7 +146,7 @@ def lost_rank_named(output: str, rank: int, survivor_prefix: str = "") -> bool:
     pattern = re.compile(rf"\brank\s*[=:]?\s*{rank}\b")
     return any(
         line.startswith(survivor_prefix) and "faults:" not in line and pattern.search(line)
-        for line in lines[died + 1:]
+        for line in lines[died + 1 :]
     )
 
 
@@ -134,4 +154,3 @@ def start_steps(output: str) -> list[tuple[int, int, int]]:
     """(restart, rank, global_step) from the lines tests/slurm/faults.py prints when fitting starts."""
     found = re.findall(r"faults: start rank=(\d+) global_step=(\d+) restart=(\d+)", output)
     return [(int(restart), int(rank), int(step)) for rank, step, restart in found]
-

@@ -13,8 +13,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_tasks_run_on_two_named_nodes(slurm):
-    out = slurm.run("srun", "-J", "hosts", "-N2", "--ntasks-per-node=1", "--label", "sh", "-c",
-                    "echo $(hostname) $(getent hosts n1 | cut -d' ' -f1) $SLURM_NODEID").stdout
+    out = slurm.run(
+        "srun",
+        "-J",
+        "hosts",
+        "-N2",
+        "--ntasks-per-node=1",
+        "--label",
+        "sh",
+        "-c",
+        "echo $(hostname) $(getent hosts n1 | cut -d' ' -f1) $SLURM_NODEID",
+    ).stdout
     assert sorted(out.splitlines()) == ["0: n1 127.0.0.1 0", "1: n2 127.0.0.1 1"], out
 
 

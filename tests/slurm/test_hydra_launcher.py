@@ -17,11 +17,22 @@ def test_multirun_through_submitit_runs_on_both_nodes(slurm, tmp_path):
     sweep = tmp_path / "multirun"
     steps = 6
     result = slurm.run(
-        PYTHON, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
-        "strategy.engine=distributed", "trainer.num_nodes=2", "trainer.devices=1", "trainer.accelerator=cpu",
-        "model=mlp", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false", "validate=false",
+        PYTHON,
+        "train.py",
+        "-m",
+        "hydra/launcher=slurm",
+        f"hydra.sweep.dir={sweep}",
+        "strategy.engine=distributed",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        "trainer.accelerator=cpu",
+        "model=mlp",
+        f"trainer.max_steps={steps}",
+        "trainer.enable_progress_bar=false",
+        "validate=false",
         "~callbacks.stage_report",
-        timeout=110, check=False,
+        timeout=110,
+        check=False,
     )
     # sacct needs slurmdbd, which the test cluster lacks: submitit warns and falls back on its result files.
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"

@@ -62,5 +62,3 @@ def test_warns_under_a_real_srun_named_bash(slurm):
     )
     result = slurm.run("srun", "-J", "bash", "-N1", "-n1", PYTHON, "-W", "always", "-c", program, timeout=60)
     assert "PipeckptWarning" in result.stderr and "bash" in result.stderr, result.stderr
-
-

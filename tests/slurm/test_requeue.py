@@ -19,12 +19,18 @@ def test_sigusr1_saves_hpc_checkpoint_requeues_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     sbatch = subprocess.Popen(
         ["sbatch", "--wait", "--parsable", f"--output={out}", *PIPE.sbatch_args(run_dir, steps)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert sbatch.stdout is not None
         job = sbatch.stdout.readline().strip().split(";")[0]
-        assert job.isdigit(), f"sbatch printed no job id: {job!r} {sbatch.stderr.read() if sbatch.stderr else ''}"
+        assert job.isdigit(), (
+            f"sbatch printed no job id: {job!r} {sbatch.stderr.read() if sbatch.stderr else ''}"
+        )
 
         def reached() -> bool:
             return progress.exists() and int(progress.read_text() or 0) >= signal_after
