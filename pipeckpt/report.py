@@ -53,10 +53,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.autograd.graph import Node
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torchgpipe import is_recomputing
+
+from pipeckpt._compat import TorchDispatchMode, tree_flatten
 
 __all__ = ["StageReport", "StageStats", "format_table", "save_chart", "human_bytes"]
 

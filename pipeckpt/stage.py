@@ -25,16 +25,17 @@ from typing import Iterator, List, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
-)
 from torch.utils.checkpoint import checkpoint
-from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
+from pipeckpt._compat import (
+    BatchNormBase,
+    TorchDispatchMode,
+    dispatch_mode_stack,
+    enable_checkpointing,
+    enable_recomputing,
+    pop_dispatch_mode,
+    push_dispatch_mode,
+)
 from pipeckpt.modes import CheckpointMode
 
 __all__ = ["Stage", "CallerState", "capture_caller_state", "side_effect_free"]
@@ -52,10 +53,10 @@ class CallerState:
     @contextmanager
     def applied(self) -> Iterator[None]:
         # Modes already on this thread's stack (the caller's own thread) stay as they are.
-        present = {id(m) for m in _get_current_dispatch_mode_stack()}
+        present = {id(m) for m in dispatch_mode_stack()}
         pushed = [m for m in self.dispatch_modes if id(m) not in present]
         for mode in pushed:
-            _push_mode(mode)
+            push_dispatch_mode(mode)
         try:
             with ExitStack() as stack:
                 for device_type, dtype in self.autocast:
@@ -63,7 +64,7 @@ class CallerState:
                 yield
         finally:
             for _ in pushed:
-                _pop_mode()
+                pop_dispatch_mode()
 
 
 def capture_caller_state() -> CallerState:
@@ -71,7 +72,7 @@ def capture_caller_state() -> CallerState:
     for device_type in _AUTOCAST_DEVICE_TYPES:
         if torch.is_autocast_enabled(device_type):
             enabled.append((device_type, torch.get_autocast_dtype(device_type)))
-    return CallerState(autocast=tuple(enabled), dispatch_modes=tuple(_get_current_dispatch_mode_stack()))
+    return CallerState(autocast=tuple(enabled), dispatch_modes=tuple(dispatch_mode_stack()))
 
 
 @contextmanager
@@ -79,7 +80,7 @@ def side_effect_free(partition: nn.Module) -> Iterator[None]:
     """A recompute must leave module state as the first forward left it:
     BatchNorm running statistics are restored, and torchgpipe's
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
-    norms = [m for m in partition.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    norms = [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
     saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
     try:
         with enable_recomputing():

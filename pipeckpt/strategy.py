@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from pipeckpt import _rng
+from pipeckpt._compat import apply_to_tensors, set_module_device
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import ENGINES
@@ -251,9 +252,9 @@ class PipelineStrategy(ParallelStrategy):
         inside = {id(m) for m in seq.modules()}
         for m in module.modules():
             if id(m) not in inside:
-                m._apply(lambda t: t.to(self.root_device), recurse=False)
+                apply_to_tensors(m, lambda t: t.to(self.root_device), recurse=False)
         self._engine.place()
-        module._device = self.root_device
+        set_module_device(module, self.root_device)
 
     def _optimizers_to_param_devices(self) -> None:
         """Lightning moves optimizer state to one root device; here it follows its parameter."""

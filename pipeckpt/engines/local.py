@@ -13,12 +13,18 @@ import warnings
 from typing import Dict, List
 
 from torch import Tensor, nn
-from torchgpipe import microbatch
-from torchgpipe.batchnorm import DeferredBatchNorm
-from torchgpipe.pipeline import Pipeline
-from torchgpipe.skip.layout import SkipLayout, inspect_skip_layout
-from torchgpipe.stream import AbstractStream, current_stream, new_stream
 
+from pipeckpt._compat import (
+    AbstractStream,
+    DeferredBatchNorm,
+    Pipeline,
+    SkipLayout,
+    current_stream,
+    inspect_skip_layout,
+    keep_buffers_out_of_state_dict,
+    microbatch,
+    new_stream,
+)
 from pipeckpt._errors import PipeckptWarning
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.stage import Stage, capture_caller_state, stage_modules
@@ -35,7 +41,7 @@ def convert_deferred_batch_norm(sequential: nn.Sequential, chunks: int) -> None:
         sequential[i] = DeferredBatchNorm.convert_deferred_batch_norm(layer, chunks)
     for m in sequential.modules():
         if isinstance(m, DeferredBatchNorm):
-            m._non_persistent_buffers_set.update({"sum", "sum_squares"})
+            keep_buffers_out_of_state_dict(m, ["sum", "sum_squares"])
 
 
 class LocalEngine:

@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pipeckpt._compat import tree_flatten, tree_unflatten
 from pipeckpt._errors import config_error
 
 __all__: List[str] = []

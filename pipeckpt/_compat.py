@@ -1,0 +1,129 @@
+"""Every reach into a private name of torch, Lightning or torchgpipe, in one place.
+
+Each entry says why no public API serves. ``tests/test_compat.py`` checks every
+one by name and behaviour, so an upgrade that removes or changes one fails there,
+with the name, instead of somewhere deep in a training run.
+"""
+
+from typing import Any, Callable, List
+
+import torch
+from torch import nn
+
+# The rendezvous store of the default group, which liveness beats into: torch exposes it
+# only privately (init_process_group keeps it; there is no dist.get_store()).
+from torch.distributed.distributed_c10d import _get_default_store as default_store
+
+# The base of every BatchNorm flavour; the public classes have no common public base.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
+# -- torch ----------------------------------------------------------------------------
+# Thread-local torch dispatch modes (FlopCounterMode, MemTracker) do not follow work into
+# an engine's worker threads; torch has no public API to read or re-enter the stack.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
+from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
+
+# torch ships pytree utilities only under a private module name (no torch.utils.pytree).
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+
+def apply_to_tensors(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *, recurse: bool = True
+) -> None:
+    """``module._apply(fn)``: moves parameters and buffers in place, keeping the
+    Parameter objects (and so the optimizer's references); ``Module.to`` has no
+    per-tensor rule (leave meta tensors alone) and no ``recurse=False``."""
+    module._apply(fn, recurse=recurse)
+
+
+def keep_buffers_out_of_state_dict(module: nn.Module, names: List[str]) -> None:
+    """Makes existing buffers non-persistent: ``register_buffer(persistent=False)``
+    exists only for new buffers."""
+    module._non_persistent_buffers_set.update(names)
+
+
+def set_module_device(module: Any, device: torch.device) -> None:
+    """``LightningModule.device`` reads ``_device``, which Lightning updates only
+    through ``.to()``; a pipeline places its parts itself."""
+    module._device = device
+
+
+# -- torch.distributed.pipelining -----------------------------------------------------
+
+# A schedule calls PipelineStage.forward_one_chunk for every micro-batch and runs the
+# module elsewhere for shape inference; overriding it is the only way to tell the two
+# apart (no public hook sees the micro-batch index).
+FORWARD_ONE_CHUNK = "forward_one_chunk"
+
+
+# -- Lightning ------------------------------------------------------------------------
+
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _init_dist_connection as init_dist_connection,
+)
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _sync_ddp_if_available as sync_ddp_if_available,
+)
+
+# DDPStrategy uses these for the same jobs; Lightning keeps them private.
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
+
+# The launcher that starts one process per device on this node when no launcher
+# (torchrun, srun) did; Lightning's own strategies import it the same way.
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+# -- torchgpipe -----------------------------------------------------------------------
+
+# torchgpipe exports only GPipe, is_checkpointing and is_recomputing. The engine reuses
+# its schedule parts (not its GPipe module, which owns and renames the user's layers and
+# has one global checkpoint mode), so these are torchgpipe's internal modules.
+from torchgpipe import microbatch  # noqa: E402
+from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
+from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
+from torchgpipe.pipeline import Pipeline  # noqa: E402
+from torchgpipe.skip.layout import SkipLayout, inspect_skip_layout  # noqa: E402
+from torchgpipe.stream import AbstractStream, current_stream, new_stream  # noqa: E402
+
+__all__ = [
+    "FORWARD_ONE_CHUNK",
+    "AbstractStream",
+    "BatchNormBase",
+    "DeferredBatchNorm",
+    "Pipeline",
+    "SkipLayout",
+    "SubprocessScriptLauncher",
+    "TorchDispatchMode",
+    "TreeSpec",
+    "apply_to_tensors",
+    "current_stream",
+    "default_process_group_backend",
+    "default_store",
+    "dispatch_mode_stack",
+    "enable_checkpointing",
+    "enable_recomputing",
+    "init_dist_connection",
+    "inspect_skip_layout",
+    "keep_buffers_out_of_state_dict",
+    "microbatch",
+    "new_stream",
+    "optimizers_to_device",
+    "pop_dispatch_mode",
+    "push_dispatch_mode",
+    "set_module_device",
+    "sync_ddp_if_available",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "unwrap_optimizer",
+]

@@ -1,0 +1,152 @@
+"""Every private name of torch, Lightning and torchgpipe that pipeckpt reaches (pipeckpt/_compat.py).
+
+One test per entry, asserting the behaviour pipeckpt relies on: an upgrade that removes or
+changes one of them fails here, by name.
+"""
+
+import inspect
+import threading
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from pipeckpt import _compat
+
+
+def test_every_name_in_all_exists():
+    missing = [name for name in _compat.__all__ if not hasattr(_compat, name)]
+    assert missing == []
+
+
+def test_dispatch_modes_can_be_read_pushed_and_popped_on_another_thread():
+    class Counting(_compat.TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting() as mode:
+        seen = list(_compat.dispatch_mode_stack())
+
+        def other_thread() -> None:
+            assert list(_compat.dispatch_mode_stack()) == []  # modes are thread-local
+            _compat.push_dispatch_mode(mode)
+            try:
+                torch.ones(2) + 1
+            finally:
+                _compat.pop_dispatch_mode()
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen == [mode]
+    assert Counting.calls >= 1
+
+
+def test_pytree_flattens_and_rebuilds_nested_structures():
+    tree = {"a": (torch.ones(1), None), "b": [2, "s"]}
+    leaves, spec = _compat.tree_flatten(tree)
+    assert isinstance(spec, _compat.TreeSpec)
+    assert len(leaves) == 4
+    rebuilt = _compat.tree_unflatten(leaves, spec)
+    assert rebuilt["b"] == [2, "s"] and torch.equal(rebuilt["a"][0], torch.ones(1))
+    assert _compat.tree_map(lambda x: x * 2 if isinstance(x, int) else x, [3])[0] == 6
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2)])
+def test_batch_norm_base_covers_every_batch_norm(norm):
+    assert isinstance(norm, _compat.BatchNormBase)
+
+
+def test_default_store_is_callable_without_arguments():
+    assert inspect.signature(_compat.default_store).parameters == {}
+
+
+def test_apply_to_tensors_keeps_parameter_objects_and_can_skip_children():
+    outer = nn.Sequential(nn.Linear(2, 2))
+    outer.register_buffer("scale", torch.ones(1))
+    weight = outer[0].weight
+    _compat.apply_to_tensors(outer, lambda t: t.double(), recurse=False)
+    assert outer.scale.dtype == torch.float64 and outer[0].weight.dtype == torch.float32
+    _compat.apply_to_tensors(outer, lambda t: t.double())
+    assert outer[0].weight is weight and weight.dtype == torch.float64
+
+
+def test_existing_buffers_can_leave_the_state_dict():
+    norm = nn.BatchNorm1d(2)
+    _compat.keep_buffers_out_of_state_dict(norm, ["running_mean"])
+    assert "running_mean" not in norm.state_dict() and hasattr(norm, "running_mean")
+
+
+def test_lightning_module_device_follows_set_module_device():
+    module = LightningModule()
+    _compat.set_module_device(module, torch.device("meta"))
+    assert module.device == torch.device("meta")
+
+
+def test_pipeline_stage_runs_micro_batches_through_forward_one_chunk():
+    method = getattr(PipelineStage, _compat.FORWARD_ONE_CHUNK)
+    assert list(inspect.signature(method).parameters)[:5] == [
+        "self",
+        "fwd_chunk_id",
+        "args",
+        "kwargs",
+        "save_forward_output",
+    ]
+
+
+def test_lightning_distributed_helpers_keep_their_signatures():
+    assert _compat.default_process_group_backend(torch.device("cpu")) == "gloo"
+    assert "cluster_environment" in inspect.signature(_compat.init_dist_connection).parameters
+    assert _compat.sync_ddp_if_available(torch.ones(1)).item() == 1.0  # no group: unchanged
+    params = list(inspect.signature(_compat.SubprocessScriptLauncher).parameters)
+    assert params[:3] == ["cluster_environment", "num_processes", "num_nodes"]
+
+
+def test_optimizers_to_device_moves_state_tensors():
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones(2)
+    opt.step()
+    _compat.optimizers_to_device([opt], torch.device("meta"))
+    assert opt.state[p]["exp_avg"].is_meta
+
+
+def test_unwrap_optimizer_finds_the_torch_optimizer_inside_lightnings():
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    assert _compat.unwrap_optimizer(LightningOptimizer(opt)) is opt
+    assert _compat.unwrap_optimizer(opt) is opt
+
+
+def test_torchgpipe_checkpoint_flags_are_context_managers():
+    from torchgpipe import is_checkpointing, is_recomputing
+
+    with _compat.enable_checkpointing():
+        assert is_checkpointing()
+    with _compat.enable_recomputing():
+        assert is_recomputing()
+
+
+def test_torchgpipe_schedule_parts_run_a_two_stage_pipeline_on_cpu():
+    stages = [nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))]
+    cpu = torch.device("cpu")
+    x = torch.randn(4, 2)
+    batches = _compat.microbatch.scatter(x, 2)
+    streams = [[_compat.current_stream(cpu) for _ in batches] for _ in stages]
+    layout = _compat.inspect_skip_layout(stages)
+    assert isinstance(layout, _compat.SkipLayout)
+    _compat.Pipeline(batches, stages, [cpu, cpu], streams, layout, checkpoint_stop=0).run()
+    out = _compat.microbatch.gather(batches)
+    torch.testing.assert_close(out, stages[1](stages[0](x)), rtol=0, atol=0)
+    assert isinstance(_compat.new_stream(cpu), type(_compat.current_stream(cpu)))
+
+
+def test_deferred_batch_norm_converts_a_batch_norm():
+    converted = _compat.DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), 2)
+    assert isinstance(converted, _compat.DeferredBatchNorm)
