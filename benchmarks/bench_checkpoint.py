@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import checkpoint
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.engines.local import LocalEngine
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.models.gpt import gpt_layers
 from pipeckpt.planning import plan
 
@@ -350,7 +350,7 @@ def build_methods(model: nn.Sequential, cfg: Config) -> List[Method]:
         key = spec if isinstance(spec, str) else "mix"
         name = spec if isinstance(spec, str) else "mix " + "/".join(spec)
         stage_plan = plan(model, devices=[CPU], balance=cfg.balance, checkpoint=spec, chunks=cfg.chunks)
-        engine = LocalEngine(model, stage_plan, chunks=cfg.chunks, pin_memory=False)
+        engine = LocalPipeline(model, stage_plan, chunks=cfg.chunks, pin_memory=False)
         peers = {
             "never": ("torchgpipe-never",),
             "except_last": ("torchgpipe-except_last",),

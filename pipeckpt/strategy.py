@@ -34,9 +34,10 @@ from typing_extensions import override
 from pipeckpt import _rng
 from pipeckpt._compat import apply_to_tensors, set_module_device
 from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import ENGINES
-from pipeckpt.engines.local import LocalEngine, convert_deferred_batch_norm
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
 from pipeckpt.planning import StagePlan, check_balance_by, plan
 from pipeckpt.stage import Stage
@@ -165,7 +166,7 @@ class PipelineStrategy(ParallelStrategy):
         self.timeout = timeout
         self.num_nodes = 1
         self._plan: Optional[StagePlan] = None
-        self._engine: Optional[LocalEngine] = None
+        self._engine: Optional[LocalPipeline] = None
         self._sequential: Optional[nn.Sequential] = None
 
     # -- topology ---------------------------------------------------------------
@@ -239,7 +240,7 @@ class PipelineStrategy(ParallelStrategy):
         self._plan = self._plan_for(module, sequential)
         if self.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, self.chunks)
-        self._engine = LocalEngine(sequential, self._plan, chunks=self.chunks, pin_memory=self.pin_memory)
+        self._engine = LocalPipeline(sequential, self._plan, chunks=self.chunks, pin_memory=self.pin_memory)
         # The user's Sequential keeps its place in the module; only its call is routed.
         sequential.forward = self._engine.forward  # type: ignore[method-assign]
         self._sequential = sequential

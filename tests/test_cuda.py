@@ -6,7 +6,7 @@ import torch
 from toy import ToyModule, fit, max_relative_difference, params, toy_layers
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.engines.local import LocalEngine
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.planning import plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,7 +46,7 @@ def kept_after_forward(mode: str) -> int:
     """CUDA bytes still allocated after forward, minus the parameters."""
     torch.manual_seed(0)
     seq = toy_layers(width=1024, depth=6).cuda()
-    engine = LocalEngine(
+    engine = LocalPipeline(
         seq, plan(seq, devices=[torch.device("cuda", 0)], balance=[2, 2, 2], checkpoint=mode), chunks=4
     )
     x = torch.randn(512, 8, device="cuda")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from toy import Counter, toy_layers
 
-from pipeckpt.engines.local import LocalEngine
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.planning import plan
 
 CPU = [torch.device("cpu")]
@@ -24,16 +24,16 @@ def counted(depth: int = 6, dropout: float = 0.3) -> nn.Sequential:
     )
 
 
-def run(mode, *, chunks: int = 4, batch: int = 8, seq: nn.Sequential = None) -> LocalEngine:
+def run(mode, *, chunks: int = 4, batch: int = 8, seq: nn.Sequential = None) -> LocalPipeline:
     seq = seq if seq is not None else counted()
-    engine = LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint=mode), chunks=chunks)
+    engine = LocalPipeline(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint=mode), chunks=chunks)
     torch.manual_seed(1)
     out = engine.forward(torch.randn(batch, 8, generator=torch.Generator().manual_seed(2)))
     out.pow(2).mean().backward()
     return engine
 
 
-def counts(engine: LocalEngine) -> List[int]:
+def counts(engine: LocalPipeline) -> List[int]:
     return [s.partition[0][0].calls for s in engine.stages]
 
 
@@ -56,13 +56,13 @@ def test_per_stage_modes_recompute_only_their_own_stage():
 
 def test_no_recompute_without_grad():
     seq = counted()
-    engine = LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="always"), chunks=4)
+    engine = LocalPipeline(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="always"), chunks=4)
     with torch.no_grad():
         engine.forward(torch.randn(8, 8))
     assert counts(engine) == [4, 4, 4]
 
 
-def grads(engine: LocalEngine) -> Dict[str, torch.Tensor]:
+def grads(engine: LocalPipeline) -> Dict[str, torch.Tensor]:
     seq = nn.Sequential(*[s.partition for s in engine.stages])
     return {k: p.grad.clone() for k, p in seq.named_parameters()}
 
@@ -81,7 +81,7 @@ def test_recompute_leaves_batchnorm_running_statistics_as_never_does():
 
     never, always = bn_layers(), bn_layers()
     for seq, mode in ((never, "never"), (always, "always")):
-        engine = LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2], checkpoint=mode), chunks=2)
+        engine = LocalPipeline(seq, plan(seq, devices=CPU, balance=[2, 2], checkpoint=mode), chunks=2)
         engine.forward(torch.randn(8, 8, generator=torch.Generator().manual_seed(3))).sum().backward()
     for a, b in zip(never.buffers(), always.buffers()):
         assert torch.equal(a, b)
@@ -103,7 +103,9 @@ def test_a_flop_counter_around_the_pipeline_sees_every_stages_forward():
         seq = toy_layers(depth=6)
         x = torch.randn(8, 8)
         run_ = (
-            LocalEngine(seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="never"), chunks=4).forward
+            LocalPipeline(
+                seq, plan(seq, devices=CPU, balance=[2, 2, 2], checkpoint="never"), chunks=4
+            ).forward
             if pipelined
             else seq
         )

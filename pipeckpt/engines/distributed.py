@@ -60,9 +60,9 @@ from typing_extensions import override
 
 from pipeckpt import _rng
 from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines.liveness import Liveness, is_communication_failure, lost_message
-from pipeckpt.engines.local import convert_deferred_batch_norm
 from pipeckpt.engines.pipelining import LiveStage, Schedules, StageModule, shape_inference_loss
 from pipeckpt.engines.routing import LogRecorder, Microbatches, answering, capture_input, replay, step_loss
 from pipeckpt.engines.topology import Topology, microbatches_for, resolve, validate_settings

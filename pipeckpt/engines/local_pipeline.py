@@ -1,4 +1,4 @@
-"""The one-process engine: torchgpipe's scheduler and device worker threads.
+"""The local engine's pipeline: torchgpipe's scheduler and device worker threads.
 
 torchgpipe's ``GPipe`` module owns its partitions (and renames their
 parameters) and applies one checkpoint mode to all stages. This engine reuses
@@ -16,12 +16,10 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import (
     AbstractStream,
-    DeferredBatchNorm,
     Pipeline,
     SkipLayout,
     current_stream,
     inspect_skip_layout,
-    keep_buffers_out_of_state_dict,
     microbatch,
     new_stream,
 )
@@ -32,19 +30,7 @@ from pipeckpt.stage import Stage, capture_caller_state, stage_modules
 __all__: List[str] = []
 
 
-def convert_deferred_batch_norm(sequential: nn.Sequential, chunks: int) -> None:
-    """Swaps BatchNorm layers for torchgpipe's DeferredBatchNorm in place, which
-    tracks statistics over the whole mini-batch instead of each micro-batch.
-    Its accumulators are made non-persistent so checkpoints keep plain
-    BatchNorm keys and stay loadable without the pipeline."""
-    for i, layer in enumerate(sequential):
-        sequential[i] = DeferredBatchNorm.convert_deferred_batch_norm(layer, chunks)
-    for m in sequential.modules():
-        if isinstance(m, DeferredBatchNorm):
-            keep_buffers_out_of_state_dict(m, ["sum", "sum_squares"])
-
-
-class LocalEngine:
+class LocalPipeline:
     """Runs the stages of a plan as a GPipe pipeline inside this process."""
 
     def __init__(
