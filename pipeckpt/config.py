@@ -9,15 +9,21 @@ sense together (a checkpoint-mode list as long as the number of stages, a
 balance summing to the number of layers) is pipeckpt's own validation, which
 raises :class:`pipeckpt.PipeckptConfigError` from the strategy.
 
-The defaults live in the YAML files, where users read them; fields here are
-``MISSING`` so that a config file which forgets one fails loudly.
+The app's defaults live in the YAML files, where users read them; fields here are
+``MISSING`` so that a config file which forgets one fails loudly. The pipe
+strategy's schema is the exception: it is generated from
+:class:`pipeckpt.settings.PipeSettings`, whose defaults it carries, so a setting
+is named, typed, defaulted and checked in one place.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields, make_dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from pipeckpt.settings import PipeSettings
 
 __all__ = ["TrainConfig", "register"]
 
@@ -113,24 +119,17 @@ class SyntheticImagesConfig(_SyntheticConfig):
 # -- strategy/ and ckpt/ --------------------------------------------------------------
 
 
-@dataclass
-class PipeStrategyConfig:
-    """The arguments of :class:`pipeckpt.PipelineStrategy`."""
+def _pipe_strategy_config() -> Any:
+    """The arguments of :class:`pipeckpt.PipelineStrategy`: :class:`~pipeckpt.settings.PipeSettings`'
+    fields with their defaults, plus Hydra's ``_target_``. Generated, so that the settings
+    have one source."""
+    specs: List[Tuple[str, Any, Any]] = [("_target_", str, field(default="pipeckpt.PipelineStrategy"))]
+    for f in fields(PipeSettings):
+        specs.append((f.name, f.type, field(default=f.default, metadata=f.metadata)))
+    return make_dataclass("PipeStrategyConfig", specs)
 
-    _target_: str = "pipeckpt.PipelineStrategy"
-    stages: Optional[int] = MISSING  # None: one per device
-    balance: Optional[list[int]] = MISSING  # layers per stage; None: automatic
-    balance_by: str = MISSING  # params | time | memory
-    chunks: int = MISSING  # micro-batches per batch
-    checkpoint: Any = MISSING  # a mode name or a list, one per stage (from ckpt.modes)
-    placement: Optional[list[int]] = MISSING  # device index per stage
-    deferred_batch_norm: bool = MISSING
-    pin_memory: bool = MISSING  # from ckpt.pin_memory
-    engine: str = MISSING  # local | distributed
-    schedule: str = MISSING  # gpipe | 1f1b | interleaved_1f1b (distributed engine)
-    dp: Optional[int] = MISSING  # data-parallel pipeline replicas (distributed engine)
-    virtual_stages: int = MISSING  # stages per process (interleaved_1f1b)
-    timeout: float = MISSING  # seconds to wait for a peer stage (distributed engine)
+
+PipeStrategyConfig = _pipe_strategy_config()
 
 
 @dataclass
@@ -208,6 +207,26 @@ _SCHEMAS: dict[tuple[Optional[str], str], Any] = {
 
 def register() -> None:
     """Stores the schemas in Hydra's ConfigStore (idempotent); call before composing."""
+    if not OmegaConf.has_resolver("pipeckpt_groups"):
+        OmegaConf.register_new_resolver("pipeckpt_groups", _user_groups)
     store = ConfigStore.instance()
     for (group, name), node in _SCHEMAS.items():
         store.store(group=group, name=name, node=node)
+
+
+def _user_groups() -> str:
+    """The app's config groups and their options as the YAML files in ``conf/`` give them,
+    for ``--help``: Hydra's own listing would also show the schemas stored above."""
+    from hydra.core.hydra_config import HydraConfig
+
+    roots = [
+        Path(s.path.split("://", 1)[-1])
+        for s in HydraConfig.get().runtime.config_sources
+        if s.provider == "main"
+    ]
+    lines = []
+    for root in roots:
+        for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "hydra"):
+            options = sorted(f.stem for f in group.glob("*.yaml"))
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)

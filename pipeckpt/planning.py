@@ -6,20 +6,18 @@ modes are decided once, validated once, and mean the same under the local
 Profiled balance (time, memory) reuses torchgpipe's profilers.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torchgpipe.balance import balance_by_size, balance_by_time
 
 from pipeckpt._errors import config_error
+from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
 
-__all__ = ["StagePlan", "plan", "split", "check_balance_by", "BALANCE_BY"]
-
-BALANCE_BY = ("params", "time", "memory")
+__all__ = ["StagePlan", "plan", "split"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +45,6 @@ class StagePlan:
         return ", ".join(
             f"stage {i}: layers {a}-{b - 1} on {d} ({m.name})"
             for i, ((a, b), d, m) in enumerate(zip(self.ranges, self.devices, self.modes))
-        )
-
-
-def check_balance_by(balance_by: str) -> None:
-    if balance_by not in BALANCE_BY:
-        raise config_error(
-            f"balance_by={balance_by!r}",
-            f"must be one of {BALANCE_BY}",
-            "choose params (default), time, or memory",
         )
 
 
@@ -130,20 +119,6 @@ def min_max_partition(costs: Sequence[int], stages: int) -> Tuple[int, ...]:
     return tuple(reversed(sizes))
 
 
-@contextmanager
-def _grads_set_aside(module: nn.Module) -> Iterator[None]:
-    """torchgpipe's profiler refuses parameters that hold gradients (it would
-    mix its own backward into them); set them aside while profiling."""
-    saved = [(p, p.grad) for p in module.parameters()]
-    for p, _ in saved:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in saved:
-            p.grad = g
-
-
 def _auto_balance(
     sequential: nn.Sequential,
     stages: int,
@@ -169,7 +144,7 @@ def _auto_balance(
             "torchgpipe profiles memory on CUDA devices only",
             "use balance_by='time' or 'params' on CPU",
         )
-    with _grads_set_aside(sequential):
+    with gradients_set_aside(sequential.parameters()):
         if balance_by == "time":
             return tuple(balance_by_time(stages, sequential, sample, device=device))
         return tuple(balance_by_size(stages, sequential, sample, chunks=chunks, device=device))
@@ -200,7 +175,7 @@ def _place(
 
 
 def plan(
-    sequential: Any,
+    sequential: nn.Sequential,
     *,
     devices: Sequence[torch.device],
     stages: Optional[int] = None,
@@ -211,33 +186,20 @@ def plan(
     sample: Optional[Any] = None,
     chunks: int = 1,
 ) -> StagePlan:
-    """Validates every setting against the module and builds the plan."""
-    if not isinstance(sequential, nn.Sequential):
-        raise config_error(
-            f"configure_pipeline() returned {type(sequential).__name__}",
-            "the pipelined part must be a torch.nn.Sequential",
-            "return an nn.Sequential of your layers from configure_pipeline()",
-        )
+    """Validates every setting that needs the module (``sequential``, the module's own, as
+    :func:`pipeckpt.contract.pipelined_sequential` returns it) and builds the plan. Settings
+    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`."""
     layers = len(sequential)
     if balance is not None:
         balance = _check_balance(balance, layers)
-        if stages is not None and stages != len(balance):
-            raise config_error(
-                f"stages={stages} with balance {list(balance)}",
-                "the balance lists one layer count per stage",
-                "drop `stages` (the balance decides it) or make them agree",
-            )
         stages = len(balance)
     stages = stages if stages is not None else max(1, min(len(devices), layers))
-    if stages < 1:
-        raise config_error(f"stages={stages}", "a pipeline needs at least one stage", "set stages >= 1")
     if stages > layers:
         raise config_error(
             f"stages={stages}",
             f"cannot exceed the number of layers ({layers})",
             f"set stages <= {layers}, or split your Sequential into more layers",
         )
-    check_balance_by(balance_by)
     modes = parse_modes(checkpoint, stages)
     placed = _place(stages, devices, placement)
     if balance is None:

@@ -1,82 +1,342 @@
-"""The ``pipe`` Lightning strategy.
+"""The ``pipe`` Lightning strategy: the Lightning side of a pipeline, once, for every engine.
 
-One process drives every stage (engine ``local``); ``engine="distributed"``
-selects :class:`pipeckpt.engines.distributed.DistributedPipelineStrategy`,
-one process per stage, through the same constructor.
+What a pipeline changes in Lightning's assumptions, and where it is handled:
 
-What a pipeline changes in Lightning's single-process assumptions, and where
-this class handles it:
-
-- placement: stages live on their own devices, so ``model_to_device`` must not
-  move the whole module to one device (:meth:`model_to_device`);
-- the root device is the *last* stage's device: the loss, the targets and the
-  module's non-pipelined parts meet the pipeline's output there, while the
-  engine moves the pipeline input to the first stage;
+- which code runs the stages, in which processes: an engine, chosen by name from
+  :data:`pipeckpt.engines.ENGINES` and driven through the protocol of
+  :mod:`pipeckpt.engines.base` (this class never branches on the engine);
+- placement: stages live on their own devices, so the module is never moved to
+  one device as a whole (:meth:`model_to_device`);
+- the root device is where the loss meets the pipeline's output (the last
+  stage's device under the local engine, this process's under the distributed);
 - optimizer state follows each parameter's device, also after a resume;
-- the user's Sequential keeps its place (its ``forward`` is routed through the
-  engine), so checkpoints hold the unpipelined keys whatever the layout.
+- the user's Sequential keeps its place (its call is routed through the engine),
+  so checkpoints hold the unpipelined module's keys whatever the layout, plus
+  every rank's RNG state so that a resumed run draws the same dropout masks.
 """
 
+import inspect
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from pipeckpt import _rng
-from pipeckpt._compat import apply_to_tensors, set_module_device
+from pipeckpt._compat import optimizers_to_device, sync_ddp_if_available, unwrap_optimizer
 from pipeckpt._errors import PipeckptWarning, config_error
-from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.contract import pipelined_sequential
-from pipeckpt.engines import ENGINES
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
-from pipeckpt.planning import StagePlan, check_balance_by, plan
+from pipeckpt.engines import engine_class
+from pipeckpt.engines.base import Engine, World
+from pipeckpt.planning import StagePlan
+from pipeckpt.settings import PipeSettings
 from pipeckpt.stage import Stage
 
 __all__ = ["PipelineStrategy"]
 
 _CKPT_KEY = "pipeckpt"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_LIGHTNING_ARGS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+)
 
 
-def _validate_settings(
-    *, stages: Optional[int], chunks: int, checkpoint: ModeSpec, balance_by: str, engine: str, schedule: str
-) -> None:
-    """Checks that need no model, so they fail when the strategy is built."""
-    if not isinstance(chunks, int) or chunks < 1:
-        raise config_error(
-            f"chunks={chunks!r}",
-            "the number of micro-batches must be an integer >= 1",
-            "set chunks to 1 (no micro-batching) or more",
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism with a checkpoint mode per stage.
+
+    Takes every field of :class:`pipeckpt.settings.PipeSettings` as a keyword argument
+    (``stages``, ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; see the README's
+    table), plus Lightning's own strategy arguments.
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(self, **kwargs: Any) -> None:
+        lightning = {k: kwargs.pop(k) for k in _LIGHTNING_ARGS if k in kwargs}
+        unknown = sorted(set(kwargs) - set(PipeSettings.__dataclass_fields__))
+        if unknown:
+            raise config_error(
+                f"PipelineStrategy({', '.join(f'{k}=...' for k in unknown)})",
+                "not a setting of the pipe strategy; the settings are "
+                f"{list(PipeSettings.__dataclass_fields__)}",
+                "check the spelling (the README lists every setting)",
+            )
+        settings = PipeSettings(**kwargs)
+        engine_class(settings.engine).check_settings(settings)  # every check before any work
+        super().__init__(**lightning)
+        self.settings = settings
+        self.engine: Engine = engine_class(settings.engine)(settings)
+        self.num_nodes = 1
+
+    # -- topology ---------------------------------------------------------------
+
+    @property
+    def plan(self) -> Optional[StagePlan]:
+        """The stage plan, once :meth:`setup` has seen the module."""
+        return self.engine.plan
+
+    @property
+    def stages(self) -> List[Stage]:
+        """This process's stages."""
+        return self.engine.stages
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.engine.root_device(self.parallel_devices or [torch.device("cpu")], self.local_rank)
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.engine.is_distributed
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return self.engine.sampler_kwargs(self.global_rank)
+
+    def _world(self) -> World:
+        return World(num_nodes=self.num_nodes, num_processes=self.num_processes, global_rank=self.global_rank)
+
+    def set_world_ranks(self) -> None:
+        if self.engine.is_distributed and self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if self.num_processes:  # bad topologies fail when the Trainer is built
+            self.engine.configure_world(self._world())
+
+    # -- set-up -----------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        _warn_if_slurm_ignored(self.cluster_environment)
+        self._launcher = self.engine.launcher(self.cluster_environment, self._world())
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.engine.is_distributed:
+            reset_seed()
+            self.set_world_ranks()
+            assert self.cluster_environment is not None
+            self.engine.connect(self.cluster_environment, self.root_device)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.engine.check_module(module, self.precision_plugin)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.engine.build(
+            module, pipelined_sequential(module), self.parallel_devices or [torch.device("cpu")]
         )
-    if stages is not None and (not isinstance(stages, int) or stages < 1):
-        raise config_error(
-            f"stages={stages!r}",
-            "a pipeline needs an integer number of stages >= 1",
-            "set stages >= 1, or leave it unset to use one stage per device",
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in self.optimizers:
+                _optimizer_state_to_param_devices(optimizer)
+        self._route_gradient_clipping()
+
+    @override
+    def model_to_device(self) -> None:
+        """Each stage to its device, everything else of the module to the root device."""
+        assert self.lightning_module is not None
+        self.engine.place(self.lightning_module, self.root_device)
+
+    def _route_gradient_clipping(self) -> None:
+        """Clipping by norm takes the norm of the whole model, which the engine may spread over processes."""
+        plugin, engine = self.precision_plugin, self.engine
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
+            norm = engine.total_norm([p.grad for p in params if p.grad is not None], self.root_device)
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # -- the step ---------------------------------------------------------------
+
+    def _step(self, hook: str, context: Any, args: Any, kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        assert self.lightning_module is not None
+        with context():
+            return self.engine.run(hook, self.lightning_module, args, kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+    ) -> Tensor:
+        if not self.engine.backward_in_step:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The engine's schedule ran backward inside training_step; its gradients join
+        # .grad here, between the hooks, where a backward would have put them.
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.engine.take_step_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.engine.module_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        return self.engine.optimizer_state(unwrap_optimizer(optimizer))
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        checkpoint[_CKPT_KEY] = {
+            "rng_states": self.engine.rng_states(),  # one per rank
+            "balance": list(self.plan.balance) if self.plan else None,
+        }
+        self.engine.save_checkpoint(
+            checkpoint, filepath, self.checkpoint_io, storage_options, self.is_global_zero
         )
-    if engine not in ENGINES:
-        raise config_error(
-            f"engine={engine!r}",
-            f"must be one of {ENGINES}",
-            "use 'local' (one process) or 'distributed' (one process per stage)",
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        torch.cuda.empty_cache()
+        checkpoint = self.engine.load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
+        state = checkpoint.get(_CKPT_KEY)
+        if state is not None:
+            by_rank = state["rng_states"]
+            _rng.restore(self.engine.my_rng_state(by_rank if isinstance(by_rank, list) else [by_rank]))
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        self.engine.load_module_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.engine.load_optimizer_state(optimizer, state)
+            _optimizer_state_to_param_devices(optimizer)
+
+    # -- collectives: identities in one process --------------------------------------
+
+    def _collective(self) -> bool:
+        return self.engine.is_distributed and dist.is_available() and dist.is_initialized()
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor) and self._collective():
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._collective():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._collective():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if not self._collective():
+            return tensor
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # -- failures and the end ---------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.engine.on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self.engine.teardown(self.lightning_module)  # the module is an ordinary module again, on the CPU
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Pipeline parallelism with per-stage activation checkpointing"
         )
-    if schedule not in SCHEDULES:
-        raise config_error(
-            f"schedule={schedule!r}", f"must be one of {SCHEDULES}", "choose one of those schedules"
-        )
-    check_balance_by(balance_by)
-    names = [checkpoint] if isinstance(checkpoint, (str, CheckpointMode)) else list(checkpoint)
-    parse_modes(names, len(names))  # unknown names fail now; the length is checked per plan
+
+
+# The signature users and tools see: the settings' fields, from the one source.
+PipelineStrategy.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for name, f in PipeSettings.__dataclass_fields__.items()
+    ]
+)
+
+
+def _optimizer_state_to_param_devices(optimizer: Optimizer) -> None:
+    """Lightning moves optimizer state to one root device; here it follows its parameter."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            # Scalar 'step' counters stay where the optimizer keeps them (CPU by design).
+            if isinstance(value, Tensor) and key != "step":
+                state[key] = value.to(param.device)
 
 
 def _warn_if_slurm_ignored(environment: Optional[ClusterEnvironment]) -> None:
@@ -95,242 +355,6 @@ def _warn_if_slurm_ignored(environment: Optional[ClusterEnvironment]) -> None:
         " if you meant Lightning to launch the processes.",
         category=PipeckptWarning,
     )
-
-
-class PipelineStrategy(ParallelStrategy):
-    """GPipe pipeline parallelism with a checkpoint mode per stage.
-
-    Args:
-        stages: number of stages; default one per device (all on one device on CPU).
-        balance: layers per stage, e.g. ``[3, 3, 3, 3]``; default automatic.
-        balance_by: automatic balance by ``"params"``, or by profiled ``"time"`` or
-            ``"memory"`` (CUDA) of the module's ``example_input_array``.
-        chunks: micro-batches per mini-batch; their gradients accumulate into one step.
-        checkpoint: one mode for every stage, or a list with one per stage:
-            ``never``, ``except_last``, ``always``, ``offload``.
-        placement: device index of each stage, to put several stages on one device.
-        deferred_batch_norm: BatchNorm statistics per mini-batch, not per micro-batch.
-        pin_memory: ``offload`` keeps stage inputs in pinned host memory (CUDA only).
-        engine: ``"local"`` (one process, torchgpipe) or ``"distributed"``.
-        schedule, dp, virtual_stages, timeout: distributed engine settings.
-    """
-
-    strategy_name = "pipe"
-
-    def __new__(cls, *args: Any, engine: str = "local", **kwargs: Any) -> "PipelineStrategy":
-        if cls is PipelineStrategy and engine == "distributed":
-            from pipeckpt.engines.distributed import DistributedPipelineStrategy
-
-            return super().__new__(DistributedPipelineStrategy)
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        *,
-        stages: Optional[int] = None,
-        balance: Optional[Sequence[int]] = None,
-        balance_by: str = "params",
-        chunks: int = 1,
-        checkpoint: ModeSpec = "except_last",
-        placement: Optional[Sequence[int]] = None,
-        deferred_batch_norm: bool = False,
-        pin_memory: bool = True,
-        engine: str = "local",
-        schedule: str = "gpipe",
-        dp: Optional[int] = None,
-        virtual_stages: int = 1,
-        timeout: float = 60.0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        _validate_settings(
-            stages=stages,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            balance_by=balance_by,
-            engine=engine,
-            schedule=schedule,
-        )
-        self.num_stages = stages
-        self.balance = list(balance) if balance is not None else None
-        self.balance_by = balance_by
-        self.chunks = chunks
-        self.checkpoint = checkpoint if isinstance(checkpoint, (str, CheckpointMode)) else list(checkpoint)
-        self.placement = list(placement) if placement is not None else None
-        self.deferred_batch_norm = deferred_batch_norm
-        self.pin_memory = pin_memory
-        self.engine = engine
-        self.schedule = schedule
-        self.dp = dp
-        self.virtual_stages = virtual_stages
-        self.timeout = timeout
-        self.num_nodes = 1
-        self._plan: Optional[StagePlan] = None
-        self._engine: Optional[LocalPipeline] = None
-        self._sequential: Optional[nn.Sequential] = None
-
-    # -- topology ---------------------------------------------------------------
-
-    @property
-    def plan(self) -> Optional[StagePlan]:
-        """The stage plan, once :meth:`setup` has seen the module."""
-        return self._plan
-
-    @property
-    def stages(self) -> List[Stage]:
-        return self._engine.stages if self._engine is not None else []
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self._plan is not None:
-            return self._plan.devices[-1]
-        devices = self.parallel_devices or [torch.device("cpu")]
-        if self.placement is not None:
-            return devices[self.placement[-1] % len(devices)]
-        used = len(self.balance) if self.balance is not None else (self.num_stages or len(devices))
-        return devices[min(used, len(devices)) - 1]
-
-    @property
-    def is_distributed(self) -> bool:
-        return False
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
-
-    # -- set-up -----------------------------------------------------------------
-
-    @override
-    def _configure_launcher(self) -> None:
-        _warn_if_slurm_ignored(self.cluster_environment)
-        super()._configure_launcher()
-
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self._build_pipeline()
-        self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._optimizers_to_param_devices()
-
-    def _plan_for(self, module: LightningModule, sequential: nn.Sequential) -> StagePlan:
-        return plan(
-            sequential,
-            devices=self.parallel_devices or [torch.device("cpu")],
-            stages=self.num_stages,
-            balance=self.balance,
-            balance_by=self.balance_by,
-            checkpoint=self.checkpoint,
-            placement=self.placement,
-            sample=getattr(module, "example_input_array", None),
-            chunks=self.chunks,
-        )
-
-    def _build_pipeline(self) -> None:
-        module = self.lightning_module
-        assert module is not None
-        sequential = pipelined_sequential(module)
-        self._plan = self._plan_for(module, sequential)
-        if self.deferred_batch_norm:
-            convert_deferred_batch_norm(sequential, self.chunks)
-        self._engine = LocalPipeline(sequential, self._plan, chunks=self.chunks, pin_memory=self.pin_memory)
-        # The user's Sequential keeps its place in the module; only its call is routed.
-        sequential.forward = self._engine.forward  # type: ignore[method-assign]
-        self._sequential = sequential
-
-    @override
-    def model_to_device(self) -> None:
-        """Each stage to its device, everything else of the module to the root device."""
-        module, seq = self.lightning_module, self._sequential
-        assert module is not None and seq is not None and self._engine is not None
-        inside = {id(m) for m in seq.modules()}
-        for m in module.modules():
-            if id(m) not in inside:
-                apply_to_tensors(m, lambda t: t.to(self.root_device), recurse=False)
-        self._engine.place()
-        set_module_device(module, self.root_device)
-
-    def _optimizers_to_param_devices(self) -> None:
-        """Lightning moves optimizer state to one root device; here it follows its parameter."""
-        for optimizer in self.optimizers:
-            _optimizer_state_to_param_devices(optimizer)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
-            _optimizer_state_to_param_devices(optimizer)
-
-    # -- checkpoints ----------------------------------------------------------------
-    # Keys need no translation: the user's Sequential never moved. The RNG states
-    # ride along so that a resumed run draws the same dropout masks as an
-    # uninterrupted one (Lightning does not save them). Writing stays Lightning's
-    # atomic save (an fsspec transaction: temporary file, then move).
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        checkpoint[_CKPT_KEY] = {
-            "rng_states": _rng.collect(),
-            "balance": list(self._plan.balance) if self._plan else None,
-        }
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state = checkpoint.get(_CKPT_KEY)
-        if state is not None:
-            _rng.restore(state["rng_states"])
-        return checkpoint
-
-    @override
-    def teardown(self) -> None:
-        if self._sequential is not None:
-            # Back to a plain Sequential: after fit the module is an ordinary module again.
-            self._sequential.__dict__.pop("forward", None)
-        super().teardown()
-
-    # -- one process: collectives are identities ---------------------------------
-
-    @override
-    def reduce(self, tensor: Union[Tensor, Any], *args: Any, **kwargs: Any) -> Union[Tensor, Any]:
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return tensor
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="GPipe pipeline with per-stage activation checkpointing"
-        )
-
-
-def _optimizer_state_to_param_devices(optimizer: Optimizer) -> None:
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            # Scalar 'step' counters stay where the optimizer keeps them (CPU by design).
-            if isinstance(value, Tensor) and key != "step":
-                state[key] = value.to(param.device)
 
 
 def register() -> None:

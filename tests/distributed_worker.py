@@ -80,10 +80,10 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         gradient_clip_val=spec.get("gradient_clip_val"),
     )
     torch.manual_seed(123)
-    dp = trainer.strategy.data_parallel_size
+    dp = trainer.strategy.distributed_sampler_kwargs["num_replicas"]
     trainer.fit(
         module,
-        replica_loader(dp, trainer.strategy.data_parallel_rank),
+        replica_loader(dp, trainer.strategy.distributed_sampler_kwargs["rank"]),
         ckpt_path=spec.get("resume") or resume_run(spec, out),
     )
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
@@ -92,7 +92,9 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
     if spec.get("validate"):
-        trainer.validate(module, replica_loader(dp, trainer.strategy.data_parallel_rank), verbose=False)
+        trainer.validate(
+            module, replica_loader(dp, trainer.strategy.distributed_sampler_kwargs["rank"]), verbose=False
+        )
         seen["metrics"].update({k: float(v) for k, v in trainer.callback_metrics.items()})
     with open(os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump(seen, f)

@@ -60,7 +60,8 @@ def test_default_is_tiny_gpt_on_text_with_a_two_stage_except_last_pipeline(tmp_p
     objects = build(compose_train(tmp_path))
     strategy = objects["strategy"]
     assert isinstance(strategy, pipeckpt.PipelineStrategy)
-    assert (strategy.num_stages, strategy.chunks, strategy.checkpoint) == (2, 4, "except_last")
+    s = strategy.settings
+    assert (s.stages, s.chunks, s.checkpoint) == (2, 4, "except_last")
     assert objects["model"].hparams.size == "tiny"
     assert type(objects["data"]).__name__ == "TextDataModule"
 
@@ -73,15 +74,15 @@ def test_a_model_brings_its_default_data_and_data_overrides_it(tmp_path):
 
 def test_a_per_stage_mode_list_reaches_the_strategy(tmp_path):
     cfg = compose_train(tmp_path, "strategy.stages=4", "ckpt.modes=[always,always,except_last,never]")
-    assert build(cfg)["strategy"].checkpoint == ["always", "always", "except_last", "never"]
+    assert build(cfg)["strategy"].settings.checkpoint == ["always", "always", "except_last", "never"]
 
 
 def test_pin_memory_and_deferred_batch_norm_reach_the_strategy(tmp_path):
     cfg = compose_train(
         tmp_path, "ckpt=offload", "ckpt.pin_memory=false", "strategy.deferred_batch_norm=true"
     )
-    strategy = build(cfg)["strategy"]
-    assert (strategy.checkpoint, strategy.pin_memory, strategy.deferred_batch_norm) == (
+    s = build(cfg)["strategy"].settings
+    assert (s.checkpoint, s.pin_memory, s.deferred_batch_norm) == (
         "offload",
         False,
         True,

@@ -22,8 +22,9 @@ import torch
 from toy import ToyModule, fit, max_relative_difference, params, toy_loader
 
 from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
-from pipeckpt.engines.distributed import DistributedPipelineStrategy
-from pipeckpt.engines.routing import LogRecorder
+from pipeckpt.engines.distributed import DistributedEngine
+from pipeckpt.engines.distributed.logs import LogRecorder
+from pipeckpt.engines.distributed.step import PipelinedStep
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_worker.py"
@@ -41,17 +42,17 @@ def trainer(strategy: PipelineStrategy, devices: int) -> L.Trainer:
 # -- errors before any step ------------------------------------------------------------
 
 
-def test_engine_distributed_builds_the_distributed_strategy():
+def test_engine_distributed_drives_the_strategy_with_the_distributed_engine():
     strategy = distributed(balance=[3, 3])
-    assert isinstance(strategy, DistributedPipelineStrategy)
+    assert isinstance(strategy.engine, DistributedEngine)
     t = trainer(strategy, devices=2)
     assert t.strategy.is_distributed
-    assert (t.strategy.pipeline_size, t.strategy.data_parallel_size) == (2, 1)
+    assert (t.strategy.engine.topology.pp, t.strategy.engine.topology.dp) == (2, 1)
 
 
 def test_replicas_get_their_own_batches_and_stages_of_one_replica_the_same():
     t = trainer(distributed(balance=[3, 3], dp=2), devices=4)
-    assert (t.strategy.pipeline_size, t.strategy.data_parallel_size) == (2, 2)
+    assert (t.strategy.engine.topology.pp, t.strategy.engine.topology.dp) == (2, 2)
     assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
@@ -95,17 +96,18 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_rejected():
 
 
 def test_a_batch_chunks_does_not_divide_runs_with_fewer_microbatches_or_fails_clearly():
-    strategy = trainer(distributed(chunks=4, schedule="1f1b"), devices=2).strategy
+    engine = trainer(distributed(chunks=4, schedule="1f1b"), devices=2).strategy.engine
+    step = PipelinedStep(None, None, [], engine.processes, chunks=4, device=torch.device("cpu"))
     with pytest.warns(PipeckptWarning, match=r"batch of 10 samples.*runs as 2 micro-batches.*HINT"):
-        assert strategy._microbatches_for(10, train=True) == 2
-    assert strategy._microbatches_for(3, train=True) == 3
+        assert step._microbatches_for(10, train=True) == 2
+    assert step._microbatches_for(3, train=True) == 3
     with pytest.raises(
         PipeckptConfigError,
         match=r"batch of 1 samples.*equal micro-batches.*at least as many "
         r"micro-batches as pipeline stages.*HINT: .*drop_last",
     ):
-        strategy._microbatches_for(1, train=True)
-    assert strategy._microbatches_for(1, train=False) == 1  # forward only: any count
+        step._microbatches_for(1, train=True)
+    assert step._microbatches_for(1, train=False) == 1  # forward only: any count
 
 
 def _slurm(monkeypatch: pytest.MonkeyPatch, name: str, per_node: int) -> None:

@@ -58,11 +58,6 @@ def test_balance_must_sum_to_the_layer_count():
         plan(linears(4), devices=CPU2, balance=[2, 1])
 
 
-def test_balance_and_stages_must_agree():
-    with pytest.raises(PipeckptConfigError, match="stages=3 with balance"):
-        plan(linears(4), devices=CPU2, stages=3, balance=[2, 2])
-
-
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(PipeckptConfigError, match=r"stages=5.*number of layers \(4\)"):
         plan(linears(4), devices=CPU2, stages=5)
@@ -97,11 +92,6 @@ def test_a_parameter_shared_by_two_stages_is_refused():
 def test_a_parameter_shared_inside_one_stage_is_allowed():
     shared = nn.Linear(8, 8)
     assert plan(nn.Sequential(shared, shared, nn.ReLU()), devices=CPU2, balance=[2, 1]).stages == 2
-
-
-def test_not_a_sequential_is_refused():
-    with pytest.raises(PipeckptConfigError, match=r"must be a torch\.nn\.Sequential"):
-        plan(nn.ModuleList([nn.Linear(2, 2)]), devices=CPU2)
 
 
 def test_ranges_give_each_stages_layer_indices():

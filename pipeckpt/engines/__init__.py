@@ -1,8 +1,33 @@
-"""Engines run a :class:`~pipeckpt.planning.StagePlan`'s stages: ``local`` in one
-process (torchgpipe), ``distributed`` with one process per stage."""
+"""Engines run a :class:`~pipeckpt.planning.StagePlan`'s stages behind one protocol
+(:class:`~pipeckpt.engines.base.Engine`): ``local`` in one process (torchgpipe),
+``distributed`` with one process per stage (``torch.distributed.pipelining``).
 
-from typing import List
+The table names each engine's class by import path, so that choosing an engine
+imports only that engine (the distributed one pulls in torch.distributed).
+"""
+
+import importlib
+from typing import Dict, List, Type
+
+from pipeckpt._errors import config_error
+from pipeckpt.engines.base import Engine
 
 __all__: List[str] = []
 
-ENGINES = ("local", "distributed")
+ENGINES: Dict[str, str] = {
+    "local": "pipeckpt.engines.local:LocalEngine",
+    "distributed": "pipeckpt.engines.distributed:DistributedEngine",
+}
+
+
+def engine_class(name: str) -> Type[Engine]:
+    """The engine registered as ``name``."""
+    if name not in ENGINES:
+        raise config_error(
+            f"engine={name!r}",
+            f"must be one of {tuple(ENGINES)}",
+            "use 'local' (one process) or 'distributed' (one process per stage)",
+        )
+    module, _, cls = ENGINES[name].partition(":")
+    engine: Type[Engine] = getattr(importlib.import_module(module), cls)
+    return engine

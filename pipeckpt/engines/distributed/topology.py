@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.schedules import ScheduleKind, microbatch_rule
 
 __all__: List[str] = []
 
@@ -21,6 +22,7 @@ class Topology:
     pp: int
     dp: int
     virtual_stages: int
+    kind: ScheduleKind
 
     @property
     def stages(self) -> int:
@@ -28,41 +30,37 @@ class Topology:
 
     def stages_of(self, rank: int) -> List[int]:
         """The stage indices global ``rank`` runs."""
-        return [j for j in range(self.stages) if j % self.pp == rank % self.pp]
+        return self.kind.stages_of(rank % self.pp, self.pp, self.stages)
 
     def describe(self, rank: int) -> str:
         stages = ", ".join(map(str, self.stages_of(rank)))
         return f"rank {rank} (pipeline stage {stages} of data-parallel replica {rank // self.pp})"
 
 
-def validate_settings(*, schedule: str, virtual_stages: int, dp: Optional[int], timeout: float) -> None:
-    """Checks of the distributed settings alone, when the strategy is built."""
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+def check_kind(kind: ScheduleKind, virtual_stages: int) -> None:
+    """Checks of the schedule against the stages per process, when the strategy is built."""
+    if virtual_stages > 1 and not kind.looped:
         raise config_error(
-            f"virtual_stages={virtual_stages!r}",
-            "a pipeline rank holds an integer number >= 1 of stages",
-            "set virtual_stages >= 1",
+            f"virtual_stages={virtual_stages} with schedule={kind.name!r}",
+            "only a looped schedule runs several stages per process",
+            "set schedule='interleaved_1f1b' (or another looped schedule), or virtual_stages=1",
         )
-    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+    if kind.traits.v_shape and virtual_stages != 2:
         raise config_error(
-            f"virtual_stages={virtual_stages} with schedule={schedule!r}",
-            "only the interleaved schedule runs several stages per process",
-            "set schedule='interleaved_1f1b', or virtual_stages=1",
-        )
-    if dp is not None and (not isinstance(dp, int) or dp < 1):
-        raise config_error(
-            f"dp={dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
-        )
-    if not timeout or timeout <= 0:
-        raise config_error(
-            f"timeout={timeout!r}",
-            "a collective needs a positive time limit",
-            "set timeout in seconds, e.g. 60",
+            f"virtual_stages={virtual_stages} with schedule={kind.name!r}",
+            "a V-shaped schedule holds exactly two stages per process (stage j and 2 x pp - 1 - j)",
+            "set virtual_stages=2",
         )
 
 
 def resolve(
-    *, world: int, stages: Optional[int], virtual_stages: int, dp: Optional[int], chunks: int, schedule: str
+    *,
+    world: int,
+    stages: Optional[int],
+    virtual_stages: int,
+    dp: Optional[int],
+    chunks: int,
+    kind: ScheduleKind,
 ) -> Topology:
     """``pp`` and ``dp`` for a world of ``world`` processes: from ``dp`` if set, else from
     the stage count, else one pipeline over the whole world."""
@@ -94,7 +92,7 @@ def resolve(
             )
     else:
         pp = world
-    topology = Topology(pp=pp, dp=world // pp, virtual_stages=v)
+    topology = Topology(pp=pp, dp=world // pp, virtual_stages=v, kind=kind)
     if stages is not None and stages != topology.stages:
         raise config_error(
             f"{stages} stages on pp={pp} pipeline ranks (a world of {world} = pp x dp={topology.dp}) "
@@ -103,49 +101,33 @@ def resolve(
             f"set stages={topology.stages}, or set dp so that pp = stages / virtual_stages = "
             f"{stages // v}, or change virtual_stages",
         )
-    problem = schedule_rule(schedule, chunks, pp)
+    problem = microbatch_rule(kind, chunks, pp, topology.stages)
     if problem:
         raise config_error(
-            f"chunks={chunks} with schedule={schedule!r} on pp={pp}",
+            f"chunks={chunks} with schedule={kind.name!r} on pp={pp}",
             problem,
             "raise chunks, or use schedule='gpipe'",
         )
     return topology
 
 
-def schedule_rule(schedule: str, microbatches: int, pp: int) -> Optional[str]:
-    """Why ``microbatches`` do not fit ``schedule`` on ``pp`` ranks when training, or None."""
-    if schedule == "1f1b" and microbatches < pp:
-        return (
-            f"1F1B needs at least as many micro-batches as pipeline stages ({pp}); with "
-            f"{microbatches} the schedule cannot fill its pipeline"
-        )
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            return (
-                f"interleaved 1F1B runs the micro-batches in rounds of pp={pp}, so their "
-                f"number must be a multiple of {rounds} (micro-batches // pp)"
-            )
-    return None
-
-
-def microbatches_for(size: int, *, chunks: int, schedule: str, pp: int, train: bool) -> int:
+def microbatches_for(size: int, *, chunks: int, topology: Topology, train: bool) -> int:
     """``chunks``, or the largest count below it that cuts a batch of ``size`` samples into
     equal micro-batches and fits the schedule (``torch.distributed.pipelining`` sends
     fixed-shape buffers, so micro-batches must be equal)."""
-    strict = train or schedule == "interleaved_1f1b"  # forward-only single-stage runs are GPipe
+    kind, pp = topology.kind, topology.pp
+    strict = train or kind.looped  # forward-only single-stage runs are GPipe
 
     def fits(m: int) -> bool:
-        return size % m == 0 and not (strict and schedule_rule(schedule, m, pp))
+        return size % m == 0 and not (strict and microbatch_rule(kind, m, pp, topology.stages))
 
     if fits(chunks):
         return chunks
     fewer = next((m for m in range(min(chunks, size), 0, -1) if fits(m)), None)
     if fewer is None:
-        rule = schedule_rule(schedule, 1, pp) if strict else None
+        rule = microbatch_rule(kind, 1, pp, topology.stages) if strict else None
         raise config_error(
-            f"a batch of {size} samples with chunks={chunks} and schedule={schedule!r}",
+            f"a batch of {size} samples with chunks={chunks} and schedule={kind.name!r}",
             "the schedule needs equal micro-batches" + (f", and {rule}" if rule else ""),
             "use a batch size that is a multiple of chunks, or drop_last=True in the DataLoader",
         )

@@ -11,18 +11,15 @@ This module bridges the two without changing the step:
 - last stage: the step runs again on the micro-batch with the Sequential
   answering the schedule's output for it (:func:`answering`); its loss is the
   micro-batch loss;
-- ``self.log`` calls are recorded (:class:`LogRecorder`), reduced over the
-  micro-batches, and replayed once per step on every rank of the pipeline, so
-  that the loggers of global rank 0 see what the last stage computed.
+- ``self.log`` calls are recorded (:mod:`~pipeckpt.engines.distributed.logs`)
+  while the last stage runs the step.
 
 A micro-batch is the same slice of every tensor in the batch (dim 0), cut by
 the same ``tensor_split`` as the schedule cuts the pipeline input.
 """
 
-import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -30,6 +27,7 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_flatten, tree_unflatten
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.logs import LogRecorder
 
 __all__: List[str] = []
 
@@ -122,6 +120,14 @@ def _logging_to(module: LightningModule, log: Callable[..., None]) -> Iterator[N
         module.__dict__.pop("log", None)
 
 
+def _never_called(module: LightningModule, hook: str) -> Exception:
+    return config_error(
+        f"{type(module).__name__}.{hook} returned without calling the pipelined Sequential",
+        "under the distributed engine every step must call it exactly once",
+        "call the Sequential returned by configure_pipeline() in every step",
+    )
+
+
 def _ignore(*args: Any, **kwargs: Any) -> None:
     pass
 
@@ -147,11 +153,7 @@ def capture_input(
             getattr(module, hook)(batch, *rest, **kwargs)
         except _Captured as captured:
             return captured.input
-    raise config_error(
-        f"{type(module).__name__}.{hook} returned without calling the pipelined Sequential",
-        "under the distributed engine every step must call it exactly once",
-        "call the Sequential returned by configure_pipeline() in every step",
-    )
+    raise _never_called(module, hook)
 
 
 class _Answer:
@@ -178,18 +180,14 @@ class _Answer:
 
 @contextmanager
 def answering(
-    module: LightningModule, sequential: nn.Sequential, output: Any, hook: str, recorder: "LogRecorder"
+    module: LightningModule, sequential: nn.Sequential, output: Any, hook: str, recorder: LogRecorder
 ) -> Iterator[None]:
     """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``."""
     answer = _Answer(output, hook)
     with _routed(sequential, answer), _logging_to(module, recorder.log):
         yield
     if answer.calls == 0:
-        raise config_error(
-            f"{type(module).__name__}.{hook} returned without calling the pipelined Sequential",
-            "under the distributed engine every step must call it exactly once",
-            "call the Sequential returned by configure_pipeline() in every step",
-        )
+        raise _never_called(module, hook)
 
 
 def step_loss(output: Any, hook: str) -> Tensor:
@@ -203,82 +201,3 @@ def step_loss(output: Any, hook: str) -> Tensor:
             "return the loss tensor (or a dict with a 'loss' tensor)",
         )
     return loss
-
-
-_LOG_SIGNATURE = inspect.signature(LightningModule.log)
-_REDUCTIONS: Dict[str, Callable[[Tensor], Tensor]] = {
-    "mean": torch.mean,
-    "sum": torch.sum,
-    "max": torch.max,
-    "min": torch.min,
-}
-_NAMED = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
-
-
-@dataclass
-class _Series:
-    values: List[Tensor] = field(default_factory=list)
-    options: Dict[str, Any] = field(default_factory=dict)
-    batch_sizes: List[Optional[int]] = field(default_factory=list)
-
-
-class LogRecorder:
-    """Collects ``self.log`` calls of the micro-batch steps and reduces them to one
-    call per name, as a step on the whole batch would have made."""
-
-    def __init__(self, hook: str) -> None:
-        self.hook = hook
-        self._series: Dict[str, _Series] = {}
-
-    def log(self, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
-        bound.apply_defaults()
-        options = dict(bound.arguments)
-        options.pop("self")
-        name, value = options.pop("name"), options.pop("value")
-        if isinstance(value, (int, float)):
-            value = torch.tensor(float(value))
-        if not isinstance(value, Tensor) or value.numel() != 1:
-            raise config_error(
-                f"self.log({name!r}, <{type(value).__name__}>) in {self.hook}",
-                "the distributed engine reduces logged values over micro-batches and sends them "
-                "to rank 0, which needs a number or a one-element tensor",
-                "log a number or tensor (for a torchmetrics Metric, log metric.compute() at epoch end)",
-            )
-        if options["sync_dist_group"] is not None:
-            raise config_error(
-                f"self.log({name!r}, sync_dist_group=...) in {self.hook}",
-                "the process groups of the distributed engine are its own",
-                "use sync_dist=True without a group",
-            )
-        fx = options["reduce_fx"]
-        options["reduce_fx"] = _NAMED.get(fx, fx)
-        series = self._series.setdefault(name, _Series(options=options))
-        series.values.append(value.detach().float().reshape(()))
-        series.batch_sizes.append(options.pop("batch_size"))
-
-    def reduced(self) -> List[Tuple[str, Tensor, Dict[str, Any]]]:
-        """One ``(name, value, log options)`` per name, on the CPU, ready to send."""
-        out = []
-        for name, series in self._series.items():
-            options = dict(series.options)
-            fx = options["reduce_fx"]
-            stacked = torch.stack(series.values)
-            if isinstance(fx, str) and fx in _REDUCTIONS:
-                value = _REDUCTIONS[fx](stacked)
-            elif callable(fx):
-                value, options["reduce_fx"] = fx(stacked), "mean"
-            else:
-                value = stacked.mean()
-            if all(b is not None for b in series.batch_sizes):
-                options["batch_size"] = sum(series.batch_sizes)  # type: ignore[arg-type]
-            out.append((name, value.cpu(), options))
-        return out
-
-
-def replay(
-    module: LightningModule, records: Sequence[Tuple[str, Tensor, Dict[str, Any]]], device: torch.device
-) -> None:
-    """Logs reduced records on this rank, as the user's step would have."""
-    for name, value, options in records:
-        module.log(name, value.to(device), **options)

@@ -1,0 +1,190 @@
+"""The engine protocol: what :class:`~pipeckpt.strategy.PipelineStrategy` asks of the code that runs stages.
+
+The strategy owns everything Lightning sees (set-up, the optimizer step,
+accumulation, checkpoint hooks, logging, collectives) once, for every engine.
+An engine owns how a plan's stages run: in which processes, on which devices,
+in which order. The strategy calls it in this order::
+
+    Engine.check_settings(settings)        when the strategy is built, before any work
+    engine.configure_world(world)          once the Trainer knows the world size (topology errors)
+    engine.launcher(...)                   who starts the processes (None: nobody, one process)
+    engine.connect(...)                    process groups (multi-process engines)
+    engine.build(module, sequential, ...)  the StagePlan and this process's Stages
+    engine.place(module, root_device)      parameters to their devices
+    engine.run(hook, module, args, kwargs) one step over the micro-batches: forward, and backward if
+                                           the engine's schedule runs it (``backward_in_step``)
+    engine.take_step_gradients()           then hands those gradients over inside strategy.backward
+    engine.module_state_dict / optimizer_state / save / load   state, under the module's own keys
+    engine.on_exception(error)             a failing step, before Lightning unwinds
+    engine.teardown(module)                the module is an ordinary module again, on the CPU
+
+:class:`Engine` implements the one-process behaviour, so an engine overrides only
+what it changes. Adding an engine: a module with a subclass, and a row in
+:data:`pipeckpt.engines.ENGINES`.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from pipeckpt import _rng
+from pipeckpt._compat import apply_to_tensors, set_module_device
+from pipeckpt.planning import StagePlan
+from pipeckpt.settings import PipeSettings
+from pipeckpt.stage import Stage
+
+__all__ = ["Engine", "World"]
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of the run, as the Trainer sees them."""
+
+    num_nodes: int
+    num_processes: int  # on each node
+    global_rank: int = 0
+
+    @property
+    def size(self) -> int:
+        return max(1, self.num_nodes * self.num_processes)
+
+
+class Engine(ABC):
+    """Runs a plan's stages. Subclasses set :attr:`name` and implement :meth:`build` and :meth:`run`."""
+
+    name: str = ""
+    is_distributed: bool = False  # several processes: Lightning injects samplers and reduces logs
+    backward_in_step: bool = False  # the schedule runs backward inside ``run`` (see take_step_gradients)
+
+    def __init__(self, settings: PipeSettings) -> None:
+        self.settings = settings
+        self.plan: Optional[StagePlan] = None
+        self.sequential: Optional[nn.Sequential] = None
+
+    @classmethod
+    def check_settings(cls, settings: PipeSettings) -> None:
+        """Engine-specific checks that need neither model nor world; raise ``config_error``."""
+
+    # -- processes and devices ----------------------------------------------------------
+
+    def configure_world(self, world: World) -> None:
+        """The world is known (the Trainer is being built): check the topology against it."""
+
+    def launcher(self, environment: ClusterEnvironment, world: World) -> Optional[Any]:
+        """The Lightning launcher that starts this node's processes, or None."""
+        return None
+
+    def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
+        """Set up process groups (called in ``setup_environment``)."""
+
+    def root_device(self, devices: Sequence[torch.device], local_rank: int) -> torch.device:
+        """Where the module's loss and the parts outside the pipeline live."""
+        if self.plan is not None:
+            return self.plan.devices[-1]
+        s = self.settings
+        if s.placement is not None:
+            return devices[s.placement[-1] % len(devices)]
+        used = s.stage_count or len(devices)
+        return devices[min(used, len(devices)) - 1]
+
+    def sampler_kwargs(self, global_rank: int) -> Dict[str, Any]:
+        """``num_replicas`` and ``rank`` of this process's share of the data."""
+        return {"num_replicas": 1, "rank": 0}
+
+    def check_module(self, module: LightningModule, precision: Any) -> None:
+        """Refuse a module or precision this engine cannot run, before anything is built."""
+
+    # -- building -------------------------------------------------------------------
+
+    @abstractmethod
+    def build(
+        self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
+    ) -> None:
+        """Plan the stages of ``sequential`` (the module's own) and build this process's."""
+
+    @property
+    @abstractmethod
+    def stages(self) -> List[Stage]:
+        """This process's stages."""
+
+    def place(self, module: LightningModule, root_device: torch.device) -> None:
+        """Each stage to its device; the rest of the module to ``root_device``."""
+        assert self.sequential is not None
+        inside = {id(m) for m in self.sequential.modules()}
+        for m in module.modules():
+            if id(m) not in inside:
+                apply_to_tensors(m, lambda t: t.to(root_device), recurse=False)
+        for stage in self.stages:
+            stage.to(stage.device)
+        set_module_device(module, root_device)
+
+    # -- one step -------------------------------------------------------------------
+
+    @abstractmethod
+    def run(self, hook: str, module: LightningModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run the module's ``hook`` (``training_step``, ...) on one batch through the pipeline."""
+
+    def take_step_gradients(self) -> None:
+        """When ``backward_in_step``: add the gradients :meth:`run` computed to ``.grad``."""
+
+    def total_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
+        """The 2-norm of the whole model's gradients, for clipping by norm."""
+        if not grads:
+            return torch.zeros((), device=device)
+        return torch.nn.utils.get_total_norm(grads).float().to(device)
+
+    # -- state ----------------------------------------------------------------------
+
+    def module_state_dict(self, module: LightningModule) -> Dict[str, Any]:
+        return module.state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        return optimizer.state_dict()
+
+    def rng_states(self) -> List[Dict[str, Any]]:
+        """Every rank's RNG states, in rank order (one process: one)."""
+        return [_rng.collect()]
+
+    def my_rng_state(self, by_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """This process's entry of :meth:`rng_states` as saved (rank 0's when the world changed)."""
+        return by_rank[0]
+
+    def save_checkpoint(
+        self,
+        checkpoint: Dict[str, Any],
+        path: Any,
+        io: CheckpointIO,
+        storage_options: Optional[Any],
+        is_zero: bool,
+    ) -> None:
+        if is_zero:
+            io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
+        return io.load_checkpoint(path, weights_only=weights_only)
+
+    def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    # -- failures and the end -----------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A step failed; say what is known before Lightning unwinds."""
+
+    def teardown(self, module: Optional[LightningModule]) -> None:
+        """The module becomes an ordinary module again, on the CPU."""
+        if self.sequential is not None:
+            self.sequential.__dict__.pop("forward", None)
+        if module is not None:
+            apply_to_tensors(module, lambda t: t if t.is_meta else t.cpu())
+            set_module_device(module, torch.device("cpu"))

@@ -1,0 +1,241 @@
+"""The ``distributed`` engine: one process per pipeline rank, on ``torch.distributed.pipelining``.
+
+A pipeline rank holds one stage (or ``virtual_stages`` under a looped schedule)
+of the same :class:`~pipeckpt.planning.StagePlan` the local engine builds, each
+wrapped in the same :class:`~pipeckpt.stage.Stage`, so a checkpoint mode means
+the same under both engines. This class only composes the parts, one job each:
+
+- :mod:`.processes`: world, topology, launcher, process groups, liveness;
+- :mod:`.schedules`: torch's schedules by name, what each needs;
+- :mod:`.wiring`: this process's stages (others' layers on the meta device), DDP over replicas;
+- :mod:`.step` and :mod:`.replay`: the user's unchanged step, per micro-batch, through the schedule;
+- :mod:`.state`: model, optimizer and RNG state under the module's own keys;
+- :mod:`.liveness`: naming a lost rank when a collective fails.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from pipeckpt._errors import config_error
+from pipeckpt.batch_norm import convert_deferred_batch_norm
+from pipeckpt.engines.base import Engine, World
+from pipeckpt.engines.distributed.liveness import is_communication_failure, lost_message
+from pipeckpt.engines.distributed.processes import ProcessGroups
+from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
+from pipeckpt.engines.distributed.state import StateIO
+from pipeckpt.engines.distributed.step import PipelinedStep
+from pipeckpt.engines.distributed.topology import Topology, check_kind
+from pipeckpt.engines.distributed.wiring import (
+    StageModule,
+    build_stages,
+    called_outside_a_step,
+    check_all_parameters_pipelined,
+    data_parallel,
+)
+from pipeckpt.modes import parse_modes
+from pipeckpt.planning import StagePlan, plan
+from pipeckpt.settings import PipeSettings
+from pipeckpt.stage import Stage
+
+__all__ = ["DistributedEngine"]
+
+
+class DistributedEngine(Engine):
+    """One process per pipeline rank; ``dp`` replicas of the pipeline average gradients with DDP."""
+
+    name = "distributed"
+    is_distributed = True
+    backward_in_step = True
+
+    def __init__(self, settings: PipeSettings) -> None:
+        super().__init__(settings.resolved())
+        self.kind = lookup(self.settings.schedule or "")
+        self.processes = ProcessGroups(self.settings, self.kind)
+        self.state = StateIO(self.processes)
+        self.modules: List[StageModule] = []
+        self.step: Optional[PipelinedStep] = None
+        self._launcher: Any = None
+        self._device = torch.device("cpu")
+
+    @classmethod
+    def check_settings(cls, settings: PipeSettings) -> None:
+        s = settings.resolved()
+        assert s.schedule is not None and s.virtual_stages is not None
+        kind = lookup(s.schedule)
+        check_kind(kind, s.virtual_stages)
+        names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
+        check_modes(kind, parse_modes(names, len(names)))
+
+    @property
+    def topology(self) -> Topology:
+        assert self.processes.topology is not None, "the world is not known yet"
+        return self.processes.topology
+
+    # -- processes and devices ----------------------------------------------------------
+
+    def configure_world(self, world: World) -> None:
+        self.processes.configure(world)
+
+    def launcher(self, environment: ClusterEnvironment, world: World) -> Any:
+        self.processes.world = world
+        self._launcher = self.processes.launcher(environment)
+        return self._launcher
+
+    def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
+        self._device = device
+        self.processes.connect(environment, device)
+
+    def root_device(self, devices: Sequence[torch.device], local_rank: int) -> torch.device:
+        return devices[local_rank] if devices else torch.device("cpu")
+
+    def sampler_kwargs(self, global_rank: int) -> Dict[str, Any]:
+        # All ranks of one pipeline see the same batch; replicas see different ones.
+        return {"num_replicas": self.topology.dp, "rank": global_rank // self.topology.pp}
+
+    def check_module(self, module: LightningModule, precision: Any) -> None:
+        if not module.automatic_optimization:
+            raise config_error(
+                f"{type(module).__name__} uses manual optimization",
+                "the distributed engine's schedule runs backward itself, inside training_step",
+                "use automatic optimization, or engine='local'",
+            )
+        if getattr(precision, "scaler", None) is not None:
+            raise config_error(
+                "precision='16-mixed' (a gradient scaler)",
+                "the schedule runs backward inside training_step, where the scaler cannot scale it",
+                "use precision='bf16-mixed' or '32-true' with the distributed engine",
+            )
+
+    # -- building -------------------------------------------------------------------
+
+    def build(
+        self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
+    ) -> None:
+        check_all_parameters_pipelined(module, sequential)
+        device = self._device  # this process's, from connect()
+        stage_plan = self._plan(module, sequential, device, self.settings.balance)
+        agreed = [list(stage_plan.balance)]  # a profiled balance may differ between processes
+        dist.broadcast_object_list(agreed, src=0)
+        if tuple(agreed[0]) != stage_plan.balance:
+            stage_plan = self._plan(module, sequential, device, agreed[0])
+        self.plan = stage_plan
+        if self.settings.deferred_batch_norm:
+            convert_deferred_batch_norm(sequential, self.settings.chunks)
+        step = PipelinedStep(
+            module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
+        )
+        self.modules = build_stages(
+            sequential,
+            stage_plan,
+            self.topology.stages_of(self.processes.rank),
+            device=device,
+            pin_memory=self.settings.pin_memory,
+            entry=step.first_stage_input,
+        )
+        step.modules = self.modules
+        assert self.processes.pp_group is not None
+        step.schedules = Schedules(
+            kind=self.kind,
+            indices=[m.stage.index for m in self.modules],
+            modules=self.modules,
+            trained=[
+                data_parallel(m, self.processes.dp_group, self.topology.dp, device) for m in self.modules
+            ],
+            num_stages=stage_plan.stages,
+            device=device,
+            group=self.processes.pp_group,
+            loss_fn=step.microbatch_loss,
+        )
+        self.step = step
+        sequential.forward = called_outside_a_step  # type: ignore[method-assign]
+        self.sequential = sequential
+
+    def _plan(
+        self, module: LightningModule, sequential: nn.Sequential, device: torch.device, balance: Any
+    ) -> StagePlan:
+        s = self.settings
+        return plan(
+            sequential,
+            devices=[device],
+            stages=self.topology.stages,
+            balance=balance,
+            balance_by=s.balance_by,
+            checkpoint=s.checkpoint,
+            sample=getattr(module, "example_input_array", None),
+            chunks=s.chunks,
+        )
+
+    @property
+    def stages(self) -> List[Stage]:
+        return [m.stage for m in self.modules]
+
+    # -- one step -------------------------------------------------------------------
+
+    def run(self, hook: str, module: LightningModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        assert self.step is not None
+        return self.step(hook, args, kwargs)
+
+    def take_step_gradients(self) -> None:
+        assert self.step is not None
+        self.step.take_gradients()
+
+    def total_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
+        squared = super().total_norm(grads, device) ** 2
+        if self.topology.pp > 1:  # replicas hold the same, DDP-averaged, gradients
+            dist.all_reduce(squared, group=self.processes.pp_group)
+        return squared.sqrt()
+
+    # -- state ----------------------------------------------------------------------
+
+    def module_state_dict(self, module: LightningModule) -> Dict[str, Any]:
+        return self.state.module_state_dict(module.state_dict())
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        return self.state.optimizer_state(optimizer.state_dict())
+
+    def rng_states(self) -> List[Dict[str, Any]]:
+        return self.state.rng_states()
+
+    def my_rng_state(self, by_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return self.state.my_rng_state(by_rank)
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
+        self.state.load_optimizer_state(optimizer, state)
+
+    # -- failures and the end -----------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        liveness = self.processes.liveness
+        if liveness is None:
+            return
+        liveness.leaving()
+        if not is_communication_failure(exception):
+            return
+        lost = self._exited_children() or liveness.lost_ranks()
+        message = lost_message(
+            me=self.processes.rank,
+            lost=lost,
+            describe=self.topology.describe,
+            timeout=self.settings.timeout or 0,
+        )
+        print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
+        exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
+
+    def _exited_children(self) -> List[int]:
+        """Ranks that Lightning's launcher started from this process and that have exited."""
+        procs = getattr(self._launcher, "procs", None) or []
+        world = self.processes.world
+        base = (self.processes.rank // max(1, world.num_processes)) * world.num_processes
+        return [base + i + 1 for i, proc in enumerate(procs) if proc.poll() is not None]
+
+    def teardown(self, module: Optional[LightningModule]) -> None:
+        self.processes.close()
+        if self.step is not None:
+            self.step.clear()
+        super().teardown(module)

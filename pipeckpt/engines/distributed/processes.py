@@ -1,0 +1,130 @@
+"""Processes and mesh of the distributed engine: who runs which stage, and the groups they talk in.
+
+The world is ``pp x dp`` processes on a 2-D ``DeviceMesh`` ``("dp", "pp")``
+(:mod:`~pipeckpt.engines.distributed.topology`). This module resolves the
+topology as soon as the Trainer knows the world size (so bad combinations fail
+before any process starts), picks the launcher, opens the process groups, and
+starts the liveness beat that names a lost rank.
+"""
+
+import os
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from torch.distributed.device_mesh import init_device_mesh
+
+from pipeckpt._compat import (
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    default_store,
+    init_dist_connection,
+)
+from pipeckpt._errors import config_error
+from pipeckpt.engines.base import World
+from pipeckpt.engines.distributed.liveness import Liveness
+from pipeckpt.engines.distributed.schedules import ScheduleKind
+from pipeckpt.engines.distributed.topology import Topology, resolve
+from pipeckpt.settings import PipeSettings
+
+__all__: List[str] = []
+
+
+class ProcessGroups:
+    """The world, its topology and the ``pp``/``dp`` process groups of this process."""
+
+    def __init__(self, settings: PipeSettings, kind: ScheduleKind) -> None:
+        self.settings = settings
+        self.kind = kind
+        self.world = World(num_nodes=1, num_processes=1)
+        self.topology: Optional[Topology] = None
+        self.pp_group: Optional[dist.ProcessGroup] = None
+        self.dp_group: Optional[dist.ProcessGroup] = None
+        self.liveness: Optional[Liveness] = None
+
+    def configure(self, world: World) -> Topology:
+        s = self.settings
+        assert s.virtual_stages is not None
+        self.world = world
+        self.topology = resolve(
+            world=world.size,
+            virtual_stages=s.virtual_stages,
+            stages=s.stage_count,
+            dp=s.dp,
+            chunks=s.chunks,
+            kind=self.kind,
+        )
+        return self.topology
+
+    @property
+    def rank(self) -> int:
+        return self.world.global_rank
+
+    @property
+    def pipeline_rank(self) -> int:
+        assert self.topology is not None
+        return self.rank % self.topology.pp
+
+    @property
+    def replica(self) -> int:
+        assert self.topology is not None
+        return self.rank // self.topology.pp
+
+    def launcher(self, environment: ClusterEnvironment) -> Any:
+        _check_slurm_tasks(environment, devices=self.world.num_processes, num_nodes=self.world.num_nodes)
+        return SubprocessScriptLauncher(environment, self.world.num_processes, self.world.num_nodes)
+
+    def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
+        assert self.topology is not None and self.settings.timeout is not None
+        options: Dict[str, Any] = {"timeout": timedelta(seconds=self.settings.timeout)}
+        if device.type != "cpu":
+            options["device_id"] = device
+        init_dist_connection(environment, default_process_group_backend(device), **options)
+        mesh = init_device_mesh(
+            device.type, (self.topology.dp, self.topology.pp), mesh_dim_names=("dp", "pp")
+        )
+        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.liveness = Liveness(default_store(), rank=self.rank, world_size=self.world.size)
+        self.liveness.start()
+
+    @property
+    def connected(self) -> bool:
+        return self.pp_group is not None and dist.is_initialized()
+
+    def from_last_stage(self, payload: Any) -> Any:
+        """``payload`` of the pipeline's last rank, on every rank of the pipeline."""
+        assert self.topology is not None
+        if self.topology.pp == 1:
+            return payload
+        box = [payload]
+        src = dist.get_global_rank(self.pp_group, self.topology.pp - 1)
+        dist.broadcast_object_list(box, src=src, group=self.pp_group)
+        return box[0]
+
+    def gathered_on_zero(self, piece: Any) -> Optional[List[Any]]:
+        """Every rank's ``piece`` on global rank 0 (a collective), else None."""
+        pieces = [None] * self.world.size if self.rank == 0 else None
+        dist.gather_object(piece, pieces, dst=0)
+        return pieces
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
+
+
+def _check_slurm_tasks(environment: Any, *, devices: int, num_nodes: int) -> None:
+    if not isinstance(environment, SLURMEnvironment):
+        return
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    count = per_node.split("(")[0]  # "2(x3)": 2 tasks on each of 3 nodes
+    if count.isdigit() and int(count) != devices:
+        raise config_error(
+            f"devices={devices} with SLURM --ntasks-per-node={per_node}",
+            "the distributed engine runs one process per device, and SLURM starts "
+            "--ntasks-per-node of them on each node, so the two must agree",
+            f"set the trainer's devices={count} (pp x dp = {int(count) * num_nodes} processes "
+            f"on {num_nodes} node(s)), or change --ntasks-per-node",
+        )

@@ -1,0 +1,190 @@
+"""The schedules of the installed ``torch.distributed.pipelining``, looked up by torch's own name table.
+
+A user names a schedule as torch does, in any case, with or without
+underscores (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``LoopedBFS``,
+``zbv_zero_bubble``, ...); :func:`torch.distributed.pipelining.schedules.get_schedule_class`
+resolves it, so a torch release that adds a schedule adds it here. What pipeckpt
+must know of a schedule beyond its class, which stages a process holds and
+whether it splits backward into input and weight passes, is in :data:`_TRAITS`;
+a schedule that pipeckpt has not been proven with is refused, naming why.
+
+A schedule is built for one micro-batch count and one input shape (its receive
+buffers have fixed sizes), so :class:`Schedules` keeps a few.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
+from pipeckpt.modes import CheckpointMode
+
+__all__: List[str] = []
+
+_KEPT = 4  # schedules kept per train/eval
+
+
+@dataclass(frozen=True)
+class _Traits:
+    v_shape: bool = False  # stage j and stage 2 x pp - 1 - j on one process (exactly two each)
+    split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
+    min_microbatches_per_stage: bool = False  # at least as many micro-batches as stages
+
+
+# What pipeckpt knows of each schedule class, proven by tests/test_distributed_engine.py.
+_TRAITS: Dict[str, _Traits] = {
+    "ScheduleGPipe": _Traits(),
+    "Schedule1F1B": _Traits(min_microbatches_per_stage=True),
+    "ScheduleInterleaved1F1B": _Traits(),
+    "ScheduleLoopedBFS": _Traits(),
+    "ScheduleInterleavedZeroBubble": _Traits(split_backward=True),
+    "ScheduleZBVZeroBubble": _Traits(v_shape=True, split_backward=True),
+    "ScheduleDualPipeV": _Traits(v_shape=True, split_backward=True, min_microbatches_per_stage=True),
+}
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule, as the engine needs to know it."""
+
+    name: str  # the user's spelling
+    cls: Type[Any]
+    traits: _Traits
+
+    @property
+    def looped(self) -> bool:
+        """Whether a process may hold several stages."""
+        return issubclass(self.cls, PipelineScheduleMulti)
+
+    def stages_of(self, rank: int, pp: int, stages: int) -> List[int]:
+        """The stage indices pipeline rank ``rank`` holds."""
+        if self.traits.v_shape:
+            return [rank, 2 * pp - 1 - rank]
+        return [j for j in range(stages) if j % pp == rank]
+
+
+def installed() -> List[str]:
+    """The schedule names torch's ``get_schedule_class`` resolves in this installation."""
+    names = []
+    for attr in dir(torch_schedules):
+        if attr.startswith("Schedule") and attr != "Schedule":
+            try:
+                get_schedule_class(attr[len("Schedule") :])
+            except ValueError:
+                continue
+            names.append(attr[len("Schedule") :])
+    return names
+
+
+def lookup(name: str) -> ScheduleKind:
+    """The schedule ``name`` names, or a config error listing the installed ones."""
+    try:
+        cls = get_schedule_class(str(name).replace("_", ""))
+    except ValueError:
+        cls = None
+    if cls is None or not cls.__name__.startswith("Schedule"):
+        raise config_error(
+            f"schedule={name!r}",
+            f"must name a schedule of torch.distributed.pipelining: one of {installed()}",
+            "choose one of those (any case; underscores are ignored, e.g. 'interleaved_1f1b')",
+        )
+    traits = _TRAITS.get(cls.__name__)
+    if traits is None:
+        raise config_error(
+            f"schedule={name!r}",
+            f"pipeckpt has not been proven with {cls.__name__} (added by torch {torch.__version__})",
+            f"use one of {[n[len('Schedule') :] for n in _TRAITS]}",
+        )
+    return ScheduleKind(name=str(name), cls=cls, traits=traits)
+
+
+def check_modes(kind: ScheduleKind, modes: Sequence[CheckpointMode]) -> None:
+    """Refuse modes a schedule cannot run exactly."""
+    recomputing = sorted({m.name for m in modes if m.checkpoints})
+    if kind.traits.split_backward and recomputing:
+        raise config_error(
+            f"schedule={kind.name!r} with checkpoint modes {recomputing}",
+            "this schedule splits backward into an input pass and a weight pass; a stage that drops its "
+            "activations would recompute its forward for each pass, and the second recompute would "
+            "draw on RNG and BatchNorm state the first already consumed",
+            "use checkpoint='never' with this schedule, or a schedule without split backward "
+            "(gpipe, 1f1b, interleaved_1f1b, looped_bfs)",
+        )
+
+
+def microbatch_rule(kind: ScheduleKind, microbatches: int, pp: int, stages: int) -> Optional[str]:
+    """Why ``microbatches`` do not fit ``kind`` on ``pp`` ranks holding ``stages`` stages, or None."""
+    if kind.traits.min_microbatches_per_stage and microbatches < (stages if kind.looped else pp):
+        need = stages if kind.looped else pp
+        return (
+            f"{kind.cls.__name__} needs at least as many micro-batches as pipeline stages ({need}); with "
+            f"{microbatches} the schedule cannot fill its pipeline"
+        )
+    if kind.looped and not kind.traits.v_shape:
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return (
+                f"{kind.cls.__name__} runs the micro-batches in rounds of pp={pp}, so their number "
+                f"must be a multiple of {rounds} (micro-batches // pp)"
+            )
+    return None
+
+
+class Schedules:
+    """Schedules of one pipeline rank's stages, by (train, micro-batches, input shape)."""
+
+    def __init__(
+        self,
+        *,
+        kind: ScheduleKind,
+        indices: Sequence[int],
+        modules: Sequence[StageModule],
+        trained: Sequence[nn.Module],
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+    ) -> None:
+        self.kind = kind
+        self._indices, self._modules, self._trained = list(indices), list(modules), list(trained)
+        self._num_stages, self._device, self._group = num_stages, device, group
+        self._loss_fn = loss_fn
+        self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
+
+    def get(
+        self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]
+    ) -> Tuple[Any, List[LiveStage]]:
+        key = (train, microbatches, signature)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        # Training runs the DDP-wrapped modules; forward-only runs need no gradient reduction.
+        submodules = self._trained if train else self._modules
+        stages = [
+            LiveStage(m, s, j, self._num_stages, self._device, self._group)
+            for j, m, s in zip(self._indices, self._modules, submodules)
+        ]
+        options: Dict[str, Any] = dict(
+            n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
+        )
+        if self.kind.looped:
+            schedule: Any = self.kind.cls(stages, **options)
+        elif train:
+            schedule = self.kind.cls(stages[0], **options)
+        else:  # forward-only single-stage runs are fill-drain whatever the schedule
+            schedule = torch_schedules.ScheduleGPipe(stages[0], **options)
+        self._cache[key] = (schedule, stages)
+        same_kind = [k for k in self._cache if k[0] == train]
+        if len(same_kind) > _KEPT:
+            del self._cache[same_kind[0]]
+        return schedule, stages
+
+    def clear(self) -> None:
+        self._cache.clear()

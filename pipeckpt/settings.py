@@ -1,0 +1,207 @@
+"""Every setting of the ``pipe`` strategy, in one typed object.
+
+:class:`PipeSettings` is the single source of a setting's name, type, default,
+meaning and model-free check. ``PipelineStrategy(**settings)`` takes its
+keyword arguments from it, the Hydra schema of ``conf/strategy/pipe.yaml`` is
+generated from it (:mod:`pipeckpt.config`), and the README's table lists its
+fields. Checks run in ``__post_init__``, so the same bad value fails with the
+same message from Python, from a Hydra config and from the command line, before
+any model, process or device is touched. Checks that need the model (a balance
+summing to the layer count) live in :mod:`pipeckpt.planning`; checks that need
+the world size live with the engine that runs it.
+"""
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from pipeckpt._errors import config_error
+from pipeckpt.modes import CheckpointMode, parse_modes
+
+__all__ = ["PipeSettings", "BALANCE_BY", "check_balance_by"]
+
+BALANCE_BY = ("params", "time", "memory")
+
+_DISTRIBUTED = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
+
+
+def _help(text: str) -> Dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class PipeSettings:
+    """The settings of the ``pipe`` strategy. Each field's ``help`` says what it does."""
+
+    stages: Optional[int] = field(
+        default=None, metadata=_help("number of stages; default one per device (all on one device on CPU)")
+    )
+    balance: Optional[List[int]] = field(
+        default=None, metadata=_help("layers per stage, e.g. [3, 3, 3, 3]; default automatic by balance_by")
+    )
+    balance_by: str = field(
+        default="params",
+        metadata=_help("automatic balance by 'params', or by profiled 'time' or 'memory' (CUDA)"),
+    )
+    chunks: int = field(default=1, metadata=_help("micro-batches per batch; one optimizer step per batch"))
+    checkpoint: Any = field(
+        default="except_last",
+        metadata=_help(
+            "one mode for all stages, or a list of one per stage: never, except_last, always, offload"
+        ),
+    )
+    placement: Optional[List[int]] = field(
+        default=None,
+        metadata=_help("device index of each stage, to put several stages on one device (local)"),
+    )
+    deferred_batch_norm: bool = field(
+        default=False, metadata=_help("BatchNorm statistics per batch, not per micro-batch")
+    )
+    pin_memory: bool = field(default=True, metadata=_help("offload keeps stage inputs in pinned host memory"))
+    engine: str = field(
+        default="local", metadata=_help("'local' (one process) or 'distributed' (one process per stage)")
+    )
+    schedule: Optional[str] = field(
+        default=None, metadata=_help("distributed: a schedule of torch.distributed.pipelining; default gpipe")
+    )
+    dp: Optional[int] = field(
+        default=None,
+        metadata=_help("distributed: replicas of the whole pipeline; default from the world size"),
+    )
+    virtual_stages: Optional[int] = field(
+        default=None, metadata=_help("distributed: stages per process (looped schedules); default 1")
+    )
+    timeout: Optional[float] = field(
+        default=None, metadata=_help("distributed: seconds a rank may wait for another; default 60")
+    )
+
+    def __post_init__(self) -> None:
+        _check_counts(self)
+        check_balance_by(self.balance_by)
+        names = [self.checkpoint] if isinstance(self.checkpoint, (str, CheckpointMode)) else self.checkpoint
+        if not isinstance(names, (list, tuple)):
+            raise config_error(
+                f"checkpoint={self.checkpoint!r}",
+                "must be a mode name or a list of mode names, one per stage",
+                "set checkpoint to a mode name (never, except_last, always, offload) or a list such as "
+                "['always', 'never']",
+            )
+        parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
+        if self.balance is not None:
+            object.__setattr__(self, "balance", [int(b) for b in self.balance])
+        if self.placement is not None:
+            object.__setattr__(self, "placement", [int(p) for p in self.placement])
+        if not isinstance(self.checkpoint, (str, CheckpointMode)):
+            object.__setattr__(self, "checkpoint", list(self.checkpoint))
+        _check_engine_settings(self)
+
+    @property
+    def given_distributed(self) -> List[str]:
+        """The distributed-only settings that were set (not left at None)."""
+        return [name for name in _DISTRIBUTED if getattr(self, name) is not None]
+
+    def resolved(self) -> "PipeSettings":
+        """The settings with the distributed defaults filled in (for the distributed engine)."""
+        values = {name: getattr(self, name) for name in _names()}
+        for name, default in _DISTRIBUTED.items():
+            if values[name] is None:
+                values[name] = default
+        return PipeSettings(**values)
+
+    @property
+    def stage_count(self) -> Optional[int]:
+        """The stage count the settings fix, if any (by ``stages`` or by ``balance``)."""
+        return len(self.balance) if self.balance is not None else self.stages
+
+    @classmethod
+    def help(cls) -> List[Tuple[str, str, str]]:
+        """``(name, default, meaning)`` of every setting, for docs and ``--help``."""
+        return [(f.name, repr(f.default), f.metadata["help"]) for f in fields(cls)]
+
+
+def check_balance_by(balance_by: str) -> None:
+    if balance_by not in BALANCE_BY:
+        raise config_error(
+            f"balance_by={balance_by!r}",
+            f"must be one of {BALANCE_BY}",
+            "choose params (default), time, or memory",
+        )
+
+
+def _names() -> List[str]:
+    return [f.name for f in fields(PipeSettings)]
+
+
+def defaults() -> Dict[str, Any]:
+    """Each setting's default value."""
+    return {f.name: f.default for f in fields(PipeSettings) if f.default is not MISSING}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_counts(s: PipeSettings) -> None:
+    if not _is_count(s.chunks):
+        raise config_error(
+            f"chunks={s.chunks!r}",
+            "the number of micro-batches must be an integer >= 1",
+            "set chunks to 1 (no micro-batching) or more",
+        )
+    if s.stages is not None and not _is_count(s.stages):
+        raise config_error(
+            f"stages={s.stages!r}",
+            "a pipeline needs an integer number of stages >= 1",
+            "set stages >= 1, or leave it unset to use one stage per device",
+        )
+    _check_int_list("balance", s.balance, minimum=1, hint="give positive layer counts, one per stage")
+    _check_int_list("placement", s.placement, minimum=0, hint="list a device index (0, 1, ...) per stage")
+    if s.balance is not None and s.stages is not None and s.stages != len(s.balance):
+        raise config_error(
+            f"stages={s.stages} with balance {list(s.balance)}",
+            "the balance lists one layer count per stage",
+            "drop `stages` (the balance decides it) or make them agree",
+        )
+
+
+def _check_int_list(name: str, value: Optional[Sequence[Any]], *, minimum: int, hint: str) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (list, tuple)) and len(value) > 0
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value)
+    if not ok:
+        raise config_error(f"{name}={value!r}", f"must be a non-empty list of integers >= {minimum}", hint)
+
+
+def _check_engine_settings(s: PipeSettings) -> None:
+    """Settings that mean something to one engine only are refused by the other."""
+    if s.engine == "local" and s.given_distributed:
+        given = ", ".join(f"{n}={getattr(s, n)!r}" for n in s.given_distributed)
+        raise config_error(
+            f"{given} with engine='local'",
+            "these settings drive the distributed engine's processes; the local engine runs every "
+            "stage in this process",
+            "set engine='distributed' to use them, or drop them",
+        )
+    if s.engine == "distributed" and s.placement is not None:
+        raise config_error(
+            f"placement={s.placement} with engine='distributed'",
+            "each process runs its stages on its own device",
+            "drop `placement`",
+        )
+    if s.dp is not None and not _is_count(s.dp):
+        raise config_error(
+            f"dp={s.dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
+        )
+    if s.virtual_stages is not None and not _is_count(s.virtual_stages):
+        raise config_error(
+            f"virtual_stages={s.virtual_stages!r}",
+            "a pipeline rank holds an integer number >= 1 of stages",
+            "set virtual_stages >= 1",
+        )
+    timeout: Union[float, int, str, None] = s.timeout
+    if timeout is not None and (isinstance(timeout, (bool, str)) or not timeout > 0):
+        raise config_error(
+            f"timeout={timeout!r}",
+            "a collective needs a positive time limit",
+            "set timeout in seconds, e.g. 60",
+        )
