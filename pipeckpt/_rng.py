@@ -13,7 +13,10 @@ __all__: List[str] = []
 
 
 def collect() -> Dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    # The legacy global generator is always MT19937, whose state numpy gives as a tuple.
+    assert isinstance(numpy_state, tuple), "numpy's global generator is MT19937"
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: Dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -120,40 +120,47 @@ class TextDataModule(L.LightningDataModule):
                 f"e.g. 0.05 holds out the last 5% of the corpus"
             )
         self.save_hyperparameters()
+        # Typed copies of the settings: hparams is an untyped mapping.
+        self.path = path
+        self.pattern = pattern
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.max_bytes = max_bytes
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
         self.train_set: Optional[Windows] = None
         self.val_set: Optional[Windows] = None
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
-        hp = self.hparams
-        corpus = read_corpus(hp.path, pattern=hp.pattern, max_bytes=hp.max_bytes)
+        corpus = read_corpus(self.path, pattern=self.pattern, max_bytes=self.max_bytes)
         data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
-        cut = len(data) - int(len(data) * hp.val_fraction)
-        self.train_set = Windows(data[:cut], seq_len=hp.seq_len, stride=1)
-        self.val_set = Windows(data[cut:], seq_len=hp.seq_len, stride=hp.seq_len)
-        if len(self.val_set) < hp.batch_size:
+        cut = len(data) - int(len(data) * self.val_fraction)
+        self.train_set = Windows(data[:cut], seq_len=self.seq_len, stride=1)
+        self.val_set = Windows(data[cut:], seq_len=self.seq_len, stride=self.seq_len)
+        if len(self.val_set) < self.batch_size:
             raise ValueError(
                 f"validation split too small for one batch (windows: {len(self.val_set)}, "
-                f"batch_size: {hp.batch_size}); raise data.max_bytes or data.val_fraction"
+                f"batch_size: {self.batch_size}); raise data.max_bytes or data.val_fraction"
             )
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() runs before the dataloaders"
         return DataLoader(
             self.train_set,
-            batch_size=self.hparams.batch_size,
+            batch_size=self.batch_size,
             shuffle=True,
             drop_last=True,  # a pipeline needs batch >= chunks; a short last batch could break that
-            num_workers=self.hparams.num_workers,
+            num_workers=self.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "setup() runs before the dataloaders"
         return DataLoader(
             self.val_set,
-            batch_size=self.hparams.batch_size,
+            batch_size=self.batch_size,
             shuffle=False,
             drop_last=True,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.num_workers,
         )

@@ -19,6 +19,12 @@ class Classifier(L.LightningModule):
 
     layers: nn.Sequential
 
+    def __init__(self, *, lr: float, weight_decay: float) -> None:
+        super().__init__()
+        # Typed copies for configure_optimizers: hparams is an untyped mapping.
+        self.lr = lr
+        self.weight_decay = weight_decay
+
     def configure_pipeline(self) -> nn.Sequential:
         return self.layers
 
@@ -40,6 +46,4 @@ class Classifier(L.LightningModule):
         return self._step(batch, "val")
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

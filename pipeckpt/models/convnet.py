@@ -49,6 +49,6 @@ class ConvNet(Classifier):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(lr=lr, weight_decay=weight_decay)
         self.save_hyperparameters()
         self.layers = convnet_layers(in_channels=in_channels, width=width, num_classes=num_classes)

@@ -13,7 +13,7 @@ submodule to partition.
 """
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -119,7 +119,9 @@ def _init_gpt2(layers: nn.Sequential, *, n_layers: int) -> None:
     for module in layers:
         if isinstance(module, Block):
             nn.init.normal_(module.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(module.mlp[2].weight, mean=0.0, std=residual_std)
+            mlp_out = module.mlp[2]
+            assert isinstance(mlp_out, nn.Linear), "Block.mlp is Linear, GELU, Linear, Dropout"
+            nn.init.normal_(mlp_out.weight, mean=0.0, std=residual_std)
 
 
 def gpt_layers(
@@ -142,7 +144,7 @@ def gpt_layers(
     return layers
 
 
-def warmup_cosine(*, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+def warmup_cosine(*, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
     """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_ratio``."""
 
     def factor(step: int) -> float:
@@ -183,6 +185,10 @@ class GPT(L.LightningModule):
                 f"unknown GPT arguments {sorted(unknown)}; a size can override only {sorted(SIZES[size])}"
             )
         self.save_hyperparameters()
+        # Typed copies for configure_optimizers: hparams is an untyped mapping.
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
         arch = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
         self.layers = gpt_layers(vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, **arch)
 
@@ -214,16 +220,16 @@ class GPT(L.LightningModule):
         no_decay = [p for p in self.layers.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": decay, "weight_decay": self.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=self.hparams.lr,
+            lr=self.lr,
             betas=(0.9, 0.95),
         )
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else math.inf
         # An unbounded run (max_steps=-1, max_epochs=-1) warms up and then keeps the peak rate.
         total = int(total) if math.isfinite(total) else 2**62
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_cosine(warmup_steps=self.hparams.warmup_steps, total_steps=total)
+            optimizer, warmup_cosine(warmup_steps=self.warmup_steps, total_steps=total)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -38,6 +38,6 @@ class MLP(Classifier):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(lr=lr, weight_decay=weight_decay)
         self.save_hyperparameters()
         self.layers = mlp_layers(in_features=in_features, hidden=hidden, depth=depth, num_classes=num_classes)
