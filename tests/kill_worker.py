@@ -202,6 +202,8 @@ def kill_target(reference: Dict[str, Any], trial: Dict[str, Any]) -> Dict[str, A
     kind = trial["kind"]
     first_step = 2 if kind in WRITE_KINDS else 1
     eligible = [i for i, step in enumerate(reference["events"][kind]) if step >= first_step]
+    if not eligible:
+        raise SystemExit(f"the reference run had no {kind!r} event at global step >= {first_step}")
     index = eligible[int(trial["u"] * len(eligible))]
     target = {"kind": kind, "index": index}
     if kind == "write_bytes":
