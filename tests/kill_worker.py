@@ -181,11 +181,18 @@ def in_child(fn: Callable[[], None], directory: str, phase: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    deadline = threading.Timer(CHILD_TIMEOUT_S, lambda: os.kill(pid, signal.SIGKILL))
+    fired = threading.Event()
+
+    def too_late() -> None:
+        fired.set()
+        os.kill(pid, signal.SIGKILL)
+
+    deadline = threading.Timer(CHILD_TIMEOUT_S, too_late)
     deadline.start()
     _, status = os.waitpid(pid, 0)
-    timed_out = not deadline.is_alive()
     deadline.cancel()
+    deadline.join()  # no thread alive at the next fork
+    timed_out = fired.is_set()
     ended = {
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
