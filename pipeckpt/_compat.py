@@ -78,6 +78,12 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimi
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
 
 
+def checkpoint_io_unset(strategy: Any) -> bool:
+    """Whether nobody chose the strategy's CheckpointIO: Lightning's ``checkpoint_io``
+    property creates its default on first read, so only ``_checkpoint_io`` tells."""
+    return getattr(strategy, "_checkpoint_io", None) is None
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -106,6 +112,7 @@ __all__ = [
     "TorchDispatchMode",
     "TreeSpec",
     "apply_to_tensors",
+    "checkpoint_io_unset",
     "current_stream",
     "default_process_group_backend",
     "default_store",

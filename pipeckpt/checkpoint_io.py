@@ -196,6 +196,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         local = _local_path(path) if storage_options is None else None
         if local is None:  # remote storage, or storage_options (which the parent refuses clearly)
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            super().save_checkpoint(checkpoint, str(path), storage_options=storage_options)
             return
         atomic_write(local, lambda file: torch.save(checkpoint, file))

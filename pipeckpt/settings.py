@@ -201,7 +201,7 @@ def _check_engine_settings(s: PipeSettings) -> None:
     timeout: Union[float, int, str, None] = s.timeout
     if timeout is not None and (isinstance(timeout, (bool, str)) or not timeout > 0):
         raise config_error(
-            f"timeout={timeout!r}",
+            f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
             "a collective needs a positive time limit",
             "set timeout in seconds, e.g. 60",
         )

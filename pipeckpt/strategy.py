@@ -17,7 +17,7 @@ What a pipeline changes in Lightning's assumptions, and where it is handled:
 
 import inspect
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from pipeckpt import _rng
-from pipeckpt._compat import optimizers_to_device, sync_ddp_if_available, unwrap_optimizer
+from pipeckpt._compat import (
+    checkpoint_io_unset,
+    optimizers_to_device,
+    sync_ddp_if_available,
+    unwrap_optimizer,
+)
 from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt.checkpoint_io import AtomicCheckpointIO
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine, World
@@ -130,6 +136,9 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         _warn_if_slurm_ignored(self.cluster_environment)
+        if checkpoint_io_unset(self):  # neither the strategy nor plugins=[...] chose one
+            # Written into the target directory and renamed: a kill never leaves half a checkpoint.
+            self.checkpoint_io = AtomicCheckpointIO()
         self._launcher = self.engine.launcher(self.cluster_environment, self._world())
 
     @override
@@ -253,12 +262,12 @@ class PipelineStrategy(ParallelStrategy):
         return checkpoint
 
     @override
-    def load_model_state_dict(self, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         self.engine.load_module_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.engine.load_optimizer_state(optimizer, state)
             _optimizer_state_to_param_devices(optimizer)

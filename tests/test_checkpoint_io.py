@@ -323,3 +323,11 @@ def test_replacing_from_another_filesystem_is_a_config_error(tmp_path):
     finally:
         tmp.rmdir()
     assert entries(tmp_path) == []
+
+
+def test_the_pipe_strategy_saves_atomically_unless_told_otherwise():
+    assert isinstance(
+        fit(ToyModule(), PipelineStrategy(), steps=1).strategy.checkpoint_io, AtomicCheckpointIO
+    )
+    chosen = TorchCheckpointIO()
+    assert fit(ToyModule(), PipelineStrategy(), steps=1, plugins=[chosen]).strategy.checkpoint_io is chosen

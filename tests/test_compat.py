@@ -150,3 +150,13 @@ def test_torchgpipe_schedule_parts_run_a_two_stage_pipeline_on_cpu():
 def test_deferred_batch_norm_converts_a_batch_norm():
     converted = _compat.DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), 2)
     assert isinstance(converted, _compat.DeferredBatchNorm)
+
+
+def test_checkpoint_io_unset_until_someone_chooses_one():
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = SingleDeviceStrategy()
+    assert _compat.checkpoint_io_unset(strategy)
+    strategy.checkpoint_io = TorchCheckpointIO()
+    assert not _compat.checkpoint_io_unset(strategy)

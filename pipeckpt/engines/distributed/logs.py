@@ -85,7 +85,7 @@ class LogRecorder:
             else:
                 value = stacked.mean()
             if all(b is not None for b in series.batch_sizes):
-                options["batch_size"] = sum(series.batch_sizes)  # type: ignore[arg-type]
+                options["batch_size"] = sum(b for b in series.batch_sizes if b is not None)
             out.append((name, value.cpu(), options))
         return out
 

@@ -96,7 +96,7 @@ class ProcessGroups:
     def from_last_stage(self, payload: Any) -> Any:
         """``payload`` of the pipeline's last rank, on every rank of the pipeline."""
         assert self.topology is not None
-        if self.topology.pp == 1:
+        if self.topology.pp == 1 or self.pp_group is None:
             return payload
         box = [payload]
         src = dist.get_global_rank(self.pp_group, self.topology.pp - 1)

@@ -52,7 +52,9 @@ class Microbatches:
                 "every tensor in the batch must have the samples along dim 0, in the same number",
                 "keep per-batch constants out of the batch, or give them a batch dimension",
             )
-        self.size: int = sizes.pop()
+        size = sizes.pop()
+        assert size is not None
+        self.size: int = size
         self.count = num_microbatches
         self._chunks = [torch.tensor_split(leaves[i], num_microbatches) for i in self._where]
 
