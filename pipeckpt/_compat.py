@@ -86,37 +86,39 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 # -- torchgpipe -----------------------------------------------------------------------
 
 # torchgpipe exports only GPipe, is_checkpointing and is_recomputing. The engine reuses
-# its schedule parts (not its GPipe module, which owns and renames the user's layers and
+# some of its parts (not its GPipe module, which owns and renames the user's layers and
 # has one global checkpoint mode), so these are torchgpipe's internal modules.
 from torchgpipe import microbatch  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
-from torchgpipe.pipeline import Pipeline  # noqa: E402
-from torchgpipe.skip.layout import SkipLayout, inspect_skip_layout  # noqa: E402
-from torchgpipe.stream import AbstractStream, current_stream, new_stream  # noqa: E402
+
+# A zero-size "phony" edge that orders two micro-batches' backward across devices (the
+# engine runs forward on one thread, but autograd runs each device's backward on its own).
+from torchgpipe.dependency import fork as fork_dependency  # noqa: E402
+from torchgpipe.dependency import join as join_dependency  # noqa: E402
+
+# Finds @skippable stash/pop routes between stages, which the engine refuses.
+from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
 
 __all__ = [
     "FORWARD_ONE_CHUNK",
-    "AbstractStream",
     "BatchNormBase",
     "DeferredBatchNorm",
-    "Pipeline",
-    "SkipLayout",
     "SubprocessScriptLauncher",
     "TorchDispatchMode",
     "TreeSpec",
     "apply_to_tensors",
-    "current_stream",
     "default_process_group_backend",
     "default_store",
     "dispatch_mode_stack",
     "enable_checkpointing",
     "enable_recomputing",
+    "fork_dependency",
     "init_dist_connection",
+    "join_dependency",
     "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
     "microbatch",
-    "new_stream",
     "optimizers_to_device",
     "pop_dispatch_mode",
     "push_dispatch_mode",
