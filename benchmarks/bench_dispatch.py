@@ -79,7 +79,9 @@ def methods(model: nn.Sequential, x: Tensor) -> Dict[str, Step]:
             model(x)
 
     def engine(mode: str, chunks: int) -> Step:
-        pipe = LocalPipeline(model, plan(model, devices=[CPU], balance=balance, checkpoint=mode), chunks=chunks)
+        pipe = LocalPipeline(
+            model, plan(model, devices=[CPU], balance=balance, checkpoint=mode), chunks=chunks
+        )
         return lambda: loss(pipe.forward(x)).backward()
 
     def gpipe(mode: str) -> Step:

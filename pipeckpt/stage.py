@@ -44,9 +44,11 @@ from torch import Tensor, nn
 from pipeckpt._compat import (
     BatchNormBase,
     TorchDispatchMode,
+    apply_function,
     dispatch_mode_stack,
     enable_checkpointing,
     enable_recomputing,
+    gradients,
     pop_dispatch_mode,
     push_dispatch_mode,
 )
@@ -166,6 +168,10 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
     BatchNorm running statistics are restored, and torchgpipe's
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
     norms = _batch_norms(partition) if norms is None else norms
+    if not norms:
+        with enable_recomputing():
+            yield
+        return
     saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
     try:
         with enable_recomputing():
@@ -180,25 +186,17 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
 class _RngState:
     """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward."""
 
-    __slots__ = ("cpu", "device", "cuda")
+    __slots__ = ("cpu", "cuda", "device")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: Optional[torch.device]) -> None:
         self.cpu = torch.get_rng_state()
-        self.device = device if device.type == "cuda" else None
-        self.cuda = torch.cuda.get_rng_state(device) if self.device is not None else None
+        self.device = device
+        self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
 
-    @contextmanager
-    def replayed(self) -> Iterator[None]:
-        now = _RngState(self.device or torch.device("cpu"))
+    def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(now.cpu)
-            if self.device is not None:
-                torch.cuda.set_rng_state(now.cuda, self.device)
 
 
 def _offload(x: Tensor, pin_memory: bool) -> Tensor:
@@ -214,58 +212,67 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, stage: "Stage", atomic: bool, n: int, *args: Tensor) -> Any:  # type: ignore[override]
-        inputs, params = args[:n], args[n:]
-        ctx.stage, ctx.atomic, ctx.n = stage, atomic, n
-        ctx.params = params
-        ctx.rng = _RngState(stage.device)
+        inputs = args[:n]
+        ctx.stage, ctx.atomic = stage, atomic
+        ctx.rng = _RngState(stage._cuda)
         ctx.autocast = _autocast_now()
         ctx.step = stage._step
         with enable_checkpointing():
             output = stage._run(inputs[0] if atomic else inputs)
-        offload = stage.mode.offloads and stage.device.type != "cpu"
-        if offload:
+        if stage.mode.offloads and stage._cuda is not None:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
         else:
             ctx.offloaded = None
             ctx.save_for_backward(*inputs)
-        outputs = (output,) if isinstance(output, Tensor) else tuple(output)
-        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        if isinstance(output, Tensor):
+            if not (output.is_floating_point() or output.is_complex()):
+                ctx.mark_non_differentiable(output)
+        else:
+            ctx.mark_non_differentiable(*[o for o in output if not (o.is_floating_point() or o.is_complex())])
         return output
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         stage: Stage = ctx.stage
         if ctx.offloaded is not None:
-            device = stage.device
             inputs = [
-                h.to(device, non_blocking=stage.pin_memory).requires_grad_(r)
+                h.to(stage.device, non_blocking=stage.pin_memory).requires_grad_(r)
                 for h, r in zip(ctx.offloaded, ctx.requires)
             ]
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        params = stage._params or ()
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):
-            with ExitStack() as stack:
-                stack.enter_context(ctx.rng.replayed())
+            now = _RngState(stage._cuda)
+            ctx.rng.restore()
+            try:
                 if ctx.autocast:
                     _cast_cache.hold(ctx.step)
-                    for device_type, dtype in ctx.autocast:
-                        stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                with torch.enable_grad():
-                    output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
-            if ctx.autocast and ctx.step.one_done():
-                _cast_cache.release()
-            outputs = (output,) if isinstance(output, Tensor) else tuple(output)
-            pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-            wrt = [x for x in inputs if x.requires_grad] + list(ctx.params)
+                    with ExitStack() as stack:
+                        for device_type, dtype in ctx.autocast:
+                            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                        with torch.enable_grad():
+                            output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+                    if ctx.step.one_done():
+                        _cast_cache.release()
+                else:
+                    with torch.enable_grad():
+                        output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+            finally:
+                now.restore()
+            if isinstance(output, Tensor):
+                pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
+            else:
+                pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
+            wrt = [x for x in inputs if x.requires_grad]
+            wrt += params
             found: Sequence[Optional[Tensor]] = [None] * len(wrt)
             if pairs and wrt:
-                found = torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-                )
+                found = gradients([o for o, _ in pairs], [g for _, g in pairs], wrt)
         it = iter(found)
         input_grads = [next(it) if x.requires_grad else None for x in inputs]
         return (None, None, None, *input_grads, *it)
@@ -300,6 +307,8 @@ class Stage(nn.Module):
         self._caller = CallerState()
         self._step = StepCasts()
         self._params: Optional[Tuple[nn.Parameter, ...]] = None
+        self._all_params: Optional[Tuple[nn.Parameter, ...]] = None
+        self._cuda = device if device.type == "cuda" else None
         self._norm_list: Optional[List[nn.Module]] = None
 
     def recomputes_per_step(self, num_microbatches: int) -> int:
@@ -314,8 +323,7 @@ class Stage(nn.Module):
         self._num_microbatches = num_microbatches
         self._caller = caller
         self._step = step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches))
-        # Which parameters train may change between steps (freezing), not within one.
-        self._params = tuple(p for p in self.partition.parameters() if p.requires_grad)
+        self._params = None  # found again at the first checkpointed micro-batch of the step
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         i = self._microbatch
@@ -343,8 +351,11 @@ class Stage(nn.Module):
         atomic = isinstance(input, Tensor)
         inputs = (input,) if atomic else tuple(input)
         if self._params is None:
-            self._params = tuple(p for p in self.partition.parameters() if p.requires_grad)
-        return _Recompute.apply(self, atomic, len(inputs), *inputs, *self._params)
+            if self._all_params is None:
+                self._all_params = tuple(self.partition.parameters())
+            # Which parameters train may change between steps (freezing), not within one.
+            self._params = tuple(p for p in self._all_params if p.requires_grad)
+        return apply_function(_Recompute, self, atomic, len(inputs), *inputs, *self._params)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"

@@ -176,3 +176,28 @@ def test_skip_layout_lists_stash_pop_routes_between_partitions():
 def test_deferred_batch_norm_converts_a_batch_norm():
     converted = _compat.DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), 2)
     assert isinstance(converted, _compat.DeferredBatchNorm)
+
+
+def test_gradients_match_autograd_grad_and_leave_grad_empty():
+    w = nn.Parameter(torch.tensor([2.0, 3.0]))
+    x = torch.tensor([1.0, 4.0], requires_grad=True)
+    y = w * x
+    found = _compat.gradients([y], [torch.ones(2)], [x, w])
+    assert torch.equal(found[0], w.detach()) and torch.equal(found[1], x.detach())
+    assert w.grad is None
+
+
+def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    y = _compat.apply_function(Double, x)
+    y.sum().backward()
+    assert torch.equal(y, torch.full((2,), 2.0)) and torch.equal(x.grad, torch.full((2,), 2.0))

@@ -26,7 +26,7 @@ clear error; return the skipped tensor as part of a tuple output instead).
 """
 
 import warnings
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -76,7 +76,7 @@ class LocalPipeline:
         *,
         chunks: int,
         pin_memory: bool = True,
-        ordered_backward: bool = None,  # type: ignore[assignment]
+        ordered_backward: Optional[bool] = None,
     ) -> None:
         self.plan = plan
         self.chunks = chunks
