@@ -5,10 +5,11 @@ one by name and behaviour, so an upgrade that removes or changes one fails there
 with the name, instead of somewhere deep in a training run.
 """
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 # The rendezvous store of the default group, which liveness beats into: torch exposes it
 # only privately (init_process_group keeps it; there is no dist.get_store()).
@@ -27,6 +28,25 @@ from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+
+def gradients(
+    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> Tuple[Optional[torch.Tensor], ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)`` without its
+    Python argument checks (a third of a small stage's recompute overhead): a stage's
+    recompute calls it with gradients autograd has already checked against the outputs."""
+    return Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, False
+    )
+
+
+def apply_function(function: type, *args: Any) -> Any:
+    """``function.apply(*args)`` for a ``torch.autograd.Function`` without the Python
+    wrapper's per-argument functorch unwrapping and default-argument binding: a stage passes
+    all its parameters through one call per micro-batch, and functorch transforms over a
+    pipeline are not supported anyway."""
+    return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
 def apply_to_tensors(
@@ -92,38 +112,42 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 # -- torchgpipe -----------------------------------------------------------------------
 
 # torchgpipe exports only GPipe, is_checkpointing and is_recomputing. The engine reuses
-# its schedule parts (not its GPipe module, which owns and renames the user's layers and
+# some of its parts (not its GPipe module, which owns and renames the user's layers and
 # has one global checkpoint mode), so these are torchgpipe's internal modules.
 from torchgpipe import microbatch  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
-from torchgpipe.pipeline import Pipeline  # noqa: E402
-from torchgpipe.skip.layout import SkipLayout, inspect_skip_layout  # noqa: E402
-from torchgpipe.stream import AbstractStream, current_stream, new_stream  # noqa: E402
+
+# A zero-size "phony" edge that orders two micro-batches' backward across devices (the
+# engine runs forward on one thread, but autograd runs each device's backward on its own).
+from torchgpipe.dependency import fork as fork_dependency  # noqa: E402
+from torchgpipe.dependency import join as join_dependency  # noqa: E402
+
+# Finds @skippable stash/pop routes between stages, which the engine refuses.
+from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
 
 __all__ = [
     "FORWARD_ONE_CHUNK",
-    "AbstractStream",
     "BatchNormBase",
     "DeferredBatchNorm",
-    "Pipeline",
-    "SkipLayout",
     "SubprocessScriptLauncher",
     "TorchDispatchMode",
     "TreeSpec",
+    "apply_function",
     "apply_to_tensors",
     "checkpoint_io_unset",
-    "current_stream",
     "default_process_group_backend",
     "default_store",
     "dispatch_mode_stack",
     "enable_checkpointing",
     "enable_recomputing",
+    "fork_dependency",
+    "gradients",
     "init_dist_connection",
+    "join_dependency",
     "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
     "microbatch",
-    "new_stream",
     "optimizers_to_device",
     "pop_dispatch_mode",
     "push_dispatch_mode",

@@ -137,6 +137,11 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _device_of(args: tuple[Any, ...]) -> torch.device:
+    first = args[0] if args else None
+    return first.device if isinstance(first, Tensor) else torch.device("cpu")
+
+
 def _stage_nodes(output: Tensor, stop: Optional[Node], seen: set[Node]) -> list[Node]:
     """The autograd nodes between a stage's output and its input: everything its
     backward runs, parameter accumulators included. Under non-reentrant
@@ -191,6 +196,7 @@ class _Probe:
     def _state(self) -> threading.local:
         if not hasattr(self._local, "open"):
             self._local.open = {}  # stage -> (start time, input grad_fn)
+            self._local.recompute = {}  # stage -> start time of its recompute
             self._local.modes = []
         return self._local
 
@@ -210,7 +216,10 @@ class _Probe:
     def _enter(self, stage: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if is_recomputing():
+                # pipeckpt's stages recompute in backward, then backpropagate the recomputed
+                # graph: both are this stage's backward time.
                 self.recomputed[stage] += 1
+                self._state().recompute[stage] = _now(_device_of(args))
                 return
             first = args[0] if args else None
             device = first.device if isinstance(first, Tensor) else torch.device("cpu")
@@ -222,6 +231,12 @@ class _Probe:
     def _leave(self, stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if is_recomputing():
+                start = self._state().recompute.pop(stage, None)
+                if start is not None and isinstance(output, Tensor):
+                    self.backward_s[stage] += _now(output.device) - start
+                    if output.grad_fn is not None:
+                        for node in _stage_nodes(output, None, self._seen):
+                            self._time_node(node, stage, output.device)
                 return
             entry = self._state().open.pop(stage, None)
             if entry is None or not isinstance(output, Tensor):

@@ -1,58 +1,96 @@
 """One pipeline stage: a partition of the user's layers run under its mode.
 
-Why not torchgpipe's own checkpointing: it has one global mode, no offload,
-and it recomputes *ahead* of the gradient, so on one device several
-micro-batches' recomputed activations are alive at once. Here a stage
-checkpoints with ``torch.utils.checkpoint`` (non-reentrant): recompute starts
-only when the stage's gradient arrives, the autograd graph keeps the exact
-topology of an uncheckpointed run (so gradients accumulate in the same order
-and stay bitwise equal), and the CPU/CUDA RNG state is replayed for dropout.
-``offload`` wraps that in ``torch.autograd.graph.save_on_cpu`` so the one
-tensor a checkpoint keeps, the stage input, waits in pinned host memory.
+Why a checkpoint of its own (``_Recompute``) rather than ``torch.utils.checkpoint``:
+on a dispatch-bound stage the non-reentrant checkpoint's Python hook per saved
+tensor (pack in forward, pack again in the recompute, unpack in backward) and
+its per-call frame cost more than the stage's own kernels (measured: see
+``benchmarks/bench_dispatch.py``). A stage is a closed function of its input and
+parameters, so one autograd Function per micro-batch does the same job: its
+forward runs the partition without building a graph and keeps only the input;
+its backward replays the RNG state and autocast of the forward, runs the
+partition once more with a graph, and returns the gradients of the input *and
+the parameters* (they are the Function's inputs). The parameter gradients thus
+reach the same ``AccumulateGrad`` nodes, in the same micro-batch order, as in
+an uncheckpointed run, so gradients stay bitwise equal to ``never``, also when
+``.grad`` already holds a sum (gradient accumulation). torchgpipe's own
+checkpoint differs on both counts (one global mode; a nested ``backward`` that
+adds to ``.grad`` directly). One limit: a parameter used twice *within* one
+stage sums its two uses before the micro-batches are summed, which can differ
+from ``never`` in the last bit.
 
-Engines run stages in threads they own (torchgpipe's workers). Autocast and
-torch dispatch modes (``FlopCounterMode``, ``MemTracker``, debug modes) are
-thread-local, so the engine captures the caller's with
-:func:`capture_caller_state` and the stage re-enters them around its forward:
-``bf16-mixed`` computes the stages in bf16, and a user's FLOP counter or
-memory tracker sees the stages' work. Checkpoint replays autocast in the
-recompute, which runs on the caller's (autograd) thread.
+``offload`` keeps the stage input in (pinned) host memory until backward.
+
+Autocast's cast cache: the local engine runs every stage on the caller's thread
+inside the caller's autocast, so weights are cast once per forward for all
+micro-batches. The recomputes run in backward, outside that autocast; a step's
+recomputes on one thread share one cast per weight (:class:`_CastCacheHold`)
+instead of casting afresh for each micro-batch.
+
+A stage called from a thread other than the one that captured the
+:class:`CallerState` re-enters the caller's autocast and dispatch modes
+(``FlopCounterMode``, ``MemTracker``), which are thread-local; on the caller's
+own thread there is nothing to apply and that costs nothing.
 """
 
+import contextlib
+import threading
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from pipeckpt._compat import (
     BatchNormBase,
     TorchDispatchMode,
+    apply_function,
     dispatch_mode_stack,
     enable_checkpointing,
     enable_recomputing,
+    gradients,
     pop_dispatch_mode,
     push_dispatch_mode,
 )
 from pipeckpt.modes import CheckpointMode
 
-__all__ = ["Stage", "CallerState", "capture_caller_state", "side_effect_free"]
+__all__ = ["Stage", "CallerState", "StepCasts", "capture_caller_state", "side_effect_free"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_NOTHING = contextlib.nullcontext()
+
+TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
+Autocast = Tuple[Tuple[str, torch.dtype], ...]
+
+
+def _autocast_now() -> Autocast:
+    return tuple(
+        (d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d)
+    )
 
 
 @dataclass(frozen=True)
 class CallerState:
     """Thread-local state of the thread that called the pipeline."""
 
-    autocast: Tuple[Tuple[str, torch.dtype], ...] = ()
+    autocast: Autocast = ()
     dispatch_modes: Tuple[TorchDispatchMode, ...] = ()
+    thread: Optional[int] = None  # threading.get_ident() of the caller; None: unknown
+
+    def needs_applying(self) -> bool:
+        """False on the caller's own thread, or when the caller had nothing active."""
+        if not self.autocast and not self.dispatch_modes:
+            return False
+        return self.thread != threading.get_ident()
+
+    def applied(self) -> ContextManager[None]:
+        if not self.needs_applying():
+            return _NOTHING
+        return self._apply()
 
     @contextmanager
-    def applied(self) -> Iterator[None]:
-        # Modes already on this thread's stack (the caller's own thread) stay as they are.
+    def _apply(self) -> Iterator[None]:
+        # Modes already on this thread's stack stay as they are.
         present = {id(m) for m in dispatch_mode_stack()}
         pushed = [m for m in self.dispatch_modes if id(m) not in present]
         for mode in pushed:
@@ -68,19 +106,72 @@ class CallerState:
 
 
 def capture_caller_state() -> CallerState:
-    enabled = []
-    for device_type in _AUTOCAST_DEVICE_TYPES:
-        if torch.is_autocast_enabled(device_type):
-            enabled.append((device_type, torch.get_autocast_dtype(device_type)))
-    return CallerState(autocast=tuple(enabled), dispatch_modes=tuple(dispatch_mode_stack()))
+    return CallerState(
+        autocast=_autocast_now(), dispatch_modes=tuple(dispatch_mode_stack()), thread=threading.get_ident()
+    )
+
+
+@dataclass
+class StepCasts:
+    """One step's recomputes, shared by the stages of one engine: how many are still
+    to run, so the last one on a thread lets autocast's cast cache go."""
+
+    remaining: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def one_done(self) -> bool:
+        with self.lock:
+            self.remaining -= 1
+            return self.remaining <= 0
+
+
+class _CastCacheHold(threading.local):
+    """Autocast drops its weight-cast cache whenever the outermost autocast exits, and a
+    recompute enters autocast afresh (backward runs outside the caller's autocast), so
+    every recompute would cast the stage's weights again. While a step's recomputes run,
+    this holds one extra autocast nesting level on their thread: the cast of a weight
+    made by the first recompute serves the others. It is let go after the step's last
+    recompute, or when another step starts (weights may have changed since)."""
+
+    step: Optional[StepCasts] = None
+
+    def hold(self, step: StepCasts) -> None:
+        if self.step is step:
+            return
+        self.release()
+        torch.autocast_increment_nesting()
+        self.step = step
+
+    def release(self) -> None:
+        if self.step is None:
+            return
+        self.step = None
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+
+
+_cast_cache = _CastCacheHold()
+
+
+def release_cast_cache() -> None:
+    """Lets go of a cast cache this thread still holds (a backward stopped midway)."""
+    _cast_cache.release()
+
+
+def _batch_norms(partition: nn.Module) -> List[nn.Module]:
+    return [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
 
 
 @contextmanager
-def side_effect_free(partition: nn.Module) -> Iterator[None]:
+def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] = None) -> Iterator[None]:
     """A recompute must leave module state as the first forward left it:
     BatchNorm running statistics are restored, and torchgpipe's
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
-    norms = [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
+    norms = _batch_norms(partition) if norms is None else norms
+    if not norms:
+        with enable_recomputing():
+            yield
+        return
     saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
     try:
         with enable_recomputing():
@@ -90,6 +181,101 @@ def side_effect_free(partition: nn.Module) -> Iterator[None]:
             for m, buffers in zip(norms, saved):
                 for k, b in buffers.items():
                     getattr(m, k).copy_(b)
+
+
+class _RngState:
+    """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward."""
+
+    __slots__ = ("cpu", "cuda", "device")
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = device
+        self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None and self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+def _offload(x: Tensor, pin_memory: bool) -> Tensor:
+    # Stream-ordered: the copy back in backward runs on the same stream (autograd runs a
+    # Function's backward on its forward's stream), so no host synchronisation is needed.
+    host = torch.empty(x.size(), dtype=x.dtype, layout=x.layout, pin_memory=pin_memory)
+    host.copy_(x, non_blocking=pin_memory)
+    return host
+
+
+class _Recompute(torch.autograd.Function):
+    """A stage's micro-batch that keeps only its input and reruns itself in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: "Stage", atomic: bool, n: int, *args: Tensor) -> Any:
+        inputs = args[:n]
+        ctx.stage, ctx.atomic = stage, atomic
+        ctx.rng = _RngState(stage._cuda)
+        ctx.autocast = _autocast_now()
+        ctx.step = stage._step
+        with enable_checkpointing():
+            output = stage._run(inputs[0] if atomic else inputs)
+        if stage.mode.offloads and stage._cuda is not None:
+            ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
+            ctx.requires = tuple(x.requires_grad for x in inputs)
+        else:
+            ctx.offloaded = None
+            ctx.save_for_backward(*inputs)
+        if isinstance(output, Tensor):
+            if not (output.is_floating_point() or output.is_complex()):
+                ctx.mark_non_differentiable(output)
+        else:
+            ctx.mark_non_differentiable(*[o for o in output if not (o.is_floating_point() or o.is_complex())])
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        stage: Stage = ctx.stage
+        if ctx.offloaded is not None:
+            inputs = [
+                h.to(stage.device, non_blocking=stage.pin_memory).requires_grad_(r)
+                for h, r in zip(ctx.offloaded, ctx.requires)
+            ]
+            ctx.offloaded = None
+        else:
+            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        params = stage._params or ()
+        # BatchNorm statistics are restored only after the gradient: restoring bumps their
+        # version, which autograd checks for the saved running statistics.
+        with side_effect_free(stage.partition, stage._norms()):
+            now = _RngState(stage._cuda)
+            ctx.rng.restore()
+            try:
+                if ctx.autocast:
+                    _cast_cache.hold(ctx.step)
+                    with ExitStack() as stack:
+                        for device_type, dtype in ctx.autocast:
+                            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                        with torch.enable_grad():
+                            output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+                    if ctx.step.one_done():
+                        _cast_cache.release()
+                else:
+                    with torch.enable_grad():
+                        output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+            finally:
+                now.restore()
+            if isinstance(output, Tensor):
+                pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
+            else:
+                pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
+            wrt = [x for x in inputs if x.requires_grad]
+            wrt += params
+            found: Sequence[Optional[Tensor]] = [None] * len(wrt)
+            if pairs and wrt:
+                found = gradients([o for o, _ in pairs], [g for _, g in pairs], wrt)
+        it = iter(found)
+        input_grads = [next(it) if x.requires_grad else None for x in inputs]
+        return (None, None, None, *input_grads, *it)
 
 
 class Stage(nn.Module):
@@ -119,36 +305,57 @@ class Stage(nn.Module):
         self._microbatch = 0
         self._num_microbatches = 1
         self._caller = CallerState()
+        self._step = StepCasts()
+        self._params: Optional[Tuple[nn.Parameter, ...]] = None
+        self._all_params: Optional[Tuple[nn.Parameter, ...]] = None
+        self._cuda = device if device.type == "cuda" else None
+        self._norm_list: Optional[List[nn.Module]] = None
 
-    def begin_step(self, num_microbatches: int, caller: CallerState = CallerState()) -> None:
+    def recomputes_per_step(self, num_microbatches: int) -> int:
+        return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
+
+    def begin_step(
+        self, num_microbatches: int, caller: CallerState = CallerState(), *, step: Optional[StepCasts] = None
+    ) -> None:
+        """``step`` is shared by the stages of one engine (see :class:`StepCasts`); a stage
+        alone counts its own recomputes."""
         self._microbatch = 0
         self._num_microbatches = num_microbatches
         self._caller = caller
+        self._step = step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches))
+        self._params = None  # found again at the first checkpointed micro-batch of the step
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         i = self._microbatch
         self._microbatch += 1
-        with self._caller.applied():
-            if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
-                return self._checkpointed(input)
-            return self._run(input)
+        if self._caller.needs_applying():
+            with self._caller.applied():
+                return self._forward(i, input)
+        return self._forward(i, input)
 
-    def _run(self, input: Tensor) -> Tensor:
+    def _forward(self, i: int, input: TensorOrTensors) -> TensorOrTensors:
+        if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
+            return self._checkpointed(input)
+        return self._run(input)
+
+    def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         self.forward_calls += 1
         return self.partition(input)
 
-    def _checkpointed(self, input: Tensor) -> Tensor:
-        def contexts() -> Tuple[ExitStack, object]:
-            return enable_checkpointing(), side_effect_free(self.partition)
+    def _norms(self) -> List[nn.Module]:
+        if self._norm_list is None:
+            self._norm_list = _batch_norms(self.partition)
+        return self._norm_list
 
-        with ExitStack() as stack:
-            if self.mode.offloads and self.device.type != "cpu":
-                stack.enter_context(
-                    torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory, device_type=self.device.type)
-                )
-            return checkpoint(
-                self._run, input, use_reentrant=False, preserve_rng_state=True, context_fn=contexts
-            )
+    def _checkpointed(self, input: TensorOrTensors) -> TensorOrTensors:
+        atomic = isinstance(input, Tensor)
+        inputs = (input,) if atomic else tuple(input)
+        if self._params is None:
+            if self._all_params is None:
+                self._all_params = tuple(self.partition.parameters())
+            # Which parameters train may change between steps (freezing), not within one.
+            self._params = tuple(p for p in self._all_params if p.requires_grad)
+        return apply_function(_Recompute, self, atomic, len(inputs), *inputs, *self._params)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"

@@ -133,18 +133,44 @@ def test_torchgpipe_checkpoint_flags_are_context_managers():
         assert is_recomputing()
 
 
-def test_torchgpipe_schedule_parts_run_a_two_stage_pipeline_on_cpu():
-    stages = [nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))]
-    cpu = torch.device("cpu")
-    x = torch.randn(4, 2)
-    batches = _compat.microbatch.scatter(x, 2)
-    streams = [[_compat.current_stream(cpu) for _ in batches] for _ in stages]
-    layout = _compat.inspect_skip_layout(stages)
-    assert isinstance(layout, _compat.SkipLayout)
-    _compat.Pipeline(batches, stages, [cpu, cpu], streams, layout, checkpoint_stop=0).run()
-    out = _compat.microbatch.gather(batches)
-    torch.testing.assert_close(out, stages[1](stages[0](x)), rtol=0, atol=0)
-    assert isinstance(_compat.new_stream(cpu), type(_compat.current_stream(cpu)))
+def test_torchgpipe_microbatch_checks_tensors_or_tuples_of_tensors():
+    _compat.microbatch.check((torch.ones(1), torch.ones(1)))
+    with pytest.raises(TypeError, match="expected Tensor"):
+        _compat.microbatch.check([torch.ones(1)])
+
+
+def test_fork_and_join_order_two_lanes_backward():
+    a = torch.ones(2, requires_grad=True)
+    b = torch.ones(2, requires_grad=True)
+    order = []
+    a2 = a * 2
+    a2.register_hook(lambda g: order.append("a"))
+    forked, phony = _compat.fork_dependency(a2)
+    assert phony.numel() == 0
+    b2 = _compat.join_dependency(b * 3, phony)
+    b2.register_hook(lambda g: order.append("b"))
+    (forked.sum() + b2.sum()).backward()
+    # the forked lane (a) waits until the joined lane (b) has its gradient
+    assert order == ["b", "a"]
+    assert torch.equal(a.grad, torch.full((2,), 2.0)) and torch.equal(b.grad, torch.full((2,), 3.0))
+
+
+def test_skip_layout_lists_stash_pop_routes_between_partitions():
+    from torchgpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["x"])
+    class Stash(nn.Module):
+        def forward(self, x):
+            yield stash("x", x)
+            return x
+
+    @skippable(pop=["x"])
+    class Pop(nn.Module):
+        def forward(self, x):
+            return x + (yield pop("x"))
+
+    layout = _compat.inspect_skip_layout([nn.Sequential(Stash()), nn.Sequential(Pop())])
+    assert [(name, route) for (_, name), route in layout.by_ns_name.items()] == [("x", (0, 1))]
 
 
 def test_deferred_batch_norm_converts_a_batch_norm():
@@ -160,3 +186,28 @@ def test_checkpoint_io_unset_until_someone_chooses_one():
     assert _compat.checkpoint_io_unset(strategy)
     strategy.checkpoint_io = TorchCheckpointIO()
     assert not _compat.checkpoint_io_unset(strategy)
+
+
+def test_gradients_match_autograd_grad_and_leave_grad_empty():
+    w = nn.Parameter(torch.tensor([2.0, 3.0]))
+    x = torch.tensor([1.0, 4.0], requires_grad=True)
+    y = w * x
+    found = _compat.gradients([y], [torch.ones(2)], [x, w])
+    assert torch.equal(found[0], w.detach()) and torch.equal(found[1], x.detach())
+    assert w.grad is None
+
+
+def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    y = _compat.apply_function(Double, x)
+    y.sum().backward()
+    assert torch.equal(y, torch.full((2,), 2.0)) and torch.equal(x.grad, torch.full((2,), 2.0))

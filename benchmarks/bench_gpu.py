@@ -1,0 +1,220 @@
+"""Issue 12's two GPU tables, through Lightning: step time and peak memory on one GPU.
+
+GPT-2 small (12 layers, d 768, vocab 8192), seq 1024, batch 8, in fp32 and
+``bf16-mixed``; and the GPT-2 medium shape (24 layers, d 1024, 16 heads), seq 1024,
+batch 16, ``bf16-mixed``. Every method trains the same model through a
+``Trainer`` on one GPU, all pipeline stages on it (``placement=[0] * 4``):
+
+- ``plain``: no pipeline; ``loop``: the training step runs the same 4 micro-batches one
+  after the other and backpropagates their summed loss (micro-batching without a
+  pipeline); ``per-block checkpoint``: ``torch.utils.checkpoint`` around every block;
+- pipeckpt 4 stages x 1 chunk ``never`` and 4 x 4 ``never`` / ``always`` / ``offload``.
+
+Timing: CUDA-synchronised wall time of each optimizer step (forward, loss, backward,
+SGD step) after warm-up steps, methods interleaved over rounds (a fresh ``Trainer`` per
+method per round), median per method. Peak: ``max_memory_allocated`` during the
+measured steps minus what was allocated before the first step (weights), so it covers
+activations, gradients and optimizer state. Without CUDA it prints why and exits 0.
+
+    python benchmarks/bench_gpu.py --out benchmarks/RESULTS_gpu.md
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from pipeckpt import PipelineStrategy
+from pipeckpt.models.gpt import gpt_layers
+
+CHUNKS, STAGES = 4, 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    batch: int
+    seq_len: int = 1024
+    vocab_size: int = 8192
+
+
+SMALL = Shape("GPT-2 small", 12, 768, 12, 8)
+MEDIUM = Shape("GPT-2 medium shape", 24, 1024, 16, 16)
+QUICK = Shape("tiny", 4, 128, 4, 8, seq_len=64, vocab_size=256)
+
+
+class Model(L.LightningModule):
+    def __init__(self, shape: Shape, style: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.style = style
+        self.layers = gpt_layers(
+            vocab_size=shape.vocab_size,
+            d_model=shape.d_model,
+            n_heads=shape.n_heads,
+            n_layers=shape.n_layers,
+            seq_len=shape.seq_len,
+            dropout=0.0,
+        )
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.layers
+
+    def _logits(self, x: Tensor) -> Tensor:
+        if self.style != "per-block":
+            return self.layers(x)
+        for i, layer in enumerate(self.layers):
+            between = 0 < i < len(self.layers) - 2  # the blocks
+            x = checkpoint(layer, x, use_reentrant=False) if between else layer(x)
+        return x
+
+    def training_step(self, batch: Tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.style == "loop":
+            pairs = zip(x.chunk(CHUNKS), y.chunk(CHUNKS))
+            return sum(F.cross_entropy(self._logits(a).flatten(0, 1), b.flatten()) for a, b in pairs) / CHUNKS
+        return F.cross_entropy(self._logits(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class StepTimer(L.Callback):
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self.base, self.peak = warmup, [], 0, 0
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.cuda.synchronize()
+        if trainer.global_step == 0:
+            self.base = torch.cuda.memory_allocated()
+        if trainer.global_step == self.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.cuda.synchronize()
+        if trainer.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+
+
+def strategy(chunks: int, mode: str) -> PipelineStrategy:
+    return PipelineStrategy(stages=STAGES, placement=[0] * STAGES, chunks=chunks, checkpoint=mode)
+
+
+METHODS: Dict[str, Tuple[str, Callable[[], Any]]] = {
+    "plain": ("plain", lambda: "auto"),
+    "loop over 4 micro-batches": ("loop", lambda: "auto"),
+    "per-block checkpoint": ("per-block", lambda: "auto"),
+    "pipeckpt 4x1 never": ("plain", lambda: strategy(1, "never")),
+    "pipeckpt 4x4 never": ("plain", lambda: strategy(CHUNKS, "never")),
+    "pipeckpt 4x4 always": ("plain", lambda: strategy(CHUNKS, "always")),
+    "pipeckpt 4x4 offload": ("plain", lambda: strategy(CHUNKS, "offload")),
+}
+
+
+def run_once(shape: Shape, method: str, precision: str, steps: int, warmup: int) -> StepTimer:
+    style, make_strategy = METHODS[method]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.vocab_size, (shape.batch * (steps + 1), shape.seq_len + 1), generator=g)
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=shape.batch)
+    timer = StepTimer(warmup)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=make_strategy(),
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(Model(shape, style), data)
+    return timer
+
+
+def table(shape: Shape, precision: str, *, rounds: int, steps: int, warmup: int) -> List[str]:
+    times: Dict[str, List[float]] = {m: [] for m in METHODS}
+    peaks: Dict[str, int] = {}
+    for r in range(rounds):
+        names = list(METHODS)
+        for method in names[r % len(names) :] + names[: r % len(names)]:
+            timer = run_once(shape, method, precision, steps, warmup)
+            times[method].append(statistics.median(timer.times))
+            peaks[method] = timer.peak
+            torch.cuda.empty_cache()
+    med = {m: statistics.median(v) for m, v in times.items()}
+    loop, plain = med["loop over 4 micro-batches"], med["plain"]
+    lines = [
+        f"### {shape.name}, seq {shape.seq_len}, batch {shape.batch}, {precision}",
+        "",
+        "| method | time vs plain | ms | peak act+grad+opt GiB |",
+        "|---|---|---|---|",
+    ]
+    for m in METHODS:
+        lines.append(f"| {m} | {med[m] / plain:.2f} | {med[m] * 1e3:.1f} | {peaks[m] / 2**30:.2f} |")
+    never4, always4 = med["pipeckpt 4x4 never"], med["pipeckpt 4x4 always"]
+    # One forward ~ a third of a plain step (backward ~ 2x forward): loop + that.
+    forward = plain / 3
+    lines += [
+        "",
+        f"- 4x1 never / plain: {med['pipeckpt 4x1 never'] / plain:.2f} (target <= 1.05)",
+        f"- 4x4 never / loop: {never4 / loop:.2f} (target <= 1.10)",
+        f"- 4x4 always / (loop + plain/3 as one forward): {always4 / (loop + forward):.2f} (target <= 1.15)",
+        "",
+    ]
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: the harness only")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine).")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.quick:
+        plans = [(QUICK, "bf16-mixed")]
+        rounds, steps, warmup = 1, 4, 1
+    else:
+        plans = [(SMALL, "32-true"), (SMALL, "bf16-mixed"), (MEDIUM, "bf16-mixed")]
+        rounds, steps, warmup = args.rounds, args.steps, args.warmup
+    lines = [
+        "# One-host engine on one GPU (issue 12)",
+        "",
+        f"Device: {torch.cuda.get_device_name(0)}. Host: {machine()}.",
+        "",
+    ]
+    for shape, precision in plans:
+        lines += table(shape, precision, rounds=rounds, steps=steps, warmup=warmup)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
