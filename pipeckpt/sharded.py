@@ -192,9 +192,11 @@ def _write(
                 process_group=group,
                 no_dist=not distributed,
             )
-    except BaseException:  # DCP raises on every rank when one fails
+    except BaseException as error:  # DCP raises on every rank when one fails
         if is_zero:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, dcp.CheckpointException):  # a BaseException: `except Exception` misses it
+            raise RuntimeError(f"the sharded checkpoint {str(target)!r} was not written: {error}") from error
         raise
     failure: str | None = None
     if is_zero:
@@ -291,14 +293,22 @@ def load(
             assert isinstance(item, BytesStorageMetadata)
             _set(wanted, nested, None)  # DCP puts the unpickled object here
     if any(wanted.values()):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_DIST)
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+        _read(wanted, root)
     checkpoint[_MODEL] = wanted[_MODEL]
     for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
         optimizer["state"] = wanted[_OPTIM].get(str(number), {})
     del checkpoint[_FORMAT_KEY]
     return checkpoint
+
+
+def _read(wanted: dict[str, Any], root: Path) -> None:
+    """Fills ``wanted`` from the shards, this process alone."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+    except dcp.CheckpointException as error:  # a BaseException: `except Exception` misses it
+        raise RuntimeError(f"the sharded checkpoint {str(root)!r} could not be read: {error}") from error
 
 
 def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
