@@ -336,8 +336,14 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
 
 
 def _temporary_beside(target: Path) -> str:
-    """A fresh name in ``target``'s directory: a rename from it never crosses filesystems."""
+    """A fresh name in ``target``'s directory (a rename from it never crosses filesystems), after
+    removing what interrupted saves of ``target`` left there, if ``target`` itself is whole: then
+    none of that is the only copy of a checkpoint."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(target):
+        for pattern in (f".{target.name}.sharded-*", f".{target.name}.old-*"):
+            for leftover in target.parent.glob(pattern):
+                _remove(leftover)
     return str(target.with_name(f".{target.name}.sharded-{uuid.uuid4().hex}"))
 
 

@@ -257,7 +257,7 @@ def test_a_failure_while_writing_raises_on_every_rank_and_keeps_the_older_checkp
 @pytest.mark.slow
 def test_a_kill_at_any_moment_leaves_a_whole_checkpoint_at_the_path(tmp_path):
     rng = random.Random(8)  # kill moments reproduce
-    for trial in range(5):
+    for trial in range(6):
         out = tmp_path / str(trial)
         out.mkdir()
         proc = subprocess.Popen(
@@ -280,6 +280,8 @@ def test_a_kill_at_any_moment_leaves_a_whole_checkpoint_at_the_path(tmp_path):
         number = loaded["epoch"]
         assert number >= (done[-1] if done else 0)
         assert torch.equal(loaded["state_dict"]["w"], torch.full((2**21,), float(number)))
+        sharded.save(loaded, out / "ckpt")  # the next save clears what the killed one left
+        assert os.listdir(out) == ["ckpt"]
 
 
 # -- one process ---------------------------------------------------------------------------------
@@ -317,6 +319,28 @@ def test_a_sharded_checkpoint_replaces_a_single_file_of_the_same_name(small):
     torch.save({"epoch": 0}, small["path"])
     sharded.save(small["checkpoint"], small["path"])
     assert sharded.load(small["path"])["epoch"] == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
+def test_a_replacing_save_swaps_the_directories_in_one_step_on_linux(small, monkeypatch):
+    swaps: List[bool] = []
+    exchange = sharded._exchange
+    monkeypatch.setattr(sharded, "_exchange", lambda a, b: swaps.append(exchange(a, b)) or swaps[-1])
+    sharded.save(small["checkpoint"], small["path"])
+    small["checkpoint"]["epoch"] = 2
+    sharded.save(small["checkpoint"], small["path"])
+    assert swaps == [True]  # the first save found nothing to swap with
+    assert sharded.load(small["path"])["epoch"] == 2
+    assert [p.name for p in small["path"].parent.iterdir()] == ["c.ckpt"]
+
+
+def test_where_the_filesystem_cannot_swap_the_older_one_is_moved_aside_then_removed(small, monkeypatch):
+    monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)
+    sharded.save(small["checkpoint"], small["path"])
+    small["checkpoint"]["epoch"] = 2
+    sharded.save(small["checkpoint"], small["path"])
+    assert sharded.load(small["path"])["epoch"] == 2
+    assert [p.name for p in small["path"].parent.iterdir()] == ["c.ckpt"]
 
 
 def test_optimizer_state_by_name_and_by_index_are_inverse(small):
