@@ -243,14 +243,17 @@ def _set(tree: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
     for key, after in itertools.pairwise(path):
         fresh: Any = [] if isinstance(after, int) else {}
         if isinstance(node, list):
-            node.extend([None] * (int(key) + 1 - len(node)))
-            node[key] = fresh if node[key] is None else node[key]
+            index = int(key)
+            node.extend([None] * (index + 1 - len(node)))
+            node[index] = fresh if node[index] is None else node[index]
+            node = node[index]
         else:
-            node.setdefault(key, fresh)
-        node = node[key]
+            node = node.setdefault(key, fresh)
     if isinstance(node, list):
         node.extend([None] * (int(path[-1]) + 1 - len(node)))
-    node[path[-1]] = value
+        node[int(path[-1])] = value
+    else:
+        node[path[-1]] = value
 
 
 def _wanted(path: Sequence[str | int], keys: Collection[str] | None) -> bool:

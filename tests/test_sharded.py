@@ -315,6 +315,14 @@ def test_without_a_group_one_process_saves_and_loads_everything(small):
     assert _equal(sharded.load(small["path"]), small["checkpoint"])
 
 
+def test_optimizer_state_of_any_shape_round_trips(small):
+    odd = {"history": [torch.ones(2), [torch.zeros(1), 3]], "note": "x", "none": None, "empty": []}
+    small["checkpoint"]["optimizer_states"][0]["state"]["0.weight"] = odd
+    sharded.save(small["checkpoint"], small["path"])
+    loaded = sharded.load(small["path"], keys=["0.weight"])
+    assert _equal(loaded["optimizer_states"][0]["state"], {"0.weight": odd})
+
+
 def test_a_sharded_checkpoint_replaces_a_single_file_of_the_same_name(small):
     torch.save({"epoch": 0}, small["path"])
     sharded.save(small["checkpoint"], small["path"])
