@@ -1,0 +1,412 @@
+"""Sharded checkpoint directories for the distributed engine, written with torch.distributed.checkpoint.
+
+Why: gathering the whole model and optimizer state on one rank to ``torch.save`` it cannot scale past
+one host's memory. Here every rank writes only the tensors it holds, through DCP (whose planner writes a
+tensor that data-parallel replicas share once), and global rank 0 adds the small rest of Lightning's
+checkpoint (loops, callbacks, schedulers, param groups, RNG states) as one ``torch.save`` file, the way
+Lightning's FSDP strategy does. Keys stay the unpipelined module's, and optimizer state is keyed by
+parameter name, so a checkpoint resumes under any stage count, and :func:`to_torch_save` turns it into
+the single file that Lightning writes without pipeckpt.
+
+A directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` shard files plus :data:`META_FILE`.
+It is written aside and appears at its path in one rename, never half-written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from pipeckpt._errors import PipeckptConfigError, config_error
+
+__all__ = [
+    "META_FILE",
+    "is_sharded",
+    "load",
+    "optimizer_state_by_index",
+    "optimizer_state_by_name",
+    "save",
+    "to_torch_save",
+]
+
+META_FILE = "pipeckpt-meta.pt"
+"""Rank 0's part of the checkpoint: every entry but the tensors' (a ``torch.save`` file)."""
+
+_DCP_METADATA = ".metadata"  # the file DCP's FileSystemWriter commits last
+_FORMAT_KEY, _FORMAT = "pipeckpt_sharded_format", 1
+_MODEL, _OPTIM = "state_dict", "optimizer_states"  # top-level keys of the DCP state dict
+_NO_DIST = "torch.distributed is disabled"  # DCP warns so whenever it runs in one process
+
+
+# -- optimizer state: index keys <-> parameter names -------------------------------------------
+
+
+def _param_count(state: Mapping[str, Any]) -> int:
+    return sum(len(group["params"]) for group in state["param_groups"])
+
+
+def optimizer_state_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name instead of position.
+
+    ``names[i]`` is the name of the optimizer's i-th parameter (flattened over ``param_groups``).
+    Both ``state`` and each group's ``params`` change from positions to names; parameters
+    without state have no entry, as in torch.
+    """
+    if _param_count(state) != len(names):
+        raise config_error(
+            f"{len(names)} parameter names for an optimizer of {_param_count(state)} parameters",
+            "optimizer_state_by_name needs one name per parameter, in the order of its param_groups",
+            "pass the names of the optimizer's parameters (e.g. from module.named_parameters())",
+        )
+    return {
+        "state": {names[index]: entry for index, entry in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def optimizer_state_by_index(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_state_by_name`: keys become positions in ``names``,
+    the order of the parameters of the optimizer that will load the state."""
+    position = {name: index for index, name in enumerate(names)}
+    grouped = [name for group in state["param_groups"] for name in group["params"]]
+    unknown = [name for name in [*state["state"], *grouped] if name not in position]
+    if unknown:
+        raise config_error(
+            f"optimizer state for parameters {sorted(set(unknown))[:5]}",
+            "names a parameter that the optimizer being restored does not hold",
+            "resume into the module the checkpoint was written from (same parameter names)",
+        )
+    return {
+        "state": {position[name]: entry for name, entry in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [position[name] for name in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+# -- save ----------------------------------------------------------------------------------------
+
+
+def _tensors_to_write(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's tensors under DCP's nested keys, refusing what cannot be written."""
+    model = dict(checkpoint.get(_MODEL, {}))
+    meta = [key for key, value in model.items() if isinstance(value, torch.Tensor) and value.is_meta]
+    if meta:
+        raise config_error(
+            f"state_dict keys {meta[:5]} on the meta device",
+            "a rank passes only the tensors it holds",
+            "drop the keys of other ranks' stages (their tensors are on meta) before sharded.save",
+        )
+    optimizers: dict[str, Any] = {}
+    for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
+        by_index = [key for key in optimizer["state"] if not isinstance(key, str)]
+        if by_index:
+            raise config_error(
+                f"optimizer_states[{number}]['state'] keys {by_index[:5]}",
+                "sharded checkpoints key optimizer state by parameter name, not position",
+                "convert with pipeckpt.sharded.optimizer_state_by_name(optimizer.state_dict(), names)",
+            )
+        optimizers[str(number)] = dict(optimizer["state"])
+    return {_MODEL: model, _OPTIM: optimizers}
+
+
+def _metadata(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank 0's checkpoint without the tensors that the shards hold."""
+    meta = {key: value for key, value in checkpoint.items() if key not in (_MODEL, _OPTIM)}
+    if _OPTIM in checkpoint:
+        meta[_OPTIM] = [{k: v for k, v in opt.items() if k != "state"} for opt in checkpoint[_OPTIM]]
+    meta[_FORMAT_KEY] = _FORMAT
+    return meta
+
+
+def save(
+    checkpoint: Mapping[str, Any], path: str | os.PathLike, *, group: ProcessGroup | None = None
+) -> None:
+    """Writes ``checkpoint`` as a sharded directory at ``path``; a collective over ``group``
+    (default: the default group; none initialised: this process alone).
+
+    On each rank ``checkpoint["state_dict"]`` holds that rank's tensors (never meta ones) under the
+    unpipelined module's keys, and ``checkpoint["optimizer_states"][i]["state"]`` that rank's
+    parameters' state keyed by name (:func:`optimizer_state_by_name`). Replicas may hold the same keys:
+    each tensor is written once. Every other entry is taken from the group's rank 0. The directory is
+    written beside ``path`` and renamed onto it once every rank has finished; an older checkpoint at
+    ``path`` stays whole until then and is removed after. Raises on every rank if any rank fails.
+    """
+    target = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_zero = not distributed or dist.get_rank(group) == 0
+    refusal: PipeckptConfigError | None = None
+    try:
+        tensors = _tensors_to_write(checkpoint)
+    except PipeckptConfigError as error:
+        refusal, tensors = error, {}
+    tmp = _temporary_beside(target) if is_zero else None
+    if distributed:  # agree on the directory, and stop together when one rank's input is refused
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (tmp, None if refusal is None else str(refusal)), group=group)
+        tmp = everyone[0][0]
+        refused = [(rank, why) for rank, (_, why) in enumerate(everyone) if why is not None]
+        if refusal is None and refused:
+            refusal = PipeckptConfigError(f"rank {refused[0][0]} of the group: {refused[0][1]}")
+    if refusal is not None:
+        raise refusal
+    assert tmp is not None
+    _write(tensors, Path(tmp), checkpoint, target, distributed=distributed, is_zero=is_zero, group=group)
+
+
+def _write(
+    tensors: dict[str, Any],
+    tmp: Path,
+    checkpoint: Mapping[str, Any],
+    target: Path,
+    *,
+    distributed: bool,
+    is_zero: bool,
+    group: ProcessGroup | None,
+) -> None:
+    """Every rank's shards into ``tmp`` (DCP), then rank 0's part and the rename onto ``target``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                process_group=group,
+                no_dist=not distributed,
+            )
+    except BaseException as error:  # DCP raises on every rank when one fails
+        if is_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, dcp.CheckpointException):  # a BaseException: `except Exception` misses it
+            raise RuntimeError(f"the sharded checkpoint {str(target)!r} was not written: {error}") from error
+        raise
+    failure: str | None = None
+    if is_zero:
+        try:
+            _write_synced(tmp / META_FILE, _metadata(checkpoint))
+            _fsync_dir(tmp)
+            _swap_into_place(tmp, target)
+        except BaseException as error:  # every rank must hear of it: broadcast, then raised
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not distributed:
+                raise
+            failure = f"rank 0 could not commit the sharded checkpoint {str(target)!r}: {error!r}"
+    if distributed:
+        outcome = [failure]
+        dist.broadcast_object_list(outcome, group=group, group_src=0)
+        failure = outcome[0]
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory written by :func:`save`."""
+    root = Path(path)
+    return root.is_dir() and (root / _DCP_METADATA).is_file() and (root / META_FILE).is_file()
+
+
+def _require_sharded(path: str | os.PathLike) -> Path:
+    if not is_sharded(path):
+        raise config_error(
+            f"checkpoint path {str(path)!r}",
+            f"is not a sharded checkpoint directory (one holding {_DCP_METADATA} and {META_FILE})",
+            "pass a directory written by pipeckpt.sharded.save (torch.load reads single-file checkpoints)",
+        )
+    return Path(path)
+
+
+def _set(tree: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    """Puts ``value`` at ``path`` (DCP's path of a flattened key) in nested dicts (str keys) and
+    lists (int keys: DCP walks into lists that hold tensors), making the containers on the way."""
+    node: Any = tree
+    for key, after in itertools.pairwise(path):
+        fresh: Any = [] if isinstance(after, int) else {}
+        if isinstance(node, list):
+            index = int(key)
+            node.extend([None] * (index + 1 - len(node)))
+            node[index] = fresh if node[index] is None else node[index]
+            node = node[index]
+        else:
+            node = node.setdefault(key, fresh)
+    if isinstance(node, list):
+        node.extend([None] * (int(path[-1]) + 1 - len(node)))
+        node[int(path[-1])] = value
+    else:
+        node[path[-1]] = value
+
+
+def _wanted(path: Sequence[str | int], keys: Collection[str] | None) -> bool:
+    """``path`` is (state_dict, key) or (optimizer_states, i, name, ...): is it asked for?"""
+    return keys is None or path[1 if path[0] == _MODEL else 2] in keys
+
+
+def load(
+    path: str | os.PathLike, *, keys: Collection[str] | None = None, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """The Lightning checkpoint in the sharded directory ``path``, read by this process alone (no
+    collective, a process group or none).
+
+    ``state_dict`` holds ``keys`` (None: all), and each ``optimizer_states[i]["state"]`` the state of
+    those of them that are parameters, keyed by name; only those tensors' bytes are read, onto the CPU.
+    ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does.
+    """
+    root = _require_sharded(path)
+    checkpoint = torch.load(root / META_FILE, map_location="cpu", weights_only=weights_only)
+    metadata = dcp.FileSystemReader(root).read_metadata()
+    stored = metadata.state_dict_metadata
+    paths: dict[str, tuple[str | int, ...]] = metadata.planner_data  # DCP's key -> our nested path
+    if keys is not None:
+        present = {path[1] for path in paths.values() if path[0] == _MODEL}
+        missing = sorted(set(keys) - present)
+        if missing:
+            raise config_error(
+                f"keys {missing[:5]}",
+                f"are not in the sharded checkpoint {str(root)!r}",
+                "ask for keys of the module's state_dict as the checkpoint was written",
+            )
+    wanted: dict[str, Any] = {_MODEL: {}, _OPTIM: {}}
+    for key, nested in paths.items():
+        if not _wanted(nested, keys):
+            continue
+        item = stored[key]
+        if isinstance(item, TensorStorageMetadata):
+            _set(wanted, nested, torch.empty(item.size, dtype=item.properties.dtype))
+        else:
+            assert isinstance(item, BytesStorageMetadata)
+            _set(wanted, nested, None)  # DCP puts the unpickled object here
+    if any(wanted.values()):
+        _read(wanted, root)
+    checkpoint[_MODEL] = wanted[_MODEL]
+    for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
+        optimizer["state"] = wanted[_OPTIM].get(str(number), {})
+    del checkpoint[_FORMAT_KEY]
+    return checkpoint
+
+
+def _read(wanted: dict[str, Any], root: Path) -> None:
+    """Fills ``wanted`` from the shards, this process alone."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+    except dcp.CheckpointException as error:  # a BaseException: `except Exception` misses it
+        raise RuntimeError(f"the sharded checkpoint {str(root)!r} could not be read: {error}") from error
+
+
+def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Writes the sharded checkpoint at ``path`` as one ``torch.save`` file at ``out``: the checkpoint
+    Lightning writes without pipeckpt (optimizer state keyed by position), whose ``state_dict`` loads
+    ``strict=True`` into the unpipelined module. Holds the whole checkpoint in memory."""
+    checkpoint = load(path, weights_only=False)
+    for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
+        names = [name for group in optimizer["param_groups"] for name in group["params"]]
+        checkpoint[_OPTIM][number] = optimizer_state_by_index(optimizer, names)
+    target = Path(out)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        _write_synced(tmp, checkpoint)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+# -- atomic directory replacement ----------------------------------------------------------------
+# Kept here until the single-file helpers of pipeckpt/checkpoint_io.py (issue 11, item 2) land;
+# the two should then share _fsync_dir and _write_synced.
+
+
+def _temporary_beside(target: Path) -> str:
+    """A fresh name in ``target``'s directory (a rename from it never crosses filesystems), after
+    removing what interrupted saves of ``target`` left there, if ``target`` itself is whole: then
+    none of that is the only copy of a checkpoint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(target):
+        for pattern in (f".{target.name}.sharded-*", f".{target.name}.old-*"):
+            for leftover in target.parent.glob(pattern):
+                _remove(leftover)
+    return str(target.with_name(f".{target.name}.sharded-{uuid.uuid4().hex}"))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, obj: Any) -> None:
+    with open(path, "wb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the libc or
+    the filesystem cannot. Hand-written: ``os`` has no renameat2, and ctypes is less to trust than the
+    one small PyPI wrapper of it."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    """Puts the complete directory ``tmp`` at ``target``, then removes what was there.
+
+    A new ``target``: one rename. An existing one: swapped in one step where the filesystem can (a
+    reader finds the old checkpoint or the new one, whole); elsewhere moved aside first, so a reader
+    finds the old one, nothing, or the new one, and never a part of one.
+    """
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        _fsync_dir(target.parent)
+        _remove(tmp)  # the old checkpoint, now under the temporary name
+    else:
+        aside = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+        os.rename(target, aside)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        _remove(aside)
+    _fsync_dir(target.parent)
