@@ -107,6 +107,11 @@ class PipelineStrategy(ParallelStrategy):
         return self.engine.root_device(self.parallel_devices or [torch.device("cpu")], self.local_rank)
 
     @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.engine.restore_after_setup
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 

@@ -19,6 +19,7 @@ from typing import Any, Dict
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from toy import ToyModule, toy_loader
 
@@ -70,7 +71,17 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         devices=world,
         max_steps=spec["steps"],
         logger=False,
-        enable_checkpointing=False,
+        # `checkpoint_every`: ModelCheckpoint every so many steps into <out>/<name>/ (sharded directories)
+        enable_checkpointing="checkpoint_every" in spec,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=os.path.join(out, spec["name"]),
+                every_n_train_steps=spec["checkpoint_every"],
+                save_top_k=-1,
+            )
+        ]
+        if "checkpoint_every" in spec
+        else [],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

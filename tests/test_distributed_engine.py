@@ -19,9 +19,10 @@ from typing import Any, Dict, Iterator, List
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from toy import ToyModule, fit, max_relative_difference, params, toy_loader
 
-from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
+from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy, sharded
 from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.engines.distributed.logs import LogRecorder
 from pipeckpt.engines.distributed.step import PipelinedStep
@@ -230,6 +231,12 @@ def launch(tmp_path_factory) -> Iterator[Any]:
 
 
 def _state(path: Path) -> Dict[str, Any]:
+    """A checkpoint as one dict: the distributed engine writes a sharded directory, which
+    the converter turns into the single file the local engine writes."""
+    if sharded.is_sharded(path):
+        single = path.parent / f"{path.name}.pt"
+        sharded.to_torch_save(path, single)
+        path = single
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -319,6 +326,14 @@ def two_processes(launch, local_checkpoint) -> Path:
     )
     runs.append(
         dict(
+            name="sharded_chain",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="gpipe"),
+            steps=STEPS,
+            checkpoint_every=STEPS,  # one epoch: Lightning resumes a plain DataLoader exactly there
+        )
+    )
+    runs.append(
+        dict(
             name="from_distributed",
             strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
             steps=2 * STEPS,
@@ -365,7 +380,8 @@ def test_accumulation_and_clipping_by_norm_span_the_pipeline(two_processes):
 @pytest.mark.slow
 def test_checkpoint_holds_the_whole_model_and_optimizer_under_the_local_keys(two_processes, local_checkpoint):
     got, local = _state(two_processes / "1f1b_mix.ckpt"), _state(local_checkpoint)
-    assert list(got["state_dict"]) == list(local["state_dict"])
+    assert sorted(got["state_dict"]) == sorted(local["state_dict"])
+    ToyModule().load_state_dict(got["state_dict"], strict=True)  # the unpipelined module's keys
     mine, theirs = got["optimizer_states"][0], local["optimizer_states"][0]
     assert mine["param_groups"] == theirs["param_groups"]
     assert sorted(mine["state"]) == sorted(theirs["state"])
@@ -477,3 +493,53 @@ def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(tmp_path):
     assert hung and ended is not None and ended - float(hung.group(1)) < 30, output
     assert procs[0].returncode != 0, output
     assert "every other rank is alive" in (tmp_path / "rank0.log").read_text(), output
+
+
+def _stage_of_key(key: str, balance: List[int]) -> int:
+    """The stage index of a state-dict key ``layers.<i>...`` under ``balance``."""
+    layer = int(key.split(".")[1])
+    bounds = [sum(balance[: j + 1]) for j in range(len(balance))]
+    return next(j for j, bound in enumerate(bounds) if layer < bound)
+
+
+@pytest.mark.slow
+def test_each_rank_writes_only_its_own_stages_tensors(two_processes):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(two_processes / "gpipe.ckpt")).read_metadata()
+    files: Dict[int, set] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("state_dict."):
+            stage = _stage_of_key(index.fqn[len("state_dict.") :], [3, 3])
+            files.setdefault(stage, set()).add(info.relative_path)
+    # balance [3, 3] on two ranks: stage j is rank j's, written into rank j's file only.
+    assert {j: sorted(f) for j, f in files.items()} == {0: ["__0_0.distcp"], 1: ["__1_0.distcp"]}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_through_other_layouts_like_an_uninterrupted_run(
+    two_processes, tmp_path
+):
+    # Two processes trained one epoch and wrote a sharded checkpoint at its end (where Lightning
+    # resumes a plain DataLoader exactly); the run goes on under the local engine with 4 stages,
+    # then with 1 stage, one epoch each, and ends where an uninterrupted run ends.
+    first = two_processes / "sharded_chain" / f"epoch=0-step={STEPS}.ckpt"
+    assert sharded.is_sharded(first)
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=STEPS, save_top_k=-1)
+    fit(
+        ToyModule(seed=7),
+        _local(stages=4, chunks=4),
+        steps=2 * STEPS,
+        ckpt_path=first,
+        callbacks=[every_epoch],
+        enable_checkpointing=True,
+    )
+    module = ToyModule(seed=8)
+    fit(
+        module,
+        _local(stages=1, chunks=2),
+        steps=3 * STEPS,
+        ckpt_path=tmp_path / f"epoch=1-step={2 * STEPS}.ckpt",
+    )
+    uninterrupted = fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=3 * STEPS)
+    assert max_relative_difference(params(module), params(uninterrupted.lightning_module)) < 1e-6

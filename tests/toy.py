@@ -74,9 +74,15 @@ def toy_loader(*, n: int = 64, batch_size: int = 16, seed: int = 1) -> DataLoade
 
 
 def fit(
-    module: L.LightningModule, strategy: Any, *, steps: int = 4, seed: int = 123, **trainer_kwargs: Any
+    module: L.LightningModule,
+    strategy: Any,
+    *,
+    steps: int = 4,
+    seed: int = 123,
+    ckpt_path: Any = None,
+    **trainer_kwargs: Any,
 ) -> L.Trainer:
-    """Trains `steps` optimizer steps on CPU with a fixed seed."""
+    """Trains `steps` optimizer steps on CPU with a fixed seed (in all, from ``ckpt_path`` if given)."""
     kwargs: Dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -91,7 +97,7 @@ def fit(
     kwargs.update(trainer_kwargs)
     torch.manual_seed(seed)
     trainer = L.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(module, toy_loader())
+    trainer.fit(module, toy_loader(), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -34,13 +34,19 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt import _rng
+from pipeckpt import _rng, sharded
 from pipeckpt._compat import apply_to_tensors, set_module_device
 from pipeckpt.planning import StagePlan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stage import Stage
 
-__all__ = ["Engine", "World"]
+__all__ = ["Engine", "World", "optimizer_param_names"]
+
+
+def optimizer_param_names(module: nn.Module, optimizer: Optimizer) -> List[str]:
+    """The module's name of each of the optimizer's parameters, in the optimizer's order."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclass(frozen=True)
@@ -61,12 +67,14 @@ class Engine(ABC):
 
     name: str = ""
     is_distributed: bool = False  # several processes: Lightning injects samplers and reduces logs
+    restore_after_setup: bool = False  # restore checkpoints into the built stages, not the whole module
     backward_in_step: bool = False  # the schedule runs backward inside ``run`` (see take_step_gradients)
 
     def __init__(self, settings: PipeSettings) -> None:
         self.settings = settings
         self.plan: Optional[StagePlan] = None
         self.sequential: Optional[nn.Sequential] = None
+        self.module: Optional[LightningModule] = None  # set by build()
 
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
@@ -168,13 +176,24 @@ class Engine(ABC):
             io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
+        """A single file (either engine's ``torch.save``) or a sharded directory (the distributed
+        engine's): both hold the unpipelined module's keys."""
+        if sharded.is_sharded(path):
+            return sharded.load(path, weights_only=weights_only)
         return io.load_checkpoint(path, weights_only=weights_only)
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
         module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(self._by_index(optimizer, state))
+
+    def _by_index(self, optimizer: Optimizer, state: Dict[str, Any]) -> Dict[str, Any]:
+        """Optimizer state at torch's indices; a sharded checkpoint keys it by parameter name."""
+        if not any(isinstance(k, str) for k in state["state"]):
+            return state
+        assert self.module is not None, "optimizer state is restored after build()"
+        return sharded.optimizer_state_by_index(state, optimizer_param_names(self.module, optimizer))
 
     # -- failures and the end -----------------------------------------------------------
 

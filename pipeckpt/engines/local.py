@@ -51,6 +51,7 @@ class LocalEngine(Engine):
         self.pipeline = LocalPipeline(sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory)
         sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
         self.sequential = sequential
+        self.module = module
 
     @property
     def stages(self) -> List[Stage]:

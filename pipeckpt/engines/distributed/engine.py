@@ -17,11 +17,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from pipeckpt import sharded
 from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.base import Engine, World
@@ -52,6 +54,7 @@ class DistributedEngine(Engine):
     name = "distributed"
     is_distributed = True
     backward_in_step = True
+    restore_after_setup = True
 
     def __init__(self, settings: PipeSettings) -> None:
         super().__init__(settings.resolved())
@@ -153,6 +156,7 @@ class DistributedEngine(Engine):
             loss_fn=step.microbatch_loss,
         )
         self.step = step
+        self.module = module
         sequential.forward = called_outside_a_step  # type: ignore[method-assign]
         self.sequential = sequential
 
@@ -194,10 +198,11 @@ class DistributedEngine(Engine):
     # -- state ----------------------------------------------------------------------
 
     def module_state_dict(self, module: LightningModule) -> Dict[str, Any]:
-        return self.state.module_state_dict(module.state_dict())
+        return self.state.module_state_dict(module)
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        return self.state.optimizer_state(optimizer.state_dict())
+        assert self.module is not None
+        return self.state.optimizer_state(self.module, optimizer)
 
     def rng_states(self) -> List[Dict[str, Any]]:
         return self.state.rng_states()
@@ -205,8 +210,27 @@ class DistributedEngine(Engine):
     def my_rng_state(self, by_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
         return self.state.my_rng_state(by_rank)
 
+    def save_checkpoint(
+        self,
+        checkpoint: Dict[str, Any],
+        path: Any,
+        io: CheckpointIO,
+        storage_options: Optional[Any],
+        is_zero: bool,
+    ) -> None:
+        sharded.save(checkpoint, path)  # every rank writes its own stages
+
+    def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
+        if sharded.is_sharded(path):
+            assert self.module is not None, "restored after build (restore_after_setup)"
+            return self.state.load_sharded(path, self.module, weights_only)
+        return io.load_checkpoint(path, weights_only=weights_only)  # a single file, the local engine's
+
+    def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
+        self.state.load_module_state(module, state, strict)
+
     def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
-        self.state.load_optimizer_state(optimizer, state)
+        self.state.load_optimizer_state(optimizer, self._by_index(optimizer, state))
 
     # -- failures and the end -----------------------------------------------------------
 

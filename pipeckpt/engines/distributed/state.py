@@ -1,60 +1,52 @@
-"""State I/O of the distributed engine: model, optimizer and RNG state under the module's own keys.
+"""State I/O of the distributed engine: sharded checkpoints under the module's own keys.
 
 Each process holds only its stages' tensors (the rest of the module is on the
-meta device). Keys and optimizer indices are the unpipelined module's, so a
-checkpoint moves freely between engines and stage counts: a process takes what
-belongs to its stages from whatever was saved.
+meta device), and no process ever holds the whole model: every rank writes its
+own stages into one ``torch.distributed.checkpoint`` directory
+(:mod:`pipeckpt.sharded`), keyed by the unpipelined module's state-dict keys and
+its parameter names, and a resume reads back only the keys of the stages it
+holds now. So a checkpoint moves freely between engines, stage counts and world
+sizes; ``python -m pipeckpt.convert`` turns one into a single ``torch.save`` file.
+Restoring happens after the stages are built (the strategy's
+``restore_checkpoint_after_setup``), when each rank knows its keys.
 """
 
-from collections import OrderedDict
 from typing import Any, Dict, List
 
+from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.optim import Optimizer
 
-from pipeckpt import _rng
+from pipeckpt import _rng, sharded
+from pipeckpt._errors import config_error
+from pipeckpt.engines.base import optimizer_param_names
 from pipeckpt.engines.distributed.processes import ProcessGroups
-from pipeckpt.engines.distributed.step import to_cpu
 
 __all__: List[str] = []
 
 
+def _held(value: Any) -> bool:
+    return not (isinstance(value, Tensor) and value.is_meta)
+
+
 class StateIO:
-    """Gathers and scatters the state of a pipeline whose stages live in several processes."""
+    """This process's share of the model, optimizer and RNG state."""
 
     def __init__(self, processes: ProcessGroups) -> None:
         self.processes = processes
 
-    def _owner(self) -> bool:
-        """Whether this process's tensors are the ones written (replica 0 of each stage)."""
-        return self.processes.replica == 0
+    @staticmethod
+    def module_state_dict(module: LightningModule) -> Dict[str, Any]:
+        """This process's entries of the module's state dict (other ranks' are on meta)."""
+        return {k: v for k, v in module.state_dict().items() if _held(v)}
 
-    def module_state_dict(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """The whole model's state dict on global rank 0 (a collective)."""
-        if not self.processes.connected:
-            return state
-        mine = None
-        if self._owner():
-            mine = {k: to_cpu(v) for k, v in state.items() if not (isinstance(v, Tensor) and v.is_meta)}
-        pieces = self.processes.gathered_on_zero(mine)
-        if pieces is None:
-            return state
-        merged: Dict[str, Any] = OrderedDict()
-        for key in state:
-            merged[key] = next(p[key] for p in pieces if p is not None and key in p)
-        return merged
-
-    def optimizer_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """The state of every parameter on global rank 0, at the whole model's optimizer indices."""
-        if not self.processes.connected:
-            return state
-        pieces = self.processes.gathered_on_zero(to_cpu(state["state"]) if self._owner() else None)
-        if pieces is None:
-            return state
-        merged: Dict[int, Any] = {}
-        for piece in pieces:
-            merged.update(piece or {})
-        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+    @staticmethod
+    def optimizer_state(module: LightningModule, optimizer: Optimizer) -> Dict[str, Any]:
+        """This process's optimizer state, keyed by parameter name (the positions of a
+        pipelined optimizer are the unpipelined one's, but names survive any layout)."""
+        return sharded.optimizer_state_by_name(
+            optimizer.state_dict(), optimizer_param_names(module, optimizer)
+        )
 
     def rng_states(self) -> List[Dict[str, Any]]:
         """Every rank's RNG states on global rank 0 (every rank draws its own dropout masks)."""
@@ -69,8 +61,26 @@ class StateIO:
         return by_rank[self.processes.rank] if same_world else by_rank[0]
 
     @staticmethod
+    def load_sharded(path: Any, module: LightningModule, weights_only: Any) -> Dict[str, Any]:
+        """A sharded checkpoint as far as this process needs it: its stages' keys only."""
+        return sharded.load(path, keys=list(StateIO.module_state_dict(module)), weights_only=weights_only)
+
+    @staticmethod
+    def load_module_state(module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
+        """Loads this process's keys; with ``strict``, every one of them must be there."""
+        mine = StateIO.module_state_dict(module)
+        missing = [k for k in mine if k not in state]
+        if strict and missing:
+            raise config_error(
+                f"a checkpoint without {missing[:3]}{' ...' if len(missing) > 3 else ''}",
+                "a strict load needs every key of the module, and these are this process's stages' keys",
+                "resume from a checkpoint of the same model, or load with strict=False",
+            )
+        module.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
+
+    @staticmethod
     def load_optimizer_state(optimizer: Optimizer, full: Dict[str, Any]) -> None:
-        """Loads the entries of this process's parameters from a whole model's optimizer state."""
+        """Loads the entries of this process's parameters from optimizer state at torch's indices."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         mine = {i: s for i, s in full["state"].items() if i < len(params) and not params[i].is_meta}
         optimizer.load_state_dict({"state": mine, "param_groups": full["param_groups"]})
