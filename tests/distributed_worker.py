@@ -62,7 +62,7 @@ def resume_run(spec: Dict[str, Any], out: str) -> Any:
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
-    module = ToyModule(depth=spec.get("depth", 6))
+    module = ToyModule(depth=spec.get("depth", 6), dropout=spec.get("dropout", 0.0))
     if "die" in spec:
         die_mid_step(module, **spec["die"])
     trainer = L.Trainer(

@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from toy import ToyModule, fit, max_relative_difference, params, toy_loader
+from toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
 
 from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy, sharded
 from pipeckpt.engines.distributed import DistributedEngine
@@ -269,6 +269,45 @@ TWO = [  # name, distributed settings, the local engine's equivalent, depth
         dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=["never", "always", "except_last", "offload"]),
         6,
     ),
+    (
+        "looped_bfs_mix",
+        dict(
+            balance=[2, 1, 1, 2],
+            chunks=4,
+            schedule="looped_bfs",
+            virtual_stages=2,
+            checkpoint=["always", "never", "offload", "except_last"],
+        ),
+        dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=["always", "never", "offload", "except_last"]),
+        6,
+    ),
+    # Zero-bubble schedules split backward into input and weight passes: checkpoint "never" only.
+    (
+        "interleaved_zero_bubble",
+        dict(
+            balance=[2, 1, 1, 2],
+            chunks=4,
+            schedule="InterleavedZeroBubble",
+            virtual_stages=2,
+            checkpoint="never",
+        ),
+        dict(balance=[2, 1, 1, 2], chunks=4, checkpoint="never"),
+        6,
+    ),
+    (
+        "zbv_zero_bubble",
+        dict(
+            balance=[2, 1, 1, 2], chunks=4, schedule="zbv_zero_bubble", virtual_stages=2, checkpoint="never"
+        ),
+        dict(balance=[2, 1, 1, 2], chunks=4, checkpoint="never"),
+        6,
+    ),
+    (
+        "dual_pipe_v",
+        dict(balance=[2, 1, 1, 2], chunks=4, schedule="DualPipeV", virtual_stages=2, checkpoint="never"),
+        dict(balance=[2, 1, 1, 2], chunks=4, checkpoint="never"),
+        6,
+    ),
 ]
 FOUR = [
     (
@@ -294,6 +333,14 @@ FOUR = [
     ("dp2_pp2", dict(balance=[3, 3], chunks=4, schedule="1f1b", dp=2), dict(balance=[3, 3], chunks=4), 6),
 ]
 STEPS = 4
+# Every schedule that can recompute, with dropout on: a mode mix must not change one bit.
+DROPOUT = {
+    "gpipe": dict(balance=[3, 3], chunks=4, schedule="gpipe"),
+    "1f1b": dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+    "interleaved_1f1b": dict(balance=[2, 1, 1, 2], chunks=4, schedule="interleaved_1f1b", virtual_stages=2),
+    "looped_bfs": dict(balance=[2, 1, 1, 2], chunks=4, schedule="looped_bfs", virtual_stages=2),
+}
+MIX = {2: ["always", "except_last"], 4: ["offload", "always", "except_last", "never"]}
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +371,17 @@ def two_processes(launch, local_checkpoint) -> Path:
             resume=str(local_checkpoint),
         )
     )
+    for name, settings in DROPOUT.items():  # the same run with and without recompute, dropout on
+        for modes in ("never", MIX[len(settings["balance"])]):
+            tag = "never" if modes == "never" else "mix"
+            runs.append(
+                dict(
+                    name=f"{name}_dropout_{tag}",
+                    strategy=dict(settings, checkpoint=modes),
+                    dropout=0.3,
+                    steps=3,
+                )
+            )
     runs.append(
         dict(
             name="sharded_chain",
@@ -543,3 +601,32 @@ def test_a_sharded_checkpoint_resumes_through_other_layouts_like_an_uninterrupte
     )
     uninterrupted = fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=3 * STEPS)
     assert max_relative_difference(params(module), params(uninterrupted.lightning_module)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(DROPOUT))
+def test_recompute_under_every_schedule_leaves_dropout_training_bitwise_unchanged(two_processes, schedule):
+    never = _state(two_processes / f"{schedule}_dropout_never.ckpt")["state_dict"]
+    mix = _state(two_processes / f"{schedule}_dropout_mix.ckpt")["state_dict"]
+    assert_bitwise_equal(mix, never)
+    plain = ToyModule(dropout=0.3).state_dict()
+    assert max_relative_difference(never, plain) > 1e-3  # it trained
+
+
+def test_split_backward_schedules_refuse_recomputing_modes():
+    with pytest.raises(
+        PipeckptConfigError, match=r"(?s)schedule='zbv_zero_bubble' with checkpoint modes \['always'\].*HINT"
+    ):
+        distributed(schedule="zbv_zero_bubble", virtual_stages=2, checkpoint=["never", "always"])
+
+
+def test_every_installed_schedule_is_proven_or_refused():
+    from pipeckpt.engines.distributed.schedules import installed, lookup
+
+    proven = {t[1]["schedule"].replace("_", "").lower() for t in TWO + FOUR} | {
+        s["schedule"].replace("_", "").lower() for s in DROPOUT.values()
+    }
+    for name in installed():
+        kind = lookup(name)  # refused schedules raise here, naming why
+        assert name.lower() in proven, f"{name} has no equivalence test"
+        assert kind.cls.__name__ == f"Schedule{name}"

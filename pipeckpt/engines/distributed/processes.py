@@ -99,7 +99,7 @@ class ProcessGroups:
         if self.topology.pp == 1 or self.pp_group is None:
             return payload
         box = [payload]
-        src = dist.get_global_rank(self.pp_group, self.topology.pp - 1)
+        src = dist.get_global_rank(self.pp_group, self.topology.rank_of(self.topology.stages - 1))
         dist.broadcast_object_list(box, src=src, group=self.pp_group)
         return box[0]
 

@@ -32,6 +32,10 @@ class Topology:
         """The stage indices global ``rank`` runs."""
         return self.kind.stages_of(rank % self.pp, self.pp, self.stages)
 
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds ``stage``."""
+        return next(r for r in range(self.pp) if stage in self.stages_of(r))
+
     def describe(self, rank: int) -> str:
         stages = ", ".join(map(str, self.stages_of(rank)))
         return f"rank {rank} (pipeline stage {stages} of data-parallel replica {rank // self.pp})"
