@@ -6,10 +6,12 @@ Importing the package registers the ``"pipe"`` strategy, so
 
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
+from pipeckpt.settings import PipeSettings
 from pipeckpt.strategy import PipelineStrategy, register
 
 __all__ = [
     "PipelineStrategy",
+    "PipeSettings",
     "CheckpointMode",
     "NEVER",
     "EXCEPT_LAST",

@@ -21,7 +21,7 @@ How it measures, with hooks on the user's own layers (so any engine works):
   first layer while torchgpipe's ``is_recomputing()`` is set (pipeckpt's
   stages set it) is counted as one recomputed micro-batch. On CUDA every hook
   synchronises the device, so host clocks see finished kernels.
-* Activation memory: torchgpipe runs stages in worker threads, and both
+* Activation memory: an engine may run stages on threads of its own, and both
   ``saved_tensors_hooks`` and dispatch modes are thread-local, so the probe
   runs inside the layers: every layer's pre-hook enters a dispatch mode that
   its hook leaves (also when the layer raises, as a checkpoint recompute does

@@ -134,3 +134,9 @@ def test_help_lists_the_apps_groups_without_the_schemas():
     groups = done.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "strategy: ddp, pipe, single" in groups
     assert "schema" not in groups
+
+
+def test_the_readme_lists_every_setting_with_its_default_and_meaning():
+    readme = (ROOT / "README.md").read_text()
+    for name, default, meaning in PipeSettings.help():
+        assert f"| `{name}` | `{default}` | {meaning} |" in readme, name
