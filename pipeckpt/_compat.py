@@ -76,6 +76,9 @@ def set_module_device(module: Any, device: torch.device) -> None:
 # module elsewhere for shape inference; overriding it is the only way to tell the two
 # apart (no public hook sees the micro-batch index).
 FORWARD_ONE_CHUNK = "forward_one_chunk"
+# Likewise, the local backward of one micro-batch (its input and weight parts), which the
+# engine overrides to tell a stage's own errors from a peer's failure.
+BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
 
 
 # -- Lightning ------------------------------------------------------------------------
@@ -127,6 +130,7 @@ from torchgpipe.dependency import join as join_dependency  # noqa: E402
 from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
 
 __all__ = [
+    "BACKWARD_ONE_CHUNK",
     "FORWARD_ONE_CHUNK",
     "BatchNormBase",
     "DeferredBatchNorm",

@@ -36,9 +36,11 @@ def replica_loader(dp: int, replica: int) -> DataLoader:
     return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=share, shuffle=False)
 
 
-def die_mid_step(module: L.LightningModule, step: int, microbatch: int, hang: bool = False) -> None:
-    """The rank holding the last layer kills itself (or hangs) in that layer's forward of one
-    micro-batch."""
+def die_mid_step(
+    module: L.LightningModule, step: int, microbatch: int, hang: bool = False, raises: bool = False
+) -> None:
+    """The rank holding the last layer kills itself (or hangs, or raises) in that layer's forward
+    of one micro-batch."""
     calls = {"n": 0}
 
     def hook(*_: Any) -> None:
@@ -46,10 +48,12 @@ def die_mid_step(module: L.LightningModule, step: int, microbatch: int, hang: bo
             return
         calls["n"] += 1
         if calls["n"] == microbatch + 1:
-            what = "hangs" if hang else "dies"
+            what = "hangs" if hang else "raises" if raises else "dies"
             print(f"worker: rank {module.trainer.global_rank} {what} at time={time.time():.3f}", flush=True)
             if hang:
                 time.sleep(3600)
+            if raises:
+                raise ValueError(f"the last layer refuses micro-batch {microbatch} of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
 
     module.layers[-1].register_forward_hook(hook)

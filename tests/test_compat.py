@@ -211,3 +211,9 @@ def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
     y = _compat.apply_function(Double, x)
     y.sum().backward()
     assert torch.equal(y, torch.full((2,), 2.0)) and torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
+    for name in _compat.BACKWARD_ONE_CHUNK:
+        params = list(inspect.signature(getattr(PipelineStage, name)).parameters)
+        assert params[:2] == ["self", "bwd_chunk_id"], (name, params)

@@ -630,3 +630,27 @@ def test_every_installed_schedule_is_proven_or_refused():
         kind = lookup(name)  # refused schedules raise here, naming why
         assert name.lower() in proven, f"{name} has no equivalence test"
         assert kind.cls.__name__ == f"Schedule{name}"
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_quoted_by_the_others_with_its_error_and_traceback(tmp_path):
+    runs = [
+        dict(
+            name="raise",
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=20),
+            steps=STEPS,
+            die=dict(step=2, microbatch=2, raises=True),
+        )
+    ]
+    procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
+    raised = re.search(r"worker: rank 1 raises at time=([\d.]+)", (tmp_path / "rank1.log").read_text())
+    assert raised and ended is not None and ended - float(raised.group(1)) < 20, output
+    assert procs[0].returncode != 0, output
+    survivor = (tmp_path / "rank0.log").read_text()
+    assert re.search(
+        r"rank 1 \(pipeline stage 1 of data-parallel replica 0\) raised ValueError: "
+        r"the last layer refuses micro-batch 2 of step 2",
+        survivor,
+    ), output
+    assert "traceback:" in survivor and "distributed_worker.py" in survivor, output
+    assert "ValueError: the last layer refuses" in (tmp_path / "rank1.log").read_text(), output

@@ -105,8 +105,14 @@ def assert_loss_fell(losses: list[tuple[int, float]]) -> None:
 
 
 def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was written at: a single file, or the distributed engine's sharded
+    directory (one shard file per rank that wrote it)."""
     import torch
 
+    from pipeckpt import sharded
+
+    if sharded.is_sharded(path):
+        return int(sharded.load(path, keys=[])["global_step"])
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
 
 

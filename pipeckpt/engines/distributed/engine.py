@@ -27,7 +27,7 @@ from pipeckpt import sharded
 from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.base import Engine, World
-from pipeckpt.engines.distributed.liveness import is_communication_failure, lost_message
+from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
 from pipeckpt.engines.distributed.state import StateIO
@@ -238,16 +238,18 @@ class DistributedEngine(Engine):
         liveness = self.processes.liveness
         if liveness is None:
             return
-        liveness.leaving()
-        if not is_communication_failure(exception):
-            return
-        lost = self._exited_children() or liveness.lost_ranks()
-        message = lost_message(
-            me=self.processes.rank,
-            lost=lost,
-            describe=self.topology.describe,
-            timeout=self.settings.timeout or 0,
-        )
+        liveness.report(exception)
+        if raised_here(exception):
+            return  # this rank's own error: it propagates as raised, and the others quote it
+        errors = liveness.errors()
+        lost = None if errors else (self._exited_children() or liveness.lost_ranks())
+        errors = errors or liveness.errors()  # a report may arrive while the beats are watched
+        describe = self.topology.describe
+        if errors:
+            message = error_message(me=self.processes.rank, errors=errors, describe=describe)
+        else:
+            timeout = self.settings.timeout or 0
+            message = lost_message(me=self.processes.rank, lost=lost, describe=describe, timeout=timeout)
         print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
         exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 

@@ -1,23 +1,31 @@
-"""Naming the lost rank when a collective fails.
+"""Who failed, and how, when a pipeline rank stops: by structure, not by the words of an error.
 
-When one process of a pipeline dies (killed, out of memory, a crashed node),
-its neighbours see only a transport error such as gloo's "Connection closed by
-peer [10.0.0.3]:41234", or a timeout, and ranks further down the pipeline fail
-because their neighbour exited. Every rank therefore beats a counter in the
-rendezvous store from a daemon thread, and a rank that stops with an error of
-its own says so in the store first. After a failure, a survivor watches the
-counters for a few periods: a rank whose counter stands still and that left
-no word is the one that was lost.
+When one process of a pipeline fails, its neighbours see only a transport
+error ("Connection closed by peer") or a timeout, and ranks further down fail
+because their neighbour exited. Three facts, each kept in the rendezvous store,
+tell the survivors what happened:
+
+- a rank whose own code raised (the user's step or layers: :func:`user_code`
+  marks such exceptions where they are raised) publishes its error's type,
+  message and traceback before it unwinds (:meth:`Liveness.report`), and every
+  survivor quotes it, naming the rank;
+- every rank beats a counter from a daemon thread; a rank whose counter stands
+  still and that left no word was lost (killed, out of memory, a node gone);
+- otherwise every rank is alive and one is stuck: the survivors' collectives
+  ran out of the ``timeout`` they were given.
 
 Counters rather than timestamps, so that clocks of different nodes never meet.
 Ranks that Lightning's launcher started on this node are known at once: their
 process has exited.
 """
 
+import json
 import os
 import threading
 import time
-from typing import Callable, List, Optional
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch.distributed as dist
 
@@ -54,12 +62,33 @@ class Liveness:
             except Exception:  # the store's host is gone; the main thread will find out
                 return
 
-    def leaving(self) -> None:
-        """Tells the others that this rank stops because of an error it saw."""
+    def report(self, error: BaseException) -> None:
+        """Tells the others that this rank stops, and why if its own code raised."""
         try:
+            if raised_here(error):
+                origin = _origin(error)
+                what = {
+                    "type": type(origin).__name__,
+                    "message": str(origin),
+                    "traceback": "".join(traceback.format_exception(origin)).rstrip(),
+                }
+                self._store.set(f"error/{self.rank}", json.dumps(what))
             self._store.set(f"left/{self.rank}", "1")
-        except Exception:
+        except Exception:  # the store's host is gone; nothing more can be said
             pass
+
+    def errors(self) -> Dict[int, Dict[str, str]]:
+        """The errors other ranks' own code raised, by rank."""
+        found = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                if self._store.check([f"error/{r}"]):
+                    found[r] = json.loads(self._store.get(f"error/{r}").decode())
+            except Exception:
+                return found
+        return found
 
     def lost_ranks(self, watch_periods: int = 5) -> Optional[List[int]]:
         """Ranks that stopped beating without leaving word; None when the store
@@ -74,32 +103,45 @@ class Liveness:
         return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and not left[r]]
 
 
-def is_communication_failure(exception: BaseException) -> bool:
-    """Whether ``exception`` (or what caused it) is a failed or timed-out collective."""
-    seen: Optional[BaseException] = exception
+_MARK = "_pipeckpt_raised_here"
+
+
+@contextmanager
+def user_code() -> Iterator[None]:
+    """Within: an exception is the user's own (their step or layers), not a peer's failure."""
+    try:
+        yield
+    except BaseException as error:
+        if not hasattr(error, _MARK):
+            setattr(error, _MARK, True)
+        raise
+
+
+def _origin(error: BaseException) -> BaseException:
+    """The first error of an explicit chain (torch re-raises a stage's error as its cause)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def raised_here(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) was raised by this rank's own code."""
+    seen: Optional[BaseException] = error
     while seen is not None:
-        if isinstance(seen, dist.DistError):
-            return True
-        text = str(seen)
-        if any(s in text for s in _TRANSPORT_WORDS):
+        if getattr(seen, _MARK, False):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
 
 
-_TRANSPORT_WORDS = (
-    "Connection closed",
-    "Connection reset",
-    "Connection refused",
-    "Broken pipe",
-    "timed out",
-    "Timed out",
-    "Timeout",
-    "gloo",
-    "NCCL",
-    "Socket",
-    "socket",
-)
+def error_message(*, me: int, errors: Dict[int, Dict[str, str]], describe: Callable[[int], str]) -> str:
+    """What a survivor says when another rank's own code raised."""
+    rank = min(errors)
+    what = errors[rank]
+    return (
+        f"pipeckpt: {describe(rank)} raised {what['type']}: {what['message']}\n"
+        f"so rank {me} could not go on. {describe(rank)}'s traceback:\n{what['traceback']}"
+    )
 
 
 def lost_message(

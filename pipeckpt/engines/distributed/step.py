@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_map
 from pipeckpt._errors import PipeckptWarning
+from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Microbatches, answering, capture_input, step_loss
@@ -97,7 +98,7 @@ class PipelinedStep:
             else:
                 output = schedule.step(*inputs)
                 if last is not None:  # forward only: the step sees the whole batch's output
-                    with answering(module, self.sequential, output, hook, run.recorder):
+                    with user_code(), answering(module, self.sequential, output, hook, run.recorder):
                         result = getattr(module, hook)(batch, *rest, **kwargs)
         finally:
             self._run = None
@@ -127,7 +128,8 @@ class PipelinedStep:
         run = self._run
         assert run is not None
         batch = run.microbatches.rebuild(tensors)
-        return capture_input(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
+        with user_code():
+            return capture_input(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
 
     def microbatch_loss(self, output: Any, target: Tensor) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step on micro-batch ``target``."""
@@ -135,7 +137,7 @@ class PipelinedStep:
         assert run is not None
         if run.last is None or not run.last.ran(output):
             return shape_inference_loss(output)
-        with answering(self.module, self.sequential, output, run.hook, run.recorder):
+        with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
             returned = self.module.training_step(run.microbatches[int(target[0])], *run.rest, **run.kwargs)
         loss = step_loss(returned, run.hook)
         run.losses.append(loss.detach().float())

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.stage import Stage, side_effect_free
 
@@ -76,11 +77,22 @@ class LiveStage(PipelineStage):
         # Arguments pass through untouched: their list changed across torch releases.
         self.stage_module.live = True
         try:
-            output = super().forward_one_chunk(*args, **kwargs)
+            with user_code():  # this stage's own computation: an error here is this rank's
+                output = super().forward_one_chunk(*args, **kwargs)
         finally:
             self.stage_module.live = False
         self.last_output = output
         return output
+
+    @override
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
+        with user_code():  # local backward (recomputes included); sends and receives are apart
+            return super().backward_one_chunk(*args, **kwargs)
+
+    @override
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
+        with user_code():
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
     def ran(self, output: Any) -> bool:
         """Whether ``output`` came from a micro-batch (not from shape inference)."""
