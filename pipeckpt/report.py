@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.autograd.graph import Node
@@ -369,7 +370,7 @@ class StageReport(L.Callback):
         if not self._timed:
             rank_zero_info("StageReport: no training step was measured (the fit ended before it).")
             return
-        self.stats = self._summarise(_pipeline_layers(pl_module))
+        self.stats = _merged_over_ranks(trainer, self._summarise(_pipeline_layers(pl_module)))
         if trainer.is_global_zero:
             out = Path(self.dirpath or trainer.default_root_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -403,6 +404,20 @@ class StageReport(L.Callback):
                 )
             )
         return stats
+
+
+def _merged_over_ranks(trainer: L.Trainer, stats: list[StageStats]) -> list[StageStats]:
+    """Under the distributed engine each process measures only the stages it holds: every
+    stage's row comes from a process that holds it (a collective over all ranks)."""
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return stats
+    held = [stage.index for stage in getattr(trainer.strategy, "stages", [])]
+    pieces: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(pieces, (held, stats))
+    merged = list(stats)
+    for index in range(len(merged)):
+        merged[index] = next((theirs[index] for owned, theirs in pieces if index in owned), merged[index])
+    return merged
 
 
 def human_bytes(nbytes: float) -> str:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
+from pipeckpt.report import StageReport
 
 
 def replica_loader(dp: int, replica: int) -> DataLoader:
@@ -85,7 +86,12 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
             )
         ]
         if "checkpoint_every" in spec
-        else [],
+        else []
+        + (
+            [StageReport(warmup_steps=1, steps=1, dirpath=os.path.join(out, spec["name"]), verbose=False)]
+            if spec.get("report")
+            else []
+        ),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -354,6 +354,7 @@ def local_checkpoint(tmp_path_factory) -> Path:
 def two_processes(launch, local_checkpoint) -> Path:
     runs = [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in TWO]
     runs[0]["validate"] = True
+    runs[1]["report"] = True  # 1f1b_mix: a per-stage report from every rank's stages
     runs.append(
         dict(
             name="accumulate_clip",
@@ -654,3 +655,14 @@ def test_a_rank_that_raises_is_quoted_by_the_others_with_its_error_and_traceback
     ), output
     assert "traceback:" in survivor and "distributed_worker.py" in survivor, output
     assert "ValueError: the last layer refuses" in (tmp_path / "rank1.log").read_text(), output
+
+
+@pytest.mark.slow
+def test_the_stage_report_holds_every_stages_figures_from_the_rank_that_runs_it(two_processes):
+    rows = json.loads((two_processes / "1f1b_mix" / "stage_report.json").read_text())
+    assert [r["stage"] for r in rows] == [0, 1]
+    assert [r["mode"] for r in rows] == ["always", "except_last"]
+    for row in rows:  # measured where the stage ran: no stage is left at zero
+        assert row["forward_s"] > 0 and row["backward_s"] > 0 and row["peak_activation_bytes"] > 0, row
+    # 4 micro-batches: 'always' recomputes all 4, 'except_last' all but the last.
+    assert [r["recomputed"] for r in rows] == [4, 3]
