@@ -1,6 +1,7 @@
 """CUDA behaviour: placement on several GPUs and offload to pinned host memory.
 Skipped where no GPU is present (CI has none); run on a GPU machine."""
 
+import lightning as L
 import pytest
 import torch
 from toy import ToyModule, fit, max_relative_difference, params, toy_layers
@@ -16,16 +17,47 @@ def gpus() -> list:
     return [torch.device("cuda", i) for i in range(min(torch.cuda.device_count(), 2))]
 
 
-def test_each_stage_lives_on_its_own_gpu():
+class Placement(L.Callback):
+    """Where each stage's parameters are while training (after fit, teardown puts the module on
+    the CPU, as for every Lightning strategy)."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.seen = [
+            (stage.device, {p.device for p in stage.parameters()}) for stage in trainer.strategy.stages
+        ]
+
+
+@pytest.mark.parametrize(
+    "devices, settings, expected",
+    [
+        (1, dict(stages=1), [0]),
+        (1, dict(stages=3), [0, 0, 0]),  # more stages than GPUs: all share the one
+        (2, dict(stages=2), [0, 1]),
+        (2, dict(stages=3, placement=[0, 0, 1]), [0, 0, 1]),
+        (2, dict(balance=[3, 3]), [0, 1]),
+        (2, dict(), [0, 1]),  # one stage per device
+    ],
+    ids=["1gpu-1stage", "1gpu-3stages", "2gpus-2stages", "2gpus-placement", "2gpus-balance", "2gpus-default"],
+)
+def test_each_stage_trains_on_the_gpu_it_was_given(devices, settings, expected):
+    if torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} GPUs")
+    placement = Placement()
     trainer = fit(
         ToyModule(),
-        PipelineStrategy(stages=len(gpus()), chunks=2),
+        PipelineStrategy(chunks=2, **settings),
         steps=1,
         accelerator="gpu",
-        devices=len(gpus()),
+        devices=devices,
+        callbacks=[placement],
     )
-    for stage in trainer.strategy.stages:
-        assert {p.device for p in stage.parameters()} == {stage.device}
+    assert [device for device, _ in placement.seen] == [torch.device("cuda", i) for i in expected]
+    for device, held in placement.seen:
+        assert held == {device}
+    assert trainer.strategy.root_device == torch.device("cuda", expected[-1])
 
 
 def test_training_on_gpu_matches_cpu_to_1e_4():
