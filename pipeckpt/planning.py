@@ -17,7 +17,15 @@ from pipeckpt._errors import config_error
 from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
 
-__all__ = ["StagePlan", "plan", "split"]
+__all__ = ["StagePlan", "module_name", "plan", "split"]
+
+
+def module_name(root: nn.Module, part: nn.Module) -> str:
+    """``part``'s name in ``root`` as the user wrote it (``model.transformer.h``), for messages."""
+    for name, m in root.named_modules():
+        if m is part:
+            return name or type(root).__name__
+    return type(part).__name__
 
 
 @dataclass(frozen=True)

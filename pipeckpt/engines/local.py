@@ -16,7 +16,7 @@ from torch import nn
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.base import Engine
 from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import plan
+from pipeckpt.planning import module_name, plan
 from pipeckpt.stage import Stage
 
 __all__ = ["LocalEngine"]
@@ -48,7 +48,15 @@ class LocalEngine(Engine):
         )
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
-        self.pipeline = LocalPipeline(sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory)
+        name = module_name(module, sequential)
+        self.pipeline = LocalPipeline(
+            sequential,
+            self.plan,
+            chunks=s.chunks,
+            pin_memory=s.pin_memory,
+            name=f"self.{name}",
+            names=[f"{name}.{i}" for i in range(len(sequential))],
+        )
         sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
         self.sequential = sequential
         self.module = module
