@@ -35,6 +35,7 @@ class LocalEngine(Engine):
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
         s = self.settings
+        name = module_name(module, sequential)
         self.plan = plan(
             sequential,
             devices=devices,
@@ -45,10 +46,10 @@ class LocalEngine(Engine):
             placement=s.placement,
             sample=getattr(module, "example_input_array", None),
             chunks=s.chunks,
+            prefix=f"{name}.",
         )
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
-        name = module_name(module, sequential)
         self.pipeline = LocalPipeline(
             sequential,
             self.plan,
