@@ -85,7 +85,10 @@ def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
 
 
 def _check_shared_parameters(
-    sequential: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device], prefix: str
+    sequential: nn.Sequential,
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+    names: Optional[Sequence[str]] = None,
 ) -> None:
     """A parameter used by several stages (a tied input embedding and LM head) is one tensor
     when those stages share a device: each stage's backward adds its part to the one ``.grad``,
@@ -94,11 +97,12 @@ def _check_shared_parameters(
     stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
     for index, layer in enumerate(sequential):
         stage = stage_of[index]
+        here = names[index] if names is not None else str(index)
         for name, p in layer.named_parameters(remove_duplicate=False):
-            first, key = owner.setdefault(id(p), (stage, f"{prefix}{index}.{name}"))
+            first, key = owner.setdefault(id(p), (stage, f"{here}.{name}"))
             if first != stage and devices[first] != devices[stage]:
                 raise config_error(
-                    f"parameter {key!r} (also {prefix}{index}.{name}), shared by stage {first} on "
+                    f"parameter {key!r} (also {here}.{name}), shared by stage {first} on "
                     f"{devices[first]} and stage {stage} on {devices[stage]}",
                     "the local engine shares a parameter between stages on one device only",
                     "place the stages that use it on one device (`placement`), or choose a balance "
@@ -200,12 +204,12 @@ def plan(
     placement: Optional[Sequence[int]] = None,
     sample: Optional[Any] = None,
     chunks: int = 1,
-    prefix: str = "",
+    names: Optional[Sequence[str]] = None,
 ) -> StagePlan:
     """Validates every setting that needs the module (``sequential``, the module's own, as
     :func:`pipeckpt.contract.pipelined_sequential` returns it) and builds the plan. Settings
-    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`. ``prefix``: the
-    Sequential's name in the user's module with a dot (``"layers."``), for messages."""
+    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`. ``names``: the
+    user's name of each layer (``"layers.3"``), for messages."""
     layers = len(sequential)
     if balance is not None:
         balance = _check_balance(balance, layers)
@@ -221,5 +225,5 @@ def plan(
     placed = _place(stages, devices, placement)
     if balance is None:
         balance = _auto_balance(sequential, stages, balance_by, sample, chunks, placed[0])
-    _check_shared_parameters(sequential, balance, placed, prefix)
+    _check_shared_parameters(sequential, balance, placed, names)
     return StagePlan(balance=tuple(balance), devices=placed, modes=modes)

@@ -218,7 +218,7 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, stage: "Stage", packing: Packing, n: int, *args: Tensor) -> Any:
         inputs = args[:n]
-        ctx.stage, ctx.packing = stage, packing
+        ctx.stage, ctx.packing, ctx.params = stage, packing, args[n:]
         ctx.rng = _RngState(stage._cuda)
         ctx.autocast = _autocast_now()
         ctx.step = stage._step
@@ -253,7 +253,7 @@ class _Recompute(torch.autograd.Function):
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        params = stage._params or ()
+        params = ctx.params
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):

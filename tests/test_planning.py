@@ -91,7 +91,7 @@ def test_a_parameter_shared_by_stages_on_two_devices_is_refused_by_its_own_name(
         match=r"parameter 'layers.0.weight' \(also layers.2.weight\), shared by stage 0 on cpu:0 and stage 1 "
         r"on cpu:1.*HINT: place the stages",
     ):
-        plan(seq, devices=two, balance=[2, 1], prefix="layers.")
+        plan(seq, devices=two, balance=[2, 1], names=["layers.0", "layers.1", "layers.2"])
 
 
 def test_a_parameter_shared_by_stages_on_one_device_is_allowed():
