@@ -355,6 +355,7 @@ class Stage(nn.Module):
                 return self._checkpointed(input)
             return self._checkpointed_call(Call(self._chain, (input,), side or {}), self._trainable())
         if side:
+            self.forward_calls += 1
             return self._chain(input, **side)
         return self._run(input)
 
@@ -364,8 +365,7 @@ class Stage(nn.Module):
 
     def _chain(self, input: Any, **side: Any) -> Any:
         if not side:
-            return self._run(input)
-        self.forward_calls += 1
+            return self.partition(input)
         assert self.chain is not None, "side inputs reach a stage whose engine gave it a Chain"
         return self.chain(input, side)
 
@@ -375,6 +375,7 @@ class Stage(nn.Module):
         if packing is False:
             return self._run(tuple(inputs))
         assert isinstance(packing, Call)
+        self.forward_calls += 1
         return packing.run(inputs)
 
     def _norms(self) -> List[nn.Module]:

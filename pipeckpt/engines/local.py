@@ -36,6 +36,9 @@ class LocalEngine(Engine):
         self.pipeline: Optional[Union[LocalPipeline, ModuleRunner]] = None
         self.attribute = ""  # the user's name of the pipelined part, e.g. "self.layers"
         self._use_checked = False
+        # strict=False: a step that bypasses the pipeline is a warning, not an error. Read from the
+        # settings once PipeSettings has the field; settable on the engine until then.
+        self.strict: bool = getattr(self.settings, "strict", True)
 
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
@@ -102,7 +105,7 @@ class LocalEngine(Engine):
             f"call {self.attribute}(...) in training_step, or return from configure_pipeline() the part "
             "training_step calls"
         )
-        if getattr(self.settings, "strict", True):
+        if self.strict:
             raise config_error(what, rule, hint + " (strict=False makes this a warning)")
         warnings.warn(f"{what}: {rule}. HINT: {hint}", PipeckptWarning, stacklevel=2)
 
