@@ -92,7 +92,7 @@ def gather(outputs: Sequence[Any], *, call: str) -> Any:
     if len(outputs) == 1:
         return outputs[0]
     flat = [tree_flatten(o) for o in outputs]
-    leaves0, spec = flat[0]
+    _leaves0, spec = flat[0]
     columns = list(zip(*(leaves for leaves, _ in flat)))
     joined = []
     for index, column in enumerate(columns):
@@ -120,7 +120,7 @@ def to_device(tree: Any, device: torch.device) -> Any:
 class Structure:
     """Where the tensors of a flattened output go back: its spec and its other leaves."""
 
-    __slots__ = ("spec", "leaves", "slots")
+    __slots__ = ("leaves", "slots", "spec")
 
     def __init__(self, leaves: List[Any], spec: TreeSpec) -> None:
         self.spec = spec
@@ -150,7 +150,7 @@ class Call:
     Function (whose inputs and outputs must be tensors). Non-tensor leaves and both
     structures are kept here; the output's structure is recorded by each run."""
 
-    __slots__ = ("fn", "spec", "leaves", "slots", "out")
+    __slots__ = ("fn", "leaves", "out", "slots", "spec")
 
     def __init__(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> None:
         self.fn = fn

@@ -3,8 +3,9 @@
 A user's module defines ``configure_pipeline()`` and returns one of its own
 ``nn.Sequential`` submodules, the way ``configure_optimizers()`` returns its
 optimizers; or, for a model with its own ``forward``,
-``pipeckpt.pipeline_of(self.model, "transformer.h")`` (see ``pipeckpt.split``). Nothing is discovered by attribute name, and because the returned
-Sequential stays where the user put it, ``state_dict`` keys never change.
+``pipeckpt.pipeline_of(self.model, "transformer.h")`` (see ``pipeckpt.split``).
+Nothing is discovered by attribute name, and because the returned part stays
+where the user put it, ``state_dict`` keys never change.
 """
 
 from typing import List

@@ -28,7 +28,7 @@ def describe_call(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> str
 
 
 class _Layer:
-    __slots__ = ("name", "signature", "names", "required", "var_keyword", "positional")
+    __slots__ = ("name", "names", "positional", "required", "signature", "var_keyword")
 
     def __init__(self, name: str, layer: nn.Module) -> None:
         self.name = name
@@ -39,7 +39,12 @@ class _Layer:
         params = list(self.signature.parameters.values()) if self.signature is not None else []
         self.var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         self.positional = any(
-            p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+            p.kind
+            in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.VAR_POSITIONAL,
+            )
             for p in params[:1]
         )
         rest = params[1:] if self.positional else params
@@ -88,9 +93,10 @@ class Signatures:
         if unused:
             raise config_error(
                 f"side input {unused[0]}= of {call}",
-                "no layer's forward declares it: " + "; ".join(sorted({lay.shown() for lay in self.layers})[:4]),
-                f"name it as a layer's forward names it, or add `{unused[0]}=None` to the forward of the layers "
-                "that use it",
+                "no layer's forward declares it: "
+                + "; ".join(sorted({lay.shown() for lay in self.layers})[:4]),
+                f"name it as a layer's forward names it, or add `{unused[0]}=None` to the forward of "
+                "the layers that use it",
             )
         for layer in self.layers:
             missing = [k for k in layer.required if k not in kwargs]

@@ -407,7 +407,12 @@ class Stage(nn.Module):
         return call.output(outputs)
 
     def call_layer(
-        self, fn: Callable[..., Any], params: Sequence[nn.Parameter], i: int, args: Any, kwargs: Dict[str, Any]
+        self,
+        fn: Callable[..., Any],
+        params: Sequence[nn.Parameter],
+        i: int,
+        args: Any,
+        kwargs: Dict[str, Any],
     ) -> Any:
         """One call of one of this stage's layers by a module's own ``forward`` (a module
         pipeline, ``pipeckpt.split``), as micro-batch ``i``: checkpointed alone under the mode."""
@@ -417,7 +422,12 @@ class Stage(nn.Module):
         return self._call_layer(fn, params, i, args, kwargs)
 
     def _call_layer(
-        self, fn: Callable[..., Any], params: Sequence[nn.Parameter], i: int, args: Any, kwargs: Dict[str, Any]
+        self,
+        fn: Callable[..., Any],
+        params: Sequence[nn.Parameter],
+        i: int,
+        args: Any,
+        kwargs: Dict[str, Any],
     ) -> Any:
         if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
             return self._checkpointed_call(Call(fn, args, kwargs), params)

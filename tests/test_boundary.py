@@ -104,18 +104,23 @@ def test_scatter_splits_batch_leaves_and_passes_the_rest():
 
 def test_gather_joins_batch_leaves_and_returns_shared_ones_once():
     mask = torch.ones(3, 3)
-    out = gather([{"h": torch.zeros(2, 1), "m": mask, "s": "a"}, {"h": torch.ones(2, 1), "m": mask, "s": "b"}], call="f")
+    out = gather(
+        [{"h": torch.zeros(2, 1), "m": mask, "s": "a"}, {"h": torch.ones(2, 1), "m": mask, "s": "b"}],
+        call="f",
+    )
     assert torch.equal(out["h"], torch.tensor([[0.0], [0.0], [1.0], [1.0]]))
     assert out["m"] is mask and out["s"] == "a"
 
 
 def test_gather_refuses_a_per_microbatch_scalar():
-    with pytest.raises(PipeckptConfigError, match="0-dim tensor.*compute the loss from"):
+    with pytest.raises(PipeckptConfigError, match=r"0-dim tensor.*compute the loss from"):
         gather([torch.tensor(1.0), torch.tensor(2.0)], call="f")
 
 
 def test_a_side_input_of_another_batch_size_is_named():
-    with pytest.raises(PipeckptConfigError, match=r"side input attention_mask= of f\(x\) \(size\(0\) 3, batch 4\)"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"side input attention_mask= of f\(x\) \(size\(0\) 3, batch 4\)"
+    ):
         scatter((torch.zeros(4, 2),), {"attention_mask": torch.zeros(3, 2)}, 2, call="f(x)")
 
 
@@ -185,7 +190,9 @@ def test_side_input_gradients_bitwise_equal_never_with_dropout(mode):
 
 def test_two_positional_arguments_name_the_call_and_first_layer():
     pipe = pipe_of(masked_layers(), "never")
-    with pytest.raises(PipeckptConfigError, match=r"layers\(arg0, arg1\) \(2 positional arguments\).*layers\.0: forward\(x"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"layers\(arg0, arg1\) \(2 positional arguments\).*layers\.0: forward\(x"
+    ):
         pipe.forward(inputs(), inputs())
 
 
@@ -199,6 +206,7 @@ def test_a_missing_side_input_names_the_layer_signature():
     seq = nn.Sequential(nn.Linear(8, 8), NeedsMask())
     pipe = LocalPipeline(seq, plan(seq, devices=CPU, balance=[1, 1]), chunks=2, name="model.blocks")
     with pytest.raises(
-        PipeckptConfigError, match=r"model\.blocks\(x\) without mask=: layer model\.blocks\.1: forward\(x: torch.Tensor, mask"
+        PipeckptConfigError,
+        match=r"model\.blocks\(x\) without mask=: layer model\.blocks\.1: forward\(x: torch.Tensor, mask",
     ):
         pipe.forward((inputs(),))

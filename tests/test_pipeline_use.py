@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from toy import ToyModule, fit
 
-from pipeckpt import PipeckptConfigError, PipelineStrategy, PipeckptWarning
+from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
 
 
 class Bypass(ToyModule):
@@ -22,7 +22,8 @@ class Bypass(ToyModule):
 
 def test_a_step_that_never_calls_the_pipeline_is_an_error_naming_the_attribute():
     with pytest.raises(
-        PipeckptConfigError, match=r"Bypass\.training_step never called self\.layers: .*HINT: call self\.layers\(\.\.\.\)"
+        PipeckptConfigError,
+        match=r"Bypass\.training_step never called self\.layers: .*HINT: call self\.layers\(\.\.\.\)",
     ):
         fit(Bypass(), PipelineStrategy(stages=2, chunks=2), steps=1)
 

@@ -122,12 +122,14 @@ def test_gradients_bitwise_equal_across_modes_with_dropout(client, stages):
 
 def test_gpt2_tied_embedding_is_one_parameter_with_both_uses_summed():
     pytest.importorskip("transformers")
-    model, layers, loss = gpt2(0.0)
+    model, _layers, _loss = gpt2(0.0)
     assert model.lm_head.weight is model.transformer.wte.weight
     expected = unpipelined("gpt2")
     got = pipelined("gpt2", 4, "always", 0.0)
     assert "lm_head.weight" not in got  # named_parameters() names the tied weight once
-    torch.testing.assert_close(got["transformer.wte.weight"], expected["transformer.wte.weight"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        got["transformer.wte.weight"], expected["transformer.wte.weight"], rtol=0, atol=1e-5
+    )
 
 
 # -- through the Trainer: keys and checkpoints ---------------------------------------------
@@ -179,7 +181,9 @@ def test_demo_checkpoint_loads_strict_into_the_unmodified_model(stages, tmp_path
 
 def test_pipeline_of_names_a_missing_layer_list():
     model, _, _ = demo(0.0)
-    with pytest.raises(PipeckptConfigError, match=r"pipeline_of\(\.\.\., 'transformer\.h'\): Transformer has no"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"pipeline_of\(\.\.\., 'transformer\.h'\): Transformer has no"
+    ):
         pipeline_of(model, "transformer.h")
 
 

@@ -52,7 +52,13 @@ def test_tied_weight_gradient_matches_the_unpipelined_model(mode):
     seq = tied_layers(0.0)
     seq(tokens()).logsumexp(-1).mean().backward()
     expected, got = grads(seq), pipelined(mode, 0.0)
-    assert list(got) == ["0.weight", "1.weight", "1.bias", "4.weight", "4.bias"]  # one key for the tied weight
+    assert list(got) == [
+        "0.weight",
+        "1.weight",
+        "1.bias",
+        "4.weight",
+        "4.bias",
+    ]  # one key for the tied weight
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
 

@@ -72,10 +72,17 @@ class LocalEngine(Engine):
             convert_deferred_batch_norm(sequential, s.chunks)
         self.attribute = f"self.{name}"
         if isinstance(sequential, ModulePipeline):
-            self.pipeline = ModuleRunner(sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory, name=name)
+            self.pipeline = ModuleRunner(
+                sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory, name=name
+            )
         else:
             self.pipeline = LocalPipeline(
-                sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory, name=self.attribute, names=names
+                sequential,
+                self.plan,
+                chunks=s.chunks,
+                pin_memory=s.pin_memory,
+                name=self.attribute,
+                names=names,
             )
             sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
         self.sequential = sequential

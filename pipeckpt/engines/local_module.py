@@ -29,7 +29,13 @@ class ModuleRunner:
     """Routes ``root.forward`` and each named layer's ``forward`` through the plan's stages."""
 
     def __init__(
-        self, spec: ModulePipeline, plan: StagePlan, *, chunks: int, pin_memory: bool = True, name: str = "model"
+        self,
+        spec: ModulePipeline,
+        plan: StagePlan,
+        *,
+        chunks: int,
+        pin_memory: bool = True,
+        name: str = "model",
     ) -> None:
         self.spec, self.plan, self.chunks, self.name = spec, plan, chunks, name
         layers = list(spec)
@@ -95,4 +101,3 @@ class ModuleRunner:
         """Every routed module gets its own forward back."""
         for module in self._routed:
             module.__dict__.pop("forward", None)
-

@@ -146,7 +146,9 @@ class LocalPipeline:
         self._warn_small(_first(input).size(0), len(batches))
         return batches
 
-    def _scatter_tree(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[Any, Dict[str, Any]]]:
+    def _scatter_tree(
+        self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> List[Tuple[Any, Dict[str, Any]]]:
         call = describe_call(self.name, args, kwargs)
         args, kwargs = _to((args, kwargs), self.plan.devices[0])
         pieces = scatter(args, kwargs, self.chunks, call=call)
@@ -162,7 +164,9 @@ class LocalPipeline:
             return tuple(torch.cat(parts) for parts in zip(*outputs))
         return gather(outputs, call=f"{self.name}(...)")
 
-    def _stage_chains(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[Chain, FrozenSet[str]]]:
+    def _stage_chains(
+        self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> List[Tuple[Chain, FrozenSet[str]]]:
         routes = self.signatures.routes(args, kwargs)
         keys = frozenset(kwargs)
         chains = self._chains.get(keys)
