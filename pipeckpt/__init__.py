@@ -7,11 +7,13 @@ Importing the package registers the ``"pipe"`` strategy, so
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.settings import PipeSettings
+from pipeckpt.split import pipeline_of
 from pipeckpt.strategy import PipelineStrategy, register
 
 __all__ = [
     "PipelineStrategy",
     "PipeSettings",
+    "pipeline_of",
     "CheckpointMode",
     "NEVER",
     "EXCEPT_LAST",

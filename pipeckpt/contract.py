@@ -2,8 +2,10 @@
 
 A user's module defines ``configure_pipeline()`` and returns one of its own
 ``nn.Sequential`` submodules, the way ``configure_optimizers()`` returns its
-optimizers. Nothing is discovered by attribute name, and because the returned
-Sequential stays where the user put it, ``state_dict`` keys never change.
+optimizers; or, for a model with its own ``forward``,
+``pipeckpt.pipeline_of(self.model, "transformer.h")`` (see ``pipeckpt.split``).
+Nothing is discovered by attribute name, and because the returned part stays
+where the user put it, ``state_dict`` keys never change.
 """
 
 from typing import List
@@ -12,6 +14,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.split import ModulePipeline
 
 __all__: List[str] = []
 
@@ -31,9 +34,11 @@ def pipelined_sequential(module: LightningModule) -> nn.Sequential:
         raise config_error(
             f"{type(module).__name__}.{HOOK}() returned {type(seq).__name__}",
             "the pipelined part must be a torch.nn.Sequential",
-            "return an nn.Sequential of your layers, e.g. nn.Sequential(*blocks)",
+            "return an nn.Sequential of your layers, e.g. nn.Sequential(*blocks), or, for a model with its "
+            "own forward, pipeckpt.pipeline_of(self.model, 'transformer.h') naming its layer list",
         )
-    if not any(m is seq for m in module.modules()):
+    owned = seq.root if isinstance(seq, ModulePipeline) else seq
+    if not any(m is owned for m in module.modules()):
         raise config_error(
             f"{type(module).__name__}.{HOOK}() returned a Sequential that is not a submodule",
             "it must be part of the module, so its parameters are trained and checkpointed",

@@ -17,7 +17,15 @@ from pipeckpt._errors import config_error
 from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
 
-__all__ = ["StagePlan", "plan", "split"]
+__all__ = ["StagePlan", "module_name", "plan", "split"]
+
+
+def module_name(root: nn.Module, part: nn.Module) -> str:
+    """``part``'s name in ``root`` as the user wrote it (``model.transformer.h``), for messages."""
+    for name, m in root.named_modules():
+        if m is part:
+            return name or type(root).__name__
+    return type(part).__name__
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,29 @@ def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
     return balance
 
 
-def _check_shared_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
-    owner: Dict[int, int] = {}
-    for stage, part in enumerate(split(sequential, balance)):
-        for name, p in part.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), stage)
-            if first != stage:
+def _check_shared_parameters(
+    sequential: nn.Sequential,
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+    names: Optional[Sequence[str]] = None,
+) -> None:
+    """A parameter used by several stages (a tied input embedding and LM head) is one tensor
+    when those stages share a device: each stage's backward adds its part to the one ``.grad``,
+    as in the unpipelined model. Stages on different devices would each need a copy."""
+    owner: Dict[int, Tuple[int, str]] = {}
+    stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+    for index, layer in enumerate(sequential):
+        stage = stage_of[index]
+        here = names[index] if names is not None else str(index)
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            first, key = owner.setdefault(id(p), (stage, f"{here}.{name}"))
+            if first != stage and devices[first] != devices[stage]:
                 raise config_error(
-                    f"parameter {name!r} (shared by stages {first} and {stage})",
-                    "a parameter may belong to one stage only, since each stage keeps its "
-                    "own device and gradients",
-                    "untie the weights, or choose a balance that keeps every user of the "
-                    "shared parameter in one stage",
+                    f"parameter {key!r} (also {here}.{name}), shared by stage {first} on "
+                    f"{devices[first]} and stage {stage} on {devices[stage]}",
+                    "the local engine shares a parameter between stages on one device only",
+                    "place the stages that use it on one device (`placement`), or choose a balance "
+                    "that keeps its users in one stage",
                 )
 
 
@@ -185,10 +204,12 @@ def plan(
     placement: Optional[Sequence[int]] = None,
     sample: Optional[Any] = None,
     chunks: int = 1,
+    names: Optional[Sequence[str]] = None,
 ) -> StagePlan:
     """Validates every setting that needs the module (``sequential``, the module's own, as
     :func:`pipeckpt.contract.pipelined_sequential` returns it) and builds the plan. Settings
-    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`."""
+    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`. ``names``: the
+    user's name of each layer (``"layers.3"``), for messages."""
     layers = len(sequential)
     if balance is not None:
         balance = _check_balance(balance, layers)
@@ -204,5 +225,5 @@ def plan(
     placed = _place(stages, devices, placement)
     if balance is None:
         balance = _auto_balance(sequential, stages, balance_by, sample, chunks, placed[0])
-    _check_shared_parameters(sequential, balance)
+    _check_shared_parameters(sequential, balance, placed, names)
     return StagePlan(balance=tuple(balance), devices=placed, modes=modes)

@@ -36,7 +36,7 @@ import contextlib
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +52,9 @@ from pipeckpt._compat import (
     pop_dispatch_mode,
     push_dispatch_mode,
 )
+from pipeckpt.boundary import Call, Structure, flat_output
 from pipeckpt.modes import CheckpointMode
+from pipeckpt.side_inputs import Chain
 
 __all__ = ["Stage", "CallerState", "StepCasts", "capture_caller_state", "side_effect_free"]
 
@@ -60,6 +62,9 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
+# How a checkpointed call's flat tensors are its input: True one tensor, False a tuple of
+# tensors (the fast paths), or a Call for any pytree input and side inputs.
+Packing = Union[bool, Call]
 Autocast = Tuple[Tuple[str, torch.dtype], ...]
 
 
@@ -211,14 +216,19 @@ class _Recompute(torch.autograd.Function):
     """A stage's micro-batch that keeps only its input and reruns itself in backward."""
 
     @staticmethod
-    def forward(ctx: Any, stage: "Stage", atomic: bool, n: int, *args: Tensor) -> Any:
+    def forward(ctx: Any, stage: "Stage", packing: Packing, n: int, *args: Tensor) -> Any:
         inputs = args[:n]
-        ctx.stage, ctx.atomic = stage, atomic
+        ctx.stage, ctx.packing, ctx.params = stage, packing, args[n:]
         ctx.rng = _RngState(stage._cuda)
         ctx.autocast = _autocast_now()
         ctx.step = stage._step
         with enable_checkpointing():
-            output = stage._run(inputs[0] if atomic else inputs)
+            output = stage._run_packed(packing, inputs)
+        ctx.flat = False
+        if not isinstance(packing, Call):
+            output, structure = flat_output(output)
+            if structure is not None:  # e.g. (tensor, None) or a dict: the stage rebuilds it
+                stage._structure, ctx.flat = structure, True
         if stage.mode.offloads and stage._cuda is not None:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
@@ -243,7 +253,7 @@ class _Recompute(torch.autograd.Function):
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        params = stage._params or ()
+        params = ctx.params
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):
@@ -256,14 +266,16 @@ class _Recompute(torch.autograd.Function):
                         for device_type, dtype in ctx.autocast:
                             stack.enter_context(torch.autocast(device_type, dtype=dtype))
                         with torch.enable_grad():
-                            output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+                            output = stage._run_packed(ctx.packing, inputs)
                     if ctx.step.one_done():
                         _cast_cache.release()
                 else:
                     with torch.enable_grad():
-                        output = stage._run(inputs[0] if ctx.atomic else tuple(inputs))
+                        output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
+            if ctx.flat:
+                output = flat_output(output)[0]
             if isinstance(output, Tensor):
                 pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
             else:
@@ -288,7 +300,7 @@ class Stage(nn.Module):
 
     def __init__(
         self,
-        partition: nn.Sequential,
+        partition: nn.Module,
         *,
         index: int,
         mode: CheckpointMode,
@@ -310,6 +322,8 @@ class Stage(nn.Module):
         self._all_params: Optional[Tuple[nn.Parameter, ...]] = None
         self._cuda = device if device.type == "cuda" else None
         self._norm_list: Optional[List[nn.Module]] = None
+        self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
+        self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
 
     def recomputes_per_step(self, num_microbatches: int) -> int:
         return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
@@ -325,40 +339,109 @@ class Stage(nn.Module):
         self._step = step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches))
         self._params = None  # found again at the first checkpointed micro-batch of the step
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+    def forward(self, input: Any, side: Optional[Dict[str, Any]] = None) -> Any:
+        """Runs the next micro-batch. ``input`` is any pytree; ``side`` holds this
+        micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""
         i = self._microbatch
         self._microbatch += 1
         if self._caller.needs_applying():
             with self._caller.applied():
-                return self._forward(i, input)
-        return self._forward(i, input)
+                return self._forward(i, input, side)
+        return self._forward(i, input, side)
 
-    def _forward(self, i: int, input: TensorOrTensors) -> TensorOrTensors:
+    def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
         if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
-            return self._checkpointed(input)
+            if side is None and _tensor_or_tensors(input):
+                return self._checkpointed(input)
+            return self._checkpointed_call(Call(self._chain, (input,), side or {}), self._trainable())
+        if side:
+            self.forward_calls += 1
+            return self._chain(input, **side)
         return self._run(input)
 
-    def _run(self, input: TensorOrTensors) -> TensorOrTensors:
+    def _run(self, input: Any) -> Any:
         self.forward_calls += 1
         return self.partition(input)
+
+    def _chain(self, input: Any, **side: Any) -> Any:
+        if not side:
+            return self.partition(input)
+        assert self.chain is not None, "side inputs reach a stage whose engine gave it a Chain"
+        return self.chain(input, side)
+
+    def _run_packed(self, packing: Packing, inputs: Sequence[Tensor]) -> Any:
+        if packing is True:
+            return self._run(inputs[0])
+        if packing is False:
+            return self._run(tuple(inputs))
+        assert isinstance(packing, Call)
+        self.forward_calls += 1
+        return packing.run(inputs)
 
     def _norms(self) -> List[nn.Module]:
         if self._norm_list is None:
             self._norm_list = _batch_norms(self.partition)
         return self._norm_list
 
-    def _checkpointed(self, input: TensorOrTensors) -> TensorOrTensors:
-        atomic = isinstance(input, Tensor)
-        inputs = (input,) if atomic else tuple(input)
+    def _trainable(self) -> Tuple[nn.Parameter, ...]:
         if self._params is None:
             if self._all_params is None:
                 self._all_params = tuple(self.partition.parameters())
             # Which parameters train may change between steps (freezing), not within one.
             self._params = tuple(p for p in self._all_params if p.requires_grad)
-        return apply_function(_Recompute, self, atomic, len(inputs), *inputs, *self._params)
+        return self._params
+
+    def _checkpointed(self, input: TensorOrTensors) -> TensorOrTensors:
+        atomic = isinstance(input, Tensor)
+        inputs = (input,) if atomic else tuple(input)
+        params = self._trainable()
+        output = apply_function(_Recompute, self, atomic, len(inputs), *inputs, *params)
+        if self._structure is not None:
+            structure, self._structure = self._structure, None
+            return structure.rebuild((output,) if isinstance(output, Tensor) else output)
+        return output
+
+    def _checkpointed_call(self, call: Call, params: Sequence[nn.Parameter]) -> Any:
+        inputs = call.tensors()
+        outputs = apply_function(_Recompute, self, call, len(inputs), *inputs, *params)
+        return call.output(outputs)
+
+    def call_layer(
+        self,
+        fn: Callable[..., Any],
+        params: Sequence[nn.Parameter],
+        i: int,
+        args: Any,
+        kwargs: Dict[str, Any],
+    ) -> Any:
+        """One call of one of this stage's layers by a module's own ``forward`` (a module
+        pipeline, ``pipeckpt.split``), as micro-batch ``i``: checkpointed alone under the mode."""
+        if self._caller.needs_applying():
+            with self._caller.applied():
+                return self._call_layer(fn, params, i, args, kwargs)
+        return self._call_layer(fn, params, i, args, kwargs)
+
+    def _call_layer(
+        self,
+        fn: Callable[..., Any],
+        params: Sequence[nn.Parameter],
+        i: int,
+        args: Any,
+        kwargs: Dict[str, Any],
+    ) -> Any:
+        if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
+            return self._checkpointed_call(Call(fn, args, kwargs), params)
+        self.forward_calls += 1
+        return fn(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"
+
+
+def _tensor_or_tensors(x: Any) -> bool:
+    return isinstance(x, Tensor) or (
+        type(x) is tuple and len(x) > 0 and all(isinstance(t, Tensor) for t in x)
+    )
 
 
 def stage_modules(stages: List[Stage]) -> List[nn.Sequential]:

@@ -82,11 +82,21 @@ def test_stages_on_one_cpu_share_it():
     assert plan(linears(4), devices=[torch.device("cpu")], stages=4).devices == (torch.device("cpu"),) * 4
 
 
-def test_a_parameter_shared_by_two_stages_is_refused():
+def test_a_parameter_shared_by_stages_on_two_devices_is_refused_by_its_own_name():
     shared = nn.Linear(8, 8)
     seq = nn.Sequential(shared, nn.ReLU(), shared)
-    with pytest.raises(PipeckptConfigError, match=r"shared by stages 0 and 1.*HINT: untie"):
-        plan(seq, devices=CPU2, balance=[2, 1])
+    two = [torch.device("cpu", 0), torch.device("cpu", 1)]
+    with pytest.raises(
+        PipeckptConfigError,
+        match=r"parameter 'layers.0.weight' \(also layers.2.weight\), shared by stage 0 on cpu:0 and stage 1 "
+        r"on cpu:1.*HINT: place the stages",
+    ):
+        plan(seq, devices=two, balance=[2, 1], names=["layers.0", "layers.1", "layers.2"])
+
+
+def test_a_parameter_shared_by_stages_on_one_device_is_allowed():
+    shared = nn.Linear(8, 8)
+    assert plan(nn.Sequential(shared, nn.ReLU(), shared), devices=CPU2, balance=[2, 1]).stages == 2
 
 
 def test_a_parameter_shared_inside_one_stage_is_allowed():

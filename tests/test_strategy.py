@@ -154,15 +154,17 @@ def test_configure_pipeline_returning_a_module_list_is_refused():
         fit(Listy(), pipe(), steps=1)
 
 
-def test_a_shared_parameter_across_stages_is_refused():
+def test_a_parameter_shared_across_stages_on_one_cpu_is_one_parameter():
     class Tied(ToyModule):
         def __init__(self) -> None:
             super().__init__()
             tied = nn.Linear(8, 8)
             self.layers = nn.Sequential(tied, nn.Tanh(), tied, nn.Linear(8, 3))
 
-    with pytest.raises(PipeckptConfigError, match=r"shared by stages 0 and 1"):
-        fit(Tied(), pipe(balance=[2, 2]), steps=1)
+    module = Tied()
+    fit(module, pipe(balance=[2, 2]), steps=1)
+    assert module.layers[0].weight is module.layers[2].weight
+    assert set(module.state_dict()) == set(Tied().state_dict())
 
 
 # -- checkpoints -------------------------------------------------------------------

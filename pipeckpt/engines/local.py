@@ -7,16 +7,20 @@ module's own keys whatever the layout. Lightning's single-process defaults do
 the rest; this engine overrides only building, placing and running.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.base import Engine
+from pipeckpt.engines.local_module import ModuleRunner
 from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import plan
+from pipeckpt.planning import module_name, plan
+from pipeckpt.split import ModulePipeline
 from pipeckpt.stage import Stage
 
 __all__ = ["LocalEngine"]
@@ -29,12 +33,29 @@ class LocalEngine(Engine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pipeline: Optional[LocalPipeline] = None
+        self.pipeline: Optional[Union[LocalPipeline, ModuleRunner]] = None
+        self.attribute = ""  # the user's name of the pipelined part, e.g. "self.layers"
+        self._use_checked = False
+        # strict=False: a step that bypasses the pipeline is a warning, not an error. Read from the
+        # settings once PipeSettings has the field; settable on the engine until then.
+        self.strict: bool = getattr(self.settings, "strict", True)
 
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
         s = self.settings
+        is_module = isinstance(sequential, ModulePipeline)
+        name = module_name(module, sequential.root if isinstance(sequential, ModulePipeline) else sequential)
+        if isinstance(sequential, ModulePipeline):
+            names = [f"{name}.{n}" for n in sequential.names]
+            if s.balance is None and s.balance_by != "params":
+                raise config_error(
+                    f"balance_by={s.balance_by!r} with pipeline_of({name}, ...)",
+                    "profiling runs the layers as a chain, which a module with its own forward is not",
+                    "use balance_by='params' or an explicit balance",
+                )
+        else:
+            names = [f"{name}.{i}" for i in range(len(sequential))]
         self.plan = plan(
             sequential,
             devices=devices,
@@ -43,13 +64,27 @@ class LocalEngine(Engine):
             balance_by=s.balance_by,
             checkpoint=s.checkpoint,
             placement=s.placement,
-            sample=getattr(module, "example_input_array", None),
+            sample=None if is_module else getattr(module, "example_input_array", None),
             chunks=s.chunks,
+            names=names,
         )
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
-        self.pipeline = LocalPipeline(sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory)
-        sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
+        self.attribute = f"self.{name}"
+        if isinstance(sequential, ModulePipeline):
+            self.pipeline = ModuleRunner(
+                sequential, self.plan, chunks=s.chunks, pin_memory=s.pin_memory, name=name
+            )
+        else:
+            self.pipeline = LocalPipeline(
+                sequential,
+                self.plan,
+                chunks=s.chunks,
+                pin_memory=s.pin_memory,
+                name=self.attribute,
+                names=names,
+            )
+            sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
         self.sequential = sequential
         self.module = module
 
@@ -58,4 +93,30 @@ class LocalEngine(Engine):
         return self.pipeline.stages if self.pipeline is not None else []
 
     def run(self, hook: str, module: LightningModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        return getattr(module, hook)(*args, **kwargs)
+        if hook != "training_step" or self._use_checked or self.pipeline is None:
+            return getattr(module, hook)(*args, **kwargs)
+        before = self.pipeline.calls
+        out = getattr(module, hook)(*args, **kwargs)
+        self._use_checked = True
+        if self.pipeline.calls == before:
+            self._never_called(module)
+        return out
+
+    def _never_called(self, module: LightningModule) -> None:
+        what = f"{type(module).__name__}.training_step never called {self.attribute}"
+        rule = (
+            "configure_pipeline() returned it to be pipelined, and a step that does not call it trains "
+            "without pipeline or checkpointing"
+        )
+        hint = (
+            f"call {self.attribute}(...) in training_step, or return from configure_pipeline() the part "
+            "training_step calls"
+        )
+        if self.strict:
+            raise config_error(what, rule, hint + " (strict=False makes this a warning)")
+        warnings.warn(f"{what}: {rule}. HINT: {hint}", PipeckptWarning, stacklevel=2)
+
+    def teardown(self, module: Optional[LightningModule]) -> None:
+        if isinstance(self.pipeline, ModuleRunner):
+            self.pipeline.restore()
+        super().teardown(module)

@@ -26,14 +26,16 @@ clear error; return the skipped tensor as part of a tuple output instead).
 """
 
 import warnings
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch
+from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch, tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt.boundary import batch_size, first_tensor, gather, scatter, to_device
 from pipeckpt.planning import StagePlan, split
+from pipeckpt.side_inputs import Chain, Signatures, describe_call
 from pipeckpt.stage import Stage, StepCasts, capture_caller_state, release_cast_cache, stage_modules
 
 __all__: List[str] = []
@@ -47,18 +49,33 @@ def clock_cycles(m: int, n: int) -> List[List[Tuple[int, int]]]:
     return [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))] for k in range(m + n - 1)]
 
 
-def _first(x: TensorOrTensors) -> Tensor:
-    return x if isinstance(x, Tensor) else x[0]
+def _first(x: Any) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if type(x) is tuple and x and isinstance(x[0], Tensor):
+        return x[0]
+    found = first_tensor(x)
+    assert found is not None, "ordered backward needs a tensor between stages"
+    return found
 
 
-def _with_first(x: TensorOrTensors, first: Tensor) -> TensorOrTensors:
-    return first if isinstance(x, Tensor) else (first, *x[1:])
+def _with_first(x: Any, first: Tensor) -> Any:
+    if isinstance(x, Tensor):
+        return first
+    if type(x) is tuple and x and isinstance(x[0], Tensor):
+        return (first, *x[1:])
+    old = _first(x)
+    return tree_map(lambda t: first if t is old else t, x)
 
 
-def _to(x: TensorOrTensors, device: torch.device) -> TensorOrTensors:
+def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, Tensor):
         return x.to(device, non_blocking=True)
-    return tuple(t.to(device, non_blocking=True) for t in x)
+    return to_device(x, device)
+
+
+def _tensors(x: Any) -> bool:
+    return isinstance(x, Tensor) or (type(x) is tuple and bool(x) and all(isinstance(t, Tensor) for t in x))
 
 
 class LocalPipeline:
@@ -66,7 +83,8 @@ class LocalPipeline:
 
     ``ordered_backward``: add torchgpipe's explicit backward-order edges between
     micro-batches; default only when the stages span several devices (one device's
-    autograd thread already runs the schedule backwards).
+    autograd thread already runs the schedule backwards). ``name`` and ``names``:
+    the user's names of the Sequential and of its layers, for messages.
     """
 
     def __init__(
@@ -77,9 +95,12 @@ class LocalPipeline:
         chunks: int,
         pin_memory: bool = True,
         ordered_backward: Optional[bool] = None,
+        name: str = "layers",
+        names: Optional[Sequence[str]] = None,
     ) -> None:
         self.plan = plan
         self.chunks = chunks
+        self.name = name
         self.stages: List[Stage] = [
             Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory)
             for j, (part, mode, device) in enumerate(
@@ -89,10 +110,28 @@ class LocalPipeline:
         _refuse_skip_connections(self.stages)
         self.ordered_backward = len(set(plan.devices)) > 1 if ordered_backward is None else ordered_backward
         self._warned_small_batch = False
+        layers = list(sequential)
+        names = list(names) if names is not None else [f"{name}.{i}" for i in range(len(layers))]
+        self.signatures = Signatures(name, list(zip(names, layers)))
+        self._chains: Dict[FrozenSet[str], List[Tuple[Chain, FrozenSet[str]]]] = {}
+        self._checked_plain = False
+        self.calls = 0  # pipelined calls, for the check that a step used the pipeline
 
     def place(self) -> None:
         for stage in self.stages:
             stage.to(stage.device)
+
+    def _warn_small(self, batch: int, made: int) -> None:
+        if made < self.chunks and not self._warned_small_batch:
+            self._warned_small_batch = True
+            warnings.warn(
+                f"a batch of {batch} samples makes only {made} micro-batches for "
+                f"chunks={self.chunks}; the pipeline runs with fewer micro-batches for such "
+                "batches (typically the last, smaller batch of an epoch). HINT: use a batch "
+                "size that is a multiple of chunks, or drop_last=True",
+                PipeckptWarning,
+                stacklevel=4,
+            )
 
     def _scatter(self, input: TensorOrTensors) -> List[TensorOrTensors]:
         microbatch.check(input)
@@ -104,31 +143,61 @@ class LocalPipeline:
             batches: List[TensorOrTensors] = list(input.chunk(self.chunks))
         else:
             batches = list(zip(*(x.chunk(self.chunks) for x in input)))
-        if len(batches) < self.chunks and not self._warned_small_batch:
-            self._warned_small_batch = True
-            warnings.warn(
-                f"a batch of {_first(input).size(0)} samples makes only {len(batches)} micro-batches for "
-                f"chunks={self.chunks}; the pipeline runs with fewer micro-batches for such "
-                "batches (typically the last, smaller batch of an epoch). HINT: use a batch "
-                "size that is a multiple of chunks, or drop_last=True",
-                PipeckptWarning,
-                stacklevel=3,
-            )
+        self._warn_small(_first(input).size(0), len(batches))
         return batches
 
-    @staticmethod
-    def _gather(outputs: Sequence[TensorOrTensors]) -> TensorOrTensors:
+    def _scatter_tree(
+        self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> List[Tuple[Any, Dict[str, Any]]]:
+        call = describe_call(self.name, args, kwargs)
+        args, kwargs = _to((args, kwargs), self.plan.devices[0])
+        pieces = scatter(args, kwargs, self.chunks, call=call)
+        self._warn_small(batch_size(args, call=call), len(pieces))
+        return [(a[0], k) for a, k in pieces]
+
+    def _gather(self, outputs: Sequence[Any]) -> Any:
         if len(outputs) == 1:
             return outputs[0]
         if isinstance(outputs[0], Tensor):
             return torch.cat(outputs)  # type: ignore[arg-type]
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
+        if _tensors(outputs[0]):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return gather(outputs, call=f"{self.name}(...)")
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+    def _stage_chains(
+        self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> List[Tuple[Chain, FrozenSet[str]]]:
+        routes = self.signatures.routes(args, kwargs)
+        keys = frozenset(kwargs)
+        chains = self._chains.get(keys)
+        if chains is None:
+            chains = []
+            for stage, (a, b) in zip(self.stages, self.plan.ranges):
+                chain = Chain(list(stage.partition), routes[a:b])
+                chains.append((chain, chain.keys()))
+            self._chains[keys] = chains
+        return chains
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelines one mini-batch; the output is on the last stage's device."""
+        self.calls += 1
         release_cast_cache()  # nothing cast in an earlier step may serve this one
-        batches = self._scatter(input)
-        m, stages = len(batches), self.stages
+        stages = self.stages
+        if len(args) == 1 and not kwargs and _tensors(args[0]):  # today's tensor-only path
+            if not self._checked_plain:  # once: does a layer need a side input?
+                self.signatures.routes(args, kwargs)
+                self._checked_plain = True
+            batches: List[Any] = self._scatter(args[0])
+            sides: Optional[List[Dict[str, Any]]] = None
+        else:
+            chains = self._stage_chains(args, kwargs)
+            pieces = self._scatter_tree(args, kwargs)
+            batches = [x for x, _ in pieces]
+            sides = [k for _, k in pieces] if kwargs else None
+            if sides is not None:
+                for stage, (chain, _) in zip(stages, chains):
+                    stage.chain = chain
+        m = len(batches)
         caller = capture_caller_state()
         step = StepCasts(sum(s.recomputes_per_step(m) for s in stages))
         for stage in stages:
@@ -145,7 +214,14 @@ class LocalPipeline:
                     x = _with_first(x, join_dependency(_first(x), phony))
                 if j > 0 and stages[j].device != stages[j - 1].device:
                     x = _to(x, stages[j].device)
-                batches[i] = stages[j](x)
+                if sides is None:
+                    batches[i] = stages[j](x)
+                else:
+                    wanted = chains[j][1]
+                    side = {k: v for k, v in sides[i].items() if k in wanted}
+                    if side and stages[j].device != self.plan.devices[0]:
+                        side = _to(side, stages[j].device)
+                    batches[i] = stages[j](x, side or None)
         return self._gather(batches)
 
 

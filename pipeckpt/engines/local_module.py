@@ -1,0 +1,103 @@
+"""The local engine for a module with its own ``forward`` (``pipeckpt.split.pipeline_of``).
+
+The module's ``forward`` runs unchanged once per micro-batch, in micro-batch order, so
+every value it computes (masks, positions, an encoder output used by each decoder
+layer) is that micro-batch's own; each call of a named layer is routed to its
+:class:`~pipeckpt.stage.Stage`, which moves the call's tensors to its device and runs it
+under its mode. Micro-batches are issued depth first (micro-batch 0 through every stage,
+then 1, ...), not in GPipe's diagonals, because the module's Python code between layers
+cannot be paused; on one device the order makes no difference to the result, and on
+several GPUs kernel launches are asynchronous, so stage ``j`` of micro-batch ``i + 1``
+still overlaps stage ``j + 1`` of micro-batch ``i``. Backward runs the last micro-batch
+first, as ``except_last`` assumes.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from pipeckpt.boundary import gather, scatter, to_device
+from pipeckpt.planning import StagePlan
+from pipeckpt.side_inputs import describe_call
+from pipeckpt.split import ModulePipeline
+from pipeckpt.stage import Stage, StepCasts, capture_caller_state, release_cast_cache
+
+__all__ = ["ModuleRunner"]
+
+
+class ModuleRunner:
+    """Routes ``root.forward`` and each named layer's ``forward`` through the plan's stages."""
+
+    def __init__(
+        self,
+        spec: ModulePipeline,
+        plan: StagePlan,
+        *,
+        chunks: int,
+        pin_memory: bool = True,
+        name: str = "model",
+    ) -> None:
+        self.spec, self.plan, self.chunks, self.name = spec, plan, chunks, name
+        layers = list(spec)
+        self.stages: List[Stage] = []
+        self._layer_counts: List[int] = []
+        for j, ((a, b), mode, device) in enumerate(zip(plan.ranges, plan.modes, plan.devices)):
+            part = nn.Sequential(*layers[a:b])
+            self.stages.append(Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory))
+            self._layer_counts.append(b - a)
+        self.several_devices = len(set(plan.devices)) > 1
+        self._microbatch: Optional[int] = None  # inside a pipelined call: the micro-batch running
+        self._params: Dict[int, Tuple[nn.Parameter, ...]] = {}
+        self.calls = 0
+        self._root_forward = spec.root.forward
+        self._routed: List[nn.Module] = [spec.root]
+        for j, (a, b) in enumerate(plan.ranges):
+            for layer in layers[a:b]:
+                layer.forward = self._route(layer, self.stages[j])  # type: ignore[method-assign]
+                self._routed.append(layer)
+        spec.root.forward = self.forward  # type: ignore[method-assign]
+
+    def _route(self, layer: nn.Module, stage: Stage) -> Callable[..., Any]:
+        own = layer.forward  # the layer's bound method (or an earlier instance override)
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            i = self._microbatch
+            if i is None:  # the layer called outside a pipelined call
+                return own(*args, **kwargs)
+            if self.several_devices:
+                args, kwargs = to_device((args, kwargs), stage.device)
+            params = self._params.get(id(layer))
+            if params is None:
+                params = self._params[id(layer)] = tuple(p for p in layer.parameters() if p.requires_grad)
+            return stage.call_layer(own, params, i, args, kwargs)
+
+        return routed
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward over the micro-batches of one mini-batch, joined back."""
+        self.calls += 1
+        release_cast_cache()
+        call = describe_call(f"self.{self.name}", args, kwargs)
+        if self.several_devices:
+            args, kwargs = to_device((args, kwargs), self.plan.devices[-1])
+        pieces = scatter(args, kwargs, self.chunks, call=call)
+        m = len(pieces)
+        caller = capture_caller_state()
+        recomputes = sum(n * s.recomputes_per_step(m) for n, s in zip(self._layer_counts, self.stages))
+        step = StepCasts(recomputes)
+        for stage in self.stages:
+            stage.begin_step(m, caller, step=step)
+        self._params.clear()  # which parameters train may change between steps (freezing)
+        outputs = []
+        try:
+            for i, (a, k) in enumerate(pieces):
+                self._microbatch = i
+                outputs.append(self._root_forward(*a, **k))
+        finally:
+            self._microbatch = None
+        return gather(outputs, call=call)
+
+    def restore(self) -> None:
+        """Every routed module gets its own forward back."""
+        for module in self._routed:
+            module.__dict__.pop("forward", None)
