@@ -57,6 +57,12 @@ class PipeSettings:
         default=False, metadata=_help("BatchNorm statistics per batch, not per micro-batch")
     )
     pin_memory: bool = field(default=True, metadata=_help("offload keeps stage inputs in pinned host memory"))
+    strict: bool = field(
+        default=True,
+        metadata=_help(
+            "a first training step that never calls the pipelined part is an error (False: a warning)"
+        ),
+    )
     engine: str = field(
         default="local", metadata=_help("'local' (one process) or 'distributed' (one process per stage)")
     )

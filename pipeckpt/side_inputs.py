@@ -9,7 +9,7 @@ the user's names (``layers.3``), before anything runs.
 """
 
 import inspect
-from typing import Any, Dict, FrozenSet, List, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -32,6 +32,7 @@ class _Layer:
 
     def __init__(self, name: str, layer: nn.Module) -> None:
         self.name = name
+        self.signature: Optional[inspect.Signature]
         try:
             self.signature = inspect.signature(layer.forward)
         except (TypeError, ValueError):  # a builtin forward: one input, nothing more known

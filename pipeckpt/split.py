@@ -35,12 +35,14 @@ class ModulePipeline(nn.Sequential):
     and reports treat it as any pipelined Sequential; it is not part of the user's module,
     so it adds no key to any ``state_dict``. It is never called as a chain."""
 
+    root: nn.Module
+
     def __init__(self, root: nn.Module, names: Sequence[str], layers: Sequence[nn.Module]) -> None:
         super().__init__(*layers)
         self.__dict__["root"] = root  # not a child: the root is the user's, and holds these layers
         self.names: Tuple[str, ...] = tuple(names)
 
-    def forward(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+    def forward(self, *args: object, **kwargs: object) -> object:
         raise RuntimeError(
             "a ModulePipeline is not a chain of layers: call the module you passed to pipeline_of()"
         )

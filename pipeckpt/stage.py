@@ -36,7 +36,7 @@ import contextlib
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -445,5 +445,7 @@ def _tensor_or_tensors(x: Any) -> bool:
 
 
 def stage_modules(stages: List[Stage]) -> List[nn.Sequential]:
-    """The user's partitions, e.g. for torchgpipe's skip-layout inspection."""
-    return [s.partition for s in stages]
+    """The user's partitions (Sequentials of their layers), e.g. for torchgpipe's skip-layout inspection."""
+    parts = [s.partition for s in stages]
+    assert all(isinstance(p, nn.Sequential) for p in parts)
+    return cast(List[nn.Sequential], parts)

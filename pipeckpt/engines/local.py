@@ -36,9 +36,8 @@ class LocalEngine(Engine):
         self.pipeline: Optional[Union[LocalPipeline, ModuleRunner]] = None
         self.attribute = ""  # the user's name of the pipelined part, e.g. "self.layers"
         self._use_checked = False
-        # strict=False: a step that bypasses the pipeline is a warning, not an error. Read from the
-        # settings once PipeSettings has the field; settable on the engine until then.
-        self.strict: bool = getattr(self.settings, "strict", True)
+        # strict=False: a step that bypasses the pipeline is a warning, not an error.
+        self.strict: bool = self.settings.strict
 
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]

@@ -53,9 +53,9 @@ class ModuleRunner:
         self._routed: List[nn.Module] = [spec.root]
         for j, (a, b) in enumerate(plan.ranges):
             for layer in layers[a:b]:
-                layer.forward = self._route(layer, self.stages[j])  # type: ignore[method-assign]
+                layer.forward = self._route(layer, self.stages[j])
                 self._routed.append(layer)
-        spec.root.forward = self.forward  # type: ignore[method-assign]
+        spec.root.forward = self.forward
 
     def _route(self, layer: nn.Module, stage: Stage) -> Callable[..., Any]:
         own = layer.forward  # the layer's bound method (or an earlier instance override)

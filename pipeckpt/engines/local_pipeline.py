@@ -173,6 +173,7 @@ class LocalPipeline:
         if chains is None:
             chains = []
             for stage, (a, b) in zip(self.stages, self.plan.ranges):
+                assert isinstance(stage.partition, nn.Sequential)
                 chain = Chain(list(stage.partition), routes[a:b])
                 chains.append((chain, chain.keys()))
             self._chains[keys] = chains

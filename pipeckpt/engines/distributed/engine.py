@@ -43,6 +43,7 @@ from pipeckpt.engines.distributed.wiring import (
 from pipeckpt.modes import parse_modes
 from pipeckpt.planning import StagePlan, plan
 from pipeckpt.settings import PipeSettings
+from pipeckpt.split import ModulePipeline
 from pipeckpt.stage import Stage
 
 __all__ = ["DistributedEngine"]
@@ -120,6 +121,14 @@ class DistributedEngine(Engine):
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
+        if isinstance(sequential, ModulePipeline):
+            raise config_error(
+                f"{type(module).__name__}.configure_pipeline() returned pipeline_of(...) "
+                "with engine='distributed'",
+                "the distributed engine runs an nn.Sequential's layers as a chain; a model driven by its own "
+                "forward runs under the local engine for now",
+                "use engine='local', or return an nn.Sequential of the layers",
+            )
         check_all_parameters_pipelined(module, sequential)
         device = self._device  # this process's, from connect()
         stage_plan = self._plan(module, sequential, device, self.settings.balance)
