@@ -433,7 +433,7 @@ class StageMemory:
     layers: Tuple[int, int]  # (start, stop) in the Sequential
     mode: str
     params: int
-    grads: int
+    grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
     optimizer: int
     activations: int  # held for backward by the micro-batches in flight, at the peak
     boundary: int  # stage inputs, received gradients and loss buffers, at the peak
@@ -629,6 +629,7 @@ def _predict_stage(
     cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
     peak, most = _Peak(), 0
     grads_done = accumulating
+    backwards_done = 0
     tail = 0  # local engine, last stage: the gathered batch's output gradient
 
     for kind, i in ops:
@@ -671,12 +672,12 @@ def _predict_stage(
             for k, (mine, work) in enumerate(recompute_live):
                 peak.see(
                     base + held_output + tail + mine + work,
-                    (others + mine, recv + tail, work),
+                    (others + mine + held_output, recv + tail, work),
                     f"B{i} recompute layer {s.start + k}",
                 )
         for k, (saved, arriving, work, after, largest) in enumerate(backward[recompute]):
             g = grads if grads_done else after
-            if local and grads_done and not accumulating:
+            if local and backwards_done:
                 # One backward pass over all micro-batches: autograd sums a weight's gradients
                 # in its input buffer out of place, the old sum and the new alive together.
                 work += largest
@@ -688,9 +689,11 @@ def _predict_stage(
             if k == 1 and not cells:
                 tail = 0
             total = static + recv + others + g + saved + held_output + tail + arriving + work
-            peak.see(total, (others + saved, recv + tail + arriving, work), f"B{i} layer {s.stop - 1 - k}")
+            parts = (others + saved + held_output, recv + tail + arriving, work)
+            peak.see(total, parts, f"B{i} layer {s.stop - 1 - k}")
         grads_done = True
     acts, boundary, working = peak.parts
+    held_grads = peak.value - static - acts - boundary - working  # the rest of every total
     recomputed = sum(1 for i in range(m) if mode.recomputes(i, m))
     time_s = sum(_op_times(s, mode, m).values())
     return StageMemory(
@@ -698,7 +701,7 @@ def _predict_stage(
         layers=(s.start, s.stop),
         mode=mode.name,
         params=s.param_bytes,
-        grads=grads,
+        grads=held_grads,
         optimizer=opt,
         activations=acts,
         boundary=boundary,

@@ -2,7 +2,7 @@
 
 All stages share the one CPU, so memory is attributed: every storage an operator creates belongs
 to the stage running when it is created (forward: the stage whose forward runs; backward: the
-stage whose backward began last, by a backward pre-hook on each Stage). To measure what one device
+stage whose backward began last, by a hook on each Stage's output). To measure what one device
 per stage would hold, as the memory model predicts, a stage's input and its incoming gradient are
 copied into the stage on arrival, as torchgpipe's Copy does between devices.
 
@@ -11,7 +11,7 @@ freed): tests/test_memory.py checks that the sum over stages agrees with MemTrac
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +52,9 @@ class StageTracker(TorchDispatchMode):
                 st = t.untyped_storage()
                 if id(st) not in self._seen:
                     size, stage = st.nbytes(), self.current
-                    self._seen[id(st)] = weakref.ref(st, lambda _, k=id(st), j=stage, n=size: self._freed(k, j, n))
+                    self._seen[id(st)] = weakref.ref(
+                        st, lambda _, k=id(st), j=stage, n=size: self._freed(k, j, n)
+                    )
                     self.live[stage] += size
         for j, v in enumerate(self.live):
             if v > self.peak[j]:
@@ -68,9 +70,7 @@ class StageTracker(TorchDispatchMode):
 
 
 def _copied(value: Any) -> Any:
-    return tuple(
-        t.clone() if isinstance(t, Tensor) and t.is_floating_point() else t for t in value
-    )
+    return tuple(t.clone() if isinstance(t, Tensor) and t.is_floating_point() else t for t in value)
 
 
 def measure_local_step(
@@ -101,14 +101,22 @@ def measure_local_step(
             finally:
                 pop_dispatch_mode()
 
-        def backward_pre(module: nn.Module, grads: Tuple[Any, ...], j: int = stage.index) -> Any:
+        def arriving(grad: Tensor, j: int = stage.index) -> Tensor:
             tracker.current = j
-            if j == len(stages) - 1:
-                return None  # the last stage's gradient comes from the loss on its own device
-            return _copied(grads)
+            # The last stage's gradient comes from the loss on its own device.
+            return grad if j == len(stages) - 1 else grad.clone()
+
+        def forward_post(
+            module: nn.Module, args: Tuple[Any, ...], output: Any, hook: Callable[..., Tensor] = arriving
+        ) -> None:
+            # A hook on the output tensor, not a module backward hook: those keep the incoming
+            # gradient alive until the whole stage's backward ends.
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    t.register_hook(hook)
 
         handles.append(stage.register_forward_pre_hook(forward_pre))
-        handles.append(stage.register_full_backward_pre_hook(backward_pre))
+        handles.append(stage.register_forward_hook(forward_post))
     sequential.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     try:
