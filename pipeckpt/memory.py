@@ -692,6 +692,7 @@ def _predict_stage(
             parts = (others + saved + held_output, recv + tail + arriving, work)
             peak.see(total, parts, f"B{i} layer {s.stop - 1 - k}")
         grads_done = True
+        backwards_done += 1
     acts, boundary, working = peak.parts
     held_grads = peak.value - static - acts - boundary - working  # the rest of every total
     recomputed = sum(1 for i in range(m) if mode.recomputes(i, m))

@@ -108,8 +108,9 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
-    assert isinstance(strategy, dict)
+    container = OmegaConf.to_container(cfg.strategy, resolve=True)
+    assert isinstance(container, dict)
+    strategy: Dict[str, Any] = {str(k): v for k, v in container.items()}
     if "_target_" not in strategy:
         raise config_error(
             f"strategy={strategy.get('name')!r}",
