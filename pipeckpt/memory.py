@@ -638,8 +638,12 @@ def _predict_stage(
         others = sum(cells.values())
         base = static + g_now + recv + others
         if kind == "F":
+            # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
+            # after this stage's forward of micro-batch i; the last stage's wait for the gather.
+            waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
             for k, (mine, work) in enumerate(forward[recompute]):
-                peak.see(base + mine + work, (others + mine, recv, work), f"F{i} layer {s.start + k}")
+                parts = (others + mine, recv + waiting, work)
+                peak.see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
             cells[i] = kept_of[recompute]
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
                 peak.see(
