@@ -131,7 +131,6 @@ def measure_local_step(
         sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad) for stage in stages
     ]
     sequential.zero_grad(set_to_none=True)
-    measure_local_step.last_tracker = tracker  # type: ignore[attr-defined]
     return [p + peak for p, peak in zip(params, tracker.peak)], tracker.total_peak
 
 
