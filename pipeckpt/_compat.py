@@ -5,7 +5,8 @@ one by name and behaviour, so an upgrade that removes or changes one fails there
 with the name, instead of somewhere deep in a training run.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -68,6 +69,57 @@ def set_module_device(module: Any, device: torch.device) -> None:
     """``LightningModule.device`` reads ``_device``, which Lightning updates only
     through ``.to()``; a pipeline places its parts itself."""
     module._device = device
+
+
+# -- memory model (pipeckpt.memory) ---------------------------------------------------
+
+# Running a model without allocating its memory (a model larger than the machine): fake tensors
+# exist only under torch._subclasses; torch has no public FakeTensorMode.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+# torch's per-operator memory accounting lives only in torch.distributed._tools (no public module
+# counts the bytes of every tensor an operator creates, nor snapshots them per module).
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+
+# The module states MemTracker snapshots, by the values of its private ``_ModState`` enum.
+MODULE_STATES = ("Pre-Forward", "Peak-Forward", "Post-Forward", "Pre-Backward", "Peak-Backward")
+
+
+def module_memory(tracker: Any, module: nn.Module) -> Dict[str, int]:
+    """Total tracked bytes (all devices) at each of :data:`MODULE_STATES` of ``module``'s first
+    call under ``tracker`` (a :class:`MemTracker`). MemTracker keys its per-module snapshots by a
+    private enum and its totals by a private key, and has no public per-module reader."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    snapshots = tracker.memory_tracking[module].snapshots
+    out: Dict[str, int] = {}
+    for state in _ModState:
+        if state.value in MODULE_STATES and snapshots.get(state):
+            out[state.value] = sum(dev.get("Total", 0) for dev in snapshots[state][0].values())
+    return out
+
+
+def schedule_op_order(
+    schedule_cls: Any, *, stages: int, microbatches: int
+) -> Optional[Dict[int, List[Tuple[str, int]]]]:
+    """The compute actions (``"F"`` or ``"B"``, micro-batch) of each rank of a single-stage torch
+    schedule, in torch's own schedule IR (``_get_pipeline_order``), or None where the class has none.
+    The public ``pipeline_order`` is set only on a schedule built around a live ``PipelineStage`` in
+    an initialised process group; the IR itself needs only the two counts."""
+    order_of = getattr(schedule_cls, "_get_pipeline_order", None)
+    if order_of is None:
+        return None
+    order = order_of(SimpleNamespace(_num_stages=stages, _n_microbatches=microbatches))
+    if order is None:
+        return None
+    out: Dict[int, List[Tuple[str, int]]] = {}
+    for rank, actions in order.items():
+        out[rank] = [
+            (a.computation_type.value, int(a.microbatch_index))
+            for a in actions
+            if a is not None and a.computation_type.value in ("F", "B") and a.microbatch_index is not None
+        ]
+    return out
 
 
 # -- torch.distributed.pipelining -----------------------------------------------------
@@ -134,6 +186,9 @@ __all__ = [
     "FORWARD_ONE_CHUNK",
     "BatchNormBase",
     "DeferredBatchNorm",
+    "FakeTensorMode",
+    "MODULE_STATES",
+    "MemTracker",
     "SubprocessScriptLauncher",
     "TorchDispatchMode",
     "TreeSpec",
@@ -152,9 +207,11 @@ __all__ = [
     "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
     "microbatch",
+    "module_memory",
     "optimizers_to_device",
     "pop_dispatch_mode",
     "push_dispatch_mode",
+    "schedule_op_order",
     "set_module_device",
     "sync_ddp_if_available",
     "tree_flatten",

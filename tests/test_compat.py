@@ -217,3 +217,31 @@ def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
     for name in _compat.BACKWARD_ONE_CHUNK:
         params = list(inspect.signature(getattr(PipelineStage, name)).parameters)
         assert params[:2] == ["self", "bwd_chunk_id"], (name, params)
+
+
+def test_fake_tensor_mode_runs_a_module_without_allocating():
+    with _compat.FakeTensorMode():
+        layer = nn.Linear(1024, 1024)
+        out = layer(torch.randn(4096, 1024))
+    assert out.shape == (4096, 1024)
+    assert type(out).__name__ == "FakeTensor"
+
+
+def test_module_memory_reads_memtrackers_per_module_snapshots():
+    layers = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])
+    x = torch.randn(4, 8, requires_grad=True)
+    with _compat.MemTracker() as tracker:
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+    snap = _compat.module_memory(tracker, layers[1])
+    assert set(snap) == set(_compat.MODULE_STATES)
+    assert snap["Peak-Forward"] - snap["Pre-Forward"] == 4 * 8 * 4  # ReLU's output, float32
+
+
+def test_schedule_op_order_reads_torchs_schedule_ir():
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+    order = _compat.schedule_op_order(ScheduleGPipe, stages=2, microbatches=2)
+    assert order == {r: [("F", 0), ("F", 1), ("B", 0), ("B", 1)] for r in range(2)}

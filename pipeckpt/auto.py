@@ -1,0 +1,184 @@
+"""Choosing each stage's checkpoint mode (and, if asked, chunks and balance) under a memory budget.
+
+Why this is exact without trying every combination: in the memory model a stage's memory depends
+on its own mode only (its layers, the chunks and the schedule fixed), so the feasible plans are a
+product of per-stage feasible sets. And the modes' recomputed micro-batches nest (never within
+except_last within always = offload), so moving any stage to a mode that recomputes less never
+lengthens an op, and the step time, the longest path through the schedule's ops, never grows.
+The fastest plan under the budget is therefore, per stage, the feasible mode that recomputes
+least; chunks and balances, when given as candidates, are tried one by one.
+tests/test_auto.py checks the result against brute force over every combination.
+"""
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from pipeckpt._errors import config_error
+from pipeckpt.memory import ModelProfile, Prediction, predict, with_balance
+from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, CheckpointMode, parse_modes
+from pipeckpt.planning import StagePlan
+
+__all__ = ["Choice", "choose", "parse_bytes", "DEFAULT_MODES"]
+
+#: The modes ``choose`` considers by default (offload is ``always`` plus host copies; add it on CUDA).
+DEFAULT_MODES: Tuple[CheckpointMode, ...] = (NEVER, EXCEPT_LAST, ALWAYS)
+
+Profiles = Union[ModelProfile, Mapping[int, ModelProfile]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan ``choose`` found, and the model's prediction for it."""
+
+    modes: Tuple[CheckpointMode, ...]
+    balance: Tuple[int, ...]
+    chunks: int
+    prediction: Prediction
+
+
+def _recompute_rank(mode: CheckpointMode, chunks: int) -> Tuple[int, bool]:
+    return (sum(1 for i in range(chunks) if mode.recomputes(i, chunks)), mode.offloads)
+
+
+def _check_nested(modes: Sequence[CheckpointMode], chunks: int) -> None:
+    sets = sorted(({i for i in range(chunks) if m.recomputes(i, chunks)} for m in modes), key=len)
+    for small, large in itertools.pairwise(sets):
+        if not small <= large:
+            raise config_error(
+                f"candidate modes {[m.name for m in modes]}",
+                "choose needs modes whose recomputed micro-batches nest (each recomputes a superset of the "
+                "one before), or a faster mode could use more memory in a way the search does not see",
+                "use the built-in modes never, except_last, always, offload",
+            )
+
+
+def choose(
+    profiles: Profiles,
+    budget_bytes: int,
+    *,
+    balance: Sequence[int],
+    chunks: Union[int, Sequence[int]],
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
+    schedule: str = "local",
+    modes: Sequence[Union[str, CheckpointMode]] = DEFAULT_MODES,
+    balances: Optional[Sequence[Sequence[int]]] = None,
+    accumulating: bool = False,
+    shared_device: bool = False,
+) -> Choice:
+    """The per-stage modes (and chunks and balance among the candidates) with the least predicted
+    step time whose every stage's predicted peak is at most ``budget_bytes``.
+
+    ``profiles``: one :class:`~pipeckpt.memory.ModelProfile` (``chunks`` a single count), or a
+    mapping from each candidate chunk count to the profile of its micro-batch (batch / chunks).
+    ``balance``: the stages' layer counts; ``balances``: candidate balances to search instead.
+    ``modes``: the candidate modes per stage. The other arguments are
+    :func:`~pipeckpt.memory.predict`'s. Raises a config error stating the smallest feasible
+    budget, and the stage that decides it, when nothing fits.
+    """
+    chunk_options = [chunks] if isinstance(chunks, int) else list(chunks)
+    by_chunks = {c: profiles for c in chunk_options} if isinstance(profiles, ModelProfile) else dict(profiles)
+    missing = [c for c in chunk_options if c not in by_chunks]
+    if missing:
+        raise config_error(
+            f"chunks {missing}",
+            "each candidate chunk count needs the profile of its micro-batch",
+            "pass profiles as {chunks: profile(sequential, batch.chunk(chunks)[0], ...)}",
+        )
+    candidates = [parse_modes([m], 1)[0] for m in modes]
+    balance_options = [tuple(b) for b in balances] if balances is not None else [tuple(balance)]
+    best: Optional[Choice] = None
+    smallest: Optional[Tuple[int, int, int, Tuple[int, ...]]] = None  # (budget, stage, chunks, balance)
+    for c in chunk_options:
+        _check_nested(candidates, c)
+        ranked = sorted(candidates, key=lambda m: _recompute_rank(m, c))
+        for b in balance_options:
+            per_mode = {
+                m.name: predict(
+                    by_chunks[c],
+                    with_balance_modes(b, m),
+                    chunks=c,
+                    optimizer=optimizer,
+                    schedule=schedule,
+                    accumulating=accumulating,
+                    shared_device=shared_device,
+                )
+                for m in ranked
+            }
+            picked: List[CheckpointMode] = []
+            need = []
+            for j in range(len(b)):
+                fits = [m for m in ranked if per_mode[m.name].stages[j].peak <= budget_bytes]
+                need.append(min(per_mode[m.name].stages[j].peak for m in ranked))
+                if fits:
+                    picked.append(fits[0])
+            least = max(need)
+            if smallest is None or least < smallest[0]:
+                smallest = (least, need.index(least), c, b)
+            if len(picked) < len(b):
+                continue
+            prediction = predict(
+                by_chunks[c],
+                with_balance(_cpu_plan(b), b, picked),
+                chunks=c,
+                optimizer=optimizer,
+                schedule=schedule,
+                accumulating=accumulating,
+                shared_device=shared_device,
+            )
+            key = (prediction.step_time_s, prediction.peak)
+            if best is None or key < (best.prediction.step_time_s, best.prediction.peak):
+                best = Choice(modes=tuple(picked), balance=b, chunks=c, prediction=prediction)
+    if best is None:
+        assert smallest is not None
+        least, stage, c, b = smallest
+        raise config_error(
+            f"memory budget {_human(budget_bytes)}",
+            f"no plan fits: the smallest feasible budget is {_human(least)} ({least} bytes), decided by "
+            f"stage {stage} (layers {sum(b[:stage])}-{sum(b[: stage + 1]) - 1}) with chunks={c}, "
+            f"balance={list(b)} in its least-memory mode",
+            f"raise memory.budget to at least {_human(least)}, or add chunks, stages or devices",
+        )
+    return best
+
+
+def _cpu_plan(balance: Sequence[int]) -> StagePlan:
+    return StagePlan(
+        balance=tuple(balance), devices=(torch.device("cpu"),) * len(balance), modes=(NEVER,) * len(balance)
+    )
+
+
+def with_balance_modes(balance: Sequence[int], mode: CheckpointMode) -> StagePlan:
+    """A plan of ``balance`` with ``mode`` on every stage."""
+    return with_balance(_cpu_plan(balance), balance, (mode,) * len(balance))
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30})
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        number, unit = (float(match.group(1)), match.group(2).upper()) if match else (-1.0, "?")
+    if unit not in _UNITS or number <= 0:
+        raise config_error(
+            f"memory budget {value!r}",
+            "must be a positive size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
+            "write it as e.g. 20GiB or 512MiB",
+        )
+    return int(number * _UNITS[unit])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,781 @@
+"""A per-stage memory and time model of a pipelined training step, fitted from one profiled micro-batch.
+
+Why a model and not a measurement: a user choosing checkpoint modes, chunks and a balance faces
+4^S x chunks x balances combinations, and measuring each costs a training step on the real
+devices. Memory in a pipeline follows a few rules that a profile of one micro-batch fixes:
+
+- a stage holds, for every micro-batch in flight (forwarded, not yet backwarded), what its layers
+  saved for backward, or only its input where the micro-batch is recomputed;
+- which micro-batches are in flight at each moment is the schedule's op order: the local engine
+  (torchgpipe) runs all forwards, then the backwards from the last micro-batch; torch's GPipe from
+  the first; torch's 1F1B holds at most ``stages - i`` on stage ``i``;
+- the backward of one micro-batch adds its recompute (the stage's saved tensors, rebuilt) and the
+  working set of each layer's backward, measured once per layer.
+
+:func:`profile` runs one micro-batch through the user's Sequential, layer by layer, under torch's
+``MemTracker`` (per layer: the peak of its forward and of its backward above what was live before)
+and a saved-tensor hook that names every storage a layer saves, so that a stage's saved set is the
+union over its layers (a tensor one layer returns and the next saves counts once). Under
+``fake=True`` the same runs on fake tensors (nothing allocated) and times come from FLOP counts.
+:func:`predict` walks each stage through its op order with those numbers.
+
+Stages are modelled as on separate devices (a stage's input is its own copy, as between GPUs);
+stages placed on one device add up. The batch's own input tensors are the data loader's and are
+not counted.
+"""
+
+import statistics
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeckpt._compat import FakeTensorMode, MemTracker, module_memory, schedule_op_order, tree_flatten
+from pipeckpt._errors import config_error
+from pipeckpt.gradients import gradients_set_aside
+from pipeckpt.modes import CheckpointMode
+from pipeckpt.planning import StagePlan
+
+__all__ = [
+    "LayerProfile",
+    "ModelProfile",
+    "StageMemory",
+    "Prediction",
+    "profile",
+    "predict",
+    "optimizer_state_bytes",
+    "op_order",
+    "SCHEDULES",
+    "OPTIMIZERS",
+]
+
+#: Schedules the model knows: the local engine, and torch's single-stage schedules by name.
+SCHEDULES = ("local", "gpipe", "1f1b")
+
+#: Optimizer state per parameter, in units of the parameter's bytes (Adam's step counters aside).
+OPTIMIZERS: Dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+Loss = Callable[[Tensor, Any], Tensor]
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer of the Sequential, for one micro-batch. Storages are named by integer ids that
+    are unique within one :class:`ModelProfile`; their sizes are in ``ModelProfile.storage_bytes``."""
+
+    name: str
+    param_bytes: int
+    param_tensors: int
+    largest_param: int  # bytes of its largest parameter (the gradient summed out of place)
+    inputs: Tuple[int, ...]  # storages of the layer's input tensors
+    outputs: Tuple[int, ...]  # storages of its output tensors
+    saved: Tuple[int, ...]  # storages it saves for backward (parameters excluded)
+    forward_peak: int  # peak bytes allocated by its forward above what was live before it
+    backward_peak: int  # peak bytes of its backward above what was live before it
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer of one micro-batch's forward and backward, and the loss after the last layer."""
+
+    layers: Tuple[LayerProfile, ...]
+    storage_bytes: Dict[int, int]
+    microbatch_size: int
+    batch_inputs: Tuple[int, ...]  # the micro-batch's own storages (the data's, never counted)
+    loss: Optional[LayerProfile] = None
+    fake: bool = False
+
+    def bytes_of(self, ids: Set[int]) -> int:
+        return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
+
+    def saved_union(self, start: int, stop: int) -> Set[int]:
+        out: Set[int] = set()
+        for layer in self.layers[start:stop]:
+            out.update(layer.saved)
+        return out
+
+
+class _Storages:
+    """Names every storage it is shown with a small integer, remembering its size."""
+
+    def __init__(self, exclude: Sequence[Tensor]) -> None:
+        self._ids: Dict[int, int] = {}
+        self._keep: List[Any] = []  # the storages, alive for as long as the profile runs
+        self.bytes: Dict[int, int] = {}
+        self._excluded = {id(t.untyped_storage()) for t in exclude}
+        self._keep.extend(t.untyped_storage() for t in exclude)
+
+    def ids(self, value: Any) -> Tuple[int, ...]:
+        out = []
+        for t in tree_flatten(value)[0]:
+            if not isinstance(t, Tensor):
+                continue
+            st = t.untyped_storage()
+            if id(st) in self._excluded:
+                continue
+            if id(st) not in self._ids:
+                self._ids[id(st)] = len(self._ids)
+                self._keep.append(st)
+                self.bytes[self._ids[id(st)]] = st.nbytes()
+            out.append(self._ids[id(st)])
+        return tuple(dict.fromkeys(out))
+
+
+class _LossLayer(nn.Module):
+    """The loss as a module, so that MemTracker snapshots it like a layer."""
+
+    def __init__(self, loss_fn: Loss, target: Any) -> None:
+        super().__init__()
+        self.loss_fn, self.target = loss_fn, target
+
+    def forward(self, output: Tensor) -> Tensor:
+        return self.loss_fn(output, self.target)
+
+
+def _param_bytes(module: nn.Module) -> Tuple[int, int, int]:
+    sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+    return sum(sizes), len(sizes), max(sizes, default=0)
+
+
+@contextmanager
+def _state_kept(sequential: nn.Module) -> Iterator[None]:
+    """The profile leaves no trace: buffers (BatchNorm statistics), RNG and gradients as they were."""
+    buffers = {k: b.clone() for k, b in sequential.named_buffers()}
+    with torch.random.fork_rng(), gradients_set_aside(sequential.parameters()):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, b in sequential.named_buffers():
+                    b.copy_(buffers[k])
+
+
+class _Probe(nn.Module):
+    """The layers (and loss) under one root, so that MemTracker names each by its own path
+    (``layers.3``) even where several layers share a class; ``forward`` notes what each layer
+    takes, returns and saves."""
+
+    def __init__(self, layers: List[nn.Module], loss: Optional[_LossLayer], storages: _Storages) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([*layers, *([loss] if loss is not None else [])])
+        self.storages = storages
+        self.records: List[Dict[str, Any]] = []
+
+    def pack(self, t: Tensor) -> Tensor:
+        if self.records and "outputs" not in self.records[-1]:
+            self.records[-1]["saved"].update(self.storages.ids(t))
+        return t
+
+    def forward(self, x: Any) -> Any:
+        h = x
+        for layer in self.layers:
+            record: Dict[str, Any] = {"inputs": self.storages.ids(h), "saved": set()}
+            self.records.append(record)
+            h = layer(h)
+            record["outputs"] = self.storages.ids(h)
+        return h
+
+
+def _memory_pass(
+    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], storages: _Storages
+) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
+    """Two forward and backward passes: one with a saved-tensor hook naming every storage each
+    layer saves, one under MemTracker for each layer's peaks (apart: a hook that keeps the saved
+    tensor changes when autograd frees it)."""
+    batch_inputs = storages.ids(x)
+    probe = _Probe(layers, loss, storages)
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack):
+        _forward_backward(probe, x)
+    records, probe.records = probe.records, []
+    tracker = MemTracker()
+    with tracker:
+        _forward_backward(probe, x)
+    for module, record in zip(probe.layers, records):
+        snap = module_memory(tracker, module)
+        record["forward_peak"] = snap.get("Peak-Forward", 0) - snap.get("Pre-Forward", 0)
+        record["backward_peak"] = snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0)
+    return records, batch_inputs
+
+
+def _forward_backward(module: nn.Module, x: Any) -> None:
+    h = module(x)
+    outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
+    del h
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def _timing_pass(
+    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], rounds: int
+) -> List[Tuple[float, float]]:
+    """Median forward and backward seconds per layer over ``rounds`` (after one warm-up)."""
+    modules = [*layers, *([loss] if loss is not None else [])]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    samples: List[List[Tuple[float, float]]] = [[] for _ in modules]
+    for r in range(rounds + 1):
+        marks: List[float] = []
+        handles = [m.register_full_backward_pre_hook(_marker(marks, sync)) for m in modules]
+        forward_s = []
+        try:
+            h = x
+            for m in modules:
+                sync()
+                t0 = time.perf_counter()
+                h = m(h)
+                sync()
+                forward_s.append(time.perf_counter() - t0)
+            outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            sync()
+            marks.append(time.perf_counter())
+        finally:
+            for handle in handles:
+                handle.remove()
+        # The pre-hooks fire last layer first; a layer whose output needs no gradient has none.
+        backward_s = [0.0] * len(modules)
+        fired = [i for i in reversed(range(len(modules))) if _needs_grad(modules, i)]
+        for k, i in enumerate(fired[: len(marks) - 1]):
+            backward_s[i] = marks[k + 1] - marks[k]
+        if r > 0:
+            for i in range(len(modules)):
+                samples[i].append((forward_s[i], backward_s[i]))
+    return [
+        (statistics.median(f for f, _ in s), statistics.median(b for _, b in s)) if s else (0.0, 0.0)
+        for s in samples
+    ]
+
+
+def _marker(marks: List[float], sync: Callable[[], Any]) -> Callable[..., None]:
+    def mark(*_: Any) -> None:
+        sync()
+        marks.append(time.perf_counter())
+
+    return mark
+
+
+def _needs_grad(modules: List[nn.Module], i: int) -> bool:
+    """Whether module ``i``'s output takes part in backward: some module up to it has parameters."""
+    return any(p.requires_grad for m in modules[: i + 1] for p in m.parameters())
+
+
+def _flop_pass(
+    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], flops_per_s: float
+) -> List[Tuple[float, float]]:
+    """Forward and backward seconds per layer from FLOP counts (fake tensors run no kernels)."""
+    modules = [*layers, *([loss] if loss is not None else [])]
+    forward: List[float] = []
+    h = x
+    for m in modules:
+        with FlopCounterMode(display=False) as counter:
+            h = m(h)
+        forward.append(counter.get_total_flops() / flops_per_s)
+    # Backward of a matmul-dominated layer costs two forwards (input and weight gradients).
+    return [(f, 2 * f) for f in forward]
+
+
+def profile(
+    sequential: nn.Sequential,
+    microbatch: Any,
+    *,
+    loss_fn: Optional[Loss] = None,
+    target: Any = None,
+    rounds: int = 3,
+    fake: bool = False,
+    flops_per_s: float = 100e12,
+) -> ModelProfile:
+    """Profiles one micro-batch (``microbatch``: the input of the Sequential, already cut to one
+    micro-batch) through ``sequential``, layer by layer, in training mode.
+
+    ``loss_fn(output, target)`` is the loss after the last layer (its memory sits on the last
+    stage); without it, backward starts from a gradient of ones. ``fake=True``: ``sequential`` and
+    ``microbatch`` were built under :func:`fake_mode` (a model larger than the machine); times are
+    FLOPs / ``flops_per_s``. Module state, RNG and gradients are left as they were.
+    """
+    layers = list(sequential)
+    loss = _LossLayer(loss_fn, target) if loss_fn is not None else None
+    first = tree_flatten(microbatch)[0]
+    size = int(first[0].shape[0]) if first and isinstance(first[0], Tensor) and first[0].dim() else 1
+    exclude = [*sequential.parameters(), *sequential.buffers()]
+    storages = _Storages(exclude)
+    was_training = sequential.training
+    sequential.train()
+    try:
+        with _state_kept(sequential):
+            records, batch_inputs = _memory_pass(layers, microbatch, loss, storages)
+        with _state_kept(sequential):
+            if fake:
+                times = _flop_pass(layers, microbatch, loss, flops_per_s)
+            else:
+                with warnings.catch_warnings():
+                    # A first layer whose input needs no gradient (token ids): its backward mark
+                    # fires with its output's gradient, which is what the timing wants.
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    times = _timing_pass(layers, microbatch, loss, rounds)
+    finally:
+        sequential.train(was_training)
+    profiles = []
+    for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
+        module = loss if loss is not None and i == len(layers) else layers[i]
+        pbytes, ptensors, largest = _param_bytes(module) if module is not None else (0, 0, 0)
+        profiles.append(
+            LayerProfile(
+                name=type(module).__name__ if i < len(layers) else "loss",
+                param_bytes=pbytes,
+                param_tensors=ptensors,
+                largest_param=largest,
+                inputs=record["inputs"],
+                outputs=record["outputs"],
+                saved=tuple(sorted(record["saved"])),
+                forward_peak=max(0, record["forward_peak"]),
+                backward_peak=max(0, record["backward_peak"]),
+                forward_s=fwd,
+                backward_s=bwd,
+            )
+        )
+    return ModelProfile(
+        layers=tuple(profiles[: len(layers)]),
+        storage_bytes=dict(storages.bytes),
+        microbatch_size=size,
+        batch_inputs=batch_inputs,
+        loss=profiles[len(layers)] if loss is not None else None,
+        fake=fake,
+    )
+
+
+@contextmanager
+def fake_mode() -> Iterator[Any]:
+    """Build a model and its micro-batch inside this to profile them without allocating them."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def op_order(schedule: str, *, stages: int, microbatches: int) -> Tuple[List[List[Tuple[str, int]]], str]:
+    """Each stage's compute ops, ``("F" | "B", micro-batch)`` in the order it runs them, and
+    where the order comes from. ``local``: torchgpipe's fill-drain, backward from the last
+    micro-batch (one autograd pass over the whole batch). A torch schedule: its own op order
+    (torch's schedule IR) where that lists every micro-batch once forward then once backward,
+    else the order its ``_step_microbatches`` runs (stated in the returned source)."""
+    m = microbatches
+    if schedule == "local":
+        order = [[("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))] for _ in range(stages)]
+        return order, "torchgpipe fill-drain, backward from the last micro-batch"
+    name = _schedule_name(schedule)
+    cls = get_schedule_class(name)
+    ir = schedule_op_order(cls, stages=stages, microbatches=m)
+    if ir is not None and all(_valid(ir.get(r, []), m) for r in range(stages)):
+        return [ir[r] for r in range(stages)], f"{cls.__name__}'s op order (torch's schedule IR)"
+    if cls.__name__ == "Schedule1F1B":
+        # _step_microbatches: min(m, stages - i) warm-up forwards, then backward/forward
+        # alternately, then the remaining backwards (torch's IR misnumbers the last rank's).
+        order = []
+        for i in range(stages):
+            warm = min(m, stages - i)
+            ops = [("F", k) for k in range(warm)]
+            f, b = warm, 0
+            while b < m:
+                ops.append(("B", b))
+                b += 1
+                if f < m:
+                    ops.append(("F", f))
+                    f += 1
+            order.append(ops)
+        return order, "Schedule1F1B: min(m, S - i) warm-up forwards, then 1B1F (its _step_microbatches)"
+    order = [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(stages)]
+    return order, f"{cls.__name__}: all forwards, then backwards from micro-batch 0"
+
+
+def _schedule_name(schedule: str) -> str:
+    if str(schedule).lower().replace("_", "") not in ("gpipe", "1f1b"):
+        raise config_error(
+            f"schedule={schedule!r}",
+            f"the memory model knows {SCHEDULES}",
+            "use 'local' (the local engine), 'gpipe' or '1f1b' (the distributed engine)",
+        )
+    return str(schedule).replace("_", "")
+
+
+def _valid(ops: List[Tuple[str, int]], m: int) -> bool:
+    forwards = [i for k, i in ops if k == "F"]
+    backwards = [i for k, i in ops if k == "B"]
+    if sorted(forwards) != list(range(m)) or sorted(backwards) != list(range(m)):
+        return False
+    done: Set[int] = set()
+    for kind, i in ops:
+        if kind == "F":
+            done.add(i)
+        elif i not in done:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- predict
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's predicted memory (bytes) and time (seconds) per training step."""
+
+    stage: int
+    layers: Tuple[int, int]  # (start, stop) in the Sequential
+    mode: str
+    params: int
+    grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
+    optimizer: int
+    activations: int  # held for backward by the micro-batches in flight, at the peak
+    boundary: int  # stage inputs, received gradients and loss buffers, at the peak
+    working: int  # recompute and the running layer's own working set, at the peak
+    peak: int  # params + grads + optimizer + the rest at the peak moment
+    in_flight: int  # most micro-batches held at once
+    recomputed: int  # micro-batches recomputed per step
+    time_s: float  # the stage's own compute per step, recompute included
+    peak_at: str  # the op at which the peak falls, e.g. "B3 layer 5"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    stages: Tuple[StageMemory, ...]
+    step_time_s: float  # the schedule's makespan on one device per stage (or the sum, shared)
+    schedule: str
+    order_source: str
+    chunks: int
+
+    @property
+    def peak(self) -> int:
+        return max(s.peak for s in self.stages)
+
+
+def optimizer_state_bytes(
+    optimizer: Union[str, torch.optim.Optimizer, type], param_bytes: int, tensors: int
+) -> int:
+    """State an optimizer keeps for ``tensors`` parameter tensors of ``param_bytes`` in all:
+    SGD none, SGD with momentum one buffer, Adam(W) two moments and a 4-byte step per tensor."""
+    name = _optimizer_name(optimizer)
+    extra = 4 * tensors if name in ("adam", "adamw") else 0
+    return int(OPTIMIZERS[name] * param_bytes) + extra
+
+
+def _optimizer_name(optimizer: Union[str, torch.optim.Optimizer, type]) -> str:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.SGD):
+            return "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+        optimizer = type(optimizer)
+    if isinstance(optimizer, type):
+        optimizer = optimizer.__name__
+    name = str(optimizer).lower()
+    if name not in OPTIMIZERS:
+        raise config_error(
+            f"optimizer {optimizer!r}",
+            f"the memory model knows the state of {list(OPTIMIZERS)}",
+            "name one of those (or pass the optimizer object)",
+        )
+    return name
+
+
+@dataclass
+class _Cell:
+    """What one micro-batch of one stage holds between its forward and its backward."""
+
+    kept: int
+    recompute: bool
+
+
+@dataclass
+class _Peak:
+    value: int = -1
+    parts: Tuple[int, int, int] = (0, 0, 0)  # activations, boundary, working
+    at: str = ""
+    in_flight: int = 0
+
+    def see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
+        if value > self.value:
+            self.value, self.parts, self.at = value, parts, at
+
+
+@dataclass
+class _StageModel:
+    """The per-micro-batch numbers of one stage, from the profile. Under the distributed engine
+    the stage input lives in torch's receive buffer (counted apart), so it is left out here."""
+
+    profile: ModelProfile
+    start: int
+    stop: int
+    first: bool
+    last: bool
+    local: bool
+
+    def __post_init__(self) -> None:
+        p = self.profile
+        self.layers = p.layers[self.start : self.stop]
+        self.inputs: Set[int] = set() if self.first else set(self.layers[0].inputs)
+        self.input_bytes = p.bytes_of(self.inputs)
+        self.output_bytes = p.bytes_of(set(self.layers[-1].outputs))
+        self.kept_full = self.bytes(p.saved_union(self.start, self.stop))
+        self.kept_input = self.bytes(self.inputs)
+        self.param_bytes = sum(layer.param_bytes for layer in self.layers)
+        self.param_tensors = sum(layer.param_tensors for layer in self.layers)
+        self.forward_s = sum(layer.forward_s for layer in self.layers)
+        self.backward_s = sum(layer.backward_s for layer in self.layers)
+
+    def bytes(self, ids: Set[int]) -> int:
+        return self.profile.bytes_of(ids if self.local else ids - self.inputs)
+
+    def forward_live(self, *, keep_input: bool, save: bool) -> List[Tuple[int, int]]:
+        """(held by this micro-batch, the layer's own forward peak) while each layer runs forward."""
+        out = []
+        held: Set[int] = set(self.inputs) if keep_input else set()
+        for layer in self.layers:
+            out.append((self.bytes(held | set(layer.inputs)), layer.forward_peak))
+            if save:
+                held |= set(layer.saved)
+        return out
+
+    def backward_live(self, *, keep_input: bool) -> List[Tuple[int, int, int, int, int]]:
+        """(saved still held, gradient arriving, the layer's backward peak, grads of the layers
+        after it, its largest parameter) while each layer runs backward, last layer first."""
+        out = []
+        for k in reversed(range(len(self.layers))):
+            layer = self.layers[k]
+            held = self.profile.saved_union(self.start, self.start + k + 1)
+            if keep_input:
+                held |= self.inputs
+            after = sum(x.param_bytes for x in self.layers[k + 1 :])
+            arriving = self.profile.bytes_of(set(layer.outputs))
+            out.append((self.bytes(held), arriving, layer.backward_peak, after, layer.largest_param))
+        return out
+
+
+def predict(
+    profile: ModelProfile,
+    plan: StagePlan,
+    *,
+    chunks: int,
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
+    schedule: str = "local",
+    accumulating: bool = False,
+    shared_device: bool = False,
+) -> Prediction:
+    """Per-stage memory and step time of ``plan`` (its balance and modes) with ``chunks``
+    micro-batches of the profiled size, under ``schedule`` (``local``, ``gpipe`` or ``1f1b``).
+
+    ``accumulating``: ``.grad`` already holds gradients when the step starts (gradient
+    accumulation), so they count from the first op. ``shared_device``: every stage runs on one
+    device (the local engine on CPU), so the step time is the sum of the stages' times.
+    """
+    if sum(plan.balance) != len(profile.layers):
+        raise config_error(
+            f"balance {list(plan.balance)} (sum {sum(plan.balance)})",
+            f"the profile has {len(profile.layers)} layers",
+            "profile the same Sequential the plan cuts",
+        )
+    stages = plan.stages
+    order, source = op_order(schedule, stages=stages, microbatches=chunks)
+    local = schedule == "local"
+    out, times = [], []
+    for j, ((start, stop), mode) in enumerate(zip(plan.ranges, plan.modes)):
+        model = _StageModel(profile, start, stop, first=j == 0, last=j == stages - 1, local=local)
+        out.append(
+            _predict_stage(
+                model, j, mode, order[j], chunks=chunks, optimizer=optimizer, accumulating=accumulating
+            )
+        )
+        times.append(_op_times(model, mode, chunks))
+    step = sum(s.time_s for s in out) if shared_device else _makespan(order, times, local=local)
+    return Prediction(
+        stages=tuple(out), step_time_s=step, schedule=schedule, order_source=source, chunks=chunks
+    )
+
+
+def _predict_stage(
+    s: _StageModel,
+    j: int,
+    mode: CheckpointMode,
+    ops: List[Tuple[str, int]],
+    *,
+    chunks: int,
+    optimizer: Union[str, torch.optim.Optimizer, type],
+    accumulating: bool,
+) -> StageMemory:
+    """Walks the stage through its ops, keeping the largest total seen."""
+    m, local = chunks, s.local
+    grads = s.param_bytes
+    opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
+    static = s.param_bytes + opt
+    loss = s.profile.loss if s.last else None
+    loss_saved = s.profile.bytes_of(set(loss.saved)) if loss is not None else 0
+    # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
+    # activations (not on the first stage) and gradients (not on the last), and each
+    # micro-batch's output until its backward.
+    recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
+    held_output = 0 if local else s.output_bytes
+    kept_of = {False: s.kept_full + held_output, True: s.kept_input + held_output}
+    forward = {r: s.forward_live(keep_input=r, save=not r) for r in (False, True)}
+    recompute_live = s.forward_live(keep_input=True, save=True)
+    backward = {r: s.backward_live(keep_input=r) for r in (False, True)}
+
+    cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
+    peak, most = _Peak(), 0
+    grads_done = accumulating
+    backwards_done = 0
+    tail = 0  # local engine, last stage: the gathered batch's output gradient
+
+    for kind, i in ops:
+        recompute = mode.recomputes(i, m)
+        g_now = grads if grads_done else 0
+        others = sum(cells.values())
+        base = static + g_now + recv + others
+        if kind == "F":
+            # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
+            # after this stage's forward of micro-batch i; the last stage's wait for the gather.
+            waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
+            for k, (mine, work) in enumerate(forward[recompute]):
+                parts = (others + mine, recv + waiting, work)
+                peak.see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
+            cells[i] = kept_of[recompute]
+            if loss is not None and not local:  # torch computes each micro-batch's loss at once
+                peak.see(
+                    base + cells[i] + loss.forward_peak,
+                    (others + cells[i], recv, loss.forward_peak),
+                    f"F{i} loss",
+                )
+                cells[i] += loss_saved
+            most = max(most, len(cells))
+            if local and s.last and len(cells) == m:
+                # The whole batch at once: gathered outputs, loss forward and backward.
+                acts, gathered = sum(cells.values()), m * s.output_bytes
+                total = static + g_now + acts
+                peak.see(total + 2 * gathered, (acts, 2 * gathered, 0), "gather")
+                if loss is not None:
+                    work = m * loss.forward_peak
+                    peak.see(total + gathered + work, (acts, gathered, work), "loss forward")
+                    work = m * loss.backward_peak
+                    peak.see(total + m * loss_saved + work, (acts, m * loss_saved, work), "loss backward")
+                tail = gathered
+            continue
+        kept = cells.pop(i)
+        base -= kept
+        others = sum(cells.values())
+        if loss is not None and not local:
+            peak.see(
+                base + kept + loss.backward_peak, (others + kept, recv, loss.backward_peak), f"B{i} loss"
+            )
+        if recompute:
+            for k, (mine, work) in enumerate(recompute_live):
+                peak.see(
+                    base + held_output + tail + mine + work,
+                    (others + mine + held_output, recv + tail, work),
+                    f"B{i} recompute layer {s.start + k}",
+                )
+        for k, (saved, arriving, work, after, largest) in enumerate(backward[recompute]):
+            g = grads if grads_done else after
+            if local and backwards_done:
+                # One backward pass over all micro-batches: autograd sums a weight's gradients
+                # in its input buffer out of place, the old sum and the new alive together.
+                work += largest
+            # The gradient arriving at the stage's last layer: the receive buffer (distributed,
+            # counted in recv), a view of the gathered batch's (local, last stage: the tail,
+            # freed once the last micro-batch's view is used).
+            if k == 0 and (s.last == local):
+                arriving = 0
+            if k == 1 and not cells:
+                tail = 0
+            total = static + recv + others + g + saved + held_output + tail + arriving + work
+            parts = (others + saved + held_output, recv + tail + arriving, work)
+            peak.see(total, parts, f"B{i} layer {s.stop - 1 - k}")
+        grads_done = True
+        backwards_done += 1
+    acts, boundary, working = peak.parts
+    held_grads = peak.value - static - acts - boundary - working  # the rest of every total
+    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m))
+    time_s = sum(_op_times(s, mode, m).values())
+    return StageMemory(
+        stage=j,
+        layers=(s.start, s.stop),
+        mode=mode.name,
+        params=s.param_bytes,
+        grads=held_grads,
+        optimizer=opt,
+        activations=acts,
+        boundary=boundary,
+        working=working,
+        peak=peak.value,
+        in_flight=most,
+        recomputed=recomputed,
+        time_s=time_s,
+        peak_at=peak.at,
+    )
+
+
+def _op_times(s: _StageModel, mode: CheckpointMode, m: int) -> Dict[Tuple[str, int], float]:
+    loss = s.profile.loss if s.last else None
+    lf = loss.forward_s if loss is not None else 0.0
+    lb = loss.backward_s if loss is not None else 0.0
+    out = {}
+    for i in range(m):
+        out[("F", i)] = s.forward_s + lf
+        out[("B", i)] = s.backward_s + lb + (s.forward_s if mode.recomputes(i, m) else 0.0)
+    return out
+
+
+def _makespan(
+    order: List[List[Tuple[str, int]]], times: List[Dict[Tuple[str, int], float]], *, local: bool
+) -> float:
+    """The step's length with one device per stage: each stage runs its ops in order, a forward
+    after the previous stage's forward of that micro-batch, a backward after the next stage's
+    backward (the last stage's after its own forward, and under the local engine after every
+    forward: one backward pass over the gathered batch)."""
+    stages = len(order)
+    end: Dict[Tuple[str, int, int], float] = {}
+    position = [0] * stages
+    clock = [0.0] * stages
+    last_forwards = [("F", stages - 1, i) for k, i in order[-1] if k == "F"]
+    while any(position[j] < len(order[j]) for j in range(stages)):
+        progressed = False
+        for j in range(stages):
+            if position[j] >= len(order[j]):
+                continue
+            kind, i = order[j][position[j]]
+            if kind == "F":
+                deps = [("F", j - 1, i)] if j > 0 else []
+            elif j < stages - 1:
+                deps = [("B", j + 1, i)]
+            else:
+                deps = list(last_forwards) if local else [("F", j, i)]
+            if any(d not in end for d in deps):
+                continue
+            start = max([clock[j], *(end[d] for d in deps)])
+            clock[j] = start + times[j][(kind, i)]
+            end[(kind, j, i)] = clock[j]
+            position[j] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"op orders deadlock: {order}")
+    return max(clock) if clock else 0.0
+
+
+def with_modes(plan: StagePlan, modes: Sequence[CheckpointMode]) -> StagePlan:
+    """``plan`` with other modes (balance and devices kept)."""
+    return replace(plan, modes=tuple(modes))
+
+
+def with_balance(plan: StagePlan, balance: Sequence[int], modes: Sequence[CheckpointMode]) -> StagePlan:
+    devices = plan.devices if len(plan.devices) == len(balance) else (plan.devices[0],) * len(balance)
+    return StagePlan(balance=tuple(balance), devices=tuple(devices), modes=tuple(modes))

@@ -1,0 +1,260 @@
+"""``python -m pipeckpt.plan <hydra overrides>``: each stage's memory and time, before any training.
+
+Why a separate command: whether a plan fits is the first question of a run and the slowest to
+answer by trying. This composes ``conf/`` exactly as ``train.py`` does (the same overrides),
+builds the model and one batch of its data, profiles one micro-batch
+(:func:`pipeckpt.memory.profile`) and prints the model's prediction per stage. Its own options are
+``memory.*`` overrides, taken out before Hydra sees them::
+
+    python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
+    python -m pipeckpt.plan strategy.chunks=8 +memory.budget=2GiB          # + PNG, + auto choice
+    python -m pipeckpt.plan model.size=small +memory.fake=true +memory.dtype=bfloat16
+
+``memory.budget`` (bytes per device, e.g. ``2GiB``): marks each stage against it, prints the modes
+:func:`pipeckpt.auto.choose` picks under it and writes the PNG (stacked bars per stage, the budget
+as a line) to ``memory.png`` (default ``memory_plan.png``). ``memory.optimizer``: sgd, momentum,
+adam (default) or adamw. ``memory.schedule``: default ``local``, or the strategy's torch schedule
+under ``strategy.engine=distributed``. ``memory.fake``: build the model on fake tensors (a model
+larger than this machine; times from FLOPs). ``memory.dtype``: the parameters' dtype.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.auto import choose, parse_bytes
+from pipeckpt.config import register
+from pipeckpt.contract import pipelined_sequential
+from pipeckpt.memory import OPTIMIZERS, Prediction, fake_mode, predict, profile
+from pipeckpt.planning import plan as make_plan
+
+__all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    budget: Optional[int] = None
+    optimizer: str = "adam"
+    schedule: Optional[str] = None
+    fake: bool = False
+    dtype: Optional[str] = None
+    png: Optional[str] = None
+
+
+def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
+    """The ``memory.*`` overrides (with or without ``+``) as options; the rest for Hydra."""
+    values: Dict[str, str] = {}
+    rest = []
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if key.startswith("memory.") and sep:
+            values[key[len("memory.") :]] = value
+        else:
+            rest.append(arg)
+    known = {"budget", "optimizer", "schedule", "fake", "dtype", "png"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise config_error(
+            f"memory.{unknown[0]}",
+            f"is not an option of the plan command ({sorted(known)})",
+            "drop or fix it",
+        )
+    optimizer = values.get("optimizer", "adam").lower()
+    if optimizer not in OPTIMIZERS:
+        raise config_error(f"memory.optimizer={optimizer}", f"must be one of {list(OPTIMIZERS)}", "pick one")
+    return (
+        MemoryOptions(
+            budget=parse_bytes(values["budget"]) if "budget" in values else None,
+            optimizer=optimizer,
+            schedule=values.get("schedule"),
+            fake=values.get("fake", "false").lower() in ("1", "true", "yes"),
+            dtype=values.get("dtype"),
+            png=values.get("png"),
+        ),
+        rest,
+    )
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (the bundled models' loss, classifiers and GPT alike)."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+def _batch(cfg: DictConfig) -> Tuple[Any, Any]:
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    inputs, targets = next(iter(datamodule.train_dataloader()))
+    return inputs, targets
+
+
+def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
+    """Composes the config, profiles and predicts; returns the prediction, the options and the
+    auto choice's line (when a budget is given)."""
+    options, overrides = split_options(argv)
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    container = OmegaConf.to_container(cfg.strategy, resolve=True)
+    assert isinstance(container, dict)
+    strategy: Dict[str, Any] = {str(k): v for k, v in container.items()}
+    if "_target_" not in strategy:
+        raise config_error(
+            f"strategy={strategy.get('name')!r}",
+            "the plan command models the pipe strategy",
+            "use strategy=pipe",
+        )
+    chunks = int(strategy.get("chunks") or 1)
+    inputs, targets = _batch(cfg)
+    dtype = getattr(torch, options.dtype) if options.dtype else None
+    default_dtype = torch.get_default_dtype()
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        if options.fake:
+            with fake_mode():
+                module = instantiate(cfg.model)
+                sequential = pipelined_sequential(module)
+                prediction, choice = _predict(sequential, inputs, targets, strategy, chunks, options)
+        else:
+            module = instantiate(cfg.model)
+            sequential = pipelined_sequential(module)
+            prediction, choice = _predict(sequential, inputs, targets, strategy, chunks, options)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return prediction, options, choice
+
+
+def _predict(
+    sequential: torch.nn.Sequential,
+    inputs: Any,
+    targets: Any,
+    strategy: Dict[str, Any],
+    chunks: int,
+    options: MemoryOptions,
+) -> Tuple[Prediction, Optional[str]]:
+    stage_plan = make_plan(
+        sequential,
+        devices=[torch.device("cpu")],
+        stages=strategy.get("stages"),
+        balance=strategy.get("balance"),
+        balance_by=strategy.get("balance_by") or "params",
+        checkpoint=strategy.get("checkpoint") or "except_last",
+        sample=inputs,
+        chunks=chunks,
+    )
+    schedule = options.schedule or (
+        (strategy.get("schedule") or "gpipe") if strategy.get("engine") == "distributed" else "local"
+    )
+    micro_inputs, micro_targets = inputs.chunk(chunks)[0], targets.chunk(chunks)[0]
+    fitted = profile(sequential, micro_inputs, loss_fn=_loss, target=micro_targets, fake=options.fake)
+    prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)
+    choice = None
+    if options.budget is not None:
+        try:
+            picked = choose(
+                fitted,
+                options.budget,
+                balance=stage_plan.balance,
+                chunks=chunks,
+                optimizer=options.optimizer,
+                schedule=schedule,
+            )
+            choice = (
+                f"auto under {_mib(options.budget)}: checkpoint={[m.name for m in picked.modes]}, "
+                f"peak {_mib(picked.prediction.peak)}, step {picked.prediction.step_time_s * 1e3:.1f} ms"
+            )
+        except PipeckptConfigError as error:
+            choice = f"auto: {error}"
+    return prediction, choice
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+COLUMNS = ("params", "grads", "optimizer", "activations", "boundary", "working")
+
+
+def format_prediction(prediction: Prediction, budget: Optional[int] = None) -> str:
+    """One row per stage (MiB, and milliseconds of the stage's own compute per step)."""
+    header = (
+        f"{'stage':>5} {'layers':>7} {'mode':>11} "
+        + " ".join(f"{c:>11}" for c in COLUMNS)
+        + f" {'peak':>9} {'in-flight':>9} {'recomp':>6} {'time ms':>8}  peak at"
+    )
+    lines = [
+        f"schedule {prediction.schedule} ({prediction.order_source}), chunks {prediction.chunks}; "
+        "MiB per stage",
+        header,
+    ]
+    for s in prediction.stages:
+        mark = "" if budget is None else ("  fits" if s.peak <= budget else "  OVER BUDGET")
+        lines.append(
+            f"{s.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>7} {s.mode:>11} "
+            + " ".join(f"{getattr(s, c) / MiB:>11.2f}" for c in COLUMNS)
+            + f" {s.peak / MiB:>9.2f} {s.in_flight:>9} {s.recomputed:>6} {s.time_s * 1e3:>8.1f}"
+            + f"  {s.peak_at}{mark}"
+        )
+    lines.append(f"predicted step time: {prediction.step_time_s * 1e3:.1f} ms (one device per stage)")
+    return "\n".join(lines)
+
+
+def draw(prediction: Prediction, path: str, budget: Optional[int] = None) -> None:
+    """Stacked bars per stage (the peak's parts), the budget as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(prediction.stages), 4))
+    x = [s.stage for s in prediction.stages]
+    bottom = [0.0] * len(x)
+    for column in COLUMNS:
+        values = [getattr(s, column) / MiB for s in prediction.stages]
+        ax.bar(x, values, bottom=bottom, label=column)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if budget is not None:
+        ax.axhline(budget / MiB, color="black", linestyle="--", label=f"budget {_mib(budget)}")
+    ax.set_xticks(x, [f"{s.stage}\n{s.mode}" for s in prediction.stages])
+    ax.set_xlabel("stage")
+    ax.set_ylabel("MiB at the stage's peak")
+    ax.set_title(f"predicted memory per stage ({prediction.schedule}, chunks {prediction.chunks})")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        prediction, options, choice = run(argv)
+    except PipeckptConfigError as error:
+        print(f"Configuration error: {error}", file=sys.stderr, flush=True)
+        return 1
+    print(format_prediction(prediction, options.budget), flush=True)
+    if choice is not None:
+        print(choice, flush=True)
+    png = options.png or ("memory_plan.png" if options.budget is not None else None)
+    if png is not None:
+        draw(prediction, png, options.budget)
+        print(f"wrote {png}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

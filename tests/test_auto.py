@@ -1,0 +1,133 @@
+"""pipeckpt.auto.choose: the fastest predicted plan under a budget, checked against brute force."""
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stage_memory import measure_local_step, split_batch
+
+from pipeckpt._errors import PipeckptConfigError
+from pipeckpt.auto import DEFAULT_MODES, choose, parse_bytes, with_balance_modes
+from pipeckpt.memory import predict, profile, with_balance
+from pipeckpt.models.gpt import gpt_layers
+from pipeckpt.models.mlp import mlp_layers
+from pipeckpt.planning import StagePlan
+
+CPU = torch.device("cpu")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    seq = mlp_layers(in_features=32, hidden=128, depth=4, num_classes=10)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 32, generator=g), torch.randint(10, (48,), generator=g)
+    return seq, x, y
+
+
+SEQ, X, Y = _mlp()
+PROFILES = {
+    c: profile(SEQ, split_batch(X, c), loss_fn=F.cross_entropy, target=split_batch(Y, c), rounds=1)
+    for c in (2, 4)
+}
+BALANCE = (3, 2, 4)
+
+
+def _plan(balance, modes) -> StagePlan:
+    return with_balance(with_balance_modes(balance, DEFAULT_MODES[0]), balance, modes)
+
+
+def _brute_force(budget, chunk_options, balances):
+    """The least step time over every (chunks, balance, mode per stage) whose stages all fit."""
+    best = None
+    for c in chunk_options:
+        for b in balances:
+            for modes in itertools.product(DEFAULT_MODES, repeat=len(b)):
+                p = predict(PROFILES[c], _plan(b, modes), chunks=c, optimizer="adam")
+                if p.peak <= budget and (best is None or p.step_time_s < best):
+                    best = p.step_time_s
+    return best
+
+
+def _budgets(chunk_options, balances):
+    """Budgets at and between every per-stage peak any plan has: each one changes what fits."""
+    peaks = set()
+    for c in chunk_options:
+        for b in balances:
+            for mode in DEFAULT_MODES:
+                peaks.update(
+                    s.peak for s in predict(PROFILES[c], _plan(b, (mode,) * len(b)), chunks=c).stages
+                )
+    peaks = sorted(peaks)
+    return peaks + [(a + b) // 2 for a, b in itertools.pairwise(peaks)]
+
+
+def test_modes_chosen_per_stage_are_as_fast_as_brute_force_finds_at_every_budget() -> None:
+    checked = 0
+    for budget in _budgets([4], [BALANCE]):
+        expected = _brute_force(budget, [4], [BALANCE])
+        if expected is None:
+            with pytest.raises(PipeckptConfigError):
+                choose(PROFILES[4], budget, balance=BALANCE, chunks=4)
+            continue
+        got = choose(PROFILES[4], budget, balance=BALANCE, chunks=4)
+        assert got.prediction.peak <= budget
+        assert got.prediction.step_time_s == pytest.approx(expected, rel=1e-12), budget
+        checked += 1
+    assert checked >= 3  # the sweep reached budgets where something, but not everything, fits
+
+
+def test_chunks_and_balance_searched_are_as_fast_as_brute_force_finds() -> None:
+    balances = [(3, 2, 4), (4, 2, 3), (2, 4, 3)]
+    for budget in _budgets([2, 4], balances)[::3]:
+        expected = _brute_force(budget, [2, 4], balances)
+        if expected is None:
+            continue
+        got = choose(PROFILES, budget, balance=BALANCE, chunks=[2, 4], balances=balances)
+        assert got.prediction.step_time_s == pytest.approx(expected, rel=1e-12), budget
+        assert got.chunks in (2, 4) and got.balance in balances
+
+
+def test_an_infeasible_budget_names_the_smallest_feasible_one_and_its_stage() -> None:
+    need = max(
+        min(predict(PROFILES[4], _plan(BALANCE, (m,) * 3), chunks=4).stages[j].peak for m in DEFAULT_MODES)
+        for j in range(3)
+    )
+    with pytest.raises(
+        PipeckptConfigError, match=rf"smallest feasible budget is .* \({need} bytes\), decided by stage"
+    ):
+        choose(PROFILES[4], need - 1, balance=BALANCE, chunks=4)
+    assert choose(PROFILES[4], need, balance=BALANCE, chunks=4).prediction.peak <= need
+
+
+def test_the_chosen_plan_stays_within_the_budget_as_measured() -> None:
+    torch.manual_seed(0)
+    seq = gpt_layers(vocab_size=256, d_model=64, n_heads=4, n_layers=4, seq_len=32, dropout=0.1)
+    x, y = torch.randint(256, (8, 32)), torch.randint(256, (8, 32))
+
+    def loss(out, target):
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    fitted = profile(seq, split_batch(x, 4), loss_fn=loss, target=split_batch(y, 4), rounds=1)
+    balance = (2, 2, 3)
+    never = predict(fitted, _plan(balance, (DEFAULT_MODES[0],) * 3), chunks=4, optimizer="sgd")
+    budget = int(0.8 * never.peak)  # too small for never everywhere
+    chosen = choose(fitted, budget, balance=balance, chunks=4, optimizer="sgd")
+    assert any(m.checkpoints for m in chosen.modes)
+    measured, _ = measure_local_step(
+        seq, _plan(balance, chosen.modes), chunks=4, batch=x, loss_fn=lambda out: loss(out, y)
+    )
+    assert max(measured) <= budget, (measured, budget, [m.name for m in chosen.modes])
+
+
+def test_budgets_parse_with_units() -> None:
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    with pytest.raises(PipeckptConfigError, match="memory budget '2 parsecs'"):
+        parse_bytes("2 parsecs")
