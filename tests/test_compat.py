@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -217,3 +217,10 @@ def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
     for name in _compat.BACKWARD_ONE_CHUNK:
         params = list(inspect.signature(getattr(PipelineStage, name)).parameters)
         assert params[:2] == ["self", "bwd_chunk_id"], (name, params)
+
+
+def test_hpc_checkpoint_path_numbers_after_the_highest_hpc_checkpoint(tmp_path):
+    trainer = Trainer(default_root_dir=tmp_path, logger=False, accelerator="cpu", devices=1)
+    assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_2.ckpt").mkdir()  # the distributed engine's sharded checkpoint is a folder
+    assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_3.ckpt")
