@@ -199,7 +199,7 @@ def install(trainer: Trainer, environment: Optional[ClusterEnvironment]) -> Opti
     signum = environment.requeue_signal
     if signum is None:
         return None
-    callbacks: List[Callback] = trainer.callbacks
+    callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
     for existing in callbacks:
         if isinstance(existing, PreemptionCallback):
             existing.requested = False
