@@ -159,6 +159,12 @@ def checkpoint_io_unset(strategy: Any) -> bool:
     return getattr(strategy, "_checkpoint_io", None) is None
 
 
+def hpc_checkpoint_path(trainer: Any) -> str:
+    """The next ``hpc_ckpt_N.ckpt`` in the Trainer's root directory: the names Lightning resumes
+    from under SLURM. Only its private checkpoint connector knows the numbering."""
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -202,6 +208,7 @@ __all__ = [
     "enable_recomputing",
     "fork_dependency",
     "gradients",
+    "hpc_checkpoint_path",
     "init_dist_connection",
     "join_dependency",
     "inspect_skip_layout",

@@ -15,12 +15,13 @@ fsynced so that the rename itself survives a power cut. A directory written
 aside (a sharded checkpoint) is swapped in with one rename the same way
 (:func:`atomic_replace_dir`).
 
-What a kill can leave behind is a hidden ``.<name>.<random>.tmp`` file (or
+What a kill can leave behind is a hidden ``.pipeckpt-<digest>.<random>.tmp`` file (or
 directory) next to the target; it never has the target's name, so nothing
 loads it by mistake.
 """
 
 import contextlib
+import hashlib
 import os
 import secrets
 import shutil
@@ -34,17 +35,31 @@ from typing_extensions import override
 
 from pipeckpt._errors import config_error
 
-__all__ = ["AtomicCheckpointIO", "atomic_replace_dir", "atomic_write", "temporary_dir_beside"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "atomic_replace_dir",
+    "atomic_write",
+    "hidden_sibling_prefix",
+    "temporary_dir_beside",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]  # str or pathlib.Path
 _TMP_SUFFIX = ".tmp"
+
+
+def hidden_sibling_prefix(name: str) -> str:
+    """The prefix of the hidden siblings of a file or directory called ``name``. It holds a
+    digest of the name, never the name: Lightning finds ``hpc_ckpt_N`` checkpoints by reading
+    the digits of every file whose name contains ``ckpt_``, and a leftover
+    ``.hpc_ckpt_2.ckpt.<random>.tmp`` would read as a far higher N."""
+    return f".pipeckpt-{hashlib.sha1(name.encode()).hexdigest()[:12]}."
 
 
 def _fresh_name(path: str, tag: str = "") -> str:
     """A hidden sibling of ``path`` that does not exist yet (callers create it with
     O_EXCL / mkdir, which fail rather than reuse a name)."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.{tag}{secrets.token_hex(6)}{_TMP_SUFFIX}")
+    return os.path.join(directory, f"{hidden_sibling_prefix(name)}{tag}{secrets.token_hex(6)}{_TMP_SUFFIX}")
 
 
 def _fsync_dir(directory: str) -> None:
@@ -126,7 +141,7 @@ def atomic_replace_dir(tmp_dir: PathLike, path: PathLike) -> None:
     """Moves a completely written directory ``tmp_dir`` to ``path``.
 
     ``tmp_dir``'s content is fsynced, then renamed onto ``path``. If ``path``
-    already exists it is first renamed aside (to a hidden ``.<name>.old-*.tmp``
+    already exists it is first renamed aside (to a hidden ``.pipeckpt-<digest>.old-*.tmp``
     sibling) and removed only after the new directory is in place, and the
     parent directory is fsynced in between. A kill between the two renames
     leaves no ``path`` but both complete versions under their hidden names;

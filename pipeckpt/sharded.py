@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.checkpoint_io import hidden_sibling_prefix
 
 __all__ = [
     "META_FILE",
@@ -323,7 +324,7 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
         names = [name for group in optimizer["param_groups"] for name in group["params"]]
         checkpoint[_OPTIM][number] = optimizer_state_by_index(optimizer, names)
     target = Path(out)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    tmp = target.with_name(f"{hidden_sibling_prefix(target.name)}tmp-{uuid.uuid4().hex}")
     try:
         _write_synced(tmp, checkpoint)
         os.replace(tmp, target)
@@ -344,10 +345,11 @@ def _temporary_beside(target: Path) -> str:
     none of that is the only copy of a checkpoint."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(target):
-        for pattern in (f".{target.name}.sharded-*", f".{target.name}.old-*"):
+        prefix = hidden_sibling_prefix(target.name)
+        for pattern in (f"{prefix}sharded-*", f"{prefix}old-*"):
             for leftover in target.parent.glob(pattern):
                 _remove(leftover)
-    return str(target.with_name(f".{target.name}.sharded-{uuid.uuid4().hex}"))
+    return str(target.with_name(f"{hidden_sibling_prefix(target.name)}sharded-{uuid.uuid4().hex}"))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -404,7 +406,7 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
         _fsync_dir(target.parent)
         _remove(tmp)  # the old checkpoint, now under the temporary name
     else:
-        aside = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+        aside = target.with_name(f"{hidden_sibling_prefix(target.name)}old-{uuid.uuid4().hex}")
         os.rename(target, aside)
         os.rename(tmp, target)
         _fsync_dir(target.parent)

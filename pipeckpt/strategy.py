@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from pipeckpt import _rng
+from pipeckpt import _rng, preemption
 from pipeckpt._compat import (
     checkpoint_io_unset,
     optimizers_to_device,
@@ -168,6 +168,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            preemption.install(trainer, self.cluster_environment)  # SIGUSR1 answered at step boundaries
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -313,6 +314,8 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, preemption.Preempted):
+            return  # a planned exit on every rank at once, not a failure to explain
         self.engine.on_exception(exception)
 
     @override

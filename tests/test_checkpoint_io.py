@@ -15,7 +15,13 @@ from toy import ToyModule, fit
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.checkpoint_io import AtomicCheckpointIO, atomic_replace_dir, atomic_write, temporary_dir_beside
+from pipeckpt.checkpoint_io import (
+    AtomicCheckpointIO,
+    atomic_replace_dir,
+    atomic_write,
+    hidden_sibling_prefix,
+    temporary_dir_beside,
+)
 
 
 def checkpoint(value: float) -> Dict[str, Any]:
@@ -111,7 +117,8 @@ def test_the_temporary_file_is_a_hidden_sibling_of_the_target_not_in_tmpdir(tmp_
     [(src, dst)] = renames
     assert dst == str(out / "last.ckpt")
     assert os.path.dirname(src) == str(out)
-    assert os.path.basename(src).startswith(".last.ckpt.") and src.endswith(".tmp")
+    assert os.path.basename(src).startswith(hidden_sibling_prefix("last.ckpt")) and src.endswith(".tmp")
+    assert "ckpt_" not in os.path.basename(src)  # Lightning reads digits from names with 'ckpt_'
     assert entries(elsewhere) == []
 
 
@@ -219,7 +226,9 @@ def write_dir(path: str, content: str) -> None:
 def test_a_directory_written_aside_takes_the_targets_name(tmp_path):
     target = tmp_path / "step=4.ckpt"
     tmp = temporary_dir_beside(target)
-    assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".step=4.ckpt.")
+    assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(
+        hidden_sibling_prefix("step=4.ckpt")
+    )
     write_dir(tmp, "new")
     atomic_replace_dir(tmp, target)
     assert entries(tmp_path) == ["step=4.ckpt"]
@@ -255,7 +264,10 @@ def test_replacing_a_directory_removes_the_old_one_only_after_the_rename(tmp_pat
         ("fsync parent",),
         ("rmtree", aside),
     ]
-    assert aside.startswith(".last.ckpt.old-") and (target / "rank0.pt").read_text() == "new0"
+    assert (
+        aside.startswith(hidden_sibling_prefix("last.ckpt") + "old-")
+        and (target / "rank0.pt").read_text() == "new0"
+    )
 
 
 def test_replacing_a_directory_leaves_no_old_copy_behind(tmp_path):
@@ -331,3 +343,14 @@ def test_the_pipe_strategy_saves_atomically_unless_told_otherwise():
     )
     chosen = TorchCheckpointIO()
     assert fit(ToyModule(), PipelineStrategy(), steps=1, plugins=[chosen]).strategy.checkpoint_io is chosen
+
+
+def test_a_leftover_from_a_killed_hpc_save_does_not_change_which_checkpoint_lightning_resumes(tmp_path):
+    # Lightning resumes from hpc_ckpt_<the highest number among the names containing 'hpc_ckpt_'>.
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    atomic_write(tmp_path / "hpc_ckpt_1.ckpt", lambda f: f.write(b"whole"))
+    leftover = temporary_dir_beside(tmp_path / "hpc_ckpt_2.ckpt")  # a save killed mid-write
+    assert os.path.isdir(leftover)
+    found = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(tmp_path, "hpc_ckpt_")
+    assert found == 1

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -245,3 +245,10 @@ def test_schedule_op_order_reads_torchs_schedule_ir():
 
     order = _compat.schedule_op_order(ScheduleGPipe, stages=2, microbatches=2)
     assert order == {r: [("F", 0), ("F", 1), ("B", 0), ("B", 1)] for r in range(2)}
+
+
+def test_hpc_checkpoint_path_numbers_after_the_highest_hpc_checkpoint(tmp_path):
+    trainer = Trainer(default_root_dir=tmp_path, logger=False, accelerator="cpu", devices=1)
+    assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_2.ckpt").mkdir()  # the distributed engine's sharded checkpoint is a folder
+    assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_3.ckpt")

@@ -1,4 +1,8 @@
-"""SIGUSR1 under SLURM takes Lightning's requeue path: hpc checkpoint, `scontrol requeue`, resume."""
+"""SIGUSR1 under SLURM at a quiet moment: hpc checkpoint at the next step boundary, requeue, resume.
+
+The pipe strategy answers the signal with pipeckpt.preemption (tests/slurm/test_preemption.py signals
+inside steps); the checkpoint name and the resume are Lightning's.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def test_sigusr1_saves_hpc_checkpoint_requeues_and_resumes(slurm, tmp_path):
     assert hpc.exists(), f"no {hpc}:\n{output}"
     saved = checkpoint_step(hpc)
     assert saved >= signal_after
-    assert f"Requeued SLURM job: {job}" in output
+    assert f"pipeckpt: requeued SLURM job {job}" in output  # pipeckpt.preemption, not Lightning's handler
     assert f"Restored all states from the checkpoint at {hpc}" in output
     starts = start_steps(output)
     assert sorted(starts) == [(0, 0, 0), (0, 1, 0), (1, 0, saved), (1, 1, saved)], output
