@@ -3,7 +3,7 @@ the next optimizer step (hpc checkpoint, `scontrol requeue`, exit 0), and the re
 bitwise equal to an uninterrupted one.
 
 SLURM is faked by its environment variables and an `scontrol` on PATH that records its arguments;
-tests/slurm/test_preemption.py does the same on the real two-node cluster, both engines.
+tests/slurm/test_preemption_on_cluster.py does the same on the real two-node cluster, both engines.
 """
 
 from __future__ import annotations
