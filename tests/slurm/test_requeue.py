@@ -1,7 +1,7 @@
 """SIGUSR1 under SLURM at a quiet moment: hpc checkpoint at the next step boundary, requeue, resume.
 
-The pipe strategy answers the signal with pipeckpt.preemption (tests/slurm/test_preemption_on_cluster.py signals
-inside steps); the checkpoint name and the resume are Lightning's.
+The pipe strategy answers the signal with pipeckpt.preemption (tests/slurm/test_preemption_on_cluster.py
+signals inside steps); the checkpoint name and the resume are Lightning's.
 """
 
 from __future__ import annotations
