@@ -8,8 +8,9 @@ owns) before any training step, or works: a small valid one trains one step of t
 toy module under the local engine; a distributed one builds its Trainer (no process
 is launched here).
 
-Which outcome each example must have is decided by :func:`problems`, a reference
-model of the rules written from their documentation (``PipeSettings``' help, the
+Which outcome each example must have is decided by :func:`settings_problems`,
+:func:`world_problems` and :func:`model_problems`, a reference model of the rules
+written from their documentation (``PipeSettings``' help, the
 README, torch's schedule docs), not from the checks' code. When the code and the
 model disagree, Hypothesis shrinks the example to a minimal one.
 
@@ -39,8 +40,7 @@ from hypothesis import strategies as st
 from toy import ToyModule, fit, params
 
 import train
-from pipeckpt import PipeckptConfigError, PipelineStrategy
-from pipeckpt._errors import PipeckptWarning
+from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
 from pipeckpt.config import register
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -315,7 +315,6 @@ def _one_in(n: int, *rare: str) -> st.SearchStrategy:
 
 _MODE = st.sampled_from(MODES)
 _MODE_LIST = st.lists(_MODE, min_size=1, max_size=4)
-_BALANCE = st.lists(st.integers(1, 3), min_size=1, max_size=4)
 _BAD_MODES = ["sometimes", "ALWAYS", None, 3, {"always": 1}, {"always"}, ["always", "sometimes"], [["never"]]]
 _BAD_LOCAL: Dict[str, Sequence[Any]] = {
     "stages": [0, -1, True, 2.0, "2"],
@@ -343,7 +342,7 @@ def _other_local(stages: int, devices: int, layers: int) -> Dict[str, st.SearchS
     past = st.integers(0, stages - 1).map(lambda i: [0] * i + [devices] + [0] * (stages - 1 - i))
     return {
         "stages": st.integers(layers + 1, 8),
-        "balance": st.one_of(_BALANCE, _BALANCE.map(tuple)),
+        "balance": st.lists(st.integers(0, 3), min_size=1, max_size=4),  # 0: a stage without layers
         "balance_by": st.sampled_from(["time", "memory"]),  # profiling needs an example input
         "chunks": st.integers(1, BATCH + 4),
         "checkpoint": near.flatmap(lambda n: st.lists(_MODE, min_size=n, max_size=n)),
@@ -354,7 +353,9 @@ def _other_local(stages: int, devices: int, layers: int) -> Dict[str, st.SearchS
     }
 
 
-_PINNED = st.sampled_from([["stages"], ["balance"], ["stages", "placement"], ["balance", "placement"]])
+_PINNED = st.sampled_from(
+    [["stages"], ["balance"], ["stages", "placement"], ["balance", "placement"], ["stages", "balance_by"]]
+)
 
 
 @st.composite
@@ -366,7 +367,7 @@ def local_cases(draw: Any) -> Tuple[Dict[str, Any], int, int]:
     fitting = {
         "stages": stages,
         "balance": draw(_split(layers, stages)),
-        "balance_by": "params",
+        "balance_by": draw(st.sampled_from(BALANCE_BY)),  # time, memory: only with a balance (no profiling)
         "chunks": draw(st.integers(1, BATCH + 4)),
         "checkpoint": draw(st.one_of(_MODE, st.lists(_MODE, min_size=stages, max_size=stages))),
         "placement": draw(st.lists(st.integers(0, devices - 1), min_size=stages, max_size=stages)),
@@ -397,7 +398,7 @@ def _expected_warning(kw: Dict[str, Any]) -> bool:
     return math.ceil(BATCH / math.ceil(BATCH / chunks)) < chunks
 
 
-@fuzz(examples=300)
+@fuzz(examples=200)
 @given(case=local_cases())
 def test_local_settings_fail_cleanly_before_a_step_or_train_one(case):
     kw, layers, devices = case
@@ -428,6 +429,8 @@ def test_local_settings_fail_cleanly_before_a_step_or_train_one(case):
     assert (trainer.global_step, module.steps) == (1, 1)
     after = params(module)
     assert all(not torch.equal(before[k], after[k]) for k in before), "a parameter did not train"
+    for name, value in kw.items():  # taken as given (a tuple as its list)
+        assert getattr(strategy.settings, name) == (list(value) if isinstance(value, tuple) else value)
     plan = strategy.plan
     assert plan is not None and sum(plan.balance) == layers
     assert plan.stages == local_stage_count(kw, layers=layers, devices=devices)
@@ -663,7 +666,7 @@ def build_like_train(cfg: Any) -> Dict[str, Any]:
     return {"data": data, "model": model, "strategy": strategy, "trainer": trainer}
 
 
-@fuzz(examples=120)
+@fuzz(examples=60)
 @given(case=override_cases())
 def test_hydra_overrides_fail_at_compose_or_cleanly_at_build_or_build(tmp_path, case):
     overrides = [f"{key}={text}" for key, text, _ in case]
