@@ -342,7 +342,10 @@ def _other_local(stages: int, devices: int, layers: int) -> Dict[str, st.SearchS
     past = st.integers(0, stages - 1).map(lambda i: [0] * i + [devices] + [0] * (stages - 1 - i))
     return {
         "stages": st.integers(layers + 1, 8),
-        "balance": st.lists(st.integers(0, 3), min_size=1, max_size=4),  # 0: a stage without layers
+        "balance": st.one_of(
+            _split(layers + 1, stages),  # one layer too many
+            st.lists(st.integers(0, 3), min_size=1, max_size=4),  # 0: a stage without layers
+        ),
         "balance_by": st.sampled_from(["time", "memory"]),  # profiling needs an example input
         "chunks": st.integers(1, BATCH + 4),
         "checkpoint": near.flatmap(lambda n: st.lists(_MODE, min_size=n, max_size=n)),
@@ -354,8 +357,20 @@ def _other_local(stages: int, devices: int, layers: int) -> Dict[str, st.SearchS
 
 
 _PINNED = st.sampled_from(
-    [["stages"], ["balance"], ["stages", "placement"], ["balance", "placement"], ["stages", "balance_by"]]
+    [
+        ["stages"],
+        ["balance"],
+        ["stages", "placement"],
+        ["balance", "placement"],
+        ["stages", "balance_by"],
+        ["balance", "checkpoint"],
+    ]
 )
+
+
+def _modes_of(stages: int) -> st.SearchStrategy:
+    """One mode per stage, all different where there are enough modes (a mix shows a mode mixed up)."""
+    return st.lists(_MODE, min_size=stages, max_size=stages, unique=stages <= len(MODES))
 
 
 @st.composite
@@ -369,7 +384,7 @@ def local_cases(draw: Any) -> Tuple[Dict[str, Any], int, int]:
         "balance": draw(_split(layers, stages)),
         "balance_by": draw(st.sampled_from(BALANCE_BY)),  # time, memory: only with a balance (no profiling)
         "chunks": draw(st.integers(1, BATCH + 4)),
-        "checkpoint": draw(st.one_of(_MODE, st.lists(_MODE, min_size=stages, max_size=stages))),
+        "checkpoint": draw(st.one_of(_MODE, _modes_of(stages))),
         "placement": draw(st.lists(st.integers(0, devices - 1), min_size=stages, max_size=stages)),
         "deferred_batch_norm": draw(st.booleans()),
         "pin_memory": draw(st.booleans()),
