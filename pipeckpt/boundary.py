@@ -74,6 +74,7 @@ def scatter(args: Args, kwargs: Kwargs, chunks: int, *, call: str) -> List[Tuple
     _check_side_inputs(kwargs, batch, call=call)
     if chunks == 1:
         return [(args, kwargs)]
+    chunks = min(chunks, max(1, batch))  # no more pieces than samples (torch.chunk takes an int64)
     leaves, spec = tree_flatten((args, kwargs))
     count = len(torch.empty(batch, 0).chunk(chunks))  # chunk's own count: ceil-sized pieces
     columns = [

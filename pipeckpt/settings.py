@@ -12,6 +12,7 @@ the world size live with the engine that runs it.
 """
 
 from dataclasses import MISSING, dataclass, field, fields
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
@@ -81,6 +82,7 @@ class PipeSettings:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_counts(self)
         check_balance_by(self.balance_by)
         names = [self.checkpoint] if isinstance(self.checkpoint, (str, CheckpointMode)) else self.checkpoint
@@ -140,6 +142,20 @@ def _names() -> List[str]:
 def defaults() -> Dict[str, Any]:
     """Each setting's default value."""
     return {f.name: f.default for f in fields(PipeSettings) if f.default is not MISSING}
+
+
+def _check_types(s: PipeSettings) -> None:
+    """Settings whose type no other check implies: switches and names."""
+    for name in ("deferred_batch_norm", "pin_memory", "strict"):
+        value = getattr(s, name)
+        if not isinstance(value, bool):
+            raise config_error(
+                f"{name}={value!r}", "is a switch: True or False", f"set {name}=True or {name}=False"
+            )
+    for name in ("engine", "balance_by"):
+        value = getattr(s, name)
+        if not isinstance(value, str):
+            raise config_error(f"{name}={value!r}", "is a name (a string)", f"set {name} to one of its names")
 
 
 def _is_count(value: Any) -> bool:
@@ -205,9 +221,11 @@ def _check_engine_settings(s: PipeSettings) -> None:
             "set virtual_stages >= 1",
         )
     timeout: Union[float, int, str, None] = s.timeout
-    if timeout is not None and (isinstance(timeout, (bool, str)) or not timeout > 0):
+    if timeout is not None and (
+        isinstance(timeout, (bool, str)) or not 0 < timeout <= timedelta.max.total_seconds()
+    ):
         raise config_error(
             f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
-            "a collective needs a positive time limit",
+            "a collective needs a positive, finite time limit",
             "set timeout in seconds, e.g. 60",
         )

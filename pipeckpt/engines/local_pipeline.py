@@ -139,10 +139,11 @@ class LocalPipeline:
         input = input.to(first) if isinstance(input, Tensor) else tuple(x.to(first) for x in input)
         if self.chunks == 1:
             return [input]
+        chunks = min(self.chunks, max(1, _first(input).size(0)))  # no more pieces than samples
         if isinstance(input, Tensor):
-            batches: List[TensorOrTensors] = list(input.chunk(self.chunks))
+            batches: List[TensorOrTensors] = list(input.chunk(chunks))
         else:
-            batches = list(zip(*(x.chunk(self.chunks) for x in input)))
+            batches = list(zip(*(x.chunk(chunks) for x in input)))
         self._warn_small(_first(input).size(0), len(batches))
         return batches
 
