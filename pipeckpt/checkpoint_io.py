@@ -39,6 +39,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "atomic_replace_dir",
     "atomic_write",
+    "fsync_dir",
     "hidden_sibling_prefix",
     "temporary_dir_beside",
 ]
@@ -62,7 +63,7 @@ def _fresh_name(path: str, tag: str = "") -> str:
     return os.path.join(directory, f"{hidden_sibling_prefix(name)}{tag}{secrets.token_hex(6)}{_TMP_SUFFIX}")
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: PathLike) -> None:
     """Makes a directory's entries (a rename, a new file) durable. POSIX only:
     Windows cannot open a directory for fsync, and its renames are journaled."""
     if os.name != "posix":
@@ -107,7 +108,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def temporary_dir_beside(path: PathLike) -> str:
@@ -134,7 +135,7 @@ def _fsync_tree(root: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def atomic_replace_dir(tmp_dir: PathLike, path: PathLike) -> None:
@@ -175,7 +176,7 @@ def atomic_replace_dir(tmp_dir: PathLike, path: PathLike) -> None:
         if aside is not None:
             os.rename(aside, target)  # put the old version back under its name
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
     if aside is not None:
         if os.path.isdir(aside) and not os.path.islink(aside):
             shutil.rmtree(aside)

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from pipeckpt._errors import PipeckptConfigError, config_error
-from pipeckpt.checkpoint_io import hidden_sibling_prefix
+from pipeckpt.checkpoint_io import atomic_write, fsync_dir, hidden_sibling_prefix
 
 __all__ = [
     "META_FILE",
@@ -202,8 +202,8 @@ def _write(
     failure: str | None = None
     if is_zero:
         try:
-            _write_synced(tmp / META_FILE, _metadata(checkpoint))
-            _fsync_dir(tmp)
+            # Rank 0's part; atomic_write also makes the directory's entries (DCP's files) durable.
+            atomic_write(tmp / META_FILE, lambda file: torch.save(_metadata(checkpoint), file))
             _swap_into_place(tmp, target)
         except BaseException as error:  # every rank must hear of it: broadcast, then raised
             shutil.rmtree(tmp, ignore_errors=True)
@@ -323,20 +323,12 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
     for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
         names = [name for group in optimizer["param_groups"] for name in group["params"]]
         checkpoint[_OPTIM][number] = optimizer_state_by_index(optimizer, names)
-    target = Path(out)
-    tmp = target.with_name(f"{hidden_sibling_prefix(target.name)}tmp-{uuid.uuid4().hex}")
-    try:
-        _write_synced(tmp, checkpoint)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
+    atomic_write(out, lambda file: torch.save(checkpoint, file))
 
 
 # -- atomic directory replacement ----------------------------------------------------------------
-# Kept here until the single-file helpers of pipeckpt/checkpoint_io.py (issue 11, item 2) land;
-# the two should then share _fsync_dir and _write_synced.
+# Single files go through pipeckpt.checkpoint_io.atomic_write. A directory is swapped here rather
+# than by checkpoint_io.atomic_replace_dir because this swap is one step where Linux allows it.
 
 
 def _temporary_beside(target: Path) -> str:
@@ -350,21 +342,6 @@ def _temporary_beside(target: Path) -> str:
             for leftover in target.parent.glob(pattern):
                 _remove(leftover)
     return str(target.with_name(f"{hidden_sibling_prefix(target.name)}sharded-{uuid.uuid4().hex}"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, obj: Any) -> None:
-    with open(path, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -403,12 +380,12 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
     if not os.path.lexists(target):
         os.rename(tmp, target)
     elif _exchange(tmp, target):
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         _remove(tmp)  # the old checkpoint, now under the temporary name
     else:
         aside = target.with_name(f"{hidden_sibling_prefix(target.name)}old-{uuid.uuid4().hex}")
         os.rename(target, aside)
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         _remove(aside)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)

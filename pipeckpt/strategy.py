@@ -83,10 +83,11 @@ class PipelineStrategy(ParallelStrategy):
                 "check the spelling (the README lists every setting)",
             )
         settings = PipeSettings(**kwargs)
-        engine_class(settings.engine).check_settings(settings)  # every check before any work
+        engine = engine_class(settings.engine)
+        engine.check_settings(settings)  # every check before any work
         super().__init__(**lightning)
         self.settings = settings
-        self.engine: Engine = engine_class(settings.engine)(settings)
+        self.engine: Engine = engine(settings)
         self.num_nodes = 1
 
     # -- topology ---------------------------------------------------------------
