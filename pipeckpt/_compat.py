@@ -136,6 +136,12 @@ BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
 STAGE_META = ("_send_meta", "_recv_meta")
 
 
+def is_view(t: Any) -> bool:
+    """Whether ``t`` is a view of another tensor. A split-backward schedule's input pass detaches
+    the stage's outputs in place, which autograd refuses for a view; no public API tells a view."""
+    return bool(t._is_view())
+
+
 # -- Lightning ------------------------------------------------------------------------
 
 from lightning.fabric.utilities.distributed import (  # noqa: E402

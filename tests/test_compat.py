@@ -225,6 +225,11 @@ def test_pipeline_stage_passes_shape_metadata_through_send_and_recv_meta():
     assert recv == ["self", "src_stage"]
 
 
+def test_is_view_tells_a_view_from_its_base():
+    base = torch.ones(2, 3)
+    assert _compat.is_view(base.view(3, 2)) and not _compat.is_view(base)
+
+
 def test_fake_tensor_mode_runs_a_module_without_allocating():
     with _compat.FakeTensorMode():
         layer = nn.Linear(1024, 1024)

@@ -18,7 +18,7 @@ a micro-batch whose output has another tree or other non-tensor values than the 
 inferred is refused by the stage that made it, since the next stage could not rebuild it.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -31,11 +31,16 @@ __all__ = ["Boundaries"]
 Flat = Union[Tensor, Tuple[Tensor, ...]]
 
 
+class _TensorLeaf:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
 def _shown(structure: Optional[Structure]) -> str:
+    """The structure as the value it rebuilds, tensors shown as ``<tensor>``."""
     if structure is None:
         return "a tensor"
-    leaves = ["<tensor>" if i in structure.slots else repr(leaf) for i, leaf in enumerate(structure.leaves)]
-    return f"{structure.spec} with leaves [{', '.join(leaves)}]"
+    return repr(structure.rebuild([_TensorLeaf()] * len(structure.slots)))  # type: ignore[list-item]
 
 
 def _same(a: Optional[Structure], b: Optional[Structure]) -> bool:
@@ -106,6 +111,3 @@ class Boundaries:
     def rebuild_output(self, index: int, flat: Any) -> Any:
         """The last stage's ``flat`` output (what its module returned) as the user's value."""
         return self.rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)
-
-    def rebuild_all(self, index: int, flats: List[Any]) -> List[Any]:
-        return [self.rebuild_output(index, f) for f in flats]

@@ -157,6 +157,8 @@ class Schedules:
         self._indices, self._modules, self._trained = list(indices), list(modules), list(trained)
         self._num_stages, self._device, self._group = num_stages, device, group
         self._loss_fn = loss_fn
+        for module in self._modules:
+            module.no_views = kind.traits.split_backward
         self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
 
     def get(

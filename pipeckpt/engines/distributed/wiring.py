@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from pipeckpt._compat import tree_flatten, tree_map
+from pipeckpt._compat import is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
@@ -63,6 +63,7 @@ class StageModule(nn.Module):
         self.live = False
         self.boundaries = Boundaries()  # the running schedule's (Schedules.get sets it)
         self.names: Tuple[str, ...] = ()
+        self.no_views = False  # set for split-backward schedules, which detach outputs in place
 
     def forward(self, *inputs: Tensor) -> Any:
         j = self.stage.index
@@ -81,7 +82,12 @@ class StageModule(nn.Module):
             partition = self.stage.partition
             with side_effect_free(partition):
                 out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
-        return self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
+        flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
+        if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
+            if isinstance(flat, Tensor):
+                return flat.clone() if is_view(flat) else flat
+            return tuple(t.clone() if is_view(t) else t for t in flat)
+        return flat
 
 
 class LiveStage(PipelineStage):
