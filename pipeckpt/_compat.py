@@ -131,6 +131,15 @@ FORWARD_ONE_CHUNK = "forward_one_chunk"
 # Likewise, the local backward of one micro-batch (its input and weight parts), which the
 # engine overrides to tell a stage's own errors from a peer's failure.
 BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
+# Shape inference hands a stage's output shapes to the next process through these two; overriding
+# them is the only way to send the output's pytree structure along (no public hook carries metadata).
+STAGE_META = ("_send_meta", "_recv_meta")
+
+
+def is_view(t: Any) -> bool:
+    """Whether ``t`` is a view of another tensor. A split-backward schedule's input pass detaches
+    the stage's outputs in place, which autograd refuses for a view; no public API tells a view."""
+    return bool(t._is_view())
 
 
 # -- Lightning ------------------------------------------------------------------------

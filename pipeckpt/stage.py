@@ -325,6 +325,11 @@ class Stage(nn.Module):
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
 
+    @property
+    def next_microbatch(self) -> int:
+        """The index of the micro-batch the next :meth:`forward` runs."""
+        return self._microbatch
+
     def recomputes_per_step(self, num_microbatches: int) -> int:
         return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
 

@@ -219,6 +219,17 @@ def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
         assert params[:2] == ["self", "bwd_chunk_id"], (name, params)
 
 
+def test_pipeline_stage_passes_shape_metadata_through_send_and_recv_meta():
+    send, recv = (list(inspect.signature(getattr(PipelineStage, n)).parameters) for n in _compat.STAGE_META)
+    assert send == ["self", "meta", "dst_stage"]
+    assert recv == ["self", "src_stage"]
+
+
+def test_is_view_tells_a_view_from_its_base():
+    base = torch.ones(2, 3)
+    assert _compat.is_view(base.view(3, 2)) and not _compat.is_view(base)
+
+
 def test_fake_tensor_mode_runs_a_module_without_allocating():
     with _compat.FakeTensorMode():
         layer = nn.Linear(1024, 1024)

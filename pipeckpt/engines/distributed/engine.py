@@ -9,6 +9,8 @@ the same under both engines. This class only composes the parts, one job each:
 - :mod:`.schedules`: torch's schedules by name, what each needs;
 - :mod:`.wiring`: this process's stages (others' layers on the meta device), DDP over replicas;
 - :mod:`.step` and :mod:`.replay`: the user's unchanged step, per micro-batch, through the schedule;
+- :mod:`.boundaries`: any pytree between stages, its structure learnt at shape inference;
+- :mod:`.ties`: weights tied across ranks, one parameter with copies kept equal;
 - :mod:`.state`: model, optimizer and RNG state under the module's own keys;
 - :mod:`.liveness`: naming a lost rank when a collective fails.
 """
@@ -32,6 +34,7 @@ from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep
+from pipeckpt.engines.distributed.ties import Ties, find_ties
 from pipeckpt.engines.distributed.topology import Topology, check_kind
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
@@ -41,8 +44,9 @@ from pipeckpt.engines.distributed.wiring import (
     data_parallel,
 )
 from pipeckpt.modes import parse_modes
-from pipeckpt.planning import StagePlan, plan
+from pipeckpt.planning import StagePlan, module_name, plan
 from pipeckpt.settings import PipeSettings
+from pipeckpt.side_inputs import Signatures
 from pipeckpt.split import ModulePipeline
 from pipeckpt.stage import Stage
 
@@ -64,6 +68,7 @@ class DistributedEngine(Engine):
         self.state = StateIO(self.processes)
         self.modules: List[StageModule] = []
         self.step: Optional[PipelinedStep] = None
+        self.ties: Optional[Ties] = None
         self._launcher: Any = None
         self._device = torch.device("cpu")
 
@@ -142,6 +147,9 @@ class DistributedEngine(Engine):
         step = PipelinedStep(
             module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
         )
+        name = f"self.{module_name(module, sequential)}"
+        names = [f"{name[len('self.') :]}.{i}" for i in range(len(sequential))]
+        ties = find_ties(module, sequential, stage_plan, self.topology, self.processes.rank)
         self.modules = build_stages(
             sequential,
             stage_plan,
@@ -149,8 +157,15 @@ class DistributedEngine(Engine):
             device=device,
             pin_memory=self.settings.pin_memory,
             entry=step.first_stage_input,
+            sides=step.side_inputs,
+            names=names,
         )
         step.modules = self.modules
+        step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
+        if ties:
+            ties.broadcast()
+            step.ties = ties
+        self.ties = ties
         assert self.processes.pp_group is not None
         step.schedules = Schedules(
             kind=self.kind,
@@ -199,6 +214,8 @@ class DistributedEngine(Engine):
         self.step.take_gradients()
 
     def total_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
+        if self.ties is not None:
+            grads = self.ties.counted_once(grads)
         squared = super().total_norm(grads, device) ** 2
         if self.topology.pp > 1:  # replicas hold the same, DDP-averaged, gradients
             dist.all_reduce(squared, group=self.processes.pp_group)

@@ -7,7 +7,9 @@ This module bridges the two without changing the step:
 
 - first stage: the step runs on one micro-batch of the batch until it calls the
   Sequential; the call is aborted there and its input becomes the micro-batch's
-  pipeline input (:func:`capture_input`);
+  pipeline input (:func:`capture_call`); a stage elsewhere whose layers take side
+  inputs (keywords of that call) captures the same call on its own rank, which holds
+  the same batch, so side inputs never travel through the pipeline;
 - last stage: the step runs again on the micro-batch with the Sequential
   answering the schedule's output for it (:func:`answering`); its loss is the
   micro-batch loss;
@@ -80,24 +82,16 @@ class Microbatches:
         return self.rebuild(self.tensors_of(index))
 
 
+Call = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
 class _Captured(BaseException):
     """Ends the user's step at its call of the pipelined Sequential (a BaseException,
     so that a step's own ``except Exception`` does not swallow it)."""
 
-    def __init__(self, input: Tensor) -> None:
+    def __init__(self, call: Call) -> None:
         super().__init__()
-        self.input = input
-
-
-def _single_tensor(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tensor:
-    if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
-        raise config_error(
-            "the pipelined Sequential was called with "
-            f"{len(args)} positional and {len(kwargs)} keyword arguments",
-            "a pipeline passes one tensor from stage to stage",
-            "call it with one tensor",
-        )
-    return args[0]
+        self.call = call
 
 
 @contextmanager
@@ -134,27 +128,27 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-def capture_input(
+def capture_call(
     module: LightningModule,
     sequential: nn.Sequential,
     hook: str,
     batch: Any,
     rest: Tuple[Any, ...],
     kwargs: Dict[str, Any],
-) -> Tensor:
-    """The input the user's ``hook`` passes to the pipelined Sequential for ``batch``.
+) -> Call:
+    """The arguments the user's ``hook`` passes to the pipelined Sequential for ``batch``.
 
     The step runs up to that call only; its ``self.log`` calls are dropped here,
     since the last stage runs the whole step and records them."""
 
-    def capture(*args: Any, **kw: Any) -> Tensor:
-        raise _Captured(_single_tensor(args, kw))
+    def capture(*args: Any, **kw: Any) -> None:
+        raise _Captured((args, kw))
 
     with _routed(sequential, capture), _logging_to(module, _ignore):
         try:
             getattr(module, hook)(batch, *rest, **kwargs)
         except _Captured as captured:
-            return captured.input
+            return captured.call
     raise _never_called(module, hook)
 
 
@@ -168,7 +162,6 @@ class _Answer:
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _single_tensor(args, kwargs)
         self.calls += 1
         if self.calls > 1:
             raise config_error(

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
 from pipeckpt.modes import CheckpointMode
 
@@ -156,6 +157,8 @@ class Schedules:
         self._indices, self._modules, self._trained = list(indices), list(modules), list(trained)
         self._num_stages, self._device, self._group = num_stages, device, group
         self._loss_fn = loss_fn
+        for module in self._modules:
+            module.no_views = kind.traits.split_backward
         self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
 
     def get(
@@ -164,13 +167,17 @@ class Schedules:
         key = (train, microbatches, signature)
         if key in self._cache:
             self._cache.move_to_end(key)
-            return self._cache[key]
+            schedule, stages = self._cache[key]
+            self._point(stages)
+            return schedule, stages
         # Training runs the DDP-wrapped modules; forward-only runs need no gradient reduction.
         submodules = self._trained if train else self._modules
+        boundaries = Boundaries()  # what crosses this schedule's stage boundaries, learnt at its first step
         stages = [
-            LiveStage(m, s, j, self._num_stages, self._device, self._group)
+            LiveStage(m, s, j, self._num_stages, self._device, self._group, boundaries)
             for j, m, s in zip(self._indices, self._modules, submodules)
         ]
+        self._point(stages)
         options: Dict[str, Any] = dict(
             n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
         )
@@ -185,6 +192,11 @@ class Schedules:
         if len(same_kind) > _KEPT:
             del self._cache[same_kind[0]]
         return schedule, stages
+
+    def _point(self, stages: Sequence[LiveStage]) -> None:
+        """The stage modules (shared by every schedule) flatten and rebuild as ``stages``' schedule does."""
+        for stage in stages:
+            stage.stage_module.boundaries = stage.boundaries
 
     def clear(self) -> None:
         self._cache.clear()

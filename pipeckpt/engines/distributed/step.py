@@ -11,7 +11,7 @@
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -20,14 +20,17 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_map
 from pipeckpt._errors import PipeckptWarning
+from pipeckpt.boundary import gather
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
 from pipeckpt.engines.distributed.processes import ProcessGroups
-from pipeckpt.engines.distributed.replay import Microbatches, answering, capture_input, step_loss
+from pipeckpt.engines.distributed.replay import Call, Microbatches, answering, capture_call, step_loss
 from pipeckpt.engines.distributed.schedules import Schedules
+from pipeckpt.engines.distributed.ties import Ties
 from pipeckpt.engines.distributed.topology import microbatches_for
-from pipeckpt.engines.distributed.wiring import LiveStage, StageModule, shape_inference_loss
+from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
 from pipeckpt.gradients import gradients_set_aside
+from pipeckpt.side_inputs import Chain, Signatures
 from pipeckpt.stage import capture_caller_state
 
 __all__: List[str] = []
@@ -45,6 +48,7 @@ class _Run:
     scale: float = 1.0
     recorder: LogRecorder = field(init=False)
     losses: List[Tensor] = field(default_factory=list)
+    calls: Dict[int, Call] = field(default_factory=dict)  # micro-batch -> its captured call (side inputs)
 
     def __post_init__(self) -> None:
         self.recorder = LogRecorder(self.hook)
@@ -67,8 +71,24 @@ class PipelinedStep:
         self.processes, self.chunks, self.device = processes, chunks, device
         self.schedules: Optional[Schedules] = None
         self.gradients: List[Tuple[nn.Parameter, Tensor]] = []
+        self.ties: Optional[Ties] = None
+        self.signatures: Optional[Signatures] = None
+        self.ranges: List[Tuple[int, int]] = []
+        self._may_take: Set[int] = set()  # stages of this rank with a layer that declares keywords
+        self._chains: Dict[FrozenSet[str], bool] = {}
         self._run: Optional[_Run] = None
         self._warned = False
+
+    def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
+        """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
+        self.signatures, self.ranges = signatures, list(ranges)
+        self._may_take = {
+            m.stage.index
+            for m in self.modules
+            if any(
+                lay.var_keyword or lay.names for lay in signatures.layers[slice(*self.ranges[m.stage.index])]
+            )
+        }
 
     def __call__(self, hook: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         module, schedules = self.module, self.schedules
@@ -90,20 +110,24 @@ class PipelinedStep:
         self._run = run
         try:
             if train:
-                params = [p for sm in self.modules for p in sm.parameters() if p.requires_grad]
-                with gradients_set_aside(params) as computed:
+                # A tied weight that two stages of this rank share is one parameter.
+                held = {id(p): p for sm in self.modules for p in sm.parameters() if p.requires_grad}
+                with gradients_set_aside(held.values()) as computed:
                     target = torch.arange(m) if last is not None else None
                     schedule.step(*inputs, target=target, return_outputs=False)
                 self.gradients = computed
             else:
-                output = schedule.step(*inputs)
+                schedule.step(*inputs, return_outputs=False)
                 if last is not None:  # forward only: the step sees the whole batch's output
+                    outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
+                    output = gather(outputs, call=f"{self._name()}(...)")
                     with user_code(), answering(module, self.sequential, output, hook, run.recorder):
                         result = getattr(module, hook)(batch, *rest, **kwargs)
         finally:
             self._run = None
             for stage in stages:
                 stage.last_output = None
+                stage.outputs = []
         payload = None
         if last is not None:
             payload = {
@@ -118,18 +142,58 @@ class PipelinedStep:
         return payload["prediction"] if hook == "predict_step" else result
 
     def take_gradients(self) -> None:
-        """Adds the gradients of the last training step to ``.grad``, as a backward would."""
+        """Adds the gradients of the last training step to ``.grad``, as a backward would; a weight
+        tied across ranks first gets the sum of its copies' gradients."""
+        if self.ties is not None:
+            self.gradients = self.ties.sum_gradients(self.gradients)
         for p, g in self.gradients:
             p.grad = g if p.grad is None else p.grad.add_(g)
         self.gradients = []
 
-    def first_stage_input(self, tensors: Tuple[Tensor, ...]) -> Tensor:
-        """The ``entry`` of the first stage: the user's step up to its Sequential call."""
+    def first_stage_input(self, tensors: Tuple[Tensor, ...]) -> Tuple[Any, Side]:
+        """The ``entry`` of the first stage: the user's step up to its Sequential call, whose
+        input is the pipeline's input; its keywords are the first stage's side inputs."""
         run = self._run
         assert run is not None
         batch = run.microbatches.rebuild(tensors)
         with user_code():
-            return capture_input(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
+            args, kwargs = capture_call(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
+            side = self._side_of(0, args, kwargs)
+        return args[0], side
+
+    def side_inputs(self, stage: int, microbatch: int) -> Side:
+        """Stage ``stage``'s side inputs for ``microbatch``: this rank holds the same batch as the
+        first stage's, so it captures the step's call of the Sequential itself (once per micro-batch)."""
+        if stage not in self._may_take:
+            return None
+        run = self._run
+        assert run is not None
+        call = run.calls.get(microbatch)
+        if call is None:
+            with user_code():
+                call = run.calls[microbatch] = capture_call(
+                    self.module, self.sequential, run.hook, run.microbatches[microbatch], run.rest, run.kwargs
+                )
+        with user_code():
+            return self._side_of(stage, *call)
+
+    def _side_of(self, stage: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Side:
+        assert self.signatures is not None
+        routes = self.signatures.routes(args, kwargs)  # the call checked against the layers' signatures
+        if not kwargs:
+            return None
+        keys = frozenset(kwargs)
+        if keys not in self._chains:  # which layer of each of this rank's stages takes what
+            for m in self.modules:
+                a, b = self.ranges[m.stage.index]
+                m.stage.chain = Chain(list(m.stage.partition), routes[a:b])
+            self._chains = {keys: True}
+        a, b = self.ranges[stage]
+        wanted = {k for r in routes[a:b] for k in r}
+        return {k: v for k, v in kwargs.items() if k in wanted} or None
+
+    def _name(self) -> str:
+        return self.signatures.name if self.signatures is not None else "the pipelined Sequential"
 
     def microbatch_loss(self, output: Any, target: Tensor) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step on micro-batch ``target``."""
@@ -137,6 +201,7 @@ class PipelinedStep:
         assert run is not None
         if run.last is None or not run.last.ran(output):
             return shape_inference_loss(output)
+        output = run.last.boundaries.rebuild_output(run.last.stage_index, output)
         with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
             returned = self.module.training_step(run.microbatches[int(target[0])], *run.rest, **run.kwargs)
         loss = step_loss(returned, run.hook)

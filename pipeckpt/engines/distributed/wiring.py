@@ -14,7 +14,7 @@ user's step. :class:`LiveStage` marks its module live while a micro-batch runs
 and remembers the output, by which the loss function tells the two apart.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,36 +24,70 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from pipeckpt._compat import is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.stage import Stage, side_effect_free
 
 __all__: List[str] = []
 
-Entry = Callable[[Tuple[Tensor, ...]], Tensor]
+Side = Optional[Dict[str, Any]]
+# The first stage's entry: a micro-batch's batch tensors -> the pipeline input and stage 0's side inputs.
+Entry = Callable[[Tuple[Tensor, ...]], Tuple[Any, Side]]
+# Side inputs of stage j's micro-batch i (None: none), for the other stages.
+Sides = Callable[[int, int], Side]
+
+
+def _usable(x: Any) -> Any:
+    """Uninitialised integer tensors (shape inference) as zeros: garbage would index out of range."""
+
+    def fix(t: Any) -> Any:
+        integer = isinstance(t, Tensor) and not (t.is_floating_point() or t.is_complex())
+        return torch.zeros_like(t) if integer else t
+
+    return fix(x) if isinstance(x, Tensor) else tree_map(fix, x)
 
 
 class StageModule(nn.Module):
-    """What a ``PipelineStage`` runs: one :class:`Stage`; on the first stage also the
-    ``entry`` that turns a micro-batch's tensors into the pipeline input."""
+    """What a ``PipelineStage`` runs: one :class:`Stage` between the tensors that cross process
+    boundaries (:class:`Boundaries`); on the first stage also the ``entry`` that turns a
+    micro-batch's tensors into the pipeline input; elsewhere ``sides`` gives the side inputs."""
 
-    def __init__(self, stage: Stage, entry: Optional[Entry]) -> None:
+    def __init__(self, stage: Stage, entry: Optional[Entry], sides: Optional[Sides] = None) -> None:
         super().__init__()
         self.stage = stage
         self._entry = entry
+        self._sides = sides
         self.live = False
+        self.boundaries = Boundaries()  # the running schedule's (Schedules.get sets it)
+        self.names: Tuple[str, ...] = ()
+        self.no_views = False  # set for split-backward schedules, which detach outputs in place
 
-    def forward(self, *inputs: Tensor) -> Tensor:
-        x = self._entry(inputs) if self._entry is not None else inputs[0]
+    def forward(self, *inputs: Tensor) -> Any:
+        j = self.stage.index
+        i = self.stage.next_microbatch if self.live else 0  # shape inference runs on micro-batch 0
+        side: Side = None
+        if self._entry is not None:
+            x, side = self._entry(inputs)
+        else:
+            x = self.boundaries.rebuild(j - 1, inputs)
+            side = self._sides(j, i) if self._sides is not None else None
         if self.live:
-            out: Tensor = self.stage(x)
-            return out
-        if not (x.is_floating_point() or x.is_complex()):
-            x = torch.zeros_like(x)  # uninitialised indices would be out of range
-        with side_effect_free(self.stage.partition):
-            inferred: Tensor = self.stage.partition(x)
-            return inferred
+            out = self.stage(x, side)
+        else:
+            if self._entry is None:
+                x = _usable(x)
+            partition = self.stage.partition
+            with side_effect_free(partition):
+                out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
+        flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
+        if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
+            if isinstance(flat, Tensor):
+                return flat.clone() if is_view(flat) else flat
+            return tuple(t.clone() if is_view(t) else t for t in flat)
+        return flat
 
 
 class LiveStage(PipelineStage):
@@ -67,10 +101,13 @@ class LiveStage(PipelineStage):
         num_stages: int,
         device: torch.device,
         group: dist.ProcessGroup,
+        boundaries: Boundaries,
     ) -> None:
         super().__init__(submodule, index, num_stages, device, group=group)
         self.stage_module = module
+        self.boundaries = boundaries
         self.last_output: Any = None
+        self.outputs: List[Any] = []  # the last stage's micro-batch outputs of a forward-only step
 
     @override
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
@@ -82,7 +119,24 @@ class LiveStage(PipelineStage):
         finally:
             self.stage_module.live = False
         self.last_output = output
+        if self.is_last and not torch.is_grad_enabled():
+            self.outputs.append(output)
         return output
+
+    @override
+    def _send_meta(self, meta: Any, dst_stage: int) -> None:  # named in pipeckpt._compat
+        # The output's structure rides with torch's shape metadata to the next stage.
+        if dst_stage == self.stage_index + 1:
+            meta = (_STRUCTURE, meta, self.boundaries.structure(self.stage_index))
+        super()._send_meta(meta, dst_stage)
+
+    @override
+    def _recv_meta(self, src_stage: int) -> Any:  # named in pipeckpt._compat
+        meta = super()._recv_meta(src_stage)
+        if isinstance(meta, tuple) and len(meta) == 3 and meta[0] == _STRUCTURE:
+            _, meta, structure = meta
+            self.boundaries.put(src_stage, structure)
+        return meta
 
     @override
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
@@ -99,9 +153,27 @@ class LiveStage(PipelineStage):
         return output is self.last_output
 
 
-def shape_inference_loss(output: Tensor) -> Tensor:
+_STRUCTURE = "pipeckpt-structure"
+
+
+def shape_inference_loss(output: Any) -> Tensor:
     """What the loss function returns to shape inference: only its shapes are read."""
-    return output.float().sum() * 0.0
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    if not tensors:
+        return torch.zeros((), requires_grad=True)
+    return sum((t.float().sum() for t in tensors[1:]), tensors[0].float().sum()) * 0.0
+
+
+def _to_meta(part: nn.Module, keep: Set[int]) -> None:
+    """``part``'s parameters and buffers on the meta device, except those in ``keep`` (by id): a
+    tensor that one of this process's stages shares (a tied weight) stays where it is."""
+    for module in part.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in keep:
+                setattr(module, name, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and id(b) not in keep:
+                setattr(module, name, torch.empty_like(b, device="meta"))
 
 
 def build_stages(
@@ -112,19 +184,27 @@ def build_stages(
     device: torch.device,
     pin_memory: bool,
     entry: Entry,
+    sides: Optional[Sides] = None,
+    names: Sequence[str] = (),
 ) -> List[StageModule]:
-    """This process's stages ``mine``; every other stage's layers go to the meta device."""
+    """This process's stages ``mine``; every other stage's layers go to the meta device (but for
+    what they share with ``mine``). ``names``: the user's names of the layers, for messages."""
     parts = split(sequential, plan.balance)
+    keep = {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
     for j, part in enumerate(parts):
         if j not in mine:
-            part.to_empty(device="meta")  # another rank's: keep the structure, free the memory
-    return [
-        StageModule(
+            _to_meta(part, keep)  # another rank's: keep the structure, free the memory
+    modules = []
+    for j in mine:
+        module = StageModule(
             Stage(parts[j], index=j, mode=plan.modes[j], device=device, pin_memory=pin_memory),
             entry=entry if j == 0 else None,
+            sides=sides,
         )
-        for j in mine
-    ]
+        a, b = plan.ranges[j]
+        module.names = tuple(names[a:b])
+        modules.append(module)
+    return modules
 
 
 def data_parallel(

@@ -1,0 +1,113 @@
+"""What crosses a process boundary: any pytree, sent as its tensors with its structure sent once.
+
+``torch.distributed.pipelining`` sends a stage's output to the next process as a tensor
+or a tuple of tensors, and learns their shapes by running every stage once before the
+first micro-batch of a schedule (shape inference), passing each stage's output shapes
+on with ``send_object_list``. A stage here may return any pytree (a dict, a tuple with
+``None``, a Hugging Face ``ModelOutput``, ints and strings among tensors). So:
+
+- a single tensor goes as it is (the fast path, and what it always was);
+- any other output is flattened (:class:`pipeckpt.boundary.Structure`): its tensor leaves
+  are the stage's tuple output, and its tree and non-tensor leaves, recorded during
+  shape inference, ride along with torch's shape metadata to the next stage
+  (:class:`~pipeckpt.engines.distributed.wiring.LiveStage`), which rebuilds the value
+  around the tensors it receives for every micro-batch.
+
+Nothing is declared by the user. A structure belongs to one schedule (one input shape);
+a micro-batch whose output has another tree or other non-tensor values than the one
+inferred is refused by the stage that made it, since the next stage could not rebuild it.
+"""
+
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+from torch import Tensor
+
+from pipeckpt._compat import tree_flatten
+from pipeckpt._errors import config_error
+from pipeckpt.boundary import Structure
+
+__all__ = ["Boundaries"]
+
+Flat = Union[Tensor, Tuple[Tensor, ...]]
+
+
+class _TensorLeaf:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+def _shown(structure: Optional[Structure]) -> str:
+    """The structure as the value it rebuilds, tensors shown as ``<tensor>``."""
+    if structure is None:
+        return "a tensor"
+    return repr(structure.rebuild([_TensorLeaf()] * len(structure.slots)))  # type: ignore[list-item]
+
+
+def _same(a: Optional[Structure], b: Optional[Structure]) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.slots != b.slots or a.spec != b.spec:
+        return False
+    try:
+        return bool(a.leaves == b.leaves)
+    except Exception:  # a leaf whose == is not a bool (an array): compare by identity
+        return all(x is y for x, y in zip(a.leaves, b.leaves))
+
+
+class Boundaries:
+    """The output structures of the stages of one schedule, by stage index (None: a tensor)."""
+
+    def __init__(self) -> None:
+        self._by_stage: Dict[int, Optional[Structure]] = {}
+
+    def structure(self, index: int) -> Optional[Structure]:
+        return self._by_stage.get(index)
+
+    def put(self, index: int, structure: Optional[Structure]) -> None:
+        """The structure of stage ``index``'s output, as received from the process that runs it."""
+        self._by_stage[index] = structure
+
+    def flatten(self, index: int, output: Any, *, inferring: bool, names: Sequence[str] = ()) -> Flat:
+        """Stage ``index``'s ``output`` as tensors to send; while ``inferring``, its structure is
+        recorded, afterwards it must match the recorded one."""
+        if isinstance(output, Tensor):
+            structure: Optional[Structure] = None
+            flat: Flat = output
+        else:
+            leaves, spec = tree_flatten(output)
+            structure = Structure(leaves, spec)
+            flat = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+            if not flat:
+                raise config_error(
+                    f"the output of pipeline stage {index} ({_shown(structure)})",
+                    "the distributed engine sends a stage's tensors to the next process, and this output "
+                    "holds none",
+                    "return at least one tensor (the hidden state) from the last layer of every stage",
+                )
+        if inferring:
+            self._by_stage[index] = structure
+        elif index not in self._by_stage or not _same(self._by_stage[index], structure):
+            self._changed(index, structure, names)
+        return flat
+
+    def _changed(self, index: int, now: Optional[Structure], names: Sequence[str]) -> None:
+        layers = f" (layers {names[0]} to {names[-1]})" if names else ""
+        raise config_error(
+            f"the output of pipeline stage {index}{layers} changed from {_shown(self._by_stage.get(index))} "
+            f"to {_shown(now)}",
+            "the distributed engine learns the structure of what a stage returns (its tree and "
+            "non-tensor values) once per input shape, when it infers shapes, and then sends only tensors",
+            "return the same structure for every micro-batch and step; pass a value that changes as a "
+            "tensor (e.g. torch.tensor(n))",
+        )
+
+    def rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
+        """The value stage ``index`` returned, around the tensors that carry it."""
+        structure = self._by_stage.get(index)
+        if structure is None:
+            return tensors[0]
+        return structure.rebuild(tensors)
+
+    def rebuild_output(self, index: int, flat: Any) -> Any:
+        """The last stage's ``flat`` output (what its module returned) as the user's value."""
+        return self.rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)
