@@ -165,6 +165,7 @@ class Schedules:
         self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]
     ) -> Tuple[Any, List[LiveStage]]:
         key = (train, microbatches, signature)
+        schedule: Any
         if key in self._cache:
             self._cache.move_to_end(key)
             schedule, stages = self._cache[key]
@@ -182,7 +183,7 @@ class Schedules:
             n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
         )
         if self.kind.looped:
-            schedule: Any = self.kind.cls(stages, **options)
+            schedule = self.kind.cls(stages, **options)
         elif train:
             schedule = self.kind.cls(stages[0], **options)
         else:  # forward-only single-stage runs are fill-drain whatever the schedule

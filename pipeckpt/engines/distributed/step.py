@@ -186,7 +186,7 @@ class PipelinedStep:
         if keys not in self._chains:  # which layer of each of this rank's stages takes what
             for m in self.modules:
                 a, b = self.ranges[m.stage.index]
-                m.stage.chain = Chain(list(m.stage.partition), routes[a:b])
+                m.stage.chain = Chain(list(m.stage.partition.children()), routes[a:b])
             self._chains = {keys: True}
         a, b = self.ranges[stage]
         wanted = {k for r in routes[a:b] for k in r}

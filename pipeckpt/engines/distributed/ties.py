@@ -90,7 +90,7 @@ def find_ties(
         for p in part.parameters():
             stages_of.setdefault(id(p), set()).add(j)
             params[id(p)] = p
-    names = {}
+    names: Dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
     mine: List[_Tie] = []
