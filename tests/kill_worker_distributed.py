@@ -1,7 +1,7 @@
 """The processes of the kill -9 trials of tests/test_kill_trials_distributed.py.
 
     python tests/kill_worker_distributed.py kill PLAN.json     # the reference run, then every trial killed
-    python tests/kill_worker_distributed.py resume PLAN.json   # every trial resumed from its newest checkpoint
+    python tests/kill_worker_distributed.py resume PLAN.json   # every trial resumed from its newest one
 
 As in tests/kill_worker.py, this process imports torch and Lightning once and never trains; each
 training is two forked children, rank 0 and rank 1 of a fresh gloo world on a port of its own,
@@ -84,7 +84,11 @@ def train(
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0", LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     probe = Probe(target)
@@ -187,7 +191,9 @@ def kill_targets(reference: List[Dict[str, Any]], trial: Dict[str, Any]) -> Dict
     for rank in trial["ranks"]:
         eligible = [i for i, step in enumerate(reference[rank]["events"][kind]) if step >= first_step]
         if not eligible:
-            raise SystemExit(f"rank {rank} of the reference run had no {kind!r} event at step >= {first_step}")
+            raise SystemExit(
+                f"rank {rank} of the reference run had no {kind!r} event at step >= {first_step}"
+            )
         index = eligible[int(trial["u"] * len(eligible))]
         target: Dict[str, Any] = {"kind": kind, "index": index}
         if kind == "write_bytes":
@@ -202,7 +208,7 @@ def main(phase: str, plan_path: str) -> None:
     ref = plan["reference_dir"]
     if phase == "kill":
         run = functools.partial(train, plan, ref, port=free_port(), target=None, ckpt_path=None, phase=phase)
-        launch(lambda rank: run(rank), ref, phase)
+        launch(run, ref, phase)
         reference = []
         for rank in range(WORLD):
             with open(os.path.join(ref, f"result.rank{rank}.json")) as f:
@@ -214,7 +220,9 @@ def main(phase: str, plan_path: str) -> None:
                 json.dump(targets, f)
             port = free_port()
 
-            def one(rank: int, trial: Dict[str, Any] = trial, targets: Dict[str, Any] = targets, port: int = port) -> None:
+            def one(
+                rank: int, trial: Dict[str, Any] = trial, targets: Dict[str, Any] = targets, port: int = port
+            ) -> None:
                 target = targets.get(str(rank))
                 train(plan, trial["dir"], rank, port=port, target=target, ckpt_path=None, phase=phase)
 
@@ -222,9 +230,15 @@ def main(phase: str, plan_path: str) -> None:
     elif phase == "resume":
         for trial in plan["trials"]:
             run = functools.partial(
-                train, plan, trial["dir"], port=free_port(), target=None, ckpt_path=trial["resume_from"], phase=phase
+                train,
+                plan,
+                trial["dir"],
+                port=free_port(),
+                target=None,
+                ckpt_path=trial["resume_from"],
+                phase=phase,
             )
-            launch(lambda rank: run(rank), trial["dir"], phase)
+            launch(run, trial["dir"], phase)
     else:
         raise SystemExit(f"unknown phase {phase!r}: use 'kill' or 'resume'")
 

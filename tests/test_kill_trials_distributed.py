@@ -129,7 +129,9 @@ def checkpoint_dirs(directory: str) -> List[str]:
 
 def newest(directory: str) -> Tuple[int, str]:
     """(global step, path) of the newest checkpoint: the highest step any directory holds."""
-    return max((sharded.load(p, keys=[], weights_only=True)["global_step"], p) for p in checkpoint_dirs(directory))
+    return max(
+        (sharded.load(p, keys=[], weights_only=True)["global_step"], p) for p in checkpoint_dirs(directory)
+    )
 
 
 def describe(trial: Dict[str, Any]) -> str:
@@ -183,7 +185,9 @@ def test_every_targeted_rank_dies_by_sigkill_and_every_survivor_fails_on_its_own
         status = read(os.path.join(trial["dir"], "status-kill.json"))
         assert not any(s["timed_out"] for s in status), describe(trial)
         killed_by_sigkill = [r for r in (0, 1) if status[r]["signal"] == signal.SIGKILL]
-        failed = [r for r in (0, 1) if status[r]["signal"] is None and status[r]["exit_code"] not in (None, 0)]
+        failed = [
+            r for r in (0, 1) if status[r]["signal"] is None and status[r]["exit_code"] not in (None, 0)
+        ]
         assert sorted(killed_by_sigkill + failed) == [0, 1], describe(trial)
         if len(trial["ranks"]) == 1:
             assert killed_by_sigkill == trial["ranks"], describe(trial)
@@ -208,7 +212,9 @@ def test_a_survivor_names_the_rank_that_was_killed(killed):
         survivor = 1 - lost
         assert status[survivor]["exit_code"] == 1, describe(trial)
         log = Path(trial["dir"], f"rank{survivor}.kill.log").read_text(errors="replace")
-        assert re.search(rf"^pipeckpt: lost rank {lost}\b", log, re.MULTILINE), f"{describe(trial)}\n{log[-3000:]}"
+        assert re.search(rf"^pipeckpt: lost rank {lost}\b", log, re.MULTILINE), (
+            f"{describe(trial)}\n{log[-3000:]}"
+        )
 
 
 def test_no_process_outlives_a_phase(killed, resumed):
@@ -253,8 +259,8 @@ def test_resuming_from_the_newest_checkpoint_ends_bitwise_equal_to_an_uninterrup
     expected = uninterrupted(resumed["reference_dir"])
     for trial in resumed["trials"]:
         status = read(os.path.join(trial["dir"], "status-resume.json"))
-        assert [(s["signal"], s["exit_code"], s["timed_out"]) for s in status] == [(None, 0, False)] * 2, describe(
-            trial
+        assert [(s["signal"], s["exit_code"], s["timed_out"]) for s in status] == [(None, 0, False)] * 2, (
+            describe(trial)
         )
         for rank in (0, 1):
             assert read(os.path.join(trial["dir"], f"result.rank{rank}.json"))["global_step"] == EPOCHS

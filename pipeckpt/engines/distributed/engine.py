@@ -254,7 +254,9 @@ class DistributedEngine(Engine):
         if found.errors:
             message = error_message(me=self.processes.rank, errors=found.errors, describe=describe)
         else:
-            message = lost_message(me=self.processes.rank, lost=found.lost, describe=describe, timeout=timeout)
+            message = lost_message(
+                me=self.processes.rank, lost=found.lost, describe=describe, timeout=timeout
+            )
         print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
         exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 
