@@ -523,7 +523,7 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
     runs = [
         dict(
             name="fault",
-            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
+            strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", timeout=20),
             steps=STEPS,
             die=dict(step=2, microbatch=2),
         )
@@ -531,7 +531,7 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_others_exit(tmp_path):
     procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     died = re.search(r"worker: rank 1 dies at time=([\d.]+)", output)
     assert died, output
-    assert ended is not None and ended - float(died.group(1)) < 60, output
+    assert ended is not None and ended - float(died.group(1)) < 20, output  # within `timeout`
     assert procs[0].returncode != 0, output
     survivor = (tmp_path / "rank0.log").read_text()
     assert re.search(r"lost rank 1 \(pipeline stage 1 of data-parallel replica 0\)", survivor), output
@@ -549,7 +549,8 @@ def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(tmp_path):
     ]
     procs, ended, output = _run_until_rank0_exits(runs, tmp_path)
     hung = re.search(r"worker: rank 1 hangs at time=([\d.]+)", output)
-    assert hung and ended is not None and ended - float(hung.group(1)) < 30, output
+    # The collective runs out of timeout=5; the diagnosis after it takes no fixed wait.
+    assert hung and ended is not None and ended - float(hung.group(1)) < 3 * 5, output
     assert procs[0].returncode != 0, output
     assert "every other rank is alive" in (tmp_path / "rank0.log").read_text(), output
 

@@ -69,7 +69,6 @@ class DistributedEngine(Engine):
         self.modules: List[StageModule] = []
         self.step: Optional[PipelinedStep] = None
         self.ties: Optional[Ties] = None
-        self._launcher: Any = None
         self._device = torch.device("cpu")
 
     @classmethod
@@ -93,8 +92,7 @@ class DistributedEngine(Engine):
 
     def launcher(self, environment: ClusterEnvironment, world: World) -> Any:
         self.processes.world = world
-        self._launcher = self.processes.launcher(environment)
-        return self._launcher
+        return self.processes.launcher(environment)
 
     def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
         self._device = device
@@ -267,24 +265,17 @@ class DistributedEngine(Engine):
         liveness.report(exception)
         if raised_here(exception):
             return  # this rank's own error: it propagates as raised, and the others quote it
-        errors = liveness.errors()
-        lost = None if errors else (self._exited_children() or liveness.lost_ranks())
-        errors = errors or liveness.errors()  # a report may arrive while the beats are watched
+        timeout = float(self.settings.timeout or 0)
+        found = liveness.diagnose(within=min(timeout, liveness.silence_s))
         describe = self.topology.describe
-        if errors:
-            message = error_message(me=self.processes.rank, errors=errors, describe=describe)
+        if found.errors:
+            message = error_message(me=self.processes.rank, errors=found.errors, describe=describe)
         else:
-            timeout = self.settings.timeout or 0
-            message = lost_message(me=self.processes.rank, lost=lost, describe=describe, timeout=timeout)
+            message = lost_message(
+                me=self.processes.rank, lost=found.lost, describe=describe, timeout=timeout
+            )
         print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
         exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
-
-    def _exited_children(self) -> List[int]:
-        """Ranks that Lightning's launcher started from this process and that have exited."""
-        procs = getattr(self._launcher, "procs", None) or []
-        world = self.processes.world
-        base = (self.processes.rank // max(1, world.num_processes)) * world.num_processes
-        return [base + i + 1 for i, proc in enumerate(procs) if proc.poll() is not None]
 
     def teardown(self, module: Optional[LightningModule]) -> None:
         self.processes.close()

@@ -2,29 +2,35 @@
 
 When one process of a pipeline fails, its neighbours see only a transport
 error ("Connection closed by peer") or a timeout, and ranks further down fail
-because their neighbour exited. Three facts, each kept in the rendezvous store,
-tell the survivors what happened:
+because their neighbour exited. Facts kept in the rendezvous store tell the
+survivors what happened, each read with an explicit deadline:
 
 - a rank whose own code raised (the user's step or layers: :func:`user_code`
   marks such exceptions where they are raised) publishes its error's type,
   message and traceback before it unwinds (:meth:`Liveness.report`), and every
   survivor quotes it, naming the rank;
-- every rank beats a counter from a daemon thread; a rank whose counter stands
-  still and that left no word was lost (killed, out of memory, a node gone);
-- otherwise every rank is alive and one is stuck: the survivors' collectives
-  ran out of the ``timeout`` they were given.
+- every rank publishes where it runs (node, PID namespace, PID and the process's
+  start time) when it starts: a survivor on the same node asks the kernel whether
+  that process still exists, and knows at once whether it was lost or is alive;
+- every rank beats a counter from a daemon thread: a rank on another node whose
+  counter moves is alive, and one that stays silent for ``within`` seconds and
+  left no word was lost (killed, out of memory, a node gone);
+- a rank that is alive while a collective failed is stuck: the survivors'
+  collectives ran out of the ``timeout`` they were given.
 
-Counters rather than timestamps, so that clocks of different nodes never meet.
-Ranks that Lightning's launcher started on this node are known at once: their
-process has exited.
+:meth:`Liveness.diagnose` returns as soon as every other rank is accounted for,
+and never later than its deadline. Counters rather than timestamps, so that
+clocks of different nodes never meet.
 """
 
 import json
 import os
+import socket
 import threading
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch.distributed as dist
@@ -34,17 +40,32 @@ __all__: List[str] = []
 _PREFIX = "pipeckpt/liveness/"
 
 
+@dataclass
+class Diagnosis:
+    """What the other ranks were found doing after this rank's communication failed."""
+
+    errors: Dict[int, Dict[str, str]] = field(default_factory=dict)
+    """Ranks whose own code raised: their error's type, message and traceback."""
+    lost: Optional[List[int]] = field(default_factory=list)
+    """Ranks gone without a word; None when the store itself is unreachable."""
+    elapsed_s: float = 0.0
+
+
 class Liveness:
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, period: float = 0.5) -> None:
         self._store = dist.PrefixStore(_PREFIX, store)
         self.rank = rank
         self.world_size = world_size
         self.period = period
+        self.silence_s = 6 * period
+        """How long a rank that no kernel here can see must stay silent to count as lost."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
         self._store.delete_key(f"left/{self.rank}")
+        self._store.delete_key(f"error/{self.rank}")
+        self._store.set(f"process/{self.rank}", json.dumps(this_process()))
         self._store.add(f"beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._beat, name="pipeckpt-liveness", daemon=True)
         self._thread.start()
@@ -80,27 +101,98 @@ class Liveness:
     def errors(self) -> Dict[int, Dict[str, str]]:
         """The errors other ranks' own code raised, by rank."""
         found = {}
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                if self._store.check([f"error/{r}"]):
-                    found[r] = json.loads(self._store.get(f"error/{r}").decode())
-            except Exception:
-                return found
+        for r in self._others():
+            if self._store.check([f"error/{r}"]):
+                found[r] = json.loads(self._store.get(f"error/{r}").decode())
         return found
 
-    def lost_ranks(self, watch_periods: int = 5) -> Optional[List[int]]:
-        """Ranks that stopped beating without leaving word; None when the store
-        itself is unreachable (its host, rank 0 unless torchrun hosts it, is gone)."""
+    def diagnose(self, *, within: float) -> Diagnosis:
+        """Accounts for every other rank: raised (quoted), left (said so), alive (its process
+        exists, or its counter moved) or lost (its process is gone, or it stayed silent for
+        ``within`` seconds). Returns once each is known, at the latest after ``within``."""
+        begun = time.monotonic()
+        deadline = begun + within
+        # Polled, not a blocking store.wait: a counter that moves has no key to wait for, and a
+        # store client serialises its operations, so one blocked wait would stall the beat too.
+        poll = self.period / 5
         try:
-            before = [self._store.add(f"beat/{r}", 0) for r in range(self.world_size)]
-            time.sleep(watch_periods * self.period)
-            after = [self._store.add(f"beat/{r}", 0) for r in range(self.world_size)]
-            left = [self._store.check([f"left/{r}"]) for r in range(self.world_size)]
-        except Exception:
-            return None
-        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and not left[r]]
+            first = {r: self._store.add(f"beat/{r}", 0) for r in self._others()}
+            where = {r: self._process(r) for r in self._others()}
+            pending, lost = set(first), []
+            while True:
+                errors = self.errors()
+                if errors:
+                    return Diagnosis(errors=errors, elapsed_s=time.monotonic() - begun)
+                for r in sorted(pending):
+                    exists = process_exists(where[r])
+                    if exists is False and not self._store.check([f"left/{r}"]):
+                        lost.append(r)
+                    elif not (exists or self._store.check([f"left/{r}"])):
+                        if self._store.add(f"beat/{r}", 0) == first[r]:
+                            continue  # no fact about r yet
+                    pending.discard(r)
+                now = time.monotonic()
+                if not pending or now >= deadline:
+                    break
+                time.sleep(min(poll, deadline - now))
+            errors = self.errors()  # a report may have come in meanwhile
+        except Exception:  # the store's host is gone
+            return Diagnosis(lost=None, elapsed_s=time.monotonic() - begun)
+        if errors:
+            return Diagnosis(errors=errors, elapsed_s=time.monotonic() - begun)
+        return Diagnosis(lost=sorted(lost + list(pending)), elapsed_s=time.monotonic() - begun)
+
+    def _others(self) -> List[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def _process(self, rank: int) -> Optional[Dict[str, object]]:
+        if not self._store.check([f"process/{rank}"]):
+            return None  # it died before it published where it runs
+        return json.loads(self._store.get(f"process/{rank}").decode())
+
+
+# -- a process, as the kernel of the node knows it ----------------------------------------------
+# Hand-written on /proc: psutil would add a dependency for two fields of one file, and Linux is
+# where this engine's jobs run; elsewhere process_exists() knows nothing and the beats decide.
+
+
+_PF_EXITING = 0x4  # linux/sched.h: set as a process starts to exit, before its sockets close
+
+
+def _node() -> Optional[str]:
+    """This node and PID namespace: PIDs compare only between processes that share both."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{socket.gethostname()}/{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> Optional[List[str]]:
+    """The fields of /proc/<pid>/stat after the command name (state first); None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def this_process() -> Dict[str, object]:
+    pid = os.getpid()
+    stat = _stat(pid)
+    return {"node": _node(), "pid": pid, "start": stat[19] if stat else None}
+
+
+def process_exists(where: Optional[Dict[str, object]]) -> Optional[bool]:
+    """Whether the process ``where`` describes still runs; None when this node cannot tell
+    (another node or PID namespace, no /proc, or nothing published)."""
+    if where is None or where["node"] is None or where["node"] != _node():
+        return None
+    stat = _stat(int(str(where["pid"])))
+    if stat is None or stat[0] in ("Z", "X", "x") or int(stat[6]) & _PF_EXITING:
+        return False  # gone, a zombie that its parent has not reaped yet, or on its way out
+    return stat[19] == where["start"]  # another start time: the PID was reused
 
 
 _MARK = "_pipeckpt_raised_here"
