@@ -75,29 +75,8 @@ def _profile(name: str, chunks: int) -> Any:
     return profile(seq, split_batch(x, chunks), loss_fn=loss, target=split_batch(y, chunks), rounds=1)
 
 
-# Measured after the memory model was fitted, when the local engine's checkpoint became one
-# autograd Function per stage (pipeckpt/stage.py) and stage boundaries became pytrees: these
-# recomputing cases now peak 2-20% above the prediction. Strict: each must fail until the
-# model learns the new engine (issue 10), and the others must stay within 10%.
-_MODEL_BEHIND_ENGINE = {
-    ("gpt", "always", 1),
-    ("gpt", "always", 2),
-    ("mlp", "always", 1),
-    ("convnet", "except_last", 2),
-    ("convnet", "except_last", 3),
-    ("convnet", "except_last", 4),
-    ("convnet", "always", 1),
-    ("convnet", "always", 2),
-    ("convnet", "always", 3),
-    ("convnet", "always", 4),
-}
-
-
 def _case(name: str, mode: str, chunks: int) -> Any:
-    marks = []
-    if (name, mode, chunks) in _MODEL_BEHIND_ENGINE:
-        marks.append(pytest.mark.xfail(strict=True, reason="memory model predates the checkpoint Function"))
-    return pytest.param(name, mode, chunks, marks=marks, id=f"{name}-{mode}-{chunks}")
+    return pytest.param(name, mode, chunks, id=f"{name}-{mode}-{chunks}")
 
 
 @pytest.mark.parametrize(
