@@ -42,6 +42,17 @@ def gradients(
     )
 
 
+def accumulate_gradients(
+    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """``torch.autograd.backward(outputs, grad_outputs, inputs=inputs)`` without its Python
+    argument checks, as :func:`gradients`: each input's gradient is added to its ``.grad``
+    (in place where one exists) as soon as it is made."""
+    Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, True
+    )
+
+
 def apply_function(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a ``torch.autograd.Function`` without the Python
     wrapper's per-argument functorch unwrapping and default-argument binding: a stage passes
@@ -198,6 +209,7 @@ from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
 
 __all__ = [
     "BACKWARD_ONE_CHUNK",
+    "accumulate_gradients",
     "FORWARD_ONE_CHUNK",
     "BatchNormBase",
     "DeferredBatchNorm",

@@ -527,8 +527,11 @@ class _StageModel:
         self.layers = p.layers[self.start : self.stop]
         self.inputs: Set[int] = set() if self.first else set(self.layers[0].inputs)
         self.input_bytes = p.bytes_of(self.inputs)
-        self.output_bytes = p.bytes_of(set(self.layers[-1].outputs))
-        self.kept_full = self.bytes(p.saved_union(self.start, self.stop))
+        self.outputs: Set[int] = set(self.layers[-1].outputs)
+        self.output_bytes = p.bytes_of(self.outputs)
+        # A micro-batch that keeps its graph keeps its input and output too: the stage's
+        # Function holds both (with the graph) until its backward ends (pipeckpt/stage.py).
+        self.kept_full = self.bytes(p.saved_union(self.start, self.stop) | self.outputs | self.inputs)
         self.kept_input = self.bytes(self.inputs)
         self.param_bytes = sum(layer.param_bytes for layer in self.layers)
         self.param_tensors = sum(layer.param_tensors for layer in self.layers)
@@ -550,11 +553,13 @@ class _StageModel:
 
     def backward_live(self, *, keep_input: bool) -> List[Tuple[int, int, int, int, int]]:
         """(saved still held, gradient arriving, the layer's backward peak, grads of the layers
-        after it, its largest parameter) while each layer runs backward, last layer first."""
+        after it, its largest parameter) while each layer runs backward, last layer first.
+        The stage's output and the gradient that arrived for it stay held until the stage's
+        backward ends: its Function's backward holds both while autograd runs inside it."""
         out = []
         for k in reversed(range(len(self.layers))):
             layer = self.layers[k]
-            held = self.profile.saved_union(self.start, self.start + k + 1)
+            held = self.profile.saved_union(self.start, self.start + k + 1) | self.outputs
             if keep_input:
                 held |= self.inputs
             after = sum(x.param_bytes for x in self.layers[k + 1 :])
@@ -627,9 +632,9 @@ def _predict_stage(
     recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
     held_output = 0 if local else s.output_bytes
     kept_of = {False: s.kept_full + held_output, True: s.kept_input + held_output}
-    forward = {r: s.forward_live(keep_input=r, save=not r) for r in (False, True)}
+    forward = {r: s.forward_live(keep_input=True, save=not r) for r in (False, True)}
     recompute_live = s.forward_live(keep_input=True, save=True)
-    backward = {r: s.backward_live(keep_input=r) for r in (False, True)}
+    backward = {r: s.backward_live(keep_input=True) for r in (False, True)}
 
     cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
     peak, most = _Peak(), 0
@@ -684,17 +689,18 @@ def _predict_stage(
                     (others + mine + held_output, recv + tail, work),
                     f"B{i} recompute layer {s.start + k}",
                 )
-        for k, (saved, arriving, work, after, largest) in enumerate(backward[recompute]):
+        for k, (saved, arriving, work, after, _largest) in enumerate(backward[recompute]):
             g = grads if grads_done else after
-            if local and backwards_done:
-                # One backward pass over all micro-batches: autograd sums a weight's gradients
-                # in its input buffer out of place, the old sum and the new alive together.
-                work += largest
+            # Each micro-batch adds its gradients into .grad in place (pipeckpt/stage.py), so
+            # no sum over micro-batches waits beside .grad.
             # The gradient arriving at the stage's last layer: the receive buffer (distributed,
             # counted in recv), a view of the gathered batch's (local, last stage: the tail,
-            # freed once the last micro-batch's view is used).
-            if k == 0 and (s.last == local):
-                arriving = 0
+            # freed once the last micro-batch's view is used); it stays held to the end.
+            if k == 0:
+                incoming = 0 if s.last == local else arriving
+                arriving = incoming
+            else:
+                arriving += incoming
             if k == 1 and not cells:
                 tail = 0
             total = static + recv + others + g + saved + held_output + tail + arriving + work

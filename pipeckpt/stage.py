@@ -8,15 +8,22 @@ its per-call frame cost more than the stage's own kernels (measured: see
 parameters, so one autograd Function per micro-batch does the same job: its
 forward runs the partition without building a graph and keeps only the input;
 its backward replays the RNG state and autocast of the forward, runs the
-partition once more with a graph, and returns the gradients of the input *and
-the parameters* (they are the Function's inputs). The parameter gradients thus
-reach the same ``AccumulateGrad`` nodes, in the same micro-batch order, as in
-an uncheckpointed run, so gradients stay bitwise equal to ``never``, also when
-``.grad`` already holds a sum (gradient accumulation). torchgpipe's own
-checkpoint differs on both counts (one global mode; a nested ``backward`` that
-adds to ``.grad`` directly). One limit: a parameter used twice *within* one
-stage sums its two uses before the micro-batches are summed, which can differ
-from ``never`` in the last bit.
+partition once more with a graph, and backpropagates through it.
+
+Gradients, one micro-batch at a time: every micro-batch of a stage with
+parameters to train runs through that Function, checkpointed or not (``keep``
+builds and keeps the graph inside it instead of recomputing), and its backward
+adds the parameters' gradients straight into ``.grad`` (in place where one is
+held) as it makes them. Returned through the graph instead, the gradients of all
+micro-batches would wait for the last one in a sum autograd keeps beside
+``.grad``: with ``.grad`` already holding gradients (accumulation), a whole extra
+copy. Every mode runs the same Function per micro-batch, so the outer graph,
+the order in which micro-batches' gradients arrive and so the sums are the same
+in every mode: gradients stay bitwise equal to ``never``, with ``.grad`` empty
+or full. A stage's output needs a gradient whenever the stage trains, through
+an empty "phony" leaf the Function takes in place of the parameters. One limit:
+a parameter used twice *within* one stage sums its two uses before they reach
+``.grad``, which can differ from an unpipelined run in the last bit.
 
 ``offload`` keeps the stage input in (pinned) host memory until backward.
 
@@ -44,11 +51,11 @@ from torch import Tensor, nn
 from pipeckpt._compat import (
     BatchNormBase,
     TorchDispatchMode,
+    accumulate_gradients,
     apply_function,
     dispatch_mode_stack,
     enable_checkpointing,
     enable_recomputing,
-    gradients,
     pop_dispatch_mode,
     push_dispatch_mode,
 )
@@ -213,23 +220,42 @@ def _offload(x: Tensor, pin_memory: bool) -> Tensor:
 
 
 class _Recompute(torch.autograd.Function):
-    """A stage's micro-batch that keeps only its input and reruns itself in backward."""
+    """A stage's micro-batch that keeps only its input and reruns itself in backward, or
+    (``keep``) one that keeps its graph, built inside: either way its backward adds the
+    parameters' gradients to ``.grad`` itself, one micro-batch at a time (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, stage: "Stage", packing: Packing, n: int, *args: Tensor) -> Any:
-        inputs = args[:n]
-        ctx.stage, ctx.packing, ctx.params = stage, packing, args[n:]
-        ctx.rng = _RngState(stage._cuda)
-        ctx.autocast = _autocast_now()
-        ctx.step = stage._step
-        with enable_checkpointing():
-            output = stage._run_packed(packing, inputs)
+    def forward(
+        ctx: Any,
+        stage: "Stage",
+        packing: Packing,
+        params: Tuple[nn.Parameter, ...],
+        keep: bool,
+        n: int,
+        *args: Tensor,
+    ) -> Any:
+        inputs = args[:n]  # args[n:]: the stage's phony, when it has parameters to train
+        ctx.stage, ctx.packing, ctx.params, ctx.phonies = stage, packing, params, len(args) - n
+        ctx.kept = None
+        if keep:
+            inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
+            with torch.enable_grad():
+                output = stage._run_packed(packing, inputs)
+        else:
+            ctx.rng = _RngState(stage._cuda)
+            ctx.autocast = _autocast_now()
+            ctx.step = stage._step
+            with enable_checkpointing():
+                output = stage._run_packed(packing, inputs)
         ctx.flat = False
         if not isinstance(packing, Call):
             output, structure = flat_output(output)
             if structure is not None:  # e.g. (tensor, None) or a dict: the stage rebuilds it
                 stage._structure, ctx.flat = structure, True
-        if stage.mode.offloads and stage._cuda is not None:
+        if keep:
+            ctx.kept = (output, inputs)
+            output = output.detach() if isinstance(output, Tensor) else tuple(o.detach() for o in output)
+        elif stage.mode.offloads and stage._cuda is not None:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
         else:
@@ -244,6 +270,10 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        if ctx.kept is not None:
+            output, inputs = ctx.kept
+            ctx.kept = None
+            return _Recompute._gradients(ctx, output, inputs, grads)
         stage: Stage = ctx.stage
         if ctx.offloaded is not None:
             inputs = [
@@ -253,7 +283,6 @@ class _Recompute(torch.autograd.Function):
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        params = ctx.params
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):
@@ -276,18 +305,25 @@ class _Recompute(torch.autograd.Function):
                 now.restore()
             if ctx.flat:
                 output = flat_output(output)[0]
-            if isinstance(output, Tensor):
-                pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
-            else:
-                pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
-            wrt = [x for x in inputs if x.requires_grad]
-            wrt += params
-            found: Sequence[Optional[Tensor]] = [None] * len(wrt)
-            if pairs and wrt:
-                found = gradients([o for o, _ in pairs], [g for _, g in pairs], wrt)
-        it = iter(found)
-        input_grads = [next(it) if x.requires_grad else None for x in inputs]
-        return (None, None, None, *input_grads, *it)
+            return _Recompute._gradients(ctx, output, inputs, grads)
+
+    @staticmethod
+    def _gradients(
+        ctx: Any, output: TensorOrTensors, inputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]]
+    ) -> Tuple[Optional[Tensor], ...]:
+        if isinstance(output, Tensor):
+            pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
+        else:
+            pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
+        wrt = [x for x in inputs if x.requires_grad]
+        if pairs and (wrt or ctx.params):
+            # The parameters' gradients go straight into ``.grad``, as this micro-batch's
+            # backward makes each one: returned instead, autograd would sum them over the
+            # step's micro-batches in a buffer of its own beside ``.grad`` (a whole extra
+            # copy of the gradients when ``.grad`` already holds some: accumulation).
+            accumulate_gradients([o for o, _ in pairs], [g for _, g in pairs], [*wrt, *ctx.params])
+        input_grads = [x.grad if x.requires_grad else None for x in inputs]
+        return (None, None, None, None, None, *input_grads, *([None] * ctx.phonies))
 
 
 class Stage(nn.Module):
@@ -323,6 +359,7 @@ class Stage(nn.Module):
         self._cuda = device if device.type == "cuda" else None
         self._norm_list: Optional[List[nn.Module]] = None
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
+        self._phony_leaf: Optional[Tensor] = None
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
 
     @property
@@ -355,10 +392,13 @@ class Stage(nn.Module):
         return self._forward(i, input, side)
 
     def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
-        if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
-            if side is None and _tensor_or_tensors(input):
-                return self._checkpointed(input)
-            return self._checkpointed_call(Call(self._chain, (input,), side or {}), self._trainable())
+        if torch.is_grad_enabled():
+            keep = not self.mode.recomputes(i, self._num_microbatches)
+            if not keep or self._trainable():
+                if side is None and _tensor_or_tensors(input):
+                    return self._checkpointed(input, keep)
+                call = Call(self._chain, (input,), side or {})
+                return self._checkpointed_call(call, self._trainable(), keep)
         if side:
             self.forward_calls += 1
             return self._chain(input, **side)
@@ -396,19 +436,34 @@ class Stage(nn.Module):
             self._params = tuple(p for p in self._all_params if p.requires_grad)
         return self._params
 
-    def _checkpointed(self, input: TensorOrTensors) -> TensorOrTensors:
+    def _phony(self, params: Sequence[nn.Parameter]) -> Tuple[Tensor, ...]:
+        """An empty leaf that needs a gradient, handed to ``_Recompute`` in place of the
+        parameters (which it does not return gradients for), so that its output needs a
+        gradient whenever the stage has parameters to train, as a plain run's would."""
+        if not params:
+            return ()
+        if self._phony_leaf is None:
+            self._phony_leaf = torch.empty(0, device=self.device, requires_grad=True)
+        return (self._phony_leaf,)
+
+    def _checkpointed(self, input: TensorOrTensors, keep: bool) -> TensorOrTensors:
         atomic = isinstance(input, Tensor)
         inputs = (input,) if atomic else tuple(input)
         params = self._trainable()
-        output = apply_function(_Recompute, self, atomic, len(inputs), *inputs, *params)
+        output = apply_function(
+            _Recompute, self, atomic, params, keep, len(inputs), *inputs, *self._phony(params)
+        )
         if self._structure is not None:
             structure, self._structure = self._structure, None
             return structure.rebuild((output,) if isinstance(output, Tensor) else output)
         return output
 
-    def _checkpointed_call(self, call: Call, params: Sequence[nn.Parameter]) -> Any:
+    def _checkpointed_call(self, call: Call, params: Sequence[nn.Parameter], keep: bool) -> Any:
         inputs = call.tensors()
-        outputs = apply_function(_Recompute, self, call, len(inputs), *inputs, *params)
+        params = tuple(params)
+        outputs = apply_function(
+            _Recompute, self, call, params, keep, len(inputs), *inputs, *self._phony(params)
+        )
         return call.output(outputs)
 
     def call_layer(
@@ -434,8 +489,10 @@ class Stage(nn.Module):
         args: Any,
         kwargs: Dict[str, Any],
     ) -> Any:
-        if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
-            return self._checkpointed_call(Call(fn, args, kwargs), params)
+        if torch.is_grad_enabled():
+            keep = not self.mode.recomputes(i, self._num_microbatches)
+            if not keep or params:
+                return self._checkpointed_call(Call(fn, args, kwargs), params, keep)
         self.forward_calls += 1
         return fn(*args, **kwargs)
 

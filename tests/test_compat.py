@@ -197,6 +197,15 @@ def test_gradients_match_autograd_grad_and_leave_grad_empty():
     assert w.grad is None
 
 
+def test_accumulate_gradients_adds_to_grad_in_place_like_autograd_backward():
+    w = nn.Parameter(torch.tensor([2.0, 3.0]))
+    x = torch.tensor([1.0, 4.0], requires_grad=True)
+    w.grad = held = torch.tensor([10.0, 20.0])
+    _compat.accumulate_gradients([w * x], [torch.ones(2)], [x, w])
+    assert w.grad is held and torch.equal(held, torch.tensor([11.0, 24.0]))
+    assert torch.equal(x.grad, torch.tensor([2.0, 3.0]))
+
+
 def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
     class Double(torch.autograd.Function):
         @staticmethod

@@ -21,6 +21,7 @@ from stage_memory import StageTracker, measure_local_step, split_batch
 
 from pipeckpt._compat import MemTracker
 from pipeckpt._errors import PipeckptConfigError
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.memory import (
     fake_mode,
     op_order,
@@ -74,29 +75,8 @@ def _profile(name: str, chunks: int) -> Any:
     return profile(seq, split_batch(x, chunks), loss_fn=loss, target=split_batch(y, chunks), rounds=1)
 
 
-# Measured after the memory model was fitted, when the local engine's checkpoint became one
-# autograd Function per stage (pipeckpt/stage.py) and stage boundaries became pytrees: these
-# recomputing cases now peak 2-20% above the prediction. Strict: each must fail until the
-# model learns the new engine (issue 10), and the others must stay within 10%.
-_MODEL_BEHIND_ENGINE = {
-    ("gpt", "always", 1),
-    ("gpt", "always", 2),
-    ("mlp", "always", 1),
-    ("convnet", "except_last", 2),
-    ("convnet", "except_last", 3),
-    ("convnet", "except_last", 4),
-    ("convnet", "always", 1),
-    ("convnet", "always", 2),
-    ("convnet", "always", 3),
-    ("convnet", "always", 4),
-}
-
-
 def _case(name: str, mode: str, chunks: int) -> Any:
-    marks = []
-    if (name, mode, chunks) in _MODEL_BEHIND_ENGINE:
-        marks.append(pytest.mark.xfail(strict=True, reason="memory model predates the checkpoint Function"))
-    return pytest.param(name, mode, chunks, marks=marks, id=f"{name}-{mode}-{chunks}")
+    return pytest.param(name, mode, chunks, id=f"{name}-{mode}-{chunks}")
 
 
 @pytest.mark.parametrize(
@@ -248,3 +228,29 @@ def test_a_profile_of_other_layers_is_a_config_error() -> None:
 def test_an_unknown_schedule_is_a_config_error() -> None:
     with pytest.raises(PipeckptConfigError, match="schedule='zbv'"):
         op_order("zbv", stages=2, microbatches=2)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_an_accumulating_always_step_allocates_no_second_copy_of_the_gradients(name: str) -> None:
+    # With .grad empty the step must create the gradients; with .grad held, each micro-batch's
+    # gradients are added into it in place, so the step's new memory peaks lower by at least
+    # half the gradients' bytes (before the fix autograd summed the micro-batches in a buffer
+    # beside .grad: both peaks were equal).
+    torch.set_num_threads(1)
+    seq, x, y, loss = _model(name)
+    stage_plan = plan(seq, devices=[CPU], stages=3, checkpoint="always", chunks=4)
+    engine = LocalPipeline(seq, stage_plan, chunks=4, pin_memory=False)
+    grads = sum(p.numel() * p.element_size() for p in seq.parameters())
+    peaks = []
+    for held in (False, True):
+        seq.zero_grad(set_to_none=True)
+        if held:
+            for p in seq.parameters():
+                p.grad = torch.zeros_like(p)
+        tracker = StageTracker(1)
+        tracker.exclude([*seq.parameters(), *seq.buffers(), x, y, *[p.grad for p in seq.parameters()]])
+        with tracker:
+            loss(engine.forward(x), y).backward()
+        peaks.append(tracker.total_peak)
+    seq.zero_grad(set_to_none=True)
+    assert peaks[1] <= peaks[0] - grads // 2, (peaks, grads)
