@@ -121,7 +121,7 @@ def test_the_strategy_builds_the_plan_choose_picks_under_the_budget() -> None:
     strategy = PipelineStrategy(
         stages=2, chunks=4, checkpoint="auto", memory_budget=budget, memory_optimizer="adamw"
     )
-    trainer, model, data = _fit(strategy)
+    trainer, _, _ = _fit(strategy)
     auto = strategy.auto_plan
     assert auto is not None and trainer.global_step == 2
     assert strategy.plan.modes == auto.choice.modes
