@@ -2,27 +2,29 @@
 
 Why this is exact without trying every combination: in the memory model a stage's memory depends
 on its own mode only (its layers, the chunks and the schedule fixed), so the feasible plans are a
-product of per-stage feasible sets. And the modes' recomputed micro-batches nest (never within
-except_last within always = offload), so moving any stage to a mode that recomputes less never
-lengthens an op, and the step time, the longest path through the schedule's ops, never grows.
-The fastest plan under the budget is therefore, per stage, the feasible mode that recomputes
-least; chunks and balances, when given as candidates, are tried one by one.
+product of per-stage feasible sets. When the candidate modes' recomputed micro-batches nest (never
+within except_last within always = offload), moving any stage to a mode that recomputes less never
+lengthens an op, and the step time, the longest path through the schedule's ops, never grows: the
+fastest plan under the budget is, per stage, the feasible mode that recomputes least. Modes that
+do not nest (granularity inside a stage, selective recompute) trade differently, so then every
+combination of the per-stage feasible sets is predicted (a prediction takes well under a
+millisecond). Chunks and balances, when given as candidates, are tried one by one.
 tests/test_auto.py checks the result against brute force over every combination.
 """
 
 import itertools
-import re
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from pipeckpt._errors import config_error
-from pipeckpt.memory import ModelProfile, Prediction, predict, with_balance
+from pipeckpt.memory import ModelProfile, Prediction, StageMemory, predict, with_balance
 from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, CheckpointMode, parse_modes
 from pipeckpt.planning import StagePlan
+from pipeckpt.sizes import human, parse_bytes
 
-__all__ = ["Choice", "choose", "parse_bytes", "DEFAULT_MODES"]
+__all__ = ["Choice", "choose", "parse_bytes", "DEFAULT_MODES", "TERMS", "MAX_COMBINATIONS"]
 
 #: The modes ``choose`` considers by default (offload is ``always`` plus host copies; add it on CUDA).
 DEFAULT_MODES: Tuple[CheckpointMode, ...] = (NEVER, EXCEPT_LAST, ALWAYS)
@@ -44,16 +46,19 @@ def _recompute_rank(mode: CheckpointMode, chunks: int) -> Tuple[int, bool]:
     return (sum(1 for i in range(chunks) if mode.recomputes(i, chunks)), mode.offloads)
 
 
-def _check_nested(modes: Sequence[CheckpointMode], chunks: int) -> None:
+def _nested(modes: Sequence[CheckpointMode], chunks: int) -> bool:
+    """Whether each mode's recomputed micro-batches include those of every mode ranked before it,
+    and the modes differ in nothing else the time model sees (whole-stage recompute)."""
+    if any(_WHOLE_STAGE_FIELDS != set(vars(m)) for m in modes):
+        return False  # a mode with more knobs (granularity, selective) than whole-stage recompute
     sets = sorted(({i for i in range(chunks) if m.recomputes(i, chunks)} for m in modes), key=len)
-    for small, large in itertools.pairwise(sets):
-        if not small <= large:
-            raise config_error(
-                f"candidate modes {[m.name for m in modes]}",
-                "choose needs modes whose recomputed micro-batches nest (each recomputes a superset of the "
-                "one before), or a faster mode could use more memory in a way the search does not see",
-                "use the built-in modes never, except_last, always, offload",
-            )
+    return all(small <= large for small, large in itertools.pairwise(sets))
+
+
+_WHOLE_STAGE_FIELDS = {"name", "checkpoints", "recompute_last", "offloads"}
+
+#: At most this many per-stage mode combinations are predicted for one (chunks, balance).
+MAX_COMBINATIONS = 50_000
 
 
 def choose(
@@ -91,9 +96,9 @@ def choose(
     candidates = [parse_modes([m], 1)[0] for m in modes]
     balance_options = [tuple(b) for b in balances] if balances is not None else [tuple(balance)]
     best: Optional[Choice] = None
-    smallest: Optional[Tuple[int, int, int, Tuple[int, ...]]] = None  # (budget, stage, chunks, balance)
+    smallest: Optional[Tuple[int, StageMemory, int, Tuple[int, ...]]] = None  # budget, stage, chunks, balance
     for c in chunk_options:
-        _check_nested(candidates, c)
+        nested = _nested(candidates, c)
         ranked = sorted(candidates, key=lambda m: _recompute_rank(m, c))
         for b in balance_options:
             per_mode = {
@@ -108,41 +113,65 @@ def choose(
                 )
                 for m in ranked
             }
-            picked: List[CheckpointMode] = []
-            need = []
+            fits: List[List[CheckpointMode]] = []
+            need: List[Tuple[int, StageMemory]] = []
             for j in range(len(b)):
-                fits = [m for m in ranked if per_mode[m.name].stages[j].peak <= budget_bytes]
-                need.append(min(per_mode[m.name].stages[j].peak for m in ranked))
-                if fits:
-                    picked.append(fits[0])
-            least = max(need)
-            if smallest is None or least < smallest[0]:
-                smallest = (least, need.index(least), c, b)
-            if len(picked) < len(b):
+                fits.append([m for m in ranked if per_mode[m.name].stages[j].peak <= budget_bytes])
+                cheapest = min((per_mode[m.name].stages[j] for m in ranked), key=lambda s: s.peak)
+                need.append((cheapest.peak, cheapest))
+            decisive = max(range(len(b)), key=lambda j: need[j][0])
+            if smallest is None or need[decisive][0] < smallest[0]:
+                smallest = (need[decisive][0], need[decisive][1], c, b)
+            if not all(fits):
                 continue
-            prediction = predict(
-                by_chunks[c],
-                with_balance(_cpu_plan(b), b, picked),
-                chunks=c,
-                optimizer=optimizer,
-                schedule=schedule,
-                accumulating=accumulating,
-                shared_device=shared_device,
-            )
-            key = (prediction.step_time_s, prediction.peak)
-            if best is None or key < (best.prediction.step_time_s, best.prediction.peak):
-                best = Choice(modes=tuple(picked), balance=b, chunks=c, prediction=prediction)
+            combos = [tuple(f[0] for f in fits)] if nested else _combinations(fits)
+            for picked in combos:
+                prediction = predict(
+                    by_chunks[c],
+                    with_balance(_cpu_plan(b), b, picked),
+                    chunks=c,
+                    optimizer=optimizer,
+                    schedule=schedule,
+                    accumulating=accumulating,
+                    shared_device=shared_device,
+                )
+                key = (prediction.step_time_s, prediction.peak)
+                if best is None or key < (best.prediction.step_time_s, best.prediction.peak):
+                    best = Choice(modes=tuple(picked), balance=b, chunks=c, prediction=prediction)
     if best is None:
         assert smallest is not None
         least, stage, c, b = smallest
+        term, size = max(((t, getattr(stage, t)) for t in TERMS), key=lambda kv: kv[1])
         raise config_error(
-            f"memory budget {_human(budget_bytes)}",
-            f"no plan fits: the smallest feasible budget is {_human(least)} ({least} bytes), decided by "
-            f"stage {stage} (layers {sum(b[:stage])}-{sum(b[: stage + 1]) - 1}) with chunks={c}, "
-            f"balance={list(b)} in its least-memory mode",
-            f"raise memory.budget to at least {_human(least)}, or add chunks, stages or devices",
+            f"memory budget {human(budget_bytes)}",
+            f"no plan fits: the smallest feasible budget is {human(least)} ({least} bytes), decided by "
+            f"stage {stage.stage} (layers {stage.layers[0]}-{stage.layers[1] - 1}) with chunks={c}, "
+            f"balance={list(b)} in its least-memory mode {stage.mode}, whose largest term is {term} "
+            f"({human(size)}; {_terms(stage)})",
+            f"raise memory.budget to at least {human(least)}, or add chunks, stages or devices",
         )
     return best
+
+
+def _combinations(fits: Sequence[Sequence[CheckpointMode]]) -> List[Tuple[CheckpointMode, ...]]:
+    count = 1
+    for f in fits:
+        count *= len(f)
+    if count > MAX_COMBINATIONS:
+        raise config_error(
+            f"{count} per-stage mode combinations",
+            f"choose predicts at most {MAX_COMBINATIONS} combinations of modes that do not nest",
+            "pass fewer candidate modes, or fewer stages",
+        )
+    return list(itertools.product(*fits))
+
+
+#: The parts of a stage's peak, as :class:`~pipeckpt.memory.StageMemory` names them.
+TERMS = ("params", "grads", "optimizer", "activations", "boundary", "working")
+
+
+def _terms(stage: StageMemory) -> str:
+    return ", ".join(f"{t} {human(getattr(stage, t))}" for t in TERMS)
 
 
 def _cpu_plan(balance: Sequence[int]) -> StagePlan:
@@ -154,31 +183,3 @@ def _cpu_plan(balance: Sequence[int]) -> StagePlan:
 def with_balance_modes(balance: Sequence[int], mode: CheckpointMode) -> StagePlan:
     """A plan of ``balance`` with ``mode`` on every stage."""
     return with_balance(_cpu_plan(balance), balance, (mode,) * len(balance))
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30})
-
-
-def parse_bytes(value: Union[int, float, str]) -> int:
-    """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        number, unit = (float(match.group(1)), match.group(2).upper()) if match else (-1.0, "?")
-    if unit not in _UNITS or number <= 0:
-        raise config_error(
-            f"memory budget {value!r}",
-            "must be a positive size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
-            "write it as e.g. 20GiB or 512MiB",
-        )
-    return int(number * _UNITS[unit])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -145,6 +145,15 @@ class CkptConfig:
     pin_memory: bool = MISSING  # offload into pinned host memory (CUDA)
 
 
+@dataclass
+class MemoryConfig:
+    """``ckpt=auto``'s budget and search (the strategy's ``memory_*`` settings)."""
+
+    budget: Any = MISSING  # bytes per device: null, a number, or "20GiB" / "512MiB"
+    search: List[str] = MISSING  # what auto chooses: modes, chunks, balance
+    optimizer: str = MISSING  # whose state the memory model counts: sgd, momentum, adam, adamw
+
+
 # -- trainer/, logger/, callbacks ------------------------------------------------------
 
 
@@ -180,6 +189,7 @@ class TrainConfig:
     data: Any = MISSING
     strategy: Any = MISSING  # PipeStrategyConfig or NamedStrategyConfig
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: Any = None  # a Lightning logger (_target_), or None for none
     callbacks: Any = None  # name -> callback (_target_)

@@ -41,6 +41,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.planning import StagePlan
+from pipeckpt.sizes import OPTIMIZERS
 
 __all__ = [
     "LayerProfile",
@@ -58,8 +59,6 @@ __all__ = [
 #: Schedules the model knows: the local engine, and torch's single-stage schedules by name.
 SCHEDULES = ("local", "gpipe", "1f1b")
 
-#: Optimizer state per parameter, in units of the parameter's bytes (Adam's step counters aside).
-OPTIMIZERS: Dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 
 Loss = Callable[[Tensor, Any], Tensor]
 

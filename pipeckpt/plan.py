@@ -7,19 +7,22 @@ builds the model and one batch of its data, profiles one micro-batch
 ``memory.*`` overrides, taken out before Hydra sees them::
 
     python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
-    python -m pipeckpt.plan strategy.chunks=8 +memory.budget=2GiB          # + PNG, + auto choice
-    python -m pipeckpt.plan model.size=small +memory.fake=true +memory.dtype=bfloat16
+    python -m pipeckpt.plan strategy.chunks=8 memory.budget=2GiB            # + PNG, + auto choice
+    python -m pipeckpt.plan ckpt=auto memory.budget=200MiB memory.search=[modes,chunks]
+    python -m pipeckpt.plan model.size=small memory.fake=true memory.dtype=bfloat16
 
-``memory.budget`` (bytes per device, e.g. ``2GiB``): marks each stage against it, prints the modes
+``memory.budget``, ``memory.search`` and ``memory.optimizer`` are the configs' own (``conf/train.yaml``,
+what ``ckpt=auto`` plans to). With a budget the table marks each stage against it, prints the plan
 :func:`pipeckpt.auto.choose` picks under it and writes the PNG (stacked bars per stage, the budget
-as a line) to ``memory.png`` (default ``memory_plan.png``). ``memory.optimizer``: sgd, momentum,
-adam (default) or adamw. ``memory.schedule``: default ``local``, or the strategy's torch schedule
-under ``strategy.engine=distributed``. ``memory.fake``: build the model on fake tensors (a model
-larger than this machine; times from FLOPs). ``memory.dtype``: the parameters' dtype.
+as a line) to ``memory.png`` (default ``memory_plan.png``); under ``ckpt=auto`` the table is the
+chosen plan's, as ``train.py`` would run it. The command's own options: ``memory.schedule``:
+default ``local``, or the strategy's torch schedule under ``strategy.engine=distributed``;
+``memory.fake``: build the model on fake tensors (a model larger than this machine; times from
+FLOPs); ``memory.dtype``: the parameters' dtype; ``memory.png``: where the PNG goes.
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,10 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.auto import choose, parse_bytes
+from pipeckpt.budget import resolve_auto
 from pipeckpt.config import register
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.memory import OPTIMIZERS, Prediction, fake_mode, predict, profile
 from pipeckpt.planning import plan as make_plan
+from pipeckpt.settings import PipeSettings
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
 
@@ -52,17 +57,24 @@ class MemoryOptions:
     png: Optional[str] = None
 
 
+#: ``memory.*`` keys the configs define (``conf/train.yaml``); the others are this command's own.
+CONFIG_KEYS = ("budget", "search", "optimizer")
+
+
 def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
-    """The ``memory.*`` overrides (with or without ``+``) as options; the rest for Hydra."""
+    """The command's own ``memory.*`` overrides (with or without ``+``) as options; the rest,
+    the configs' ``memory.*`` keys included, for Hydra."""
     values: Dict[str, str] = {}
     rest = []
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
-        if key.startswith("memory.") and sep:
+        if key.startswith("memory.") and sep and key[len("memory.") :] not in CONFIG_KEYS:
             values[key[len("memory.") :]] = value
+        elif key.startswith("memory.") and sep:
+            rest.append(arg.lstrip("+"))  # the configs define it: a plain override
         else:
             rest.append(arg)
-    known = {"budget", "optimizer", "schedule", "fake", "dtype", "png"}
+    known = {"schedule", "fake", "dtype", "png", *CONFIG_KEYS}
     unknown = sorted(set(values) - known)
     if unknown:
         raise config_error(
@@ -70,13 +82,8 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             f"is not an option of the plan command ({sorted(known)})",
             "drop or fix it",
         )
-    optimizer = values.get("optimizer", "adam").lower()
-    if optimizer not in OPTIMIZERS:
-        raise config_error(f"memory.optimizer={optimizer}", f"must be one of {list(OPTIMIZERS)}", "pick one")
     return (
         MemoryOptions(
-            budget=parse_bytes(values["budget"]) if "budget" in values else None,
-            optimizer=optimizer,
             schedule=values.get("schedule"),
             fake=values.get("fake", "false").lower() in ("1", "true", "yes"),
             dtype=values.get("dtype"),
@@ -105,12 +112,19 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
+    optimizer = str(cfg.memory.optimizer).lower()
+    if optimizer not in OPTIMIZERS:
+        raise config_error(f"memory.optimizer={optimizer}", f"must be one of {list(OPTIMIZERS)}", "pick one")
+    budget = parse_bytes(cfg.memory.budget) if cfg.memory.budget is not None else None
+    options = replace(options, budget=budget, optimizer=optimizer)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     container = OmegaConf.to_container(cfg.strategy, resolve=True)
     assert isinstance(container, dict)
     strategy: Dict[str, Any] = {str(k): v for k, v in container.items()}
+    if strategy.get("checkpoint") != "auto":  # a budget here only marks the stages against it
+        strategy.update(memory_budget=None, memory_search=None)
     if "_target_" not in strategy:
         raise config_error(
             f"strategy={strategy.get('name')!r}",
@@ -146,6 +160,12 @@ def _predict(
     chunks: int,
     options: MemoryOptions,
 ) -> Tuple[Prediction, Optional[str]]:
+    if strategy.get("checkpoint") == "auto":
+        settings = PipeSettings(**{k: v for k, v in strategy.items() if k != "_target_"})
+        auto = resolve_auto(
+            settings, sequential, devices=[torch.device("cpu")], batch=inputs, target=targets, loss_fn=_loss
+        )
+        return auto.choice.prediction, auto.describe()
     stage_plan = make_plan(
         sequential,
         devices=[torch.device("cpu")],

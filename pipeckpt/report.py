@@ -19,8 +19,11 @@ How it measures, with hooks on the user's own layers (so any engine works):
   stage" to "gradient leaves it" would be wrong: the autograd engine
   interleaves the nodes of different stages and micro-batches.) A run of the
   first layer while torchgpipe's ``is_recomputing()`` is set (pipeckpt's
-  stages set it) is counted as one recomputed micro-batch. On CUDA every hook
-  synchronises the device, so host clocks see finished kernels.
+  stages set it) is counted as one recomputed micro-batch. On CUDA a hook
+  records an event on the current stream (no synchronisation: waiting for
+  the device at every node would serialise host and device and cost more
+  than the step's own work); the events are read once, at the end of the
+  step, after a single synchronisation. On CPU a hook reads the host clock.
 * Activation memory: an engine may run stages on threads of its own, and both
   ``saved_tensors_hooks`` and dispatch modes are thread-local, so the probe
   runs inside the layers: every layer's pre-hook enters a dispatch mode that
@@ -133,9 +136,30 @@ class _AllocationProbe(TorchDispatchMode):
 
 
 def _now(device: torch.device) -> float:
+    """The host clock once ``device`` has finished its queued work (step boundaries only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+Mark = Any  # a host time (float) or a recorded torch.cuda.Event
+
+
+def _mark(device: torch.device) -> Mark:
+    """A point in ``device``'s time, without waiting for it: a CUDA event on the current stream,
+    or the host clock (CPU work has finished when the host reaches the hook)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def _seconds(start: Mark, end: Mark) -> float:
+    """Seconds between two marks; CUDA events must have completed (synchronise first)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
 
 
 def _device_of(args: tuple[Any, ...]) -> torch.device:
@@ -174,6 +198,9 @@ class _Probe:
         self.forward_s: dict[int, float] = defaultdict(float)
         self.backward_s: dict[int, float] = defaultdict(float)
         self.recomputed: dict[int, int] = defaultdict(int)
+        # (stage, forward?, start mark, end mark), read by resolve() at the end of the step
+        self._spans: list[tuple[int, bool, Mark, Mark]] = []
+        self._devices = devices
         self._seen: set[Node] = set()
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
@@ -187,6 +214,15 @@ class _Probe:
                 for layer in children[first:stop]:
                     self._handles.append(layer.register_forward_pre_hook(self._push(stage)))
                     self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+
+    def resolve(self) -> None:
+        """Adds the step's recorded spans to the times (one synchronisation per CUDA device)."""
+        for device in set(self._devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        for stage, forward, start, end in self._spans:
+            (self.forward_s if forward else self.backward_s)[stage] += _seconds(start, end)
+        self._spans.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -220,12 +256,12 @@ class _Probe:
                 # pipeckpt's stages recompute in backward, then backpropagate the recomputed
                 # graph: both are this stage's backward time.
                 self.recomputed[stage] += 1
-                self._state().recompute[stage] = _now(_device_of(args))
+                self._state().recompute[stage] = _mark(_device_of(args))
                 return
             first = args[0] if args else None
             device = first.device if isinstance(first, Tensor) else torch.device("cpu")
             grad_fn = first.grad_fn if isinstance(first, Tensor) else None
-            self._state().open[stage] = (_now(device), grad_fn)
+            self._state().open[stage] = (_mark(device), grad_fn)
 
         return pre_hook
 
@@ -234,7 +270,7 @@ class _Probe:
             if is_recomputing():
                 start = self._state().recompute.pop(stage, None)
                 if start is not None and isinstance(output, Tensor):
-                    self.backward_s[stage] += _now(output.device) - start
+                    self._spans.append((stage, False, start, _mark(output.device)))
                     if output.grad_fn is not None:
                         for node in _stage_nodes(output, None, self._seen):
                             self._time_node(node, stage, output.device)
@@ -243,7 +279,7 @@ class _Probe:
             if entry is None or not isinstance(output, Tensor):
                 return
             start, stop = entry
-            self.forward_s[stage] += _now(output.device) - start
+            self._spans.append((stage, True, start, _mark(output.device)))
             if output.grad_fn is not None:
                 for node in _stage_nodes(output, stop, self._seen):
                     self._time_node(node, stage, output.device)
@@ -251,14 +287,14 @@ class _Probe:
         return hook
 
     def _time_node(self, node: Node, stage: int, device: torch.device) -> None:
-        started: list[float] = []
+        started: list[Mark] = []
 
         def before(grad_outputs: Any) -> None:
-            started.append(_now(device))
+            started.append(_mark(device))
 
         def after(grad_inputs: Any, grad_outputs: Any) -> None:
             if started:
-                self.backward_s[stage] += _now(device) - started.pop()
+                self._spans.append((stage, False, started.pop(), _mark(device)))
 
         self._handles.append(node.register_prehook(before))
         self._handles.append(node.register_hook(after))
@@ -352,6 +388,7 @@ class StageReport(L.Callback):
             return
         step = _now(trainer.strategy.root_device) - self._started
         probe.remove()
+        probe.resolve()
         if probe.memory:
             self._peak = dict(probe.ledger.peak)
         timing = (step, dict(probe.forward_s), dict(probe.backward_s), dict(probe.recomputed))

@@ -17,8 +17,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
 from pipeckpt.modes import CheckpointMode, parse_modes
+from pipeckpt.sizes import OPTIMIZERS, parse_bytes
 
-__all__ = ["PipeSettings", "BALANCE_BY", "check_balance_by"]
+__all__ = ["PipeSettings", "BALANCE_BY", "MEMORY_SEARCH", "check_balance_by"]
 
 BALANCE_BY = ("params", "time", "memory")
 
@@ -47,8 +48,23 @@ class PipeSettings:
     checkpoint: Any = field(
         default="except_last",
         metadata=_help(
-            "one mode for all stages, or a list of one per stage: never, except_last, always, offload"
+            "one mode for all stages, or a list of one per stage: never, except_last, always, offload; "
+            "or 'auto': chosen per stage under memory_budget"
         ),
+    )
+    memory_budget: Optional[Any] = field(
+        default=None,
+        metadata=_help(
+            "checkpoint='auto': bytes per device the plan must fit, e.g. '20GiB', '512MiB' or a number"
+        ),
+    )
+    memory_search: Optional[Any] = field(  # Any: a typed list field refuses the configs' interpolation
+        default=None,
+        metadata=_help("checkpoint='auto': what it chooses: a list of modes, chunks, balance"),
+    )
+    memory_optimizer: str = field(
+        default="adam",
+        metadata=_help("checkpoint='auto': the optimizer whose state it counts: sgd, momentum, adam, adamw"),
     )
     placement: Optional[List[int]] = field(
         default=None,
@@ -93,7 +109,9 @@ class PipeSettings:
                 "set checkpoint to a mode name (never, except_last, always, offload) or a list such as "
                 "['always', 'never']",
             )
-        parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
+        if self.checkpoint != "auto":
+            parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
+        _check_memory_settings(self)
         if self.balance is not None:
             object.__setattr__(self, "balance", [int(b) for b in self.balance])
         if self.placement is not None:
@@ -228,4 +246,43 @@ def _check_engine_settings(s: PipeSettings) -> None:
             f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
             "a collective needs a positive, finite time limit",
             "set timeout in seconds, e.g. 60",
+        )
+
+
+MEMORY_SEARCH = ("modes", "chunks", "balance")
+
+
+def _check_memory_settings(s: PipeSettings) -> None:
+    """``checkpoint='auto'`` and the ``memory_*`` settings that drive it."""
+    if s.checkpoint == "auto" and s.memory_budget is None:
+        raise config_error(
+            "checkpoint='auto' without memory_budget",
+            "auto chooses each stage's mode to fit a memory budget, so it needs one",
+            "set memory_budget (bytes per device, e.g. '20GiB'; memory.budget=20GiB in the configs)",
+        )
+    if s.checkpoint != "auto" and s.memory_budget is not None:
+        raise config_error(
+            f"memory_budget={s.memory_budget!r} with checkpoint={s.checkpoint!r}",
+            "the budget is what checkpoint='auto' plans to; with modes given, nothing uses it",
+            "set checkpoint='auto' (ckpt=auto in the configs), or drop memory_budget",
+        )
+    if s.memory_budget is not None:
+        parse_bytes(s.memory_budget)
+    search = s.memory_search
+    if search is not None:
+        if isinstance(search, str) or not isinstance(search, (list, tuple)) or not search:
+            search = [search]
+        bad = [v for v in search if v not in MEMORY_SEARCH]
+        if bad or "modes" not in search:
+            raise config_error(
+                f"memory_search={s.memory_search!r}",
+                f"is a list of {list(MEMORY_SEARCH)} that includes modes",
+                "e.g. memory_search=['modes', 'chunks'] (memory.search=[modes,chunks] in the configs)",
+            )
+        object.__setattr__(s, "memory_search", list(search))
+    if s.memory_optimizer not in OPTIMIZERS:
+        raise config_error(
+            f"memory_optimizer={s.memory_optimizer!r}",
+            f"the memory model counts the state of {list(OPTIMIZERS)}",
+            "name the optimizer your configure_optimizers returns (adamw for the bundled models)",
         )

@@ -29,7 +29,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -89,6 +89,7 @@ class PipelineStrategy(ParallelStrategy):
         self.settings = settings
         self.engine: Engine = engine(settings)
         self.num_nodes = 1
+        self.auto_plan: Optional[Any] = None  # checkpoint='auto': pipeckpt.budget.AutoPlan, once set up
 
     # -- topology ---------------------------------------------------------------
 
@@ -164,6 +165,8 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None
         self.engine.check_module(module, self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
+        if self.settings.checkpoint == "auto":
+            self._choose_plan(trainer, module)
         self.engine.build(
             module, pipelined_sequential(module), self.parallel_devices or [torch.device("cpu")]
         )
@@ -176,6 +179,28 @@ class PipelineStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 _optimizer_state_to_param_devices(optimizer)
         self._route_gradient_clipping()
+
+    def _choose_plan(self, trainer: Trainer, module: Any) -> None:
+        """``checkpoint='auto'``: the plan under ``memory_budget``, chosen once (on rank 0) and
+        written into the settings every engine builds from (:mod:`pipeckpt.budget`)."""
+        from pipeckpt.budget import resolve_auto, sample_batch
+
+        sequential = pipelined_sequential(module)
+        chosen: List[Any] = [None]
+        if self.global_rank == 0:
+            batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
+            chosen[0] = resolve_auto(
+                self.settings,
+                sequential,
+                devices=self.parallel_devices or [torch.device("cpu")],
+                batch=batch,
+                target=target,
+                loss_fn=loss_fn,
+                accumulating=trainer.accumulate_grad_batches > 1,
+            )
+        self.auto_plan = self.broadcast(chosen[0])
+        self.settings = self.engine.settings = self.auto_plan.settings
+        rank_zero_info(self.auto_plan.describe())
 
     @override
     def model_to_device(self) -> None:

@@ -131,3 +131,33 @@ def test_budgets_parse_with_units() -> None:
     assert parse_bytes(4096) == 4096
     with pytest.raises(PipeckptConfigError, match="memory budget '2 parsecs'"):
         parse_bytes("2 parsecs")
+
+
+def test_modes_that_do_not_nest_are_searched_exhaustively_and_match_brute_force(monkeypatch) -> None:
+    import pipeckpt.auto as auto
+
+    monkeypatch.setattr(auto, "_nested", lambda modes, chunks: False)  # as granularity modes would be
+    for budget in _budgets([4], [BALANCE])[::2]:
+        expected = _brute_force(budget, [4], [BALANCE])
+        if expected is None:
+            continue
+        got = choose(PROFILES[4], budget, balance=BALANCE, chunks=4)
+        assert got.prediction.step_time_s == pytest.approx(expected, rel=1e-12), budget
+
+
+def test_the_infeasible_error_names_the_largest_term_of_the_deciding_stage() -> None:
+    from pipeckpt.auto import TERMS
+
+    least = [
+        min(
+            (predict(PROFILES[4], _plan(BALANCE, (m,) * 3), chunks=4).stages[j] for m in DEFAULT_MODES),
+            key=lambda s: s.peak,
+        )
+        for j in range(3)
+    ]
+    decisive = max(least, key=lambda s: s.peak)
+    term = max(TERMS, key=lambda t: getattr(decisive, t))
+    with pytest.raises(PipeckptConfigError) as error:
+        choose(PROFILES[4], decisive.peak - 1, balance=BALANCE, chunks=4)
+    assert f"decided by stage {decisive.stage} " in str(error.value)
+    assert f"whose largest term is {term} " in str(error.value)

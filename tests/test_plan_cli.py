@@ -45,3 +45,36 @@ def test_a_bad_budget_is_a_configuration_error(tmp_path: Path) -> None:
     result = _plan("model=mlp", "+memory.budget=lots", cwd=tmp_path)
     assert result.returncode == 1
     assert "Configuration error: memory budget 'lots'" in result.stderr
+
+
+def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_batch() -> None:
+    import torch
+
+    from pipeckpt.contract import pipelined_sequential
+    from pipeckpt.memory import predict, profile
+    from pipeckpt.plan import COLUMNS, _loss, format_prediction, run
+    from pipeckpt.planning import plan
+
+    torch.set_num_threads(1)
+    overrides = ["model=mlp", "strategy.stages=3", "ckpt=always", "memory.optimizer=adam"]
+    prediction, _, _ = run(overrides)
+    # Independently: the same model (seed 0), batch and plan, through memory.py directly.
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from pipeckpt.plan import CONF, _batch
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    inputs, targets = _batch(cfg)
+    torch.manual_seed(cfg.seed)
+    seq = pipelined_sequential(instantiate(cfg.model))
+    stage_plan = plan(seq, devices=[torch.device("cpu")], stages=3, checkpoint="always", chunks=4)
+    chunks = cfg.strategy.chunks
+    fitted = profile(seq, inputs.chunk(chunks)[0], loss_fn=_loss, target=targets.chunk(chunks)[0], rounds=1)
+    expected = predict(fitted, stage_plan, chunks=chunks, optimizer="adam", schedule="local")
+    for got, want in zip(prediction.stages, expected.stages, strict=True):
+        assert [getattr(got, c) for c in (*COLUMNS, "peak")] == [getattr(want, c) for c in (*COLUMNS, "peak")]
+    rows = [line.split() for line in format_prediction(prediction).splitlines()[2:5]]
+    for row, want in zip(rows, expected.stages, strict=True):
+        assert row[3:9] == [f"{getattr(want, c) / 2**20:.2f}" for c in COLUMNS]

@@ -198,10 +198,13 @@ class GPT(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.layers(tokens)
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss on the pipeline's output (``checkpoint='auto'`` profiles its memory too)."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
-        logits = self.layers(tokens)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.pipeline_loss(self.layers(tokens), targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -1,0 +1,200 @@
+"""``checkpoint="auto"`` under ``memory_budget``: the plan chosen before the stages are built.
+
+Why here and not in an engine: the choice needs the model, one batch and the settings, and
+nothing an engine builds; once made it is ordinary settings (a mode per stage, chunks, a
+balance), so every engine builds what it would have built from the same settings written by
+hand. The choice itself is :func:`pipeckpt.auto.choose` over profiles of one micro-batch
+(:func:`pipeckpt.memory.profile`) for each candidate chunk count.
+
+Where the batch comes from: the module's ``example_input_array`` (the pipeline's input), else
+the first batch of the trainer's datamodule, whose first element is taken as the pipeline's
+input and whose second, if the module has a ``pipeline_loss(output, target)`` method, as the
+target of that loss (its memory sits on the last stage). Without a loss, backward starts from a
+gradient of ones.
+"""
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from pipeckpt._compat import tree_flatten
+from pipeckpt._errors import config_error
+from pipeckpt.auto import DEFAULT_MODES, Choice, choose, parse_bytes
+from pipeckpt.memory import SCHEDULES, ModelProfile, profile
+from pipeckpt.planning import plan as make_plan
+from pipeckpt.settings import PipeSettings
+
+__all__ = [
+    "AutoPlan",
+    "resolve_auto",
+    "sample_batch",
+    "chunk_candidates",
+    "balance_candidates",
+    "first_microbatch",
+]
+
+#: Above this many balances, the search keeps to balances near the default one.
+MAX_BALANCES = 2000
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The settings with the chosen plan written in, and the choice behind them."""
+
+    settings: PipeSettings
+    choice: Choice
+    budget: int
+
+    def describe(self) -> str:
+        p = self.choice.prediction
+        peaks = ", ".join(f"{s.peak / 2**20:.1f}" for s in p.stages)
+        return (
+            f"checkpoint=auto under {self.budget / 2**20:.1f} MiB per device: "
+            f"checkpoint={[m.name for m in self.choice.modes]}, chunks={self.choice.chunks}, "
+            f"balance={list(self.choice.balance)}; predicted peak per stage [{peaks}] MiB, "
+            f"step {p.step_time_s * 1e3:.1f} ms ({p.schedule} schedule)"
+        )
+
+
+def first_microbatch(batch: Any, chunks: int) -> Any:
+    """The first of ``chunks`` micro-batches of ``batch`` (tensors cut along dimension 0)."""
+    if isinstance(batch, Tensor):
+        return batch.chunk(chunks)[0]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(first_microbatch(b, chunks) for b in batch)
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+    return int(leaves[0].shape[0]) if leaves else 1
+
+
+def chunk_candidates(batch_size: int, configured: int) -> List[int]:
+    """Chunk counts that cut the batch evenly: powers of two, the configured count, the batch size."""
+    counts = {configured} | {2**k for k in range(batch_size.bit_length()) if 2**k <= batch_size}
+    return sorted(c for c in counts if batch_size % c == 0)
+
+
+def balance_candidates(layers: int, stages: int, around: Sequence[int]) -> List[Tuple[int, ...]]:
+    """Every balance of ``layers`` into ``stages`` non-empty stages, or, when they are more than
+    :data:`MAX_BALANCES`, those whose every cut lies within two layers of ``around``'s."""
+    cut_sets: Iterable[Tuple[int, ...]]
+    if _compositions(layers, stages) <= MAX_BALANCES:
+        cut_sets = itertools.combinations(range(1, layers), stages - 1)
+    else:
+        around_cuts = list(itertools.accumulate(around))[:-1]
+        cut_sets = itertools.product(*[range(c - 2, c + 3) for c in around_cuts])
+    out = []
+    for cuts in cut_sets:
+        edges = (0, *cuts, layers)
+        sizes = tuple(b - a for a, b in itertools.pairwise(edges))
+        if all(s >= 1 for s in sizes):
+            out.append(sizes)
+    return out
+
+
+def _compositions(n: int, k: int) -> int:
+    from math import comb
+
+    return comb(n - 1, k - 1)
+
+
+def resolve_auto(
+    settings: PipeSettings,
+    sequential: nn.Sequential,
+    *,
+    devices: Sequence[torch.device],
+    batch: Any,
+    target: Any = None,
+    loss_fn: Optional[Callable[[Tensor, Any], Tensor]] = None,
+    accumulating: bool = False,
+) -> AutoPlan:
+    """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
+    ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
+    of the pipeline's input (the whole batch; it is cut into micro-batches here)."""
+    assert settings.memory_budget is not None  # PipeSettings requires it with checkpoint="auto"
+    budget = parse_bytes(settings.memory_budget)
+    search = set(settings.memory_search or ["modes"])
+    schedule = "local" if settings.engine == "local" else str(settings.resolved().schedule).lower()
+    if schedule not in SCHEDULES:
+        raise config_error(
+            f"checkpoint='auto' with schedule={settings.schedule!r}",
+            f"the memory model knows the schedules {list(SCHEDULES)}",
+            "choose the modes yourself (python -m pipeckpt.plan predicts them), or use gpipe or 1f1b",
+        )
+    if settings.engine != "local" and settings.stage_count is None:
+        raise config_error(
+            "checkpoint='auto' with engine='distributed' and no stages or balance",
+            "auto plans a fixed number of stages",
+            "set stages (or balance)",
+        )
+    base = make_plan(
+        sequential,
+        devices=devices,
+        stages=settings.stage_count,
+        balance=settings.balance,
+        balance_by="params",  # the starting balance; profiled balances need a device pass of their own
+        checkpoint="never",
+        placement=settings.placement,
+        chunks=settings.chunks,
+    )
+    size = _batch_size(batch)
+    chunk_options = chunk_candidates(size, settings.chunks) if "chunks" in search else [settings.chunks]
+    profiles: Dict[int, ModelProfile] = {
+        c: profile(
+            sequential,
+            first_microbatch(batch, c),
+            loss_fn=loss_fn,
+            target=first_microbatch(target, c) if target is not None else None,
+            rounds=2,
+        )
+        for c in chunk_options
+    }
+    balances = balance_candidates(len(sequential), base.stages, base.balance) if "balance" in search else None
+    shared = settings.engine == "local" and len(set(base.devices)) == 1 and base.stages > 1
+    choice = choose(
+        profiles,
+        budget,
+        balance=base.balance,
+        chunks=chunk_options,
+        optimizer=settings.memory_optimizer,
+        schedule=schedule,
+        modes=DEFAULT_MODES,
+        balances=balances,
+        accumulating=accumulating,
+        shared_device=shared,
+    )
+    chosen = replace(
+        settings,
+        checkpoint=[m.name for m in choice.modes],
+        chunks=choice.chunks,
+        balance=list(choice.balance),
+        stages=None,
+        memory_budget=None,
+        memory_search=None,
+    )
+    return AutoPlan(settings=chosen, choice=choice, budget=budget)
+
+
+def sample_batch(module: Any, datamodule: Any) -> Tuple[Any, Any, Optional[Callable[[Tensor, Any], Tensor]]]:
+    """(pipeline input batch, target, loss) for profiling: the module's ``example_input_array``,
+    else the datamodule's first training batch (see the module docstring)."""
+    loss_fn = getattr(module, "pipeline_loss", None)
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return example, None, None
+    if datamodule is None:
+        raise config_error(
+            f"checkpoint='auto' for {type(module).__name__} without a datamodule",
+            "auto profiles one batch of the pipeline's input before training",
+            "set example_input_array on the module (a batch of the pipeline's input), or pass a datamodule",
+        )
+    batch = next(iter(datamodule.train_dataloader()))
+    if isinstance(batch, (tuple, list)) and len(batch) >= 1:
+        target = batch[1] if len(batch) > 1 and callable(loss_fn) else None
+        return batch[0], target, loss_fn if target is not None else None
+    return batch, None, None

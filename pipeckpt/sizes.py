@@ -1,0 +1,42 @@
+"""Memory sizes as users write them (``20GiB``), and the per-optimizer state factor.
+
+Both are read by the settings' model-free checks and by the memory model above
+them, so they live below both; neither needs torch."""
+
+import re
+from typing import Dict, List, Union
+
+from pipeckpt._errors import config_error
+
+__all__: List[str] = ["OPTIMIZERS", "human", "parse_bytes"]
+
+#: Optimizer state per parameter, in units of the parameter's bytes (Adam's step counters aside).
+OPTIMIZERS: Dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30})
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        number, unit = (float(match.group(1)), match.group(2).upper()) if match else (-1.0, "?")
+    if unit not in _UNITS or number <= 0:
+        raise config_error(
+            f"memory budget {value!r}",
+            "must be a positive size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
+            "write it as e.g. 20GiB or 512MiB",
+        )
+    return int(number * _UNITS[unit])
+
+
+def human(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at or above 1."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
