@@ -47,7 +47,8 @@ class PipeSettings:
     checkpoint: Any = field(
         default="except_last",
         metadata=_help(
-            "one mode for all stages, or a list of one per stage: never, except_last, always, offload"
+            "one mode for all stages, or a list of one per stage: never, except_last, always, offload, "
+            "selective; ':k' checkpoints every k layers apart, '+selective' keeps matmul outputs"
         ),
     )
     placement: Optional[List[int]] = field(
@@ -90,8 +91,8 @@ class PipeSettings:
             raise config_error(
                 f"checkpoint={self.checkpoint!r}",
                 "must be a mode name or a list of mode names, one per stage",
-                "set checkpoint to a mode name (never, except_last, always, offload) or a list such as "
-                "['always', 'never']",
+                "set checkpoint to a mode name (never, except_last, always, offload, selective, each "
+                "optionally with :k or +selective) or a list such as ['always:1', 'never']",
             )
         parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
         if self.balance is not None:

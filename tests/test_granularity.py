@@ -158,3 +158,17 @@ def test_segments_hold_one_segment_of_activations_at_a_time_in_backward():
     assert saved_activation_peak("always") == 1 + 3 * 2
     # per layer: the 3 segment inputs, plus one layer's recompute at a time
     assert saved_activation_peak("always:1") == 3 + 2
+
+
+@pytest.mark.parametrize(
+    "overrides, checkpoint",
+    [
+        (["ckpt=per_layer"], "always:1"),
+        (["ckpt=selective"], "selective"),
+        (["ckpt.modes=[always:2,except_last+selective]"], ["always:2", "except_last+selective"]),
+    ],
+)
+def test_granular_and_selective_modes_reach_the_strategy_from_hydra(tmp_path, overrides, checkpoint):
+    from test_configs import build, compose_train
+
+    assert build(compose_train(tmp_path, *overrides))["strategy"].settings.checkpoint == checkpoint
