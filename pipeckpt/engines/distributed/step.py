@@ -85,8 +85,8 @@ class PipelinedStep:
         caller = capture_caller_state()
         orders = schedules.orders(schedule, m) if train else {}
         for stage_module in self.modules:
-            stage = stage_module.stage
-            stage.begin_step(m, caller, order=orders.get(stage.index))
+            own = stage_module.stage
+            own.begin_step(m, caller, order=orders.get(own.index))
         inputs = microbatches.tensors if any(s.is_first for s in stages) else ()
         result = None
         self._run = run
