@@ -133,6 +133,40 @@ def schedule_op_order(
     return out
 
 
+def live_op_order(schedule: Any) -> List[Tuple[int, str, int]]:
+    """The compute actions (stage index, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch) that a live
+    multi-stage torch schedule runs on its own pipeline rank, in order: its public
+    ``pipeline_order`` holds torch's private ``_Action`` tuples, read here by field name."""
+    out: List[Tuple[int, str, int]] = []
+    for action in schedule.pipeline_order[schedule.rank]:
+        if action is None or action.microbatch_index is None:
+            continue
+        kind = str(action.computation_type.value)
+        out.append((int(action.stage_index), kind, int(action.microbatch_index)))
+    return out
+
+
+# The aten kernels selective checkpointing keeps (matrix products, fused attention): the
+# attention and scaled-mm kernels have only underscored names (there is no public op
+# namespace for them); missing ones (another build) are skipped.
+SAC_SAVED_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def sac_saved_ops() -> List[Any]:
+    """The overload packets of :data:`SAC_SAVED_OP_NAMES` this torch has."""
+    return [getattr(torch.ops.aten, n) for n in SAC_SAVED_OP_NAMES if hasattr(torch.ops.aten, n)]
+
+
 # -- torch.distributed.pipelining -----------------------------------------------------
 
 # A schedule calls PipelineStage.forward_one_chunk for every micro-batch and runs the
@@ -234,11 +268,14 @@ __all__ = [
     "join_dependency",
     "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
+    "live_op_order",
     "microbatch",
     "module_memory",
     "optimizers_to_device",
     "pop_dispatch_mode",
     "push_dispatch_mode",
+    "SAC_SAVED_OP_NAMES",
+    "sac_saved_ops",
     "schedule_op_order",
     "set_module_device",
     "sync_ddp_if_available",

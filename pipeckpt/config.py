@@ -141,7 +141,8 @@ class NamedStrategyConfig:
 
 @dataclass
 class CkptConfig:
-    modes: Any = MISSING  # never | except_last | always | offload, or a list of them, one per stage
+    # never | except_last | always | offload | selective, each [+selective][:k]; or a list, one per stage
+    modes: Any = MISSING
     pin_memory: bool = MISSING  # offload into pinned host memory (CUDA)
 
 

@@ -1,18 +1,34 @@
 """Activation checkpoint modes, as objects.
 
-A mode answers two questions for one stage: does micro-batch ``i`` of ``m``
-drop its activations and recompute them in backward, and are the kept stage
-inputs moved to host memory? Engines ask the mode; no code compares mode
-strings. torchgpipe has one global mode and no offload, so per-stage modes and
-offload live here, independent of any engine.
+A mode answers, for one stage: does micro-batch ``i`` drop its activations and recompute
+them in backward, in segments of how many layers, keeping which tensors, and are the kept
+inputs moved to host memory? Engines ask the mode; no code compares mode strings.
+torchgpipe has one global mode at whole-stage granularity and no offload, so per-stage
+modes, granularity, selective checkpointing and offload live here, independent of any engine.
+
+A mode is written ``<base>[+selective][:<k>]``:
+
+- ``base``: ``never``, ``except_last``, ``always``, ``offload``, or ``selective`` (short for
+  ``always+selective``);
+- ``:k``: checkpoint every ``k`` layers of the stage as one segment (``:1``: each layer)
+  instead of the whole stage at once; the backward peak then holds one segment's recompute,
+  not the whole stage's;
+- ``+selective``: torch's selective activation checkpointing (SAC): the outputs of the
+  matrix multiplications and attention kernels are kept from the forward, everything else
+  (activations, norms, dropout, ...) is recomputed.
+
+Refused, each with an error naming the value: ``never`` with ``:k`` or ``+selective`` (nothing
+is recomputed), ``offload+selective`` (offload moves a stage's kept *inputs* to the host, SAC
+keeps matmul *outputs* on the device: the two do not compose into one saving).
 """
 
-from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple, Union
+import re
+from dataclasses import dataclass, replace
+from typing import AbstractSet, Dict, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
 
-__all__ = ["CheckpointMode", "NEVER", "EXCEPT_LAST", "ALWAYS", "OFFLOAD", "parse_modes"]
+__all__ = ["CheckpointMode", "NEVER", "EXCEPT_LAST", "ALWAYS", "OFFLOAD", "SELECTIVE", "parse_modes"]
 
 ModeSpec = Union[str, "CheckpointMode", Sequence[Union[str, "CheckpointMode"]]]
 
@@ -21,24 +37,36 @@ ModeSpec = Union[str, "CheckpointMode", Sequence[Union[str, "CheckpointMode"]]]
 class CheckpointMode:
     """How one pipeline stage trades memory for recomputation.
 
-    ``recompute_last`` is False only for ``except_last``: under the local engine
-    the last micro-batch of a step runs backward first (torchgpipe drains in
-    reverse), so recomputing it would buy no memory, only time. torch's GPipe and
-    1F1B (distributed engine) run it last: the same micro-batches are recomputed,
-    but the mode saves less memory there.
+    ``recompute_last`` is False only for ``except_last``, which keeps the micro-batches whose
+    recompute buys no memory: those the engine's op order names (:func:`pipeckpt.order.kept`:
+    the micro-batch whose backward comes first on the stage, and any whose backward follows
+    its forward with nothing between). Under the local engine that is the last micro-batch
+    (torchgpipe drains backward in reverse); under torch's GPipe and 1F1B it is micro-batch 0,
+    and on the last stage of 1F1B every micro-batch. ``always`` recomputes every micro-batch
+    whatever the order.
+
+    ``every``: layers per checkpointed segment (None: the whole stage as one). ``selective``:
+    keep the matmul outputs (torch's SAC) instead of only the segment inputs.
     """
 
     name: str
     checkpoints: bool
     recompute_last: bool
     offloads: bool
+    every: Optional[int] = None
+    selective: bool = False
 
-    def recomputes(self, microbatch: int, num_microbatches: int) -> bool:
-        """Whether micro-batch ``microbatch`` (0-based) of ``num_microbatches``
-        keeps only its stage input and recomputes the stage in backward."""
+    def recomputes(
+        self, microbatch: int, num_microbatches: int, *, keep: Optional[AbstractSet[int]] = None
+    ) -> bool:
+        """Whether micro-batch ``microbatch`` (0-based) of ``num_microbatches`` keeps only its
+        (segments') inputs and recomputes in backward. ``keep``: the micro-batches the engine's
+        op order lets ``except_last`` keep; default the local engine's, the last one."""
         if not self.checkpoints:
             return False
-        return self.recompute_last or microbatch < num_microbatches - 1
+        if self.recompute_last:
+            return True
+        return microbatch not in (keep if keep is not None else {num_microbatches - 1})
 
     def __str__(self) -> str:
         return self.name
@@ -48,21 +76,64 @@ NEVER = CheckpointMode("never", checkpoints=False, recompute_last=False, offload
 EXCEPT_LAST = CheckpointMode("except_last", checkpoints=True, recompute_last=False, offloads=False)
 ALWAYS = CheckpointMode("always", checkpoints=True, recompute_last=True, offloads=False)
 OFFLOAD = CheckpointMode("offload", checkpoints=True, recompute_last=True, offloads=True)
+SELECTIVE = CheckpointMode("selective", checkpoints=True, recompute_last=True, offloads=False, selective=True)
 
-MODES: Dict[str, CheckpointMode] = {m.name: m for m in (NEVER, EXCEPT_LAST, ALWAYS, OFFLOAD)}
+MODES: Dict[str, CheckpointMode] = {m.name: m for m in (NEVER, EXCEPT_LAST, ALWAYS, OFFLOAD, SELECTIVE)}
+
+_SYNTAX = re.compile(r"^(?P<base>[a-z_]+)(?P<selective>\+selective)?(?::(?P<every>[^:]*))?$")
+_HINT = (
+    "write <base>[+selective][:<k>] with base one of never, except_last, always, offload, selective, e.g. "
+    "'always:1' (each layer), 'except_last+selective', 'selective:2'; in the configs `ckpt=<name>` or "
+    "`ckpt.modes=[...]`"
+)
 
 
 def _one(spec: Union[str, CheckpointMode]) -> CheckpointMode:
     if isinstance(spec, CheckpointMode):
         return spec
-    try:
-        return MODES[str(spec)]
-    except KeyError:
+    text = str(spec)
+    if text in MODES:
+        return MODES[text]
+    found = _SYNTAX.match(text)
+    if found is None or found["base"] not in MODES:
         raise config_error(
             f"checkpoint mode {spec!r}",
-            f"is not one of {', '.join(MODES)}",
-            "set `checkpoint` (`ckpt=<name>` or `ckpt.modes=[...]` in the configs) to one of those names",
-        ) from None
+            f"is not one of {', '.join(MODES)}, optionally with +selective and :k",
+            _HINT,
+        )
+    mode = MODES[found["base"]]
+    if found["selective"]:
+        if not mode.checkpoints or mode.offloads:
+            raise config_error(
+                f"checkpoint mode {spec!r}",
+                "never recomputes nothing, so there is nothing to select"
+                if not mode.checkpoints
+                else "offload keeps the stage's inputs on the host while selective keeps matmul outputs on "
+                "the device; the two do not compose",
+                "use except_last+selective or selective (= always+selective), or offload without +selective",
+            )
+        mode = replace(mode, selective=True)
+    if found["every"] is not None:
+        every = found["every"]
+        if not every.isdigit() or int(every) < 1:
+            raise config_error(
+                f"checkpoint mode {spec!r}",
+                f"the segment length {every!r} must be a whole number >= 1",
+                _HINT,
+            )
+        if not mode.checkpoints:
+            raise config_error(
+                f"checkpoint mode {spec!r}",
+                "never checkpoints nothing, so it has no segment length",
+                "write never, or give a recomputing mode a segment length (e.g. always:1)",
+            )
+        mode = replace(mode, every=int(every))
+    return replace(mode, name=text)
+
+
+def parse_mode(spec: Union[str, CheckpointMode]) -> CheckpointMode:
+    """One mode from its name (``'always'``, ``'always:1'``, ``'except_last+selective:2'``, ...)."""
+    return _one(spec)
 
 
 def parse_modes(spec: ModeSpec, stages: int) -> Tuple[CheckpointMode, ...]:

@@ -48,7 +48,8 @@ class PipeSettings:
     checkpoint: Any = field(
         default="except_last",
         metadata=_help(
-            "one mode for all stages, or a list of one per stage: never, except_last, always, offload; "
+            "one mode for all stages, or a list of one per stage: never, except_last, always, offload, "
+            "selective; ':k' checkpoints every k layers apart, '+selective' keeps matmul outputs; "
             "or 'auto': chosen per stage under memory_budget"
         ),
     )
@@ -106,8 +107,8 @@ class PipeSettings:
             raise config_error(
                 f"checkpoint={self.checkpoint!r}",
                 "must be a mode name or a list of mode names, one per stage",
-                "set checkpoint to a mode name (never, except_last, always, offload) or a list such as "
-                "['always', 'never']",
+                "set checkpoint to a mode name (never, except_last, always, offload, selective, each "
+                "optionally with :k or +selective) or a list such as ['always:1', 'never']",
             )
         if self.checkpoint != "auto":
             parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan

@@ -43,7 +43,20 @@ import contextlib
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    FrozenSet,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +74,8 @@ from pipeckpt._compat import (
 )
 from pipeckpt.boundary import Call, Structure, flat_output
 from pipeckpt.modes import CheckpointMode
+from pipeckpt.order import Op, kept, local_order
+from pipeckpt.selective import run_selective
 from pipeckpt.side_inputs import Chain
 
 __all__ = ["Stage", "CallerState", "StepCasts", "capture_caller_state", "side_effect_free"]
@@ -361,25 +376,51 @@ class Stage(nn.Module):
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
         self._phony_leaf: Optional[Tensor] = None
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
+        self._keep: FrozenSet[int] = frozenset()  # what except_last keeps this step (the op order's)
+        self.checkpointed: List[int] = []  # the micro-batches of this step that dropped activations
+        self._segment_list: Optional[List[_Segment]] = None  # under a granularity (mode.every)
 
     @property
     def next_microbatch(self) -> int:
         """The index of the micro-batch the next :meth:`forward` runs."""
         return self._microbatch
 
-    def recomputes_per_step(self, num_microbatches: int) -> int:
-        return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
+    def _kept(self, num_microbatches: int, order: Optional[Sequence[Op]]) -> FrozenSet[int]:
+        return kept(order if order is not None else local_order(self.index, num_microbatches), self.index)
+
+    def recomputes_per_step(self, num_microbatches: int, *, order: Optional[Sequence[Op]] = None) -> int:
+        """Runs of ``_Recompute`` one step makes: one per recomputed micro-batch and segment
+        (selective checkpointing runs torch's checkpoint instead: none). ``order``: see
+        :meth:`begin_step`."""
+        if self.mode.selective:
+            return 0
+        keep = self._kept(num_microbatches, order)
+        n = sum(self.mode.recomputes(i, num_microbatches, keep=keep) for i in range(num_microbatches))
+        return n * len(self._segments()) if self.mode.every is not None else n
 
     def begin_step(
-        self, num_microbatches: int, caller: CallerState = CallerState(), *, step: Optional[StepCasts] = None
+        self,
+        num_microbatches: int,
+        caller: CallerState = CallerState(),
+        *,
+        step: Optional[StepCasts] = None,
+        order: Optional[Sequence[Op]] = None,
     ) -> None:
         """``step`` is shared by the stages of one engine (see :class:`StepCasts`); a stage
-        alone counts its own recomputes."""
+        alone counts its own recomputes. ``order``: the ops the schedule runs on this stage's
+        device this step (:mod:`pipeckpt.order`), from which ``except_last`` takes the
+        micro-batches it keeps; default the local engine's order."""
         self._microbatch = 0
         self._num_microbatches = num_microbatches
         self._caller = caller
-        self._step = step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches))
+        self._keep = self._kept(num_microbatches, order)
+        self.checkpointed = []
+        self._step = (
+            step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches, order=order))
+        )
         self._params = None  # found again at the first checkpointed micro-batch of the step
+        for segment in self._segment_list or ():
+            segment._params = None
 
     def forward(self, input: Any, side: Optional[Dict[str, Any]] = None) -> Any:
         """Runs the next micro-batch. ``input`` is any pytree; ``side`` holds this
@@ -393,12 +434,16 @@ class Stage(nn.Module):
 
     def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
         if torch.is_grad_enabled():
-            keep = not self.mode.recomputes(i, self._num_microbatches)
-            if not keep or self._trainable():
+            recompute = self.mode.recomputes(i, self._num_microbatches, keep=self._keep)
+            if recompute:
+                self.checkpointed.append(i)
+                if self.mode.every is not None or self.mode.selective:
+                    return self._granular(input, side)
+            if recompute or self._trainable():
                 if side is None and _tensor_or_tensors(input):
-                    return self._checkpointed(input, keep)
+                    return self._checkpointed(input, not recompute)
                 call = Call(self._chain, (input,), side or {})
-                return self._checkpointed_call(call, self._trainable(), keep)
+                return self._checkpointed_call(call, self._trainable(), not recompute)
         if side:
             self.forward_calls += 1
             return self._chain(input, **side)
@@ -407,6 +452,35 @@ class Stage(nn.Module):
     def _run(self, input: Any) -> Any:
         self.forward_calls += 1
         return self.partition(input)
+
+    def _segments(self) -> List["_Segment"]:
+        """The partition cut into runs of ``mode.every`` layers (all of it when None)."""
+        if self._segment_list is None:
+            layers = list(self.partition) if isinstance(self.partition, nn.Sequential) else [self.partition]
+            every = self.mode.every or len(layers)
+            n = len(layers)
+            spans = [range(a, min(a + every, n)) for a in range(0, n, every)]
+            self._segment_list = [_Segment(self, span, layers) for span in spans]
+        return self._segment_list
+
+    def _granular(self, input: Any, side: Optional[Dict[str, Any]]) -> Any:
+        """One micro-batch checkpointed segment by segment: each segment keeps its own input
+        (``_Recompute``) or, selective, its matmul outputs (torch's SAC), so backward holds one
+        segment's recompute at a time."""
+        x = input
+        for segment in self._segments():
+            segment._step = self._step
+            segment_side = segment.side_of(side)
+            if self.mode.selective:
+                x = run_selective(
+                    segment.run_counted, (x, segment_side), {}, recompute_guard=segment.recompute_guard
+                )
+            elif segment_side is None and _tensor_or_tensors(x):
+                x = segment._checkpointed(x, False)
+            else:
+                call = Call(segment._chain, (x,), segment_side or {})
+                x = segment._checkpointed_call(call, segment._trainable(), False)
+        return x
 
     def _chain(self, input: Any, **side: Any) -> Any:
         if not side:
@@ -490,14 +564,68 @@ class Stage(nn.Module):
         kwargs: Dict[str, Any],
     ) -> Any:
         if torch.is_grad_enabled():
-            keep = not self.mode.recomputes(i, self._num_microbatches)
-            if not keep or params:
-                return self._checkpointed_call(Call(fn, args, kwargs), params, keep)
+            recompute = self.mode.recomputes(i, self._num_microbatches, keep=self._keep)
+            if recompute and self.mode.selective:  # each layer call is its own checkpoint: mode.every is moot
+
+                def counted(*a: Any, **k: Any) -> Any:
+                    self.forward_calls += 1
+                    return fn(*a, **k)
+
+                guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
+                return run_selective(counted, args, kwargs, recompute_guard=guard)
+            if recompute or params:
+                return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)
         self.forward_calls += 1
         return fn(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"
+
+
+class _Segment(Stage):
+    """A run of layers of a stage, checkpointed as one (``mode.every``). A :class:`Stage` so that
+    ``_Recompute`` finds in it all it reads from a stage; it is kept in a plain list, not as a
+    submodule, so the parent's parameters and state-dict keys stay as they were. The first
+    segment's runs count as the parent's runs, so ``forward_calls`` keeps its meaning."""
+
+    def __init__(self, parent: Stage, layers: range, all_layers: Sequence[nn.Module]) -> None:
+        super().__init__(
+            nn.Sequential(*[all_layers[k] for k in layers]),
+            index=parent.index,
+            mode=parent.mode,
+            device=parent.device,
+            pin_memory=parent.pin_memory,
+        )
+        self.__dict__["_parent"] = parent  # not a submodule: the parent holds this segment
+        self._range = layers
+
+    def _count(self) -> None:
+        if self._range.start == 0:
+            self.__dict__["_parent"].forward_calls += 1
+
+    def _run_packed(self, packing: Packing, inputs: Sequence[Tensor]) -> Any:
+        self._count()
+        return super()._run_packed(packing, inputs)
+
+    def side_of(self, side: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """This segment's share of a micro-batch's side inputs, its layers' routes set to take them."""
+        if not side:
+            return None
+        parent: Stage = self.__dict__["_parent"]
+        assert parent.chain is not None, "side inputs reach a stage whose engine gave it a Chain"
+        steps = parent.chain.steps[self._range.start : self._range.stop]
+        self.chain = Chain([layer for layer, _ in steps], [route for _, route in steps])
+        mine = self.chain.keys()
+        return {k: v for k, v in side.items() if k in mine} or None
+
+    def run_counted(self, x: Any, side: Optional[Dict[str, Any]]) -> Any:
+        """One run (forward or recompute) under selective checkpointing."""
+        self._count()
+        self.forward_calls += 1
+        return self._chain(x, **side) if side else self.partition(x)
+
+    def recompute_guard(self) -> ContextManager[None]:
+        return side_effect_free(self.partition, self._norms())
 
 
 def _tensor_or_tensors(x: Any) -> bool:

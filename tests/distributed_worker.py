@@ -110,6 +110,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
     seen = {
         "forward_calls": {s.index: s.forward_calls for s in trainer.strategy.stages},
+        "checkpointed": {s.index: s.checkpointed for s in trainer.strategy.stages},  # the last step's
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
     if spec.get("validate"):

@@ -272,3 +272,31 @@ def test_hpc_checkpoint_path_numbers_after_the_highest_hpc_checkpoint(tmp_path):
     assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")
     (tmp_path / "hpc_ckpt_2.ckpt").mkdir()  # the distributed engine's sharded checkpoint is a folder
     assert _compat.hpc_checkpoint_path(trainer) == str(tmp_path / "hpc_ckpt_3.ckpt")
+
+
+def test_sac_saved_ops_resolve_the_matmul_and_attention_kernels_of_this_torch():
+    ops = _compat.sac_saved_ops()
+    assert len(ops) == len(_compat.SAC_SAVED_OP_NAMES)  # every name exists in torch 2.13
+    assert torch.ops.aten.addmm in ops and torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in ops
+
+
+def test_live_op_order_reads_a_looped_schedules_pipeline_order():
+    import torch.distributed as dist
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stages = [PipelineStage(nn.Linear(2, 2), j, 2, torch.device("cpu")) for j in range(2)]
+        order = _compat.live_op_order(ScheduleLoopedBFS(stages, n_microbatches=2))
+    finally:
+        dist.destroy_process_group()
+    assert order == [
+        (0, "F", 0),
+        (0, "F", 1),
+        (1, "F", 0),
+        (1, "F", 1),
+        (1, "B", 1),
+        (1, "B", 0),
+        (0, "B", 1),
+        (0, "B", 0),
+    ]

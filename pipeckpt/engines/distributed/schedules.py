@@ -22,10 +22,12 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
+from pipeckpt._compat import live_op_order
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
 from pipeckpt.modes import CheckpointMode
+from pipeckpt.order import Op, gpipe_order, one_f_one_b_order
 
 __all__: List[str] = []
 
@@ -198,6 +200,20 @@ class Schedules:
         """The stage modules (shared by every schedule) flatten and rebuild as ``stages``' schedule does."""
         for stage in stages:
             stage.stage_module.boundaries = stage.boundaries
+
+    def orders(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
+        """For each of this process's stages, the ops its device runs in one training step, in
+        order (see :mod:`pipeckpt.order`): a looped schedule's own ``pipeline_order`` for this
+        rank; derived for the single-stage ones, whose ``_step_microbatches`` torch codes apart
+        from their (IR-only) ``pipeline_order``."""
+        if self.kind.looped:
+            mine = live_op_order(schedule)
+            return {j: mine for j in self._indices}
+        (j,) = self._indices
+        if self.kind.cls.__name__ == "Schedule1F1B":
+            return {j: one_f_one_b_order(j, self._num_stages, microbatches)}
+        assert self.kind.cls.__name__ == "ScheduleGPipe", f"no op order known for {self.kind.cls.__name__}"
+        return {j: gpipe_order(j, microbatches)}
 
     def clear(self) -> None:
         self._cache.clear()

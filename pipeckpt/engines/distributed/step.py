@@ -103,8 +103,10 @@ class PipelinedStep:
         if train:
             run.scale = 1.0 / (m * module.trainer.accumulate_grad_batches)
         caller = capture_caller_state()
+        orders = schedules.orders(schedule, m) if train else {}
         for stage_module in self.modules:
-            stage_module.stage.begin_step(m, caller)
+            own = stage_module.stage
+            own.begin_step(m, caller, order=orders.get(own.index))
         inputs = microbatches.tensors if any(s.is_first for s in stages) else ()
         result = None
         self._run = run
