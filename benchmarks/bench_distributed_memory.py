@@ -201,6 +201,9 @@ def train_one(name: str, schedule: str, mode: str) -> Dict[str, Any]:
         "peak": windows.peak,
         "recomputes": windows.recomputes,
         "previous_grads": windows.previous_grads,
+        "param_bytes": sum(
+            p.numel() * p.element_size() for s in strategy.stages for p in s.parameters() if p.requires_grad
+        ),
     }
 
 
