@@ -28,7 +28,7 @@ On CPU ``offload`` has no host to move to (the stage input already lives there),
 
 Commands::
 
-    python benchmarks/bench_distributed_memory.py --out /tmp/distmem.md            # ~5 min on 2 cores
+    python benchmarks/bench_distributed_memory.py --out /tmp/distmem.md            # ~1 min on 2 cores
     python benchmarks/bench_distributed_memory.py --models mlp --schedules gpipe --modes never,always
 """
 
