@@ -472,9 +472,9 @@ class Stage(nn.Module):
             segment._step = self._step
             segment_side = segment.side_of(side)
             if self.mode.selective:
-                x = run_selective(
-                    segment.run_counted, (x, segment_side), {}, recompute_guard=segment.recompute_guard
-                )
+                run = _selective(segment.run, segment.run_counted, segment.recompute_guard)
+                call = Call(run, (x, segment_side), {})
+                x = segment._checkpointed_call(call, segment._trainable(), True)
             elif segment_side is None and _tensor_or_tensors(x):
                 x = segment._checkpointed(x, False)
             else:
@@ -572,7 +572,8 @@ class Stage(nn.Module):
                     return fn(*a, **k)
 
                 guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
-                return run_selective(counted, args, kwargs, recompute_guard=guard)
+                call = Call(_selective(fn, counted, guard), args, kwargs)
+                return self._checkpointed_call(call, params, True)
             if recompute or params:
                 return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)
         self.forward_calls += 1
@@ -580,6 +581,24 @@ class Stage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"index={self.index}, mode={self.mode.name}, device={self.device}"
+
+
+def _selective(
+    forward: Callable[..., Any], recompute: Callable[..., Any], guard: Callable[[], ContextManager[Any]]
+) -> Callable[..., Any]:
+    """A micro-batch's run under torch's selective checkpointing, made to be run by ``_Recompute``
+    with ``keep``: SAC's graph is kept inside the Function, whose backward adds the parameters'
+    gradients to ``.grad`` in place as every other mode does (summed in the same order, so
+    bitwise equal to ``never``, also under accumulation). SAC calls the region once in forward
+    (counted by ``_run_packed``) and again to recompute: ``recompute`` counts that run."""
+    runs = 0
+
+    def region(*args: Any, **kwargs: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        return (forward if runs == 1 else recompute)(*args, **kwargs)
+
+    return lambda *args, **kwargs: run_selective(region, args, kwargs, recompute_guard=guard)
 
 
 class _Segment(Stage):
@@ -617,6 +636,10 @@ class _Segment(Stage):
         self.chain = Chain([layer for layer, _ in steps], [route for _, route in steps])
         mine = self.chain.keys()
         return {k: v for k, v in side.items() if k in mine} or None
+
+    def run(self, x: Any, side: Optional[Dict[str, Any]]) -> Any:
+        """One forward of the segment's layers, uncounted (``_run_packed`` counts it)."""
+        return self._chain(x, **side) if side else self.partition(x)
 
     def run_counted(self, x: Any, side: Optional[Dict[str, Any]]) -> Any:
         """One run (forward or recompute) under selective checkpointing."""

@@ -87,7 +87,11 @@ def test_each_stage_runs_the_last_microbatch_backward_first(ordered):
         assert [i for j, i in seen if j == stage] == [3, 2, 1, 0]
 
 
-@pytest.mark.parametrize("mode", MODES[1:], ids=str)
+@pytest.mark.parametrize(
+    "mode",
+    [*MODES[1:], "always:1", "selective", "except_last+selective:1", ["selective", "always:1", "never"]],
+    ids=str,
+)
 def test_gradients_added_to_existing_grads_are_bitwise_equal_to_never(mode):
     reference, other = train_steps(engine("never"), 2), train_steps(engine(mode), 2)
     for k in reference:
