@@ -53,6 +53,7 @@ from pipeckpt._compat import (
     push_dispatch_mode,
 )
 from pipeckpt.boundary import Call, Structure, flat_output
+from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.side_inputs import Chain
 
@@ -189,19 +190,24 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
 
 
 class _RngState:
-    """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward."""
+    """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward, and the
+    micro-batch whose per-layer streams (``pipeckpt.layer_rng``) the stage was running."""
 
-    __slots__ = ("cpu", "cuda", "device")
+    __slots__ = ("cpu", "cuda", "device", "microbatch", "streams")
 
-    def __init__(self, device: Optional[torch.device]) -> None:
+    def __init__(self, device: Optional[torch.device], streams: Optional[LayerStreams] = None) -> None:
         self.cpu = torch.get_rng_state()
         self.device = device
         self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
+        self.streams = streams
+        self.microbatch = streams.current() if streams is not None else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.streams is not None:
+            self.streams.set_current(self.microbatch)
 
 
 def _offload(x: Tensor, pin_memory: bool) -> Tensor:
@@ -219,7 +225,7 @@ class _Recompute(torch.autograd.Function):
     def forward(ctx: Any, stage: "Stage", packing: Packing, n: int, *args: Tensor) -> Any:
         inputs = args[:n]
         ctx.stage, ctx.packing, ctx.params = stage, packing, args[n:]
-        ctx.rng = _RngState(stage._cuda)
+        ctx.rng = _RngState(stage._cuda, stage.streams)
         ctx.autocast = _autocast_now()
         ctx.step = stage._step
         with enable_checkpointing():
@@ -257,7 +263,7 @@ class _Recompute(torch.autograd.Function):
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):
-            now = _RngState(stage._cuda)
+            now = _RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
             try:
                 if ctx.autocast:
@@ -324,6 +330,7 @@ class Stage(nn.Module):
         self._norm_list: Optional[List[nn.Module]] = None
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
+        self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
 
     def recomputes_per_step(self, num_microbatches: int) -> int:
         return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
@@ -344,10 +351,15 @@ class Stage(nn.Module):
         micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""
         i = self._microbatch
         self._microbatch += 1
-        if self._caller.needs_applying():
-            with self._caller.applied():
-                return self._forward(i, input, side)
-        return self._forward(i, input, side)
+        with self._layer_streams(i):
+            if self._caller.needs_applying():
+                with self._caller.applied():
+                    return self._forward(i, input, side)
+            return self._forward(i, input, side)
+
+    def _layer_streams(self, i: int) -> ContextManager[None]:
+        """Micro-batch ``i``'s per-layer random streams (``pipeckpt.layer_rng``), when the engine set them."""
+        return _NOTHING if self.streams is None else self.streams.microbatch(i)
 
     def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
         if torch.is_grad_enabled() and self.mode.recomputes(i, self._num_microbatches):
@@ -416,10 +428,11 @@ class Stage(nn.Module):
     ) -> Any:
         """One call of one of this stage's layers by a module's own ``forward`` (a module
         pipeline, ``pipeckpt.split``), as micro-batch ``i``: checkpointed alone under the mode."""
-        if self._caller.needs_applying():
-            with self._caller.applied():
-                return self._call_layer(fn, params, i, args, kwargs)
-        return self._call_layer(fn, params, i, args, kwargs)
+        with self._layer_streams(i):
+            if self._caller.needs_applying():
+                with self._caller.applied():
+                    return self._call_layer(fn, params, i, args, kwargs)
+            return self._call_layer(fn, params, i, args, kwargs)
 
     def _call_layer(
         self,
