@@ -20,14 +20,14 @@ They still depend on ``seed``, on ``chunks`` (which samples form micro-batch
 ``m``) and on the layer's position. ``seed`` is ``torch.initial_seed()`` when the
 engine is built (``seed_everything`` sets it), rank 0's under the distributed engine.
 
-Which layers (the ``layer_rng`` setting), and the cost: seeding costs about 2-3 us
-per layer call on the CPU (save the generator's state, seed it, put the state
-back), some 4 % of a step of ``benchmarks/bench_dispatch.py``'s 48 tiny layers if
-every layer paid it. ``auto`` (the default) seeds only layers holding one of
+Which layers (the ``layer_rng`` setting), and the cost: a seeded layer call costs
+about 6 us on a 2-core CPU (save the generator's state, seed it, put the state
+back; ``benchmarks/RESULTS_layer_rng.md``): 8 % of a step of
+``benchmarks/bench_dispatch.py``'s 48 tiny layers if every layer is seeded, 0.3 %
+of the GPT config's. ``auto`` (the default) seeds only layers holding one of
 torch's random modules (:data:`RANDOM_MODULES`), so a model without dropout pays
-nothing and a transformer block, whose dropout it finds, pays a per-layer cost
-far below its kernels' (figures: ``docs/CONTRACT.md``). A layer that draws in its
-own code without such a module (``torch.rand`` in ``forward``) needs ``all``;
+nothing measurable (ratio 0.997 on the proxy). A layer that draws in its own code
+without such a module (``torch.rand`` in ``forward``) needs ``all``;
 ``off`` keeps the caller's generator, in schedule order (the masks then depend on
 the layout; recompute still replays them, see ``pipeckpt.stage``). Layers run
 outside training mode are never seeded.
