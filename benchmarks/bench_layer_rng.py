@@ -72,7 +72,8 @@ def main() -> int:
 
     def dropout_proxy() -> nn.Sequential:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(48)])
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(48)]
+        return nn.Sequential(*blocks)
 
     def gpt() -> nn.Sequential:
         torch.manual_seed(0)
