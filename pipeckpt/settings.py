@@ -19,9 +19,10 @@ from pipeckpt._errors import config_error
 from pipeckpt.modes import CheckpointMode, parse_modes
 from pipeckpt.sizes import OPTIMIZERS, parse_bytes
 
-__all__ = ["PipeSettings", "BALANCE_BY", "MEMORY_SEARCH", "check_balance_by"]
+__all__ = ["PipeSettings", "BALANCE_BY", "LAYER_RNG", "MEMORY_SEARCH", "check_balance_by", "check_layer_rng"]
 
 BALANCE_BY = ("params", "time", "memory")
+LAYER_RNG = ("auto", "all", "off")
 
 _DISTRIBUTED = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
 
@@ -74,6 +75,13 @@ class PipeSettings:
     deferred_batch_norm: bool = field(
         default=False, metadata=_help("BatchNorm statistics per batch, not per micro-batch")
     )
+    layer_rng: str = field(
+        default="auto",
+        metadata=_help(
+            "dropout masks independent of the layout: 'auto' (layers holding dropout draw from streams "
+            "of their own), 'all' (every layer), or 'off' (the caller's generator)"
+        ),
+    )
     pin_memory: bool = field(default=True, metadata=_help("offload keeps stage inputs in pinned host memory"))
     strict: bool = field(
         default=True,
@@ -102,6 +110,7 @@ class PipeSettings:
         _check_types(self)
         _check_counts(self)
         check_balance_by(self.balance_by)
+        check_layer_rng(self.layer_rng)
         names = [self.checkpoint] if isinstance(self.checkpoint, (str, CheckpointMode)) else self.checkpoint
         if not isinstance(names, (list, tuple)):
             raise config_error(
@@ -154,6 +163,16 @@ def check_balance_by(balance_by: str) -> None:
         )
 
 
+def check_layer_rng(layer_rng: Any) -> None:
+    if layer_rng not in LAYER_RNG:
+        raise config_error(
+            f"layer_rng={layer_rng!r}",
+            f"must be one of {LAYER_RNG}",
+            "use 'auto' (layers holding dropout draw from streams of their own), 'all' (every layer), "
+            "or 'off' (the caller's generator, in schedule order)",
+        )
+
+
 def _names() -> List[str]:
     return [f.name for f in fields(PipeSettings)]
 
@@ -171,7 +190,7 @@ def _check_types(s: PipeSettings) -> None:
             raise config_error(
                 f"{name}={value!r}", "is a switch: True or False", f"set {name}=True or {name}=False"
             )
-    for name in ("engine", "balance_by"):
+    for name in ("engine", "balance_by", "layer_rng"):
         value = getattr(s, name)
         if not isinstance(value, str):
             raise config_error(f"{name}={value!r}", "is a name (a string)", f"set {name} to one of its names")

@@ -73,6 +73,7 @@ from pipeckpt._compat import (
     push_dispatch_mode,
 )
 from pipeckpt.boundary import Call, Structure, flat_output
+from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.order import Op, kept, local_order
 from pipeckpt.selective import run_selective
@@ -211,19 +212,24 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
 
 
 class _RngState:
-    """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward."""
+    """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward, and the
+    micro-batch whose per-layer streams (``pipeckpt.layer_rng``) the stage was running."""
 
-    __slots__ = ("cpu", "cuda", "device")
+    __slots__ = ("cpu", "cuda", "device", "microbatch", "streams")
 
-    def __init__(self, device: Optional[torch.device]) -> None:
+    def __init__(self, device: Optional[torch.device], streams: Optional[LayerStreams] = None) -> None:
         self.cpu = torch.get_rng_state()
         self.device = device
         self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
+        self.streams = streams
+        self.microbatch = streams.current() if streams is not None else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.streams is not None:
+            self.streams.set_current(self.microbatch)
 
 
 def _offload(x: Tensor, pin_memory: bool) -> Tensor:
@@ -257,7 +263,7 @@ class _Recompute(torch.autograd.Function):
             with torch.enable_grad():
                 output = stage._run_packed(packing, inputs)
         else:
-            ctx.rng = _RngState(stage._cuda)
+            ctx.rng = _RngState(stage._cuda, stage.streams)
             ctx.autocast = _autocast_now()
             ctx.step = stage._step
             with enable_checkpointing():
@@ -301,7 +307,7 @@ class _Recompute(torch.autograd.Function):
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         with side_effect_free(stage.partition, stage._norms()):
-            now = _RngState(stage._cuda)
+            now = _RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
             try:
                 if ctx.autocast:
@@ -379,6 +385,7 @@ class Stage(nn.Module):
         self._keep: FrozenSet[int] = frozenset()  # what except_last keeps this step (the op order's)
         self.checkpointed: List[int] = []  # the micro-batches of this step that dropped activations
         self._segment_list: Optional[List[_Segment]] = None  # under a granularity (mode.every)
+        self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
 
     @property
     def next_microbatch(self) -> int:
@@ -427,10 +434,15 @@ class Stage(nn.Module):
         micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""
         i = self._microbatch
         self._microbatch += 1
-        if self._caller.needs_applying():
-            with self._caller.applied():
-                return self._forward(i, input, side)
-        return self._forward(i, input, side)
+        with self._layer_streams(i):
+            if self._caller.needs_applying():
+                with self._caller.applied():
+                    return self._forward(i, input, side)
+            return self._forward(i, input, side)
+
+    def _layer_streams(self, i: int) -> ContextManager[None]:
+        """Micro-batch ``i``'s per-layer random streams (``pipeckpt.layer_rng``), when the engine set them."""
+        return _NOTHING if self.streams is None else self.streams.microbatch(i)
 
     def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
         if torch.is_grad_enabled():
@@ -470,9 +482,10 @@ class Stage(nn.Module):
         x = input
         for segment in self._segments():
             segment._step = self._step
+            segment.streams = self.streams  # a recompute restores the micro-batch's layer streams
             segment_side = segment.side_of(side)
             if self.mode.selective:
-                run = _selective(segment.run, segment.run_counted, segment.recompute_guard)
+                run = _selective(segment.run, segment.run_counted, segment.recompute_guard, self.streams)
                 call = Call(run, (x, segment_side), {})
                 x = segment._checkpointed_call(call, segment._trainable(), True)
             elif segment_side is None and _tensor_or_tensors(x):
@@ -550,10 +563,11 @@ class Stage(nn.Module):
     ) -> Any:
         """One call of one of this stage's layers by a module's own ``forward`` (a module
         pipeline, ``pipeckpt.split``), as micro-batch ``i``: checkpointed alone under the mode."""
-        if self._caller.needs_applying():
-            with self._caller.applied():
-                return self._call_layer(fn, params, i, args, kwargs)
-        return self._call_layer(fn, params, i, args, kwargs)
+        with self._layer_streams(i):
+            if self._caller.needs_applying():
+                with self._caller.applied():
+                    return self._call_layer(fn, params, i, args, kwargs)
+            return self._call_layer(fn, params, i, args, kwargs)
 
     def _call_layer(
         self,
@@ -572,7 +586,7 @@ class Stage(nn.Module):
                     return fn(*a, **k)
 
                 guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
-                call = Call(_selective(fn, counted, guard), args, kwargs)
+                call = Call(_selective(fn, counted, guard, self.streams), args, kwargs)
                 return self._checkpointed_call(call, params, True)
             if recompute or params:
                 return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)
@@ -584,19 +598,32 @@ class Stage(nn.Module):
 
 
 def _selective(
-    forward: Callable[..., Any], recompute: Callable[..., Any], guard: Callable[[], ContextManager[Any]]
+    forward: Callable[..., Any],
+    recompute: Callable[..., Any],
+    guard: Callable[[], ContextManager[Any]],
+    streams: Optional[LayerStreams],
 ) -> Callable[..., Any]:
     """A micro-batch's run under torch's selective checkpointing, made to be run by ``_Recompute``
     with ``keep``: SAC's graph is kept inside the Function, whose backward adds the parameters'
     gradients to ``.grad`` in place as every other mode does (summed in the same order, so
     bitwise equal to ``never``, also under accumulation). SAC calls the region once in forward
-    (counted by ``_run_packed``) and again to recompute: ``recompute`` counts that run."""
+    (counted by ``_run_packed``) and again to recompute: ``recompute`` counts that run, under
+    the per-layer random streams (``pipeckpt.layer_rng``) of the micro-batch it recomputes (SAC
+    restores the generators' states, not which micro-batch's streams the layers draw from)."""
     runs = 0
+    key = streams.current() if streams is not None else None
 
     def region(*args: Any, **kwargs: Any) -> Any:
         nonlocal runs
         runs += 1
-        return (forward if runs == 1 else recompute)(*args, **kwargs)
+        if runs == 1 or streams is None:
+            return (forward if runs == 1 else recompute)(*args, **kwargs)
+        now = streams.current()
+        streams.set_current(key)
+        try:
+            return recompute(*args, **kwargs)
+        finally:
+            streams.set_current(now)
 
     return lambda *args, **kwargs: run_selective(region, args, kwargs, recompute_guard=guard)
 

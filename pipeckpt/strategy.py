@@ -278,6 +278,7 @@ class PipelineStrategy(ParallelStrategy):
         checkpoint[_CKPT_KEY] = {
             "rng_states": self.engine.rng_states(),  # one per rank
             "balance": list(self.plan.balance) if self.plan else None,
+            "layer_rng": self.engine.layer_rng.state_dict(),  # seed and training calls
         }
         self.engine.save_checkpoint(
             checkpoint, filepath, self.checkpoint_io, storage_options, self.is_global_zero
@@ -291,6 +292,8 @@ class PipelineStrategy(ParallelStrategy):
         if state is not None:
             by_rank = state["rng_states"]
             _rng.restore(self.engine.my_rng_state(by_rank if isinstance(by_rank, list) else [by_rank]))
+            if "layer_rng" in state:
+                self.engine.layer_rng.load_state_dict(state["layer_rng"])
         return checkpoint
 
     @override

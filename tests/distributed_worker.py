@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import lightning as L
 import torch
@@ -61,13 +61,52 @@ def die_mid_step(
 
 
 def resume_run(spec: Dict[str, Any], out: str) -> Any:
-    """`resume_run`: the checkpoint an earlier run of the same spec wrote."""
+    """`resume_run`: the checkpoint an earlier run of the same spec wrote (`resume_from`: a path
+    relative to `out`, e.g. one of its ModelCheckpoint files)."""
+    if "resume_from" in spec:
+        return os.path.join(out, spec["resume_from"])
     return os.path.join(out, f"{spec['resume_run']}.ckpt") if "resume_run" in spec else None
+
+
+class BatchNormProbe(L.Callback):
+    """This rank's BatchNorm running means when training starts (after set-up) and when the first real
+    micro-batch reaches each one (after the schedule's shape inference, which must leave them alone)."""
+
+    def __init__(self) -> None:
+        self.at_start: Dict[str, Any] = {}
+        self.at_first: Dict[str, Any] = {}
+        self.stage_modules: List[Any] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.stage_modules = trainer.strategy.engine.modules  # live while a real micro-batch runs
+        for name, m in module.named_modules():
+            if isinstance(m, torch.nn.BatchNorm1d) and not m.running_mean.is_meta:
+                self.at_start[name] = m.running_mean.tolist()
+                m.register_forward_pre_hook(self._first(name))
+
+    def _first(self, name: str) -> Any:
+        def hook(m: torch.nn.Module, _: Any) -> None:
+            if name not in self.at_first and any(s.live for s in self.stage_modules):
+                self.at_first[name] = m.running_mean.tolist()
+
+        return hook
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
-    module = ToyModule(depth=spec.get("depth", 6), dropout=spec.get("dropout", 0.0))
+    module = ToyModule(
+        depth=spec.get("depth", 6), dropout=spec.get("dropout", 0.0), batch_norm=spec.get("batch_norm", False)
+    )
+    probe = BatchNormProbe()
+    callbacks: List[L.Callback] = [probe]
+    if "checkpoint_every" in spec:
+        every = spec["checkpoint_every"]
+        callbacks.append(
+            ModelCheckpoint(dirpath=os.path.join(out, spec["name"]), every_n_train_steps=every, save_top_k=-1)
+        )
+    if spec.get("report"):
+        report_dir = os.path.join(out, spec["name"])
+        callbacks.append(StageReport(warmup_steps=1, steps=1, dirpath=report_dir, verbose=False))
     if "die" in spec:
         die_mid_step(module, **spec["die"])
     trainer = L.Trainer(
@@ -78,20 +117,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         logger=False,
         # `checkpoint_every`: ModelCheckpoint every so many steps into <out>/<name>/ (sharded directories)
         enable_checkpointing="checkpoint_every" in spec,
-        callbacks=[
-            ModelCheckpoint(
-                dirpath=os.path.join(out, spec["name"]),
-                every_n_train_steps=spec["checkpoint_every"],
-                save_top_k=-1,
-            )
-        ]
-        if "checkpoint_every" in spec
-        else []
-        + (
-            [StageReport(warmup_steps=1, steps=1, dirpath=os.path.join(out, spec["name"]), verbose=False)]
-            if spec.get("report")
-            else []
-        ),
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -112,6 +138,8 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         "forward_calls": {s.index: s.forward_calls for s in trainer.strategy.stages},
         "checkpointed": {s.index: s.checkpointed for s in trainer.strategy.stages},  # the last step's
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "batch_norm_at_start": probe.at_start,
+        "batch_norm_at_first_microbatch": probe.at_first,
     }
     if spec.get("validate"):
         trainer.validate(

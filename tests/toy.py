@@ -34,20 +34,33 @@ class DtypeProbe(nn.Module):
         return x
 
 
-def toy_layers(*, width: int = 16, depth: int = 6, dropout: float = 0.0, classes: int = 3) -> nn.Sequential:
+def toy_layers(
+    *, width: int = 16, depth: int = 6, dropout: float = 0.0, classes: int = 3, batch_norm: bool = False
+) -> nn.Sequential:
+    """``batch_norm``: a BatchNorm1d after each middle block's Tanh (not straight after a Linear,
+    whose bias would get a zero gradient that Adam turns into steps of pure rounding noise)."""
     layers: List[nn.Module] = [nn.Linear(8, width)]
     for _ in range(depth - 2):
-        layers.append(nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, width)))
+        norm: List[nn.Module] = [nn.BatchNorm1d(width)] if batch_norm else []
+        layers.append(nn.Sequential(nn.Tanh(), *norm, nn.Dropout(dropout), nn.Linear(width, width)))
     layers.append(nn.Linear(width, classes))
     return nn.Sequential(*layers)
 
 
 class ToyModule(L.LightningModule):
-    def __init__(self, *, depth: int = 6, dropout: float = 0.0, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        depth: int = 6,
+        dropout: float = 0.0,
+        lr: float = 0.05,
+        seed: int = 0,
+        batch_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.layers = toy_layers(depth=depth, dropout=dropout)
+        self.layers = toy_layers(depth=depth, dropout=dropout, batch_norm=batch_norm)
 
     def configure_pipeline(self) -> nn.Sequential:
         return self.layers

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from pipeckpt import _rng, sharded
 from pipeckpt._compat import apply_to_tensors, set_module_device
+from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stage import Stage
@@ -75,10 +76,23 @@ class Engine(ABC):
         self.plan: Optional[StagePlan] = None
         self.sequential: Optional[nn.Sequential] = None
         self.module: Optional[LightningModule] = None  # set by build()
+        # Per-layer random streams (pipeckpt.layer_rng); their seed and call count are checkpointed.
+        self.layer_rng = LayerStreams(self.settings.layer_rng)
 
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
         """Engine-specific checks that need neither model nor world; raise ``config_error``."""
+
+    def seed_layers(self, sequential: nn.Sequential, plan: StagePlan, *, seed: Optional[int] = None) -> None:
+        """Gives the plan's layers their random streams; :meth:`build` calls it before anything else
+        wraps the layers' forward, then hands the streams to the built stages (:meth:`use_layer_streams`)."""
+        self.layer_rng.start(seed)
+        devices = [plan.devices[j] for j, (a, b) in enumerate(plan.ranges) for _ in range(a, b)]
+        self.layer_rng.attach(list(sequential), devices)
+
+    def use_layer_streams(self, stages: Sequence[Stage]) -> None:
+        for stage in stages:
+            stage.streams = self.layer_rng if self.layer_rng.enabled else None
 
     # -- processes and devices ----------------------------------------------------------
 
@@ -202,6 +216,7 @@ class Engine(ABC):
 
     def teardown(self, module: Optional[LightningModule]) -> None:
         """The module becomes an ordinary module again, on the CPU."""
+        self.layer_rng.detach()
         if self.sequential is not None:
             self.sequential.__dict__.pop("forward", None)
         if module is not None:

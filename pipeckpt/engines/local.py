@@ -69,6 +69,7 @@ class LocalEngine(Engine):
         )
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
+        self.seed_layers(sequential, self.plan)  # before pipeline_of's routing takes the layers' forward
         self.attribute = f"self.{name}"
         if isinstance(sequential, ModulePipeline):
             self.pipeline = ModuleRunner(
@@ -84,6 +85,8 @@ class LocalEngine(Engine):
                 names=names,
             )
             sequential.forward = self.pipeline.forward  # type: ignore[method-assign]
+        self.use_layer_streams(self.pipeline.stages)
+        self.pipeline.streams = self.layer_rng if self.layer_rng.enabled else None
         self.sequential = sequential
         self.module = module
 

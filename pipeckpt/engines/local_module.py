@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import nn
 
 from pipeckpt.boundary import gather, scatter, to_device
+from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan
 from pipeckpt.side_inputs import describe_call
 from pipeckpt.split import ModulePipeline
@@ -49,6 +50,7 @@ class ModuleRunner:
         self._microbatch: Optional[int] = None  # inside a pipelined call: the micro-batch running
         self._params: Dict[int, Tuple[nn.Parameter, ...]] = {}
         self.calls = 0
+        self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
         self._root_forward = spec.root.forward
         self._routed: List[nn.Module] = [spec.root]
         for j, (a, b) in enumerate(plan.ranges):
@@ -77,6 +79,8 @@ class ModuleRunner:
         """The module's forward over the micro-batches of one mini-batch, joined back."""
         self.calls += 1
         release_cast_cache()
+        if self.streams is not None and self.spec.root.training:
+            self.streams.next_call()
         call = describe_call(f"self.{self.name}", args, kwargs)
         if self.several_devices:
             args, kwargs = to_device((args, kwargs), self.plan.devices[-1])

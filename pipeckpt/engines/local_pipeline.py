@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch, tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.boundary import batch_size, first_tensor, gather, scatter, to_device
+from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.side_inputs import Chain, Signatures, describe_call
 from pipeckpt.stage import Stage, StepCasts, capture_caller_state, release_cast_cache, stage_modules
@@ -116,6 +117,8 @@ class LocalPipeline:
         self._chains: Dict[FrozenSet[str], List[Tuple[Chain, FrozenSet[str]]]] = {}
         self._checked_plain = False
         self.calls = 0  # pipelined calls, for the check that a step used the pipeline
+        self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
+        self._sequential = sequential
 
     def place(self) -> None:
         for stage in self.stages:
@@ -185,6 +188,8 @@ class LocalPipeline:
         self.calls += 1
         release_cast_cache()  # nothing cast in an earlier step may serve this one
         stages = self.stages
+        if self.streams is not None and self._sequential.training:  # the user's, which Lightning trains
+            self.streams.next_call()
         if len(args) == 1 and not kwargs and _tensors(args[0]):  # today's tensor-only path
             if not self._checked_plain:  # once: does a layer need a side input?
                 self.signatures.routes(args, kwargs)

@@ -135,13 +135,15 @@ class DistributedEngine(Engine):
         check_all_parameters_pipelined(module, sequential)
         device = self._device  # this process's, from connect()
         stage_plan = self._plan(module, sequential, device, self.settings.balance)
-        agreed = [list(stage_plan.balance)]  # a profiled balance may differ between processes
+        # A profiled balance may differ between processes, and so may torch.initial_seed().
+        agreed: List[Any] = [list(stage_plan.balance), torch.initial_seed()]
         dist.broadcast_object_list(agreed, src=0)
         if tuple(agreed[0]) != stage_plan.balance:
             stage_plan = self._plan(module, sequential, device, agreed[0])
         self.plan = stage_plan
         if self.settings.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, self.settings.chunks)
+        self.seed_layers(sequential, stage_plan, seed=agreed[1])  # a resume restores its own later
         step = PipelinedStep(
             module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
         )
@@ -164,6 +166,7 @@ class DistributedEngine(Engine):
             ties.broadcast()
             step.ties = ties
         self.ties = ties
+        self.use_layer_streams(self.stages)
         assert self.processes.pp_group is not None
         step.schedules = Schedules(
             kind=self.kind,
@@ -205,6 +208,8 @@ class DistributedEngine(Engine):
 
     def run(self, hook: str, module: LightningModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         assert self.step is not None
+        if hook == "training_step" and self.layer_rng.enabled:
+            self.layer_rng.next_call()
         return self.step(hook, args, kwargs)
 
     def take_step_gradients(self) -> None:

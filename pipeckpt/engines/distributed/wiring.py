@@ -7,14 +7,19 @@ and optimizer state keep the unpipelined module's keys and indices.
 A schedule calls its stage modules in two ways: once per micro-batch, and once
 before the first micro-batch of a new shape to infer the shapes it must send
 and receive (on real data on the first stage, on uninitialised tensors after
-it; on the last stage it also calls the loss function). The second call must
-not count as a micro-batch of the :class:`~pipeckpt.stage.Stage` (whose mode
-depends on the micro-batch index), change BatchNorm statistics, or run the
-user's step. :class:`LiveStage` marks its module live while a micro-batch runs
-and remembers the output, by which the loss function tells the two apart.
+it; on the last stage it also calls the loss function; in training it then runs
+a backward through that forward to infer the gradients' shapes). The second call
+must not count as a micro-batch of the :class:`~pipeckpt.stage.Stage` (whose
+mode depends on the micro-batch index), change BatchNorm statistics, or run the
+user's step. BatchNorm layers run it with ``track_running_stats`` off, so they
+neither update their statistics nor keep them for that backward (restoring them
+afterwards would bump their version under the inference's graph).
+:class:`LiveStage` marks its module live while a micro-batch runs and remembers
+the output, by which the loss function tells the two apart.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from pipeckpt._compat import is_view, tree_flatten, tree_map
+from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
@@ -80,7 +85,7 @@ class StageModule(nn.Module):
             if self._entry is None:
                 x = _usable(x)
             partition = self.stage.partition
-            with side_effect_free(partition):
+            with _statistics_untouched(partition):
                 out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
         flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
         if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
@@ -88,6 +93,22 @@ class StageModule(nn.Module):
                 return flat.clone() if is_view(flat) else flat
             return tuple(t.clone() if is_view(t) else t for t in flat)
         return flat
+
+
+@contextmanager
+def _statistics_untouched(partition: nn.Module) -> Iterator[None]:
+    """Plain BatchNorm neither reads nor updates its running statistics; torchgpipe's
+    DeferredBatchNorm is told it recomputes (it never passes them to the kernel in training)."""
+    norms = [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
+    plain = [m for m in norms if not isinstance(m, DeferredBatchNorm)]
+    for m in plain:
+        m.track_running_stats = False
+    try:
+        with side_effect_free(partition, [m for m in norms if isinstance(m, DeferredBatchNorm)]):
+            yield
+    finally:
+        for m in plain:
+            m.track_running_stats = True
 
 
 class LiveStage(PipelineStage):

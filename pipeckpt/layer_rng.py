@@ -1,0 +1,238 @@
+"""Per-layer random streams: dropout masks that do not depend on the pipeline's layout.
+
+Why: without this, a layer draws its dropout mask from whatever generator is current
+when it runs. The local engine runs the stages in GPipe's clock-cycle order on one
+generator, the distributed engine on each rank's own, so the masks change with the
+stage count, the engine and the schedule, and a checkpoint resumed under another
+layout does not continue the run it came from.
+
+What: during a training call of the pipeline, layer ``k`` (a top-level child of the
+pipelined Sequential, or a layer named by ``pipeline_of``: the unit ``balance``
+counts) runs micro-batch ``m`` of training call ``c`` with the generator of its
+device seeded from ``(seed, c, m, k)``; the caller's state of that generator is
+saved before the layer and put back after it, so the caller's stream (data
+sampling, a step's own code, the module's code between ``pipeline_of`` layers)
+never sees the layers' draws. The masks are thus the same under every stage count,
+engine, schedule and checkpoint mode (a recompute seeds the layer again, so it
+redraws the same mask by construction), and a resume continues them exactly:
+``seed`` and ``c`` travel in the checkpoint (:meth:`LayerStreams.state_dict`).
+They still depend on ``seed``, on ``chunks`` (which samples form micro-batch
+``m``) and on the layer's position. ``seed`` is ``torch.initial_seed()`` when the
+engine is built (``seed_everything`` sets it), rank 0's under the distributed engine.
+
+Which layers (the ``layer_rng`` setting), and the cost: a seeded layer call costs
+about 6 us on a 2-core CPU (save the generator's state, seed it, put the state
+back; ``benchmarks/RESULTS_layer_rng.md``): 8 % of a step of
+``benchmarks/bench_dispatch.py``'s 48 tiny layers if every layer is seeded, 0.3 %
+of the GPT config's. ``auto`` (the default) seeds only layers holding one of
+torch's random modules (:data:`RANDOM_MODULES`), so a model without dropout pays
+nothing measurable (ratio 0.997 on the proxy). A layer that draws in its own code
+without such a module (``torch.rand`` in ``forward``) needs ``all``;
+``off`` keeps the caller's generator, in schedule order (the masks then depend on
+the layout; recompute still replays them, see ``pipeckpt.stage``). Layers run
+outside training mode are never seeded.
+
+Alternatives weighed:
+
+- one state saved around a whole stage task, layers seeded inside it: one state
+  save fewer per layer, but the module's own code between ``pipeline_of`` layers
+  would draw from the last layer's stream, which depends on the layout;
+- ``torch.random.fork_rng`` per layer: the same effect, but it saves the state of
+  every device of the process and costs several times more per call;
+- a ``torch.Generator`` per layer handed to the random modules: ``nn.Dropout``
+  and ``F.scaled_dot_product_attention`` take no generator;
+- deriving ``c`` from Lightning's step counters: a module may call its pipeline
+  more than once per step (each call needs masks of its own), so the engines
+  count calls and the checkpoint keeps the count.
+
+On CUDA a layer's stream is its device's generator only: autograd runs each
+device's backward (and so its recomputes) on a thread of its own, and those
+threads would race on the one CPU generator.
+"""
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from pipeckpt.settings import check_layer_rng
+
+__all__ = ["RANDOM_MODULES", "LayerStreams", "draws_random"]
+
+#: torch's modules that draw random numbers in training mode; ``auto`` seeds layers holding one.
+RANDOM_MODULES: Tuple[type, ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+    nn.MultiheadAttention,
+)
+
+_MASK = (1 << 64) - 1
+
+
+def draws_random(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds one of :data:`RANDOM_MODULES`."""
+    return any(isinstance(m, RANDOM_MODULES) for m in layer.modules())
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's output function: 64 well-mixed bits from any 64. Hand-written because it is three
+    lines, and library hashes cost microseconds per call (numpy's SeedSequence: ~10 us)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class _Current(threading.local):
+    """The micro-batch key of the stage task running on this thread (None: no task)."""
+
+    key: Optional[int] = None
+
+
+class _Microbatch:
+    """Makes micro-batch ``key`` current on this thread for the ``with`` block."""
+
+    __slots__ = ("current", "key", "previous")
+
+    def __init__(self, current: _Current, key: int) -> None:
+        self.current, self.key = current, key
+        self.previous: Optional[int] = None
+
+    def __enter__(self) -> None:
+        self.previous = self.current.key
+        self.current.key = self.key
+
+    def __exit__(self, *_: Any) -> None:
+        self.current.key = self.previous
+
+
+class LayerStreams:
+    """One engine's per-layer streams: the seed, the count of training calls, the seeded layers.
+
+    The engine calls :meth:`start` when it builds, :meth:`attach` on the pipelined layers,
+    :meth:`next_call` at each training call of the pipeline, and :meth:`detach` at teardown;
+    a :class:`~pipeckpt.stage.Stage` runs each micro-batch inside :meth:`microbatch`.
+    """
+
+    def __init__(self, scope: str = "auto") -> None:
+        check_layer_rng(scope)
+        self.scope = scope
+        self.seed: Optional[int] = None
+        self.calls = 0  # training calls of the pipeline so far
+        self._call_key = 0
+        self._current = _Current()
+        self._attached: List[Tuple[nn.Module, Callable[..., Any], Optional[Any]]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.scope != "off"
+
+    def start(self, seed: Optional[int] = None) -> None:
+        """Fixes the seed: ``seed``, else one restored from a checkpoint, else ``torch.initial_seed()``."""
+        if seed is not None:
+            self.seed = int(seed)
+        elif self.seed is None:
+            self.seed = torch.initial_seed()
+        self._call_key = _mix(_mix(self.seed & _MASK) ^ self.calls)
+
+    def next_call(self) -> None:
+        """A training call of the pipeline begins: its micro-batches get new keys."""
+        self.calls += 1
+        if self.seed is None:
+            self.start()
+        self._call_key = _mix(_mix(self.seed & _MASK) ^ self.calls)  # type: ignore[operator]
+
+    def microbatch(self, index: int) -> _Microbatch:
+        """The context in which a stage runs micro-batch ``index`` of the current call."""
+        return _Microbatch(self._current, _mix(self._call_key ^ index))
+
+    def current(self) -> Optional[int]:
+        """This thread's micro-batch key (for a recompute to restore it)."""
+        return self._current.key
+
+    def set_current(self, key: Optional[int]) -> None:
+        self._current.key = key
+
+    # -- layers -----------------------------------------------------------------------
+
+    def attach(self, layers: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        """Seeds ``layers[k]`` (global index ``k``, on ``devices[k]``) per micro-batch, per :attr:`scope`.
+
+        The layer's ``forward`` is wrapped by an instance attribute (what ``pipeline_of``'s routing
+        takes as the layer's own forward, so it must be attached first); a forward hook would not
+        run in a recompute, which calls the forward directly."""
+        if not self.enabled:
+            return
+        for index, (layer, device) in enumerate(zip(layers, devices)):
+            if self.scope == "auto" and not draws_random(layer):
+                continue
+            own = layer.__dict__.get("forward")
+            wrapped = self._seeded(layer, index, device, layer.forward)
+            layer.forward = wrapped
+            self._attached.append((layer, wrapped, own))
+
+    def detach(self) -> None:
+        """Every wrapped layer gets back the forward it had (unless another wrapper replaced ours)."""
+        for layer, wrapped, own in reversed(self._attached):
+            if layer.__dict__.get("forward") is wrapped:
+                if own is None:
+                    del layer.__dict__["forward"]
+                else:
+                    layer.forward = own
+        self._attached = []
+
+    @property
+    def seeded_layers(self) -> List[nn.Module]:
+        return [layer for layer, _, _ in self._attached]
+
+    def _seeded(
+        self, layer: nn.Module, index: int, device: torch.device, forward: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        salt = _mix(index ^ 0x5EED)
+        current = self._current
+        if device.type != "cuda":
+            cpu = torch.default_generator
+
+            def in_own_stream(*args: Any, **kwargs: Any) -> Any:
+                key = current.key
+                if key is None or not layer.training:
+                    return forward(*args, **kwargs)
+                saved = cpu.get_state()
+                cpu.manual_seed(_mix(key ^ salt))
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    cpu.set_state(saved)
+
+            return in_own_stream
+
+        def in_own_cuda_stream(*args: Any, **kwargs: Any) -> Any:
+            key = current.key
+            if key is None or not layer.training:
+                return forward(*args, **kwargs)
+            generator = torch.cuda.default_generators[
+                device.index if device.index is not None else torch.cuda.current_device()
+            ]
+            saved = generator.get_state()
+            generator.manual_seed(_mix(key ^ salt))
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                generator.set_state(saved)
+
+        return in_own_cuda_stream
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.calls = int(state["calls"])
+        self.start(state["seed"])
