@@ -229,7 +229,7 @@ class _Recompute(torch.autograd.Function):
             output, structure = flat_output(output)
             if structure is not None:  # e.g. (tensor, None) or a dict: the stage rebuilds it
                 stage._structure, ctx.flat = structure, True
-        if stage.mode.offloads and stage._cuda is not None:
+        if stage.offloads:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
         else:
@@ -324,6 +324,12 @@ class Stage(nn.Module):
         self._norm_list: Optional[List[nn.Module]] = None
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the inputs this stage keeps for its recomputes wait in host memory: an
+        offloading mode on a CUDA stage (a CPU stage's inputs are in host memory already)."""
+        return self.mode.offloads and self._cuda is not None
 
     def recomputes_per_step(self, num_microbatches: int) -> int:
         return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
