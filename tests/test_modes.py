@@ -37,7 +37,8 @@ def test_per_stage_list_keeps_its_order():
 
 def test_unknown_mode_names_value_rule_and_fix():
     with pytest.raises(
-        PipeckptConfigError, match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT"
+        PipeckptConfigError,
+        match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT: set `checkpoint` \(`ckpt=",
     ):
         parse_modes("sometimes", 2)
 
