@@ -49,8 +49,9 @@ def test_only_an_offloading_mode_on_a_cuda_stage_offloads(mode, device, offloads
     assert Stage(layers(), index=0, mode=mode, device=device).offloads is offloads
 
 
-def test_offload_copies_the_input_into_a_new_host_tensor():
-    x = torch.randn(4, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_offload_copies_the_input_into_a_new_host_tensor(dtype):
+    x = torch.randn(4, 8).mul(10).to(dtype)
     host = stage_module._offload(x, pin_memory=False)
     assert (host.device, host.dtype, host.shape) == (CPU, x.dtype, x.shape)
     assert torch.equal(host, x)
