@@ -276,7 +276,7 @@ class _Recompute(torch.autograd.Function):
         if keep:
             ctx.kept = (output, inputs)
             output = output.detach() if isinstance(output, Tensor) else tuple(o.detach() for o in output)
-        elif stage.mode.offloads and stage._cuda is not None:
+        elif stage.offloads:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
         else:
@@ -391,6 +391,12 @@ class Stage(nn.Module):
     def next_microbatch(self) -> int:
         """The index of the micro-batch the next :meth:`forward` runs."""
         return self._microbatch
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the inputs this stage keeps for its recomputes wait in host memory: an
+        offloading mode on a CUDA stage (a CPU stage's inputs are in host memory already)."""
+        return self.mode.offloads and self._cuda is not None
 
     def _kept(self, num_microbatches: int, order: Optional[Sequence[Op]]) -> FrozenSet[int]:
         return kept(order if order is not None else local_order(self.index, num_microbatches), self.index)

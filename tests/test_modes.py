@@ -37,7 +37,9 @@ def test_per_stage_list_keeps_its_order():
 
 def test_unknown_mode_names_value_rule_and_fix():
     with pytest.raises(
-        PipeckptConfigError, match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT"
+        PipeckptConfigError,
+        match=r"'sometimes'.*not one of never, except_last, always, offload.*HINT: write <base>.*'always:1'.*"
+        r"`ckpt=<name>`",
     ):
         parse_modes("sometimes", 2)
 

@@ -1,6 +1,7 @@
 """Stages under the local engine: how often each stage runs, and that
 checkpointing never changes the numbers."""
 
+import threading
 from typing import Dict, List
 
 import pytest
@@ -8,8 +9,11 @@ import torch
 from torch import nn
 from toy import Counter, toy_layers
 
+from pipeckpt import ALWAYS, NEVER, OFFLOAD
 from pipeckpt.engines.local_pipeline import LocalPipeline
+from pipeckpt.modes import parse_modes
 from pipeckpt.planning import plan
+from pipeckpt.stage import CallerState, Stage, StepCasts, _tensor_or_tensors, capture_caller_state
 
 CPU = [torch.device("cpu")]
 MIXES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]
@@ -114,3 +118,133 @@ def test_a_flop_counter_around_the_pipeline_sees_every_stages_forward():
         return counter.get_total_flops()
 
     assert flops(pipelined=True) == flops(pipelined=False) > 0
+
+
+# -- one Stage alone: what the mutation run (docs/TESTING.md) showed no other test pinned down --------
+
+
+def lone_stage(mode, partition: nn.Module = None, **kwargs) -> Stage:
+    torch.manual_seed(0)
+    partition = partition if partition is not None else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    return Stage(partition, index=0, mode=mode, device=torch.device("cpu"), **kwargs)
+
+
+@pytest.mark.parametrize("mode, runs", [("never", 4), ("except_last", 7), ("always", 8)])
+def test_forward_calls_count_every_run_of_the_partition_recomputes_included(mode, runs):
+    stage = lone_stage(parse_modes(mode, 1)[0])
+    stage.begin_step(4)
+    outputs = [stage(torch.randn(2, 8, requires_grad=True)) for _ in range(4)]
+    torch.stack(outputs).sum().backward()
+    assert stage.forward_calls == runs
+
+
+def test_a_stage_pins_offloaded_inputs_by_default_and_names_itself():
+    stage = lone_stage(OFFLOAD)
+    assert stage.pin_memory is True
+    assert stage.extra_repr() == "index=0, mode=offload, device=cpu"
+
+
+def test_a_checkpointed_tuple_input_reaches_the_partition_as_that_tuple():
+    class Add(nn.Module):
+        def forward(self, pair):
+            assert type(pair) is tuple and len(pair) == 2
+            return pair[0] * pair[1]
+
+    def grads(mode):
+        stage = lone_stage(mode, Add())
+        stage.begin_step(1)
+        a, b = torch.full((2,), 2.0, requires_grad=True), torch.full((2,), 3.0, requires_grad=True)
+        stage((a, b)).sum().backward()
+        return a.grad, b.grad, stage.forward_calls
+
+    a_grad, b_grad, runs = grads(ALWAYS)
+    assert torch.equal(a_grad, torch.full((2,), 3.0)) and torch.equal(b_grad, torch.full((2,), 2.0))
+    assert runs == 2  # the forward and its recompute
+
+
+def test_a_checkpointed_output_of_a_tensor_and_none_comes_back_in_that_shape():
+    class WithNone(nn.Module):
+        def forward(self, x):
+            return (x * 2, None)
+
+    stage = lone_stage(ALWAYS, WithNone())
+    stage.begin_step(1)
+    x = torch.ones(2, requires_grad=True)
+    out, nothing = stage(x)
+    assert nothing is None and torch.equal(out, torch.full((2,), 2.0))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+def test_an_integer_output_of_a_checkpointed_stage_is_not_differentiable():
+    class ArgMax(nn.Module):
+        def forward(self, x):
+            return x.argmax(dim=-1)
+
+    stage = lone_stage(ALWAYS, ArgMax())
+    stage.begin_step(1)
+    out = stage(torch.randn(2, 8, requires_grad=True))
+    assert out.dtype == torch.int64 and not out.requires_grad
+
+
+@pytest.mark.parametrize(
+    "x, fast",
+    [
+        (torch.ones(1), True),
+        ((torch.ones(1), torch.ones(1)), True),
+        ((torch.ones(1),), True),
+        ((), False),
+        ([torch.ones(1)], False),
+        ((torch.ones(1), 2), False),
+        (2, False),
+    ],
+    ids=["tensor", "pair", "one-tuple", "empty-tuple", "list", "tuple-with-int", "int"],
+)
+def test_only_a_tensor_or_a_nonempty_tuple_of_tensors_takes_the_fast_path(x, fast):
+    assert _tensor_or_tensors(x) is fast
+
+
+def test_a_step_of_recomputes_is_done_after_exactly_its_count():
+    step = StepCasts(remaining=2)
+    assert [step.one_done(), step.one_done()] == [False, True]
+    assert step.remaining == 0
+
+
+def test_a_stage_alone_under_autocast_recomputes_in_bf16_and_lets_the_cast_cache_go():
+    stage = lone_stage(ALWAYS, nn.Linear(8, 8))
+    seen = []
+    stage.partition.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    stage.begin_step(2)
+    with torch.autocast("cpu", dtype=torch.float16):
+        outputs = [stage(torch.randn(2, 8, requires_grad=True)) for _ in range(2)]
+    torch.stack(outputs).float().sum().backward()
+    assert seen == [torch.float16] * 4  # two forwards, two recomputes in the forward's dtype
+    assert torch.autocast_increment_nesting() == 1  # no nesting level left held after the last
+    torch.autocast_decrement_nesting()
+
+
+def test_the_caller_state_is_applied_only_on_another_thread_and_only_if_there_is_one():
+    empty = capture_caller_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        caller = capture_caller_state()
+    assert caller.autocast == (("cpu", torch.bfloat16),) and caller.thread == threading.get_ident()
+    assert empty.autocast == () and empty.dispatch_modes == ()
+    here = [caller.needs_applying(), empty.needs_applying(), CallerState(thread=None).needs_applying()]
+    there = []
+    worker = threading.Thread(target=lambda: there.extend([caller.needs_applying(), empty.needs_applying()]))
+    worker.start()
+    worker.join()
+    assert (here, there) == ([False, False, False], [True, False])
+
+
+def test_a_stage_run_on_another_thread_runs_under_the_callers_autocast():
+    from pipeckpt.stage import capture_caller_state
+
+    stage = lone_stage(NEVER, nn.Linear(8, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stage.begin_step(1, capture_caller_state())
+    out = []
+    worker = threading.Thread(target=lambda: out.append(stage(torch.randn(2, 8))))
+    worker.start()
+    worker.join()
+    assert out[0].dtype == torch.bfloat16
