@@ -1,7 +1,7 @@
 """Predicted vs measured per-stage peak memory of the local engine on CPU, as a Markdown table.
 
 The same models, plans and measurement as tests/test_memory.py (3 stages; never, except_last,
-always; 1-4 chunks), printed::
+always, always:1, always:2, except_last:1, selective; 1-4 chunks), printed::
 
     python benchmarks/bench_memory_model.py > /tmp/memory_model.md     # about ten seconds
 """
@@ -19,6 +19,7 @@ from pipeckpt.memory import predict
 from pipeckpt.planning import plan
 
 MiB = 2**20
+MODES = ("never", "except_last", "always", "always:1", "always:2", "except_last:1", "selective")
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     worst = 0.0
     for name in MODELS:
         seq, x, y, loss = _model(name)
-        for mode in ("never", "except_last", "always"):
+        for mode in MODES:
             for chunks in (1, 2, 3, 4):
                 stage_plan = plan(
                     seq, devices=[torch.device("cpu")], stages=3, checkpoint=mode, chunks=chunks

@@ -20,14 +20,24 @@ import torch
 
 from pipeckpt._errors import config_error
 from pipeckpt.memory import ModelProfile, Prediction, StageMemory, predict, with_balance
-from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, CheckpointMode, parse_modes
+from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, SELECTIVE, CheckpointMode, parse_mode, parse_modes
 from pipeckpt.planning import StagePlan
 from pipeckpt.sizes import human, parse_bytes
 
 __all__ = ["Choice", "choose", "parse_bytes", "DEFAULT_MODES", "TERMS", "MAX_COMBINATIONS"]
 
-#: The modes ``choose`` considers by default (offload is ``always`` plus host copies; add it on CUDA).
-DEFAULT_MODES: Tuple[CheckpointMode, ...] = (NEVER, EXCEPT_LAST, ALWAYS)
+#: The modes ``choose`` considers by default: whole-stage recompute, per-layer and two-layer segments
+#: (the backward holds one segment's recompute, not the stage's), and selective (torch's SAC: keep
+#: matmul outputs, recompute the rest). Offload is ``always`` plus host copies: add it on CUDA.
+DEFAULT_MODES: Tuple[CheckpointMode, ...] = (
+    NEVER,
+    EXCEPT_LAST,
+    ALWAYS,
+    parse_mode("except_last:1"),
+    parse_mode("always:1"),
+    parse_mode("always:2"),
+    SELECTIVE,
+)
 
 Profiles = Union[ModelProfile, Mapping[int, ModelProfile]]
 
@@ -49,13 +59,11 @@ def _recompute_rank(mode: CheckpointMode, chunks: int) -> Tuple[int, bool]:
 def _nested(modes: Sequence[CheckpointMode], chunks: int) -> bool:
     """Whether each mode's recomputed micro-batches include those of every mode ranked before it,
     and the modes differ in nothing else the time model sees (whole-stage recompute)."""
-    if any(_WHOLE_STAGE_FIELDS != set(vars(m)) for m in modes):
-        return False  # a mode with more knobs (granularity, selective) than whole-stage recompute
+    if any(m.every is not None or m.selective for m in modes):
+        return False  # granularity and selective trade memory for time otherwise than by micro-batch
     sets = sorted(({i for i in range(chunks) if m.recomputes(i, chunks)} for m in modes), key=len)
     return all(small <= large for small, large in itertools.pairwise(sets))
 
-
-_WHOLE_STAGE_FIELDS = {"name", "checkpoints", "recompute_last", "offloads"}
 
 #: At most this many per-stage mode combinations are predicted for one (chunks, balance).
 MAX_COMBINATIONS = 50_000

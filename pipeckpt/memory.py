@@ -29,17 +29,26 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeckpt._compat import FakeTensorMode, MemTracker, module_memory, schedule_op_order, tree_flatten
+from pipeckpt._compat import (
+    FakeTensorMode,
+    MemTracker,
+    TorchDispatchMode,
+    module_memory,
+    sac_saved_ops,
+    schedule_op_order,
+    tree_flatten,
+)
 from pipeckpt._errors import config_error
 from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode
+from pipeckpt.order import kept as kept_microbatches
 from pipeckpt.planning import StagePlan
 from pipeckpt.sizes import OPTIMIZERS
 
@@ -82,6 +91,10 @@ class LayerProfile:
     backward_peak: int  # peak bytes of its backward above what was live before it
     forward_s: float
     backward_s: float
+    # Selective checkpointing (torch's SAC, pipeckpt/selective.py): the storages of the outputs of
+    # the ops its policy keeps, and the forward seconds those ops take (a selective recompute skips them).
+    sac_kept: Tuple[int, ...] = ()
+    sac_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -179,22 +192,47 @@ class _Probe(nn.Module):
     def forward(self, x: Any) -> Any:
         h = x
         for layer in self.layers:
-            record: Dict[str, Any] = {"inputs": self.storages.ids(h), "saved": set()}
+            record: Dict[str, Any] = {"inputs": self.storages.ids(h), "saved": set(), "sac": set()}
             self.records.append(record)
             h = layer(h)
             record["outputs"] = self.storages.ids(h)
         return h
 
 
+class _SacOutputs(TorchDispatchMode):
+    """Notes, for the layer the probe is running, the storages of the outputs of the ops that
+    selective checkpointing's policy keeps, and times every op (the ops SAC keeps apart)."""
+
+    def __init__(self, probe: "_Probe") -> None:
+        super().__init__()
+        self.probe = probe
+        self.saved_ops = frozenset(sac_saved_ops())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        took = time.perf_counter() - t0
+        records = self.probe.records
+        if records and "outputs" not in records[-1]:
+            record = records[-1]
+            kept = getattr(func, "overloadpacket", func) in self.saved_ops
+            record["op_s"] = record.get("op_s", 0.0) + took
+            if kept:
+                record["sac"].update(self.probe.storages.ids(out))
+                record["sac_op_s"] = record.get("sac_op_s", 0.0) + took
+        return out
+
+
 def _memory_pass(
     layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], storages: _Storages
 ) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
     """Two forward and backward passes: one with a saved-tensor hook naming every storage each
-    layer saves, one under MemTracker for each layer's peaks (apart: a hook that keeps the saved
-    tensor changes when autograd frees it)."""
+    layer saves (and a dispatch mode naming what selective checkpointing would keep), one under
+    MemTracker for each layer's peaks (apart: a hook that keeps the saved tensor changes when
+    autograd frees it)."""
     batch_inputs = storages.ids(x)
     probe = _Probe(layers, loss, storages)
-    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack), _SacOutputs(probe):
         _forward_backward(probe, x)
     records, probe.records = probe.records, []
     tracker = MemTracker()
@@ -345,6 +383,8 @@ def profile(
                 backward_peak=max(0, record["backward_peak"]),
                 forward_s=fwd,
                 backward_s=bwd,
+                sac_kept=tuple(sorted(record["sac"])),
+                sac_s=fwd * _sac_share(record, fake),
             )
         )
     return ModelProfile(
@@ -355,6 +395,15 @@ def profile(
         loss=profiles[len(layers)] if loss is not None else None,
         fake=fake,
     )
+
+
+def _sac_share(record: Dict[str, Any], fake: bool) -> float:
+    """The share of a layer's forward time spent in the ops SAC keeps. Fake tensors run no kernels:
+    there the times come from FLOPs, which the kept ops (matrix products, attention) carry."""
+    if fake:
+        return 1.0 if record["sac"] else 0.0
+    total = record.get("op_s", 0.0)
+    return min(1.0, record.get("sac_op_s", 0.0) / total) if total > 0 else 0.0
 
 
 @contextmanager
@@ -540,31 +589,109 @@ class _StageModel:
     def bytes(self, ids: Set[int]) -> int:
         return self.profile.bytes_of(ids if self.local else ids - self.inputs)
 
-    def forward_live(self, *, keep_input: bool, save: bool) -> List[Tuple[int, int]]:
-        """(held by this micro-batch, the layer's own forward peak) while each layer runs forward."""
+    def segments(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
+        """The layer ranges (absolute) a micro-batch is checkpointed in: one segment of the whole
+        stage, or runs of ``mode.every`` layers when it is recomputed granularly (pipeckpt/stage.py
+        ``_granular``: ``:k``, and ``+selective`` with or without ``:k``)."""
+        if not recompute or (mode.every is None and not mode.selective):
+            return [(self.start, self.stop)]
+        every = mode.every or (self.stop - self.start)
+        return [(a, min(a + every, self.stop)) for a in range(self.start, self.stop, every)]
+
+    def _segment_input(self, a: int) -> Set[int]:
+        return set(self.inputs) if a == self.start else set(self.profile.layers[a].inputs)
+
+    def _kept_through(self, mode: CheckpointMode, segments: Sequence[Tuple[int, int]]) -> Set[int]:
+        """What the checkpointed ``segments`` keep from forward to backward: each one's input and,
+        selective, the outputs of the ops SAC keeps (pipeckpt/selective.py)."""
+        held: Set[int] = set(self.inputs)
+        for a, b in segments:
+            if mode.selective and not any(x.saved or x.sac_kept for x in self.profile.layers[a:b]):
+                continue  # torch's checkpoint of a region that saves nothing keeps nothing, input included
+            held |= self._segment_input(a)
+            if mode.selective:
+                for layer in self.profile.layers[a:b]:
+                    held |= set(layer.sac_kept)
+        return held
+
+    def kept(self, mode: CheckpointMode, recompute: bool) -> int:
+        """Bytes one micro-batch holds from its forward to its backward."""
+        if not recompute:
+            return self.kept_full
+        return self.bytes(self._kept_through(mode, self.segments(mode, recompute)))
+
+    def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
+        """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
+        a kept micro-batch keeps what each layer saved; a recomputed one its segments' inputs (and
+        selective, the outputs SAC keeps) so far."""
         out = []
-        held: Set[int] = set(self.inputs) if keep_input else set()
-        for layer in self.layers:
-            out.append((self.bytes(held | set(layer.inputs)), layer.forward_peak))
-            if save:
-                held |= set(layer.saved)
+        held: Set[int] = set(self.inputs)
+        for a, b in self.segments(mode, recompute):
+            held |= self._segment_input(a)
+            for layer in self.profile.layers[a:b]:
+                out.append((self.bytes(held | set(layer.inputs)), layer.forward_peak))
+                if not recompute:
+                    held |= set(layer.saved)
+                elif mode.selective:
+                    held |= set(layer.sac_kept)
         return out
 
-    def backward_live(self, *, keep_input: bool) -> List[Tuple[int, int, int, int, int]]:
-        """(saved still held, gradient arriving, the layer's backward peak, grads of the layers
-        after it, its largest parameter) while each layer runs backward, last layer first.
-        The stage's output and the gradient that arrived for it stay held until the stage's
-        backward ends: its Function's backward holds both while autograd runs inside it."""
-        out = []
-        for k in reversed(range(len(self.layers))):
-            layer = self.layers[k]
-            held = self.profile.saved_union(self.start, self.start + k + 1) | self.outputs
-            if keep_input:
-                held |= self.inputs
-            after = sum(x.param_bytes for x in self.layers[k + 1 :])
-            arriving = self.profile.bytes_of(set(layer.outputs))
-            out.append((self.bytes(held), arriving, layer.backward_peak, after, layer.largest_param))
+    def backward_events(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[Any, ...]]:
+        """One micro-batch's backward, segment by segment from the last: a recomputed segment first
+        runs forward again, ``("R", layer, held, forward peak)``, keeping what its layers save; then
+        each layer's backward, last first, ``("B", layer, held, arriving, backward peak, grads of
+        the stage's layers after it, last segment?, segment's last layer?)``. While a segment runs
+        backward, the earlier segments still keep what they kept, and the segment's output and the
+        gradient that arrived for it stay held: its Function's backward holds both while autograd
+        runs inside it (whole stage: the stage's output and its incoming gradient)."""
+        p = self.profile
+        segments = self.segments(mode, recompute)
+        out: List[Tuple[Any, ...]] = []
+        for n in reversed(range(len(segments))):
+            a, b = segments[n]
+            before = self._kept_through(mode, segments[: n + 1]) if recompute else set(self.inputs)
+            if recompute:
+                held = set(before)
+                if mode.selective:
+                    # SAC's cache hands its outputs to the recompute, which keeps only what autograd
+                    # saves: the others go as soon as the segment has been run again.
+                    before = self._kept_through(mode, segments[:n]) | self._segment_input(a)
+                for k in range(a, b):
+                    layer = p.layers[k]
+                    work = layer.forward_peak
+                    if mode.selective:  # SAC hands back the outputs it kept instead of computing them
+                        work = max(0, work - p.bytes_of(set(layer.sac_kept)))
+                    out.append(("R", k, self.bytes(held | set(layer.inputs)), work))
+                    held |= set(layer.saved)
+            # Selective runs torch's checkpoint, whose backward walks the forward's own graph: nothing
+            # holds the segment's output, and each gradient goes once its node has used it.
+            seg_out = set() if recompute and mode.selective else set(p.layers[b - 1].outputs)
+            for k in reversed(range(a, b)):
+                layer = p.layers[k]
+                held = before | p.saved_union(a, k + 1) | seg_out
+                after = sum(x.param_bytes for x in p.layers[k + 1 : self.stop])
+                own = p.bytes_of(set(layer.outputs))
+                out.append(
+                    (
+                        "B",
+                        k,
+                        self.bytes(held),
+                        own,
+                        layer.backward_peak,
+                        after,
+                        n == len(segments) - 1,
+                        k == b - 1,
+                        layer.largest_param,
+                    )
+                )
         return out
+
+    def recompute_s(self, mode: CheckpointMode) -> float:
+        """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
+        selective all but the ops SAC kept."""
+        if mode.selective:
+            return sum(max(0.0, layer.forward_s - layer.sac_s) for layer in self.layers)
+        return self.forward_s
 
 
 def predict(
@@ -596,12 +723,20 @@ def predict(
     out, times = [], []
     for j, ((start, stop), mode) in enumerate(zip(plan.ranges, plan.modes)):
         model = _StageModel(profile, start, stop, first=j == 0, last=j == stages - 1, local=local)
+        keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
         out.append(
             _predict_stage(
-                model, j, mode, order[j], chunks=chunks, optimizer=optimizer, accumulating=accumulating
+                model,
+                j,
+                mode,
+                order[j],
+                chunks=chunks,
+                keep=keep,
+                optimizer=optimizer,
+                accumulating=accumulating,
             )
         )
-        times.append(_op_times(model, mode, chunks))
+        times.append(_op_times(model, mode, chunks, keep))
     step = sum(s.time_s for s in out) if shared_device else _makespan(order, times, local=local)
     return Prediction(
         stages=tuple(out), step_time_s=step, schedule=schedule, order_source=source, chunks=chunks
@@ -615,10 +750,12 @@ def _predict_stage(
     ops: List[Tuple[str, int]],
     *,
     chunks: int,
+    keep: AbstractSet[int],
     optimizer: Union[str, torch.optim.Optimizer, type],
     accumulating: bool,
 ) -> StageMemory:
-    """Walks the stage through its ops, keeping the largest total seen."""
+    """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
+    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order)."""
     m, local = chunks, s.local
     grads = s.param_bytes
     opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
@@ -630,20 +767,24 @@ def _predict_stage(
     # micro-batch's output until its backward.
     recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
     held_output = 0 if local else s.output_bytes
-    kept_of = {False: s.kept_full + held_output, True: s.kept_input + held_output}
-    forward = {r: s.forward_live(keep_input=True, save=not r) for r in (False, True)}
-    recompute_live = s.forward_live(keep_input=True, save=True)
-    backward = {r: s.backward_live(keep_input=True) for r in (False, True)}
+    kept_of = {r: s.kept(mode, r) + held_output for r in (False, True)}
+    forward = {r: s.forward_live(mode, r) for r in (False, True)}
+    backward = {r: s.backward_events(mode, r) for r in (False, True)}
+    # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
+    # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
+    # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
+    # segment runs backward; an earlier segment holds the gradient the segment after it made.
+    stage_incoming = 0 if s.last == local else s.output_bytes
 
     cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
     peak, most = _Peak(), 0
     grads_done = accumulating
-    backwards_done = 0
+    graphs_done = 0  # local engine: selective micro-batches whose gradients wait in autograd's buffer
     tail = 0  # local engine, last stage: the gathered batch's output gradient
 
     for kind, i in ops:
-        recompute = mode.recomputes(i, m)
-        g_now = grads if grads_done else 0
+        recompute = mode.recomputes(i, m, keep=keep)
+        g_now = (grads if grads_done else 0) + (grads if graphs_done else 0)
         others = sum(cells.values())
         base = static + g_now + recv + others
         if kind == "F":
@@ -681,36 +822,51 @@ def _predict_stage(
             peak.see(
                 base + kept + loss.backward_peak, (others + kept, recv, loss.backward_peak), f"B{i} loss"
             )
-        if recompute:
-            for k, (mine, work) in enumerate(recompute_live):
+        done = 0  # layers of this micro-batch backwarded so far
+        for event in backward[recompute]:
+            if event[0] == "R":
+                _, k, mine, work = event
                 peak.see(
                     base + held_output + tail + mine + work,
                     (others + mine + held_output, recv + tail, work),
-                    f"B{i} recompute layer {s.start + k}",
+                    f"B{i} recompute layer {k}",
                 )
-        for k, (saved, arriving, work, after, _largest) in enumerate(backward[recompute]):
-            g = grads if grads_done else after
+                continue
+            _, k, saved, own, work, after, last_segment, segment_end, largest = event
+            g = (grads if grads_done else after) + (grads if graphs_done else 0)
+            if local and recompute and mode.selective:
+                # torch's checkpoint leaves the parameters' gradients to autograd, which on the local
+                # engine (one backward pass over every micro-batch) sums them over the micro-batches
+                # in a buffer of its own before they reach .grad: out of place (one parameter's worth
+                # more) from the second micro-batch on, and beside a .grad that already holds some.
+                buffered = grads if graphs_done else after
+                g = buffered + (largest if graphs_done else 0) + (grads if grads_done else 0)
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stage.py), so
             # no sum over micro-batches waits beside .grad.
-            # The gradient arriving at the stage's last layer: the receive buffer (distributed,
-            # counted in recv), a view of the gathered batch's (local, last stage: the tail,
-            # freed once the last micro-batch's view is used); it stays held to the end.
-            if k == 0:
-                incoming = 0 if s.last == local else arriving
-                arriving = incoming
+            incoming = (
+                stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
+            )
+            if segment_end:
+                seg_incoming = incoming
+                arriving = seg_incoming
+            elif recompute and mode.selective:  # torch's checkpoint: no Function holds it
+                arriving = own
             else:
-                arriving += incoming
-            if k == 1 and not cells:
+                arriving = own + seg_incoming
+            if done == 1 and not cells:
                 tail = 0
             total = static + recv + others + g + saved + held_output + tail + arriving + work
             parts = (others + saved + held_output, recv + tail + arriving, work)
-            peak.see(total, parts, f"B{i} layer {s.stop - 1 - k}")
-        grads_done = True
-        backwards_done += 1
+            peak.see(total, parts, f"B{i} layer {k}")
+            done += 1
+        if local and recompute and mode.selective:
+            graphs_done += 1
+        else:
+            grads_done = True
     acts, boundary, working = peak.parts
     held_grads = peak.value - static - acts - boundary - working  # the rest of every total
-    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m))
-    time_s = sum(_op_times(s, mode, m).values())
+    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
+    time_s = sum(_op_times(s, mode, m, keep).values())
     return StageMemory(
         stage=j,
         layers=(s.start, s.stop),
@@ -729,14 +885,16 @@ def _predict_stage(
     )
 
 
-def _op_times(s: _StageModel, mode: CheckpointMode, m: int) -> Dict[Tuple[str, int], float]:
+def _op_times(
+    s: _StageModel, mode: CheckpointMode, m: int, keep: AbstractSet[int]
+) -> Dict[Tuple[str, int], float]:
     loss = s.profile.loss if s.last else None
     lf = loss.forward_s if loss is not None else 0.0
     lb = loss.backward_s if loss is not None else 0.0
     out = {}
     for i in range(m):
         out[("F", i)] = s.forward_s + lf
-        out[("B", i)] = s.backward_s + lb + (s.forward_s if mode.recomputes(i, m) else 0.0)
+        out[("B", i)] = s.backward_s + lb + (s.recompute_s(mode) if mode.recomputes(i, m, keep=keep) else 0.0)
     return out
 
 
