@@ -606,10 +606,10 @@ class _StageModel:
         selective, the outputs of the ops SAC keeps (pipeckpt/selective.py)."""
         held: Set[int] = set(self.inputs)
         for a, b in segments:
-            if mode.selective and not any(x.saved or x.sac_kept for x in self.profile.layers[a:b]):
-                continue  # torch's checkpoint of a region that saves nothing keeps nothing, input included
             held |= self._segment_input(a)
             if mode.selective:
+                # SAC runs inside the stage's Function, which keeps the segment's input and output.
+                held |= set(self.profile.layers[b - 1].outputs)
                 for layer in self.profile.layers[a:b]:
                     held |= set(layer.sac_kept)
         return held
@@ -634,6 +634,8 @@ class _StageModel:
                     held |= set(layer.saved)
                 elif mode.selective:
                     held |= set(layer.sac_kept)
+            if recompute and mode.selective:
+                held |= set(self.profile.layers[b - 1].outputs)
         return out
 
     def backward_events(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[Any, ...]]:
@@ -663,9 +665,7 @@ class _StageModel:
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
                     out.append(("R", k, self.bytes(held | set(layer.inputs)), work))
                     held |= set(layer.saved)
-            # Selective runs torch's checkpoint, whose backward walks the forward's own graph: nothing
-            # holds the segment's output, and each gradient goes once its node has used it.
-            seg_out = set() if recompute and mode.selective else set(p.layers[b - 1].outputs)
+            seg_out = set(p.layers[b - 1].outputs)
             for k in reversed(range(a, b)):
                 layer = p.layers[k]
                 held = before | p.saved_union(a, k + 1) | seg_out
@@ -779,12 +779,11 @@ def _predict_stage(
     cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
     peak, most = _Peak(), 0
     grads_done = accumulating
-    graphs_done = 0  # local engine: selective micro-batches whose gradients wait in autograd's buffer
     tail = 0  # local engine, last stage: the gathered batch's output gradient
 
     for kind, i in ops:
         recompute = mode.recomputes(i, m, keep=keep)
-        g_now = (grads if grads_done else 0) + (grads if graphs_done else 0)
+        g_now = grads if grads_done else 0
         others = sum(cells.values())
         base = static + g_now + recv + others
         if kind == "F":
@@ -832,15 +831,8 @@ def _predict_stage(
                     f"B{i} recompute layer {k}",
                 )
                 continue
-            _, k, saved, own, work, after, last_segment, segment_end, largest = event
-            g = (grads if grads_done else after) + (grads if graphs_done else 0)
-            if local and recompute and mode.selective:
-                # torch's checkpoint leaves the parameters' gradients to autograd, which on the local
-                # engine (one backward pass over every micro-batch) sums them over the micro-batches
-                # in a buffer of its own before they reach .grad: out of place (one parameter's worth
-                # more) from the second micro-batch on, and beside a .grad that already holds some.
-                buffered = grads if graphs_done else after
-                g = buffered + (largest if graphs_done else 0) + (grads if grads_done else 0)
+            _, k, saved, own, work, after, last_segment, segment_end, _ = event
+            g = grads if grads_done else after
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
@@ -849,8 +841,6 @@ def _predict_stage(
             if segment_end:
                 seg_incoming = incoming
                 arriving = seg_incoming
-            elif recompute and mode.selective:  # torch's checkpoint: no Function holds it
-                arriving = own
             else:
                 arriving = own + seg_incoming
             if done == 1 and not cells:
@@ -859,10 +849,7 @@ def _predict_stage(
             parts = (others + saved + held_output, recv + tail + arriving, work)
             peak.see(total, parts, f"B{i} layer {k}")
             done += 1
-        if local and recompute and mode.selective:
-            graphs_done += 1
-        else:
-            grads_done = True
+        grads_done = True
     acts, boundary, working = peak.parts
     held_grads = peak.value - static - acts - boundary - working  # the rest of every total
     recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))

