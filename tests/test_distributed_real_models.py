@@ -23,8 +23,8 @@ import pytest
 import torch
 from real_models import client
 from test_distributed_pytree import _free_port, _logs, _state
-from toy import assert_bitwise_equal, max_relative_difference
 from torch import nn
+from toy import assert_bitwise_equal, max_relative_difference
 
 from pipeckpt import PipeckptConfigError, pipeline_of
 from pipeckpt.engines.distributed.rooted import RootRouting, check_module_pipeline
@@ -79,7 +79,8 @@ class _Skip(nn.Module):
 def test_each_stage_runs_its_own_layers_and_takes_earlier_outputs_giving_the_plain_forward():
     model, x = _Skip(), torch.randn(2, 3)
     expected = model(x, scale=2.0)
-    routing = RootRouting(pipeline_of(model, "layers"), [(0, 1), (1, 3)], ["layers.0", "layers.1", "layers.2"])
+    names = ["layers.0", "layers.1", "layers.2"]
+    routing = RootRouting(pipeline_of(model, "layers"), [(0, 1), (1, 3)], names)
     call = ((x,), {"scale": 2.0})
     sent = routing.run(0, live=False, microbatch=0, call=call, received=[])
     assert [i for i, _ in sent] == [0]  # stage 0 stops at the first call of stage 1's layer
@@ -101,7 +102,7 @@ def test_a_forward_that_never_reaches_the_next_stage_is_refused_naming_its_first
     model = _Skip()
     routing = RootRouting(pipeline_of(model, "layers"), [(0, 2), (2, 3)], ["l.0", "l.1", "l.2"])
     routing.root_forward = lambda x: model.layers[1](model.layers[0](x))  # skips layer 2 (stage 1)
-    with pytest.raises(PipeckptConfigError, match=r"(?s)returned without calling l\.2 \(the first layer of.*HINT"):
+    with pytest.raises(PipeckptConfigError, match=r"(?s)without calling l\.2 \(the first layer.*HINT"):
         routing.run(0, live=False, microbatch=0, call=((torch.ones(1, 4),), {}), received=[])
 
 
