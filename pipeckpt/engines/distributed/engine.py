@@ -239,7 +239,7 @@ class DistributedEngine(Engine):
         )
         self.step = step
         self.module = module
-        spec.root.forward = called_outside_a_step  # type: ignore[method-assign]
+        spec.root.forward = called_outside_a_step
         self.sequential = spec
         self.root = spec.root
 
