@@ -435,6 +435,13 @@ class Stage(nn.Module):
         for segment in self._segment_list or ():
             segment._params = None
 
+    def take_microbatch(self) -> int:
+        """The index of the micro-batch that runs now, counted as run: for an engine that calls the
+        stage's layers one by one (:meth:`call_layer`) instead of :meth:`forward`."""
+        i = self._microbatch
+        self._microbatch += 1
+        return i
+
     def forward(self, input: Any, side: Optional[Dict[str, Any]] = None) -> Any:
         """Runs the next micro-batch. ``input`` is any pytree; ``side`` holds this
         micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""

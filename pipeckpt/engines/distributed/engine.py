@@ -31,10 +31,16 @@ from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
 from pipeckpt.engines.distributed.processes import ProcessGroups
+from pipeckpt.engines.distributed.rooted import (
+    RootRouting,
+    RootStageModule,
+    check_module_pipeline,
+    outside_parameters,
+)
 from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep
-from pipeckpt.engines.distributed.ties import Ties, find_ties
+from pipeckpt.engines.distributed.ties import Ties, find_ties, held_by_every_rank
 from pipeckpt.engines.distributed.topology import Topology, check_kind
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
@@ -69,6 +75,8 @@ class DistributedEngine(Engine):
         self.modules: List[StageModule] = []
         self.step: Optional[PipelinedStep] = None
         self.ties: Optional[Ties] = None
+        self.routing: Optional[RootRouting] = None  # a module pipeline's (pipeline_of)
+        self.root: Optional[nn.Module] = None
         self._device = torch.device("cpu")
 
     @classmethod
@@ -125,13 +133,8 @@ class DistributedEngine(Engine):
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
         if isinstance(sequential, ModulePipeline):
-            raise config_error(
-                f"{type(module).__name__}.configure_pipeline() returned pipeline_of(...) "
-                "with engine='distributed'",
-                "the distributed engine runs an nn.Sequential's layers as a chain; a model driven by its own "
-                "forward runs under the local engine for now",
-                "use engine='local', or return an nn.Sequential of the layers",
-            )
+            self._build_module_pipeline(module, sequential)
+            return
         check_all_parameters_pipelined(module, sequential)
         device = self._device  # this process's, from connect()
         stage_plan = self._plan(module, sequential, device, self.settings.balance)
@@ -185,10 +188,74 @@ class DistributedEngine(Engine):
         sequential.forward = called_outside_a_step  # type: ignore[method-assign]
         self.sequential = sequential
 
+    def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
+        """``pipeline_of``: every stage runs the model's forward (:mod:`.rooted`); the parameters
+        outside the layers live on every rank, one tie each."""
+        s, topology = self.settings, self.topology
+        name = module_name(module, spec.root)
+        check_module_pipeline(name, s, self.kind, topology)
+        check_all_parameters_pipelined(module, spec.root)
+        device = self._device
+        names = [f"{name}.{n}" for n in spec.names]
+        stage_plan = self._plan(module, spec, device, s.balance, names=names)
+        self.plan = stage_plan
+        if s.deferred_batch_norm:
+            convert_deferred_batch_norm(spec, s.chunks)
+        step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=device)  # type: ignore[arg-type]
+        outside = outside_parameters(spec, module)
+        assert self.processes.pp_group is not None
+        rank = self.processes.rank
+        src = self.processes.replica * topology.pp
+        ties = find_ties(module, spec, stage_plan, topology, rank)
+        everywhere = {id(p) for _, p in outside}
+        ties = Ties([t for t in ties.ties if id(t.param) not in everywhere]) + held_by_every_rank(
+            outside, stages=stage_plan.stages, group=self.processes.pp_group, src=src, primary=rank == src
+        )
+        routing = RootRouting(spec, stage_plan.ranges, names)
+        self.modules = build_stages(
+            spec,
+            stage_plan,
+            topology.stages_of(rank),
+            device=device,
+            pin_memory=s.pin_memory,
+            names=names,
+            keep=everywhere,
+            make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
+        )
+        routing.stages = {m.stage.index: m.stage for m in self.modules}
+        self.routing = routing
+        step.modules = self.modules
+        step.outside = [p for _, p in outside]
+        if ties:
+            ties.broadcast()
+            step.ties = ties
+        self.ties = ties
+        step.schedules = Schedules(
+            kind=self.kind,
+            indices=[m.stage.index for m in self.modules],
+            modules=self.modules,
+            trained=list(self.modules),  # one replica (check_module_pipeline): no DDP
+            num_stages=stage_plan.stages,
+            device=device,
+            group=self.processes.pp_group,
+            loss_fn=step.microbatch_loss,
+        )
+        self.step = step
+        self.module = module
+        spec.root.forward = called_outside_a_step
+        self.sequential = spec
+        self.root = spec.root
+
     def _plan(
-        self, module: LightningModule, sequential: nn.Sequential, device: torch.device, balance: Any
+        self,
+        module: LightningModule,
+        sequential: nn.Sequential,
+        device: torch.device,
+        balance: Any,
+        names: Optional[Sequence[str]] = None,
     ) -> StagePlan:
         s = self.settings
+        module_pipeline = isinstance(sequential, ModulePipeline)
         return plan(
             sequential,
             devices=[device],
@@ -196,8 +263,9 @@ class DistributedEngine(Engine):
             balance=balance,
             balance_by=s.balance_by,
             checkpoint=s.checkpoint,
-            sample=getattr(module, "example_input_array", None),
+            sample=None if module_pipeline else getattr(module, "example_input_array", None),
             chunks=s.chunks,
+            names=names,
         )
 
     @property
@@ -283,6 +351,10 @@ class DistributedEngine(Engine):
         exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 
     def teardown(self, module: Optional[LightningModule]) -> None:
+        if self.routing is not None:
+            self.routing.restore()
+        if self.root is not None:
+            self.root.__dict__.pop("forward", None)
         self.processes.close()
         if self.step is not None:
             self.step.clear()

@@ -72,6 +72,7 @@ class PipelinedStep:
         self.schedules: Optional[Schedules] = None
         self.gradients: List[Tuple[nn.Parameter, Tensor]] = []
         self.ties: Optional[Ties] = None
+        self.outside: List[nn.Parameter] = []  # a module pipeline's parameters outside its layers
         self.signatures: Optional[Signatures] = None
         self.ranges: List[Tuple[int, int]] = []
         self._may_take: Set[int] = set()  # stages of this rank with a layer that declares keywords
@@ -114,6 +115,7 @@ class PipelinedStep:
             if train:
                 # A tied weight that two stages of this rank share is one parameter.
                 held = {id(p): p for sm in self.modules for p in sm.parameters() if p.requires_grad}
+                held.update((id(p), p) for p in self.outside if p.requires_grad)
                 with gradients_set_aside(held.values()) as computed:
                     target = torch.arange(m) if last is not None else None
                     schedule.step(*inputs, target=target, return_outputs=False)
@@ -163,11 +165,18 @@ class PipelinedStep:
             side = self._side_of(0, args, kwargs)
         return args[0], side
 
-    def side_inputs(self, stage: int, microbatch: int) -> Side:
-        """Stage ``stage``'s side inputs for ``microbatch``: this rank holds the same batch as the
-        first stage's, so it captures the step's call of the Sequential itself (once per micro-batch)."""
-        if stage not in self._may_take:
-            return None
+    def root_call(self, tensors: Tuple[Tensor, ...]) -> Call:
+        """The first stage's entry under a module pipeline: the step's call of the model on the
+        micro-batch made of ``tensors``."""
+        run = self._run
+        assert run is not None
+        batch = run.microbatches.rebuild(tensors)
+        with user_code():
+            return capture_call(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
+
+    def call_of(self, microbatch: int) -> Call:
+        """The step's call of the pipelined module on ``microbatch``, captured on this rank (which
+        holds the same batch as the first stage's) once per micro-batch."""
         run = self._run
         assert run is not None
         call = run.calls.get(microbatch)
@@ -176,6 +185,14 @@ class PipelinedStep:
                 call = run.calls[microbatch] = capture_call(
                     self.module, self.sequential, run.hook, run.microbatches[microbatch], run.rest, run.kwargs
                 )
+        return call
+
+    def side_inputs(self, stage: int, microbatch: int) -> Side:
+        """Stage ``stage``'s side inputs for ``microbatch``: this rank holds the same batch as the
+        first stage's, so it captures the step's call of the Sequential itself (once per micro-batch)."""
+        if stage not in self._may_take:
+            return None
+        call = self.call_of(microbatch)
         with user_code():
             return self._side_of(stage, *call)
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.planning import StagePlan, split
 
-__all__ = ["Ties", "find_ties"]
+__all__ = ["Ties", "find_ties", "held_by_every_rank"]
 
 Gradient = Tuple[nn.Parameter, Tensor]
 
@@ -49,6 +49,9 @@ class Ties:
 
     def __bool__(self) -> bool:
         return bool(self.ties)
+
+    def __add__(self, other: "Ties") -> "Ties":
+        return Ties([*self.ties, *other.ties])
 
     def names(self) -> List[str]:
         return [t.name for t in self.ties]
@@ -106,3 +109,18 @@ def find_ties(
             if rank in ranks:
                 mine.append(_Tie(name, params[i], stages, group, src=ranks[0], primary=rank == ranks[0]))
     return Ties(mine)
+
+
+def held_by_every_rank(
+    named: Sequence[Tuple[str, nn.Parameter]],
+    *,
+    stages: int,
+    group: dist.ProcessGroup,
+    src: int,
+    primary: bool,
+) -> Ties:
+    """Parameters that every pipeline rank of this replica holds and uses (those of a module
+    pipeline outside its layers): a tie each, over the replica's pipeline ``group``, whose lowest
+    rank ``src`` (global) holds the copy that the others start from."""
+    every = tuple(range(stages))
+    return Ties([_Tie(name, p, every, group, src=src, primary=primary) for name, p in named])

@@ -204,24 +204,27 @@ def build_stages(
     *,
     device: torch.device,
     pin_memory: bool,
-    entry: Entry,
+    entry: Optional[Entry] = None,
     sides: Optional[Sides] = None,
     names: Sequence[str] = (),
+    keep: Set[int] = frozenset(),  # type: ignore[assignment]
+    make: Optional[Callable[[Stage], StageModule]] = None,
 ) -> List[StageModule]:
     """This process's stages ``mine``; every other stage's layers go to the meta device (but for
-    what they share with ``mine``). ``names``: the user's names of the layers, for messages."""
+    what they share with ``mine``, or ``keep`` by id). ``names``: the user's names of the layers, for
+    messages. ``make``: the module that runs a stage (default :class:`StageModule`)."""
     parts = split(sequential, plan.balance)
-    keep = {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
+    keep = set(keep) | {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
     for j, part in enumerate(parts):
         if j not in mine:
             _to_meta(part, keep)  # another rank's: keep the structure, free the memory
     modules = []
     for j in mine:
-        module = StageModule(
-            Stage(parts[j], index=j, mode=plan.modes[j], device=device, pin_memory=pin_memory),
-            entry=entry if j == 0 else None,
-            sides=sides,
-        )
+        stage = Stage(parts[j], index=j, mode=plan.modes[j], device=device, pin_memory=pin_memory)
+        if make is not None:
+            module = make(stage)
+        else:
+            module = StageModule(stage, entry=entry if j == 0 else None, sides=sides)
         a, b = plan.ranges[j]
         module.names = tuple(names[a:b])
         modules.append(module)
@@ -246,7 +249,7 @@ def data_parallel(
     return ddp
 
 
-def check_all_parameters_pipelined(module: LightningModule, sequential: nn.Sequential) -> None:
+def check_all_parameters_pipelined(module: LightningModule, sequential: nn.Module) -> None:
     inside = {id(p) for p in sequential.parameters()}
     outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
