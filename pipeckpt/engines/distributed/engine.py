@@ -201,6 +201,9 @@ class DistributedEngine(Engine):
         self.plan = stage_plan
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(spec, s.chunks)
+        seed: List[Any] = [torch.initial_seed()]  # may differ between processes: rank 0's holds
+        dist.broadcast_object_list(seed, src=0)
+        self.seed_layers(spec, stage_plan, seed=seed[0])  # before the routing takes the layers' forward
         step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=device)  # type: ignore[arg-type]
         outside = outside_parameters(spec, module)
         assert self.processes.pp_group is not None
@@ -223,6 +226,7 @@ class DistributedEngine(Engine):
             make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
         )
         routing.stages = {m.stage.index: m.stage for m in self.modules}
+        self.use_layer_streams([m.stage for m in self.modules])
         self.routing = routing
         step.modules = self.modules
         step.outside = [p for _, p in outside]
