@@ -179,6 +179,11 @@ from torchgpipe import microbatch  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
 
+# The thread-local that torchgpipe's is_checkpointing()/is_recomputing() read: a stage flips
+# the two flags directly twice per micro-batch, where the public setters above are generator
+# context managers (a frame and a generator each time).
+from torchgpipe.checkpoint import thread_local as gpipe_flags  # noqa: E402
+
 # A zero-size "phony" edge that orders two micro-batches' backward across devices (the
 # engine runs forward on one thread, but autograd runs each device's backward on its own).
 from torchgpipe.dependency import fork as fork_dependency  # noqa: E402
@@ -207,6 +212,7 @@ __all__ = [
     "enable_checkpointing",
     "enable_recomputing",
     "fork_dependency",
+    "gpipe_flags",
     "gradients",
     "hpc_checkpoint_path",
     "init_dist_connection",

@@ -46,8 +46,8 @@ from pipeckpt._compat import (
     TorchDispatchMode,
     apply_function,
     dispatch_mode_stack,
-    enable_checkpointing,
     enable_recomputing,
+    gpipe_flags,
     gradients,
     pop_dispatch_mode,
     push_dispatch_mode,
@@ -167,25 +167,30 @@ def _batch_norms(partition: nn.Module) -> List[nn.Module]:
     return [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
 
 
+def _norm_buffers(norms: Sequence[nn.Module]) -> List[Dict[str, Tensor]]:
+    return [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+
+
+def _restore_norm_buffers(norms: Sequence[nn.Module], kept: List[Dict[str, Tensor]]) -> None:
+    with torch.no_grad():
+        for m, buffers in zip(norms, kept):
+            for k, b in buffers.items():
+                getattr(m, k).copy_(b)
+
+
 @contextmanager
 def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] = None) -> Iterator[None]:
     """A recompute must leave module state as the first forward left it:
     BatchNorm running statistics are restored, and torchgpipe's
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
     norms = _batch_norms(partition) if norms is None else norms
-    if not norms:
-        with enable_recomputing():
-            yield
-        return
-    saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
+    kept = _norm_buffers(norms) if norms else None
     try:
         with enable_recomputing():
             yield
     finally:
-        with torch.no_grad():
-            for m, buffers in zip(norms, saved):
-                for k, b in buffers.items():
-                    getattr(m, k).copy_(b)
+        if kept is not None:
+            _restore_norm_buffers(norms, kept)
 
 
 class _RngState:
@@ -213,22 +218,30 @@ def _offload(x: Tensor, pin_memory: bool) -> Tensor:
 
 
 class _Recompute(torch.autograd.Function):
-    """A stage's micro-batch that keeps only its input and reruns itself in backward."""
+    """A stage's micro-batch that keeps only its input and reruns itself in backward.
+
+    Written for the dispatch-bound case, where every Python operation per micro-batch
+    shows (``benchmarks/bench_dispatch.py``): flags set by plain try/finally rather than
+    generator context managers, BatchNorm bookkeeping only when the stage has
+    BatchNorms, autocast re-entered only when the forward ran under it, and one
+    ``gradients`` call for the input and the parameters together."""
 
     @staticmethod
     def forward(ctx: Any, stage: "Stage", packing: Packing, n: int, *args: Tensor) -> Any:
         inputs = args[:n]
         ctx.stage, ctx.packing, ctx.params = stage, packing, args[n:]
         ctx.rng = _RngState(stage._cuda)
-        ctx.autocast = _autocast_now()
-        ctx.step = stage._step
-        with enable_checkpointing():
+        ctx.autocast = autocast = _autocast_now()
+        if autocast:
+            ctx.step = stage._step
+        flags = gpipe_flags
+        was = flags.is_checkpointing
+        flags.is_checkpointing = True
+        try:
             output = stage._run_packed(packing, inputs)
+        finally:
+            flags.is_checkpointing = was
         ctx.flat = False
-        if not isinstance(packing, Call):
-            output, structure = flat_output(output)
-            if structure is not None:  # e.g. (tensor, None) or a dict: the stage rebuilds it
-                stage._structure, ctx.flat = structure, True
         if stage.mode.offloads and stage._cuda is not None:
             ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
             ctx.requires = tuple(x.requires_grad for x in inputs)
@@ -238,8 +251,12 @@ class _Recompute(torch.autograd.Function):
         if isinstance(output, Tensor):
             if not (output.is_floating_point() or output.is_complex()):
                 ctx.mark_non_differentiable(output)
-        else:
-            ctx.mark_non_differentiable(*[o for o in output if not (o.is_floating_point() or o.is_complex())])
+            return output
+        if not isinstance(packing, Call):
+            output, structure = flat_output(output)
+            if structure is not None:  # e.g. (tensor, None) or a dict: the stage rebuilds it
+                stage._structure, ctx.flat = structure, True
+        ctx.mark_non_differentiable(*[o for o in output if not (o.is_floating_point() or o.is_complex())])
         return output
 
     @staticmethod
@@ -253,41 +270,60 @@ class _Recompute(torch.autograd.Function):
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        params = ctx.params
+        norms = stage._norms()
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
-        with side_effect_free(stage.partition, stage._norms()):
+        kept = _norm_buffers(norms) if norms else None
+        flags = gpipe_flags
+        was = flags.is_recomputing
+        flags.is_recomputing = True
+        try:
             now = _RngState(stage._cuda)
             ctx.rng.restore()
             try:
-                if ctx.autocast:
-                    _cast_cache.hold(ctx.step)
-                    with ExitStack() as stack:
-                        for device_type, dtype in ctx.autocast:
-                            stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                        with torch.enable_grad():
-                            output = stage._run_packed(ctx.packing, inputs)
-                    if ctx.step.one_done():
-                        _cast_cache.release()
-                else:
-                    with torch.enable_grad():
+                with torch.enable_grad():
+                    if ctx.autocast:
+                        output = _autocast_rerun(ctx, stage, inputs)
+                    else:
                         output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
-            if ctx.flat:
-                output = flat_output(output)[0]
             if isinstance(output, Tensor):
-                pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
+                g = grads[0]
+                outs, gs = ((output,), (g,)) if g is not None and output.requires_grad else ((), ())
             else:
+                if ctx.flat:
+                    output = flat_output(output)[0]
                 pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
-            wrt = [x for x in inputs if x.requires_grad]
-            wrt += params
-            found: Sequence[Optional[Tensor]] = [None] * len(wrt)
-            if pairs and wrt:
-                found = gradients([o for o, _ in pairs], [g for _, g in pairs], wrt)
+                outs, gs = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+            wrt = (*(x for x in inputs if x.requires_grad), *ctx.params)
+            found: Sequence[Optional[Tensor]] = (
+                gradients(outs, gs, wrt) if outs and wrt else (None,) * len(wrt)
+            )
+        finally:
+            flags.is_recomputing = was
+            if kept is not None:
+                _restore_norm_buffers(norms, kept)
+        if len(inputs) == 1:
+            return (None, None, None, *found) if inputs[0].requires_grad else (None, None, None, None, *found)
         it = iter(found)
         input_grads = [next(it) if x.requires_grad else None for x in inputs]
         return (None, None, None, *input_grads, *it)
+
+
+def _autocast_rerun(ctx: Any, stage: "Stage", inputs: Sequence[Tensor]) -> Any:
+    _cast_cache.hold(ctx.step)
+    with ExitStack() as stack:
+        for device_type, dtype in ctx.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        output = stage._run_packed(ctx.packing, inputs)
+    if ctx.step.one_done():
+        _cast_cache.release()
+    return output
+
+
+# Stage attributes that never hold a Parameter, Module or buffer.
+_PLAIN_ATTRIBUTES = frozenset({"forward_calls", "_microbatch", "_structure"})
 
 
 class Stage(nn.Module):
@@ -324,6 +360,14 @@ class Stage(nn.Module):
         self._norm_list: Optional[List[nn.Module]] = None
         self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The counters change several times per micro-batch; nn.Module's __setattr__ checks
+        # every value for a Parameter, Module or buffer first, which a dispatch-bound stage pays for.
+        if name in _PLAIN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def recomputes_per_step(self, num_microbatches: int) -> int:
         return sum(self.mode.recomputes(i, num_microbatches) for i in range(num_microbatches))
