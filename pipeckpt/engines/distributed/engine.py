@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from pipeckpt import sharded
 from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
+from pipeckpt.compiling import compile_layers
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
 from pipeckpt.engines.distributed.processes import ProcessGroups
@@ -139,6 +140,7 @@ class DistributedEngine(Engine):
         self.plan = stage_plan
         if self.settings.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, self.settings.chunks)
+        compile_layers(sequential, self.settings.compile)
         step = PipelinedStep(
             module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
         )
