@@ -69,6 +69,8 @@ Autocast = Tuple[Tuple[str, torch.dtype], ...]
 
 
 def _autocast_now() -> Autocast:
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return ()
     return tuple(
         (d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d)
     )
@@ -199,12 +201,13 @@ class _RngState:
     __slots__ = ("cpu", "cuda", "device")
 
     def __init__(self, device: Optional[torch.device]) -> None:
-        self.cpu = torch.get_rng_state()
+        # The default generator's own methods: torch.get_rng_state/set_rng_state only wrap them.
+        self.cpu = torch.default_generator.get_state()
         self.device = device
         self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        torch.default_generator.set_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
@@ -268,6 +271,9 @@ class _Recompute(torch.autograd.Function):
                 for h, r in zip(ctx.offloaded, ctx.requires)
             ]
             ctx.offloaded = None
+        elif ctx.packing is True:  # one tensor: the common case, without the loops
+            (x,) = ctx.saved_tensors
+            inputs = [x.detach().requires_grad_(x.requires_grad)]
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         norms = stage._norms()
@@ -296,7 +302,10 @@ class _Recompute(torch.autograd.Function):
                     output = flat_output(output)[0]
                 pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
                 outs, gs = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
-            wrt = (*(x for x in inputs if x.requires_grad), *ctx.params)
+            if len(inputs) == 1:
+                wrt = (inputs[0], *ctx.params) if inputs[0].requires_grad else ctx.params
+            else:
+                wrt = (*(x for x in inputs if x.requires_grad), *ctx.params)
             found: Sequence[Optional[Tensor]] = (
                 gradients(outs, gs, wrt) if outs and wrt else (None,) * len(wrt)
             )
