@@ -294,6 +294,8 @@ class _Recompute(torch.autograd.Function):
                         output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
+            outs: Tuple[Tensor, ...]
+            gs: Tuple[Tensor, ...]
             if isinstance(output, Tensor):
                 g = grads[0]
                 outs, gs = ((output,), (g,)) if g is not None and output.requires_grad else ((), ())

@@ -30,7 +30,7 @@ class RecordForwards(Callback):
         self.compiled = ["forward" in layer.__dict__ for layer in module.layers]
 
 
-def test_every_checkpoint_mode_trains_bitwise_equal_with_dropout_under_compile():
+def test_every_checkpoint_mode_trains_bitwise_equal_with_dropout_under_compile() -> None:
     counters.clear()
     runs: Dict[str, Dict[str, torch.Tensor]] = {}
     for mode in ("never", "except_last", "always"):
@@ -41,7 +41,7 @@ def test_every_checkpoint_mode_trains_bitwise_equal_with_dropout_under_compile()
     assert_bitwise_equal(runs["never"], runs["always"])
 
 
-def test_compile_keeps_state_dict_keys_and_teardown_gives_layers_their_own_forward():
+def test_compile_keeps_state_dict_keys_and_teardown_gives_layers_their_own_forward() -> None:
     keys = list(ToyModule().state_dict())
     record = RecordForwards()
     module = ToyModule()
