@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def gradients(
@@ -228,6 +228,7 @@ __all__ = [
     "set_module_device",
     "sync_ddp_if_available",
     "tree_flatten",
+    "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "unwrap_optimizer",

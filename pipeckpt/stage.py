@@ -52,7 +52,7 @@ from pipeckpt._compat import (
     pop_dispatch_mode,
     push_dispatch_mode,
 )
-from pipeckpt.boundary import Call, Structure, flat_output
+from pipeckpt.boundary import Call, Structure, flat_output, tensor_leaves
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.side_inputs import Chain
 
@@ -291,7 +291,7 @@ class _Recompute(torch.autograd.Function):
                     if ctx.autocast:
                         output = _autocast_rerun(ctx, stage, inputs)
                     else:
-                        output = stage._run_packed(ctx.packing, inputs)
+                        output = stage._run_packed(ctx.packing, inputs, again=True)
             finally:
                 now.restore()
             outs: Tuple[Tensor, ...]
@@ -301,7 +301,7 @@ class _Recompute(torch.autograd.Function):
                 outs, gs = ((output,), (g,)) if g is not None and output.requires_grad else ((), ())
             else:
                 if ctx.flat:
-                    output = flat_output(output)[0]
+                    output = tensor_leaves(output)
                 pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
                 outs, gs = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
             if len(inputs) == 1:
@@ -327,7 +327,7 @@ def _autocast_rerun(ctx: Any, stage: "Stage", inputs: Sequence[Tensor]) -> Any:
     with ExitStack() as stack:
         for device_type, dtype in ctx.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        output = stage._run_packed(ctx.packing, inputs)
+        output = stage._run_packed(ctx.packing, inputs, again=True)
     if ctx.step.one_done():
         _cast_cache.release()
     return output
@@ -424,14 +424,15 @@ class Stage(nn.Module):
         assert self.chain is not None, "side inputs reach a stage whose engine gave it a Chain"
         return self.chain(input, side)
 
-    def _run_packed(self, packing: Packing, inputs: Sequence[Tensor]) -> Any:
+    def _run_packed(self, packing: Packing, inputs: Sequence[Tensor], *, again: bool = False) -> Any:
+        """``again``: a recompute, which needs a Call's output tensors only, not its structure."""
         if packing is True:
             return self._run(inputs[0])
         if packing is False:
             return self._run(tuple(inputs))
         assert isinstance(packing, Call)
         self.forward_calls += 1
-        return packing.run(inputs)
+        return packing.run(inputs, again=again)
 
     def _norms(self) -> List[nn.Module]:
         if self._norm_list is None:

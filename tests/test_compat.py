@@ -133,6 +133,11 @@ def test_torchgpipe_checkpoint_flags_are_context_managers():
         assert is_recomputing()
 
 
+def test_tree_leaves_lists_the_leaves_in_tree_flattens_order():
+    tree = {"b": (torch.ones(1), 2), "a": [torch.zeros(1)]}
+    assert _compat.tree_leaves(tree) == _compat.tree_flatten(tree)[0]
+
+
 def test_gpipe_flags_are_what_torchgpipes_flag_readers_read():
     from torchgpipe import is_checkpointing, is_recomputing
 
