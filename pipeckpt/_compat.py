@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def gradients(
@@ -233,6 +233,11 @@ from torchgpipe import microbatch  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
 
+# The thread-local that torchgpipe's is_checkpointing()/is_recomputing() read: a stage flips
+# the two flags directly twice per micro-batch, where the public setters above are generator
+# context managers (a frame and a generator each time).
+from torchgpipe.checkpoint import thread_local as gpipe_flags  # noqa: E402
+
 # A zero-size "phony" edge that orders two micro-batches' backward across devices (the
 # engine runs forward on one thread, but autograd runs each device's backward on its own).
 from torchgpipe.dependency import fork as fork_dependency  # noqa: E402
@@ -262,6 +267,7 @@ __all__ = [
     "enable_checkpointing",
     "enable_recomputing",
     "fork_dependency",
+    "gpipe_flags",
     "gradients",
     "hpc_checkpoint_path",
     "init_dist_connection",
@@ -280,6 +286,7 @@ __all__ = [
     "set_module_device",
     "sync_ddp_if_available",
     "tree_flatten",
+    "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "unwrap_optimizer",

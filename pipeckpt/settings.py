@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
+from pipeckpt.compiling import check_compile
 from pipeckpt.modes import CheckpointMode, parse_modes
 from pipeckpt.sizes import OPTIMIZERS, parse_bytes
 
@@ -83,6 +84,14 @@ class PipeSettings:
         ),
     )
     pin_memory: bool = field(default=True, metadata=_help("offload keeps stage inputs in pinned host memory"))
+    compile: Any = field(
+        default=False,
+        metadata=_help(
+            "torch.compile each layer's forward: False, True (inductor), an inductor mode "
+            "('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs') "
+            "or a compiler-free backend ('aot_eager', 'eager')"
+        ),
+    )
     strict: bool = field(
         default=True,
         metadata=_help(
@@ -111,6 +120,7 @@ class PipeSettings:
         _check_counts(self)
         check_balance_by(self.balance_by)
         check_layer_rng(self.layer_rng)
+        check_compile(self.compile)
         names = [self.checkpoint] if isinstance(self.checkpoint, (str, CheckpointMode)) else self.checkpoint
         if not isinstance(names, (list, tuple)):
             raise config_error(

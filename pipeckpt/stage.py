@@ -67,8 +67,7 @@ from pipeckpt._compat import (
     accumulate_gradients,
     apply_function,
     dispatch_mode_stack,
-    enable_checkpointing,
-    enable_recomputing,
+    gpipe_flags,
     pop_dispatch_mode,
     push_dispatch_mode,
 )
@@ -190,6 +189,20 @@ def _batch_norms(partition: nn.Module) -> List[nn.Module]:
     return [m for m in partition.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
 
 
+class _Recomputing:
+    """torchgpipe's ``is_recomputing`` flag for a ``with`` block. A class rather than torchgpipe's
+    generator context manager: a dispatch-bound stage enters it once per recomputed micro-batch."""
+
+    __slots__ = ("was",)
+
+    def __enter__(self) -> None:
+        self.was = gpipe_flags.is_recomputing
+        gpipe_flags.is_recomputing = True
+
+    def __exit__(self, *_: Any) -> None:
+        gpipe_flags.is_recomputing = self.was
+
+
 @contextmanager
 def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] = None) -> Iterator[None]:
     """A recompute must leave module state as the first forward left it:
@@ -197,12 +210,12 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
     DeferredBatchNorm is told it is recomputing so it does not track twice."""
     norms = _batch_norms(partition) if norms is None else norms
     if not norms:
-        with enable_recomputing():
+        with _Recomputing():
             yield
         return
     saved = [{k: b.clone() for k, b in m.named_buffers(recurse=False) if b is not None} for m in norms]
     try:
-        with enable_recomputing():
+        with _Recomputing():
             yield
     finally:
         with torch.no_grad():
@@ -218,14 +231,15 @@ class _RngState:
     __slots__ = ("cpu", "cuda", "device", "microbatch", "streams")
 
     def __init__(self, device: Optional[torch.device], streams: Optional[LayerStreams] = None) -> None:
-        self.cpu = torch.get_rng_state()
+        # The default generator's own methods: torch.get_rng_state/set_rng_state only wrap them.
+        self.cpu = torch.default_generator.get_state()
         self.device = device
         self.cuda = torch.cuda.get_rng_state(device) if device is not None else None
         self.streams = streams
         self.microbatch = streams.current() if streams is not None else None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        torch.default_generator.set_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
         if self.streams is not None:
@@ -264,10 +278,18 @@ class _Recompute(torch.autograd.Function):
                 output = stage._run_packed(packing, inputs)
         else:
             ctx.rng = _RngState(stage._cuda, stage.streams)
-            ctx.autocast = _autocast_now()
-            ctx.step = stage._step
-            with enable_checkpointing():
+            ctx.autocast = autocast = _autocast_now()
+            if autocast:
+                ctx.step = stage._step
+            # torchgpipe's flag set directly: its setter is a generator context manager, whose
+            # frame a dispatch-bound stage pays for twice per micro-batch.
+            flags = gpipe_flags
+            was = flags.is_checkpointing
+            flags.is_checkpointing = True
+            try:
                 output = stage._run_packed(packing, inputs)
+            finally:
+                flags.is_checkpointing = was
         ctx.flat = False
         if not isinstance(packing, Call):
             output, structure = flat_output(output)
@@ -306,7 +328,8 @@ class _Recompute(torch.autograd.Function):
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
-        with side_effect_free(stage.partition, stage._norms()):
+        norms = stage._norms()
+        with side_effect_free(stage.partition, norms) if norms else _Recomputing():
             now = _RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
             try:
@@ -345,6 +368,10 @@ class _Recompute(torch.autograd.Function):
             accumulate_gradients([o for o, _ in pairs], [g for _, g in pairs], [*wrt, *ctx.params])
         input_grads = [x.grad if x.requires_grad else None for x in inputs]
         return (None, None, None, None, None, *input_grads, *([None] * ctx.phonies))
+
+
+# Stage attributes that never hold a Parameter, Module or buffer.
+_PLAIN_ATTRIBUTES = frozenset({"forward_calls", "_microbatch", "_structure"})
 
 
 class Stage(nn.Module):
@@ -386,6 +413,14 @@ class Stage(nn.Module):
         self.checkpointed: List[int] = []  # the micro-batches of this step that dropped activations
         self._segment_list: Optional[List[_Segment]] = None  # under a granularity (mode.every)
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The counters change several times per micro-batch; nn.Module's __setattr__ checks
+        # every value for a Parameter, Module or buffer first, which a dispatch-bound stage pays for.
+        if name in _PLAIN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def next_microbatch(self) -> int:

@@ -133,6 +133,23 @@ def test_torchgpipe_checkpoint_flags_are_context_managers():
         assert is_recomputing()
 
 
+def test_tree_leaves_lists_the_leaves_in_tree_flattens_order():
+    tree = {"b": (torch.ones(1), 2), "a": [torch.zeros(1)]}
+    assert _compat.tree_leaves(tree) == _compat.tree_flatten(tree)[0]
+
+
+def test_gpipe_flags_are_what_torchgpipes_flag_readers_read():
+    from torchgpipe import is_checkpointing, is_recomputing
+
+    flags = _compat.gpipe_flags
+    assert (is_checkpointing(), is_recomputing()) == (False, False)
+    flags.is_checkpointing, flags.is_recomputing = True, True
+    try:
+        assert (is_checkpointing(), is_recomputing()) == (True, True)
+    finally:
+        flags.is_checkpointing, flags.is_recomputing = False, False
+
+
 def test_torchgpipe_microbatch_checks_tensors_or_tuples_of_tensors():
     _compat.microbatch.check((torch.ones(1), torch.ones(1)))
     with pytest.raises(TypeError, match="expected Tensor"):

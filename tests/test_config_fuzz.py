@@ -69,6 +69,7 @@ FIELDS = (
     "placement",
     "deferred_batch_norm",
     "pin_memory",
+    "compile",
     "engine",
     "schedule",
     "dp",
@@ -78,6 +79,8 @@ FIELDS = (
 MODES = ("never", "except_last", "always", "offload")
 BALANCE_BY = ("params", "time", "memory")
 DISTRIBUTED_ONLY = ("schedule", "dp", "virtual_stages", "timeout")
+COMPILE_NAMES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor modes
+COMPILE_NAMES += ("aot_eager", "eager")  # backends that need no compiler
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def settings_problems(kw: Dict[str, Any]) -> List[Problem]:
     out = [Problem(k, "settings") for k in kw if k not in FIELDS]
     s = {"balance_by": "params", "chunks": 1, "checkpoint": "except_last", "engine": "local"}
     s.update({k: None for k in ("stages", "balance", "placement", *DISTRIBUTED_ONLY)})
-    s.update({"deferred_batch_norm": False, "pin_memory": True})
+    s.update({"deferred_batch_norm": False, "pin_memory": True, "compile": False})
     s.update({k: v for k, v in kw.items() if k in FIELDS})
     bad = {
         "chunks": not _count(s["chunks"]),
@@ -153,6 +156,7 @@ def settings_problems(kw: Dict[str, Any]) -> List[Problem]:
         "checkpoint": _mode_names(s["checkpoint"]) is None,
         "deferred_batch_norm": not isinstance(s["deferred_batch_norm"], bool),
         "pin_memory": not isinstance(s["pin_memory"], bool),
+        "compile": not (isinstance(s["compile"], bool) or s["compile"] in COMPILE_NAMES),
         "engine": not (isinstance(s["engine"], str) and s["engine"] in ("local", "distributed")),
     }
     if not bad["stages"] and not bad["balance"] and None not in (s["stages"], s["balance"]):
@@ -310,6 +314,7 @@ _BAD_LOCAL: Dict[str, Sequence[Any]] = {
     "placement": [[], [-1], [0.0], [True], "0"],
     "deferred_batch_norm": ["no", 1, None],
     "pin_memory": ["no", 0, None],
+    "compile": ["yes", 1, None, "inductor", "max_autotune", ["eager"]],
     "engine": ["remote", "Local", None, 5, ["local"]],
 }
 

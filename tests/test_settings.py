@@ -34,6 +34,7 @@ CASES: Dict[str, tuple[Dict[str, Any], List[str], str]] = {
     ),
     "balance_by": ({"balance_by": "luck"}, ["strategy.balance_by=luck"], "balance_by='luck'"),
     "modes": ({"checkpoint": "sometimes"}, ["ckpt.modes=sometimes"], "checkpoint mode 'sometimes'"),
+    "compile": ({"compile": "fast"}, ["strategy.compile=fast"], "compile='fast': must be False, True"),
     "engine": ({"engine": "remote"}, ["strategy.engine=remote"], "engine='remote'"),
     "distributed-only": (
         {"schedule": "1f1b"},

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from pipeckpt import _rng, sharded
 from pipeckpt._compat import apply_to_tensors, set_module_device
+from pipeckpt.compiling import uncompile_layers
 from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan
 from pipeckpt.settings import PipeSettings
@@ -219,6 +220,7 @@ class Engine(ABC):
         self.layer_rng.detach()
         if self.sequential is not None:
             self.sequential.__dict__.pop("forward", None)
+            uncompile_layers(self.sequential)
         if module is not None:
             apply_to_tensors(module, lambda t: t if t.is_meta else t.cpu())
             set_module_device(module, torch.device("cpu"))

@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
+from pipeckpt.compiling import compile_layers
 from pipeckpt.engines.base import Engine
 from pipeckpt.engines.local_module import ModuleRunner
 from pipeckpt.engines.local_pipeline import LocalPipeline
@@ -69,6 +70,7 @@ class LocalEngine(Engine):
         )
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
+        compile_layers(sequential, s.compile)
         self.seed_layers(sequential, self.plan)  # before pipeline_of's routing takes the layers' forward
         self.attribute = f"self.{name}"
         if isinstance(sequential, ModulePipeline):

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from pipeckpt import sharded
 from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
+from pipeckpt.compiling import compile_layers
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
 from pipeckpt.engines.distributed.processes import ProcessGroups
@@ -146,6 +147,7 @@ class DistributedEngine(Engine):
         self.plan = stage_plan
         if self.settings.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, self.settings.chunks)
+        compile_layers(sequential, self.settings.compile)
         self.seed_layers(sequential, stage_plan, seed=agreed[1])  # a resume restores its own later
         step = PipelinedStep(
             module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
@@ -203,6 +205,7 @@ class DistributedEngine(Engine):
             convert_deferred_batch_norm(spec, s.chunks)
         seed: List[Any] = [torch.initial_seed()]  # may differ between processes: rank 0's holds
         dist.broadcast_object_list(seed, src=0)
+        compile_layers(spec, s.compile)
         self.seed_layers(spec, stage_plan, seed=seed[0])  # before the routing takes the layers' forward
         step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=device)  # type: ignore[arg-type]
         outside = outside_parameters(spec, module)
