@@ -1,5 +1,6 @@
 """StageReport: per-stage time and activation memory measured in real training steps."""
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -159,3 +160,188 @@ def test_table_has_a_header_and_one_row_per_stage(measured):
 )
 def test_human_bytes(nbytes, text):
     assert human_bytes(nbytes) == text
+
+
+# -- figures against an independent count -------------------------------------------------------
+# A designed model: two stages of [Sleep, Linear, Linear], bias-free Linears on 2-D inputs, fp32,
+# batch 8 in 4 micro-batches of 2 rows. Each Linear allocates exactly its output (one mm), so
+# the bytes a stage's forward allocates are known in closed form.
+
+WIDTHS = (8, 64, 16, 32, 4)  # stage 0: 8 -> 64 -> 16, stage 1: 16 -> 32 -> 4
+ROWS = 8 // CHUNKS  # rows per micro-batch
+
+
+def out_bytes(width: int) -> int:
+    return ROWS * width * 4  # one fp32 Linear output of one micro-batch
+
+
+class Sleep(torch.nn.Module):
+    """Identity that sleeps a known time: a deliberately slow layer."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return x
+
+
+class Designed(L.LightningModule):
+    def __init__(self, *, sleeps: tuple[float, float] = (0.0, 0.0)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        lin = [torch.nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(WIDTHS)]
+        self.layers = torch.nn.Sequential(Sleep(sleeps[0]), lin[0], lin[1], Sleep(sleeps[1]), lin[2], lin[3])
+
+    def configure_pipeline(self) -> torch.nn.Sequential:
+        return self.layers
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+FIRST_LAYERS = (0, 3)  # each stage's first layer in Designed.layers
+
+
+class RerunCount(L.Callback):
+    """Counts, per measured step, the calls of each stage's first layer made during backward
+    (between Lightning's on_before_backward and on_after_backward): recomputes, counted
+    without torchgpipe's is_recomputing flag that the report reads."""
+
+    def __init__(self, layers: torch.nn.Sequential) -> None:
+        self.forward_calls: list[list[int]] = []
+        self.backward_calls: list[list[int]] = []
+        self._in_backward = False
+        self._now = [0, 0]
+        self._now_backward = [0, 0]
+        for stage, index in enumerate(FIRST_LAYERS):
+            layers[index].register_forward_pre_hook(self._count(stage))
+
+    def _count(self, stage: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:
+            (self._now_backward if self._in_backward else self._now)[stage] += 1
+
+        return hook
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._now, self._now_backward = [0, 0], [0, 0]
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._in_backward = True
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._in_backward = False
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.forward_calls.append(self._now)
+        self.backward_calls.append(self._now_backward)
+
+
+def fit_designed(
+    out: Path, mode: Any, *, sleeps: tuple[float, float] = (0.0, 0.0)
+) -> tuple[StageReport, Any, Any]:
+    model = Designed(sleeps=sleeps)
+    report = StageReport(warmup_steps=1, steps=3, verbose=False, dirpath=str(out))
+    clock, reruns = WallClock(), RerunCount(model.layers)
+    trainer = L.Trainer(
+        strategy=PipelineStrategy(stages=2, chunks=CHUNKS, balance=[3, 3], checkpoint=mode),
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,  # step 0 warm-up, 1 memory probe, 2 and 3 timed
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(out),
+        callbacks=[report, clock, reruns],
+    )
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=8)
+    trainer.fit(model, data)
+    return report, clock, reruns
+
+
+@pytest.fixture(scope="module")
+def designed(tmp_path_factory) -> Callable[..., tuple[StageReport, Any, Any]]:
+    runs: dict[Any, tuple[StageReport, Any, Any]] = {}
+
+    def get(mode: str, sleeps: tuple[float, float] = (0.0, 0.0)) -> tuple[StageReport, Any, Any]:
+        if (mode, sleeps) not in runs:
+            runs[mode, sleeps] = fit_designed(tmp_path_factory.mktemp("designed"), mode, sleeps=sleeps)
+        return runs[mode, sleeps]
+
+    return get
+
+
+def test_never_peak_is_every_layer_output_of_every_micro_batch(designed):
+    # never keeps each Linear's output (the next Linear's saved input, or the stage's output)
+    # for every micro-batch until backward: chunks x the sum of the stage's outputs, exactly.
+    stats = designed("never")[0].stats
+    assert [s.peak_activation_bytes for s in stats] == [
+        CHUNKS * (out_bytes(64) + out_bytes(16)),  # 2560
+        CHUNKS * (out_bytes(32) + out_bytes(4)),  # 1152
+    ]
+
+
+def test_always_peak_is_the_held_outputs_plus_one_micro_batchs_run(designed):
+    stats = designed("always")[0].stats
+    # Last stage: its forward, without grad, frees each Linear output once the next one is
+    # made; the outputs of earlier micro-batches wait for the loss. At the last micro-batch's
+    # second Linear: chunks outputs + the first Linear's output, exactly (its backward,
+    # one micro-batch's recompute after the loss freed the outputs, holds less: 32 + 4 widths).
+    assert stats[1].peak_activation_bytes == CHUNKS * out_bytes(4) + out_bytes(32)  # 384
+    # First stage: the same forward peak, chunks x 16-wide + one 64-wide output (1024), is a floor;
+    # its outputs are the next stage's saved inputs, so its recompute in backward may run while
+    # all of them are still held: + one micro-batch's 16-wide output at most (1152).
+    forward_peak = CHUNKS * out_bytes(16) + out_bytes(64)
+    assert forward_peak <= stats[0].peak_activation_bytes <= forward_peak + out_bytes(16)
+
+
+@pytest.mark.parametrize(
+    "mode,recomputed",
+    [
+        ("never", 0),
+        ("except_last", CHUNKS - 1),
+        ("always", CHUNKS),
+        ("offload", CHUNKS),  # on CPU offload keeps the inputs where they are and recomputes as always
+        ("selective", CHUNKS),  # = always+selective: the whole stage reruns, matmuls come from the cache
+        ("except_last+selective", CHUNKS - 1),
+        ("always:2", CHUNKS),  # segments [Sleep, Linear] and [Linear]: the first reruns once a micro-batch
+    ],
+)
+def test_recomputed_is_the_modes_count_and_the_first_layers_backward_calls(designed, mode, recomputed):
+    report, _, reruns = designed(mode)
+    assert [s.recomputed for s in report.stats] == [recomputed, recomputed]
+    # Independently: each timed step (2 and 3) runs each stage's first layer once per
+    # micro-batch in forward and once per recomputed micro-batch during backward.
+    assert reruns.forward_calls[2:] == [[CHUNKS, CHUNKS]] * 2
+    assert reruns.backward_calls[2:] == [[recomputed, recomputed]] * 2
+
+
+SLEEP = 0.02  # seconds, per micro-batch
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_a_slow_layer_shows_in_its_own_stages_times_only(designed, slow):
+    # Stage 0 recomputes (always), stage 1 does not (never): the slow layer's sleep counts
+    # in its stage's forward, and again in backward only in the recomputing stage.
+    sleeps = (SLEEP, 0.0) if slow == 0 else (0.0, SLEEP)
+    report, clock, _ = designed(("always", "never"), sleeps)
+    stats, other = report.stats[slow], report.stats[1 - slow]
+    slept = SLEEP * CHUNKS
+    assert stats.forward_s >= slept
+    assert other.forward_s < slept and other.backward_s < slept
+    if slow == 0:
+        assert stats.backward_s >= slept
+    else:
+        assert stats.backward_s < slept
+    # Every figure lies inside the step that the test timed itself (the mean of the timed steps).
+    wall = sum(clock.seconds[2:4]) / 2
+    for s in report.stats:
+        assert s.forward_s <= wall and s.backward_s <= wall, (s, wall)
+    assert sum(s.forward_s + s.backward_s for s in report.stats) <= wall
