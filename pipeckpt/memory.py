@@ -614,9 +614,12 @@ class _StageModel:
                     held |= set(layer.sac_kept)
         return held
 
-    def kept(self, mode: CheckpointMode, recompute: bool) -> int:
-        """Bytes one micro-batch holds from its forward to its backward."""
+    def kept(self, mode: CheckpointMode, recompute: bool, *, function: bool = True) -> int:
+        """Bytes one micro-batch holds from its forward to its backward (without the stage's
+        Function, its output only where a layer saved it)."""
         if not recompute:
+            if not function:
+                return self.bytes(self.profile.saved_union(self.start, self.stop))
             return self.kept_full
         return self.bytes(self._kept_through(mode, self.segments(mode, recompute)))
 
@@ -638,7 +641,9 @@ class _StageModel:
                 held |= set(self.profile.layers[b - 1].outputs)
         return out
 
-    def backward_events(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[Any, ...]]:
+    def backward_events(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True
+    ) -> List[Tuple[Any, ...]]:
         """One micro-batch's backward, segment by segment from the last: a recomputed segment first
         runs forward again, ``("R", layer, held, forward peak)``, keeping what its layers save; then
         each layer's backward, last first, ``("B", layer, held, arriving, backward peak, grads of
@@ -651,7 +656,10 @@ class _StageModel:
         out: List[Tuple[Any, ...]] = []
         for n in reversed(range(len(segments))):
             a, b = segments[n]
-            before = self._kept_through(mode, segments[: n + 1]) if recompute else set(self.inputs)
+            if recompute:
+                before = self._kept_through(mode, segments[: n + 1])
+            else:  # the Function holds the stage's input; plain autograd only what a layer saved
+                before = set(self.inputs) if function else set()
             if recompute:
                 held = set(before)
                 if mode.selective:
@@ -665,7 +673,9 @@ class _StageModel:
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
                     out.append(("R", k, self.bytes(held | set(layer.inputs)), work))
                     held |= set(layer.saved)
-            seg_out = set(p.layers[b - 1].outputs)
+            # Without the Function (one kept micro-batch) autograd walks the graph itself and
+            # nothing holds the output.
+            seg_out = set(p.layers[b - 1].outputs) if function else set()
             for k in reversed(range(a, b)):
                 layer = p.layers[k]
                 held = before | p.saved_union(a, k + 1) | seg_out
@@ -767,9 +777,11 @@ def _predict_stage(
     # micro-batch's output until its backward.
     recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
     held_output = 0 if local else s.output_bytes
-    kept_of = {r: s.kept(mode, r) + held_output for r in (False, True)}
+    # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
+    function = {r: r or m > 1 for r in (False, True)}
+    kept_of = {r: s.kept(mode, r, function=function[r]) + held_output for r in (False, True)}
     forward = {r: s.forward_live(mode, r) for r in (False, True)}
-    backward = {r: s.backward_events(mode, r) for r in (False, True)}
+    backward = {r: s.backward_events(mode, r, function=function[r]) for r in (False, True)}
     # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
     # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
     # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
@@ -838,7 +850,9 @@ def _predict_stage(
             incoming = (
                 stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
             )
-            if segment_end:
+            if not function[recompute]:  # each gradient goes once its node has used it
+                arriving = own
+            elif segment_end:
                 seg_incoming = incoming
                 arriving = seg_incoming
             else:

@@ -371,7 +371,10 @@ class _Recompute(torch.autograd.Function):
 
 
 # Stage attributes that never hold a Parameter, Module or buffer.
-_PLAIN_ATTRIBUTES = frozenset({"forward_calls", "_microbatch", "_structure"})
+_PLAIN_ATTRIBUTES = frozenset(
+    {"forward_calls", "_microbatch", "_structure", "_num_microbatches", "_caller", "_keep", "checkpointed"}
+    | {"_step", "_params", "streams", "chain"}
+)
 
 
 class Stage(nn.Module):
@@ -499,7 +502,10 @@ class Stage(nn.Module):
                 self.checkpointed.append(i)
                 if self.mode.every is not None or self.mode.selective:
                     return self._granular(input, side)
-            if recompute or self._trainable():
+            # A kept micro-batch goes through the Function too, so that every micro-batch adds its
+            # gradients to .grad in place, in one order, whatever the modes (bitwise equal to
+            # ``never``, also under accumulation); with one micro-batch there is no sum to order.
+            if recompute or (self._num_microbatches > 1 and self._trainable()):
                 if side is None and _tensor_or_tensors(input):
                     return self._checkpointed(input, not recompute)
                 call = Call(self._chain, (input,), side or {})
@@ -636,7 +642,7 @@ class Stage(nn.Module):
                 guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
                 call = Call(_selective(fn, counted, guard, self.streams), args, kwargs)
                 return self._checkpointed_call(call, params, True)
-            if recompute or params:
+            if recompute or (self._num_microbatches > 1 and params):
                 return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)
         self.forward_calls += 1
         return fn(*args, **kwargs)

@@ -92,8 +92,12 @@ class Engine(ABC):
         self.layer_rng.attach(list(sequential), devices)
 
     def use_layer_streams(self, stages: Sequence[Stage]) -> None:
+        """Stages holding a seeded layer run their micro-batches in the streams; the others need
+        not pay for entering them."""
+        seeded = {id(layer) for layer in self.layer_rng.seeded_layers}
         for stage in stages:
-            stage.streams = self.layer_rng if self.layer_rng.enabled else None
+            mine = any(id(m) in seeded for m in stage.partition.modules())
+            stage.streams = self.layer_rng if mine else None
 
     # -- processes and devices ----------------------------------------------------------
 
