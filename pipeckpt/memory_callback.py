@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from pipeckpt._errors import PipeckptWarning
 from pipeckpt.budget import first_microbatch
-from pipeckpt.memory import SCHEDULES, predict, profile
+from pipeckpt.memory import predict, profile
 from pipeckpt.report import _pipeline_layers, _Probe
 
 __all__ = ["MemoryCheck"]
@@ -71,9 +71,14 @@ class MemoryCheck(L.Callback):
         plan, settings = getattr(strategy, "plan", None), getattr(strategy, "settings", None)
         if plan is None or settings is None or not isinstance(batch, (tuple, list)):
             return None
-        schedule = "local" if settings.engine == "local" else str(settings.resolved().schedule).lower()
-        if schedule not in SCHEDULES:
+        if settings.engine != "local":
+            # Profiling runs every layer of the model, and a distributed rank holds only its own
+            # stages' (the others are on the meta device): predict there with python -m pipeckpt.plan.
+            rank_zero_info(
+                "MemoryCheck: no prediction under engine='distributed' (use python -m pipeckpt.plan)"
+            )
             return None
+        schedule = "local"
         loss_fn = getattr(pl_module, "pipeline_loss", None)
         inputs, target = batch[0], batch[1] if len(batch) > 1 and callable(loss_fn) else None
         chunks = settings.chunks

@@ -3,9 +3,9 @@
 Slow tests start 2 real processes (gloo on CPU, tests/distributed_pytree_worker.py) once for many
 trainings, and compare the trained parameters with the local engine's (pytrees and side inputs: the
 local engine is proven against the unpipelined module in test_boundary.py / test_local_pipeline.py) or
-with the unpipelined module itself (tied weights), within 1e-5 relative. Cross-engine comparisons run
-without dropout (dropout masks are drawn per rank); dropout on, a mode mix must leave the distributed
-training bitwise unchanged. Fast tests check the structure rules without processes.
+with the unpipelined module itself (tied weights), within 1e-5 relative. Dropout on, a mode mix must
+leave the distributed training bitwise unchanged, and match the local engine (per-layer streams).
+Fast tests check the structure rules without processes.
 """
 
 import json
@@ -273,3 +273,12 @@ def test_recompute_with_side_inputs_leaves_dropout_training_bitwise_unchanged(tw
     mix = _state(two_processes / "dropout_mix.ckpt")["state_dict"]
     assert_bitwise_equal(mix, never)
     assert max_relative_difference(never, PytreeModule(dropout=0.3).state_dict()) > 1e-3  # it trained
+
+
+@pytest.mark.slow
+def test_with_dropout_on_pytrees_and_side_inputs_train_like_the_local_engine(two_processes):
+    # Per-layer random streams (pipeckpt.layer_rng): the masks do not depend on the engine.
+    settings = dict(DROPOUT, checkpoint=["always", "except_last"])
+    reference = _fit(PytreeModule(dropout=0.3), _local(settings), pytree_loader())
+    got = _state(two_processes / "dropout_mix.ckpt")["state_dict"]
+    assert max_relative_difference(got, params(reference.lightning_module)) < 1e-5
