@@ -6,18 +6,15 @@ and micro-batches (no dropout). Fast tests check the errors raised before any st
 """
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import lightning as L
 import pytest
+import ranks
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
@@ -160,72 +157,14 @@ def test_logged_values_are_reduced_over_microbatches_like_lightning_would():
 # -- real processes ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONWARNINGS="ignore",
-    )
-    procs = []
-    for rank in range(world):
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(spec)],
-                env=dict(env, LOCAL_RANK=str(rank)),
-                cwd=HERE.parent,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-        log.close()
-    return procs
-
-
-def _stop(procs: List[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
-def _logs(out: Path, world: int) -> str:
-    return "\n".join(
-        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-        for r in range(world)
-    )
+    return ranks.start(WORKER, world, runs, out)
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Iterator[Any]:
     def run(world: int, runs: List[Dict[str, Any]]) -> Path:
-        out = tmp_path_factory.mktemp(f"world{world}")
-        procs = _start(world, runs, out)
-        try:
-            deadline = time.time() + START_S
-            for p in procs:
-                p.wait(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, world)}")
-        finally:
-            _stop(procs)
-        codes = [p.returncode for p in procs]
-        assert codes == [0] * world, f"exit codes {codes}:\n{_logs(out, world)}"
-        return out
+        return ranks.launch(WORKER, world, runs, tmp_path_factory.mktemp(f"world{world}"), within_s=START_S)
 
     yield run
 
@@ -515,8 +454,8 @@ def _run_until_rank0_exits(runs: Any, tmp_path: Any) -> Any:
     except subprocess.TimeoutExpired:
         ended = None
     finally:
-        _stop(procs)
-    return procs, ended, _logs(tmp_path, 2)
+        ranks.stop(procs)
+    return procs, ended, ranks.logs(tmp_path, 2)
 
 
 @pytest.mark.slow

@@ -9,17 +9,12 @@ Fast tests check the structure rules without processes.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import lightning as L
 import pytest
+import ranks
 import torch
 from pytree_models import PytreeModule, TiedModule, pytree_loader, tied_loader
 from toy import assert_bitwise_equal, max_relative_difference, params
@@ -70,64 +65,8 @@ def test_an_output_without_tensors_is_refused():
 # -- real processes --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONWARNINGS="ignore",
-    )
-    procs = []
-    for rank in range(world):
-        with open(out / f"rank{rank}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(spec)],
-                    env=dict(env, LOCAL_RANK=str(rank)),
-                    cwd=HERE.parent,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    return procs
-
-
-def _logs(out: Path, world: int) -> str:
-    return "\n".join(
-        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-        for r in range(world)
-    )
-
-
 def _launch(world: int, runs: List[Dict[str, Any]], out: Path) -> Path:
-    procs = _start(world, runs, out)
-    try:
-        deadline = time.time() + START_S
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, world)}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, f"exit codes {codes}:\n{_logs(out, world)}"
-    return out
+    return ranks.launch(WORKER, world, runs, out, within_s=START_S)
 
 
 def _state(path: Path) -> Dict[str, Any]:

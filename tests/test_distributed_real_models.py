@@ -9,20 +9,15 @@ relative (dropout off: masks are drawn per rank), and with dropout on, ``always`
 model. Fast tests check the routing of the layers and the refusals without processes.
 """
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import lightning as L
 import pytest
+import ranks
 import torch
 from real_models import client
-from test_distributed_pytree import _free_port, _logs, _state
+from test_distributed_pytree import _state
 from torch import nn
 from toy import assert_bitwise_equal, max_relative_difference
 
@@ -124,47 +119,7 @@ def test_what_a_module_pipeline_cannot_run_yet_is_refused_with_the_fix(schedule,
 
 
 def _launch(runs: List[Dict[str, Any]], out: Path, world: int = 2) -> Path:
-    """Runs ``runs`` in ``world`` worker processes, killed (their whole session) if still alive."""
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]),
-    )
-    procs = []
-    for rank in range(world):
-        with open(out / f"rank{rank}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(spec)],
-                    env=dict(env, LOCAL_RANK=str(rank)),
-                    cwd=HERE.parent,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    try:
-        deadline = time.time() + START_S
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, world)}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, f"exit codes {codes}:\n{_logs(out, world)}"
-    return out
+    return ranks.launch(WORKER, world, runs, out, within_s=START_S)
 
 
 @pytest.fixture(scope="module")
