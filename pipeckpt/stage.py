@@ -78,7 +78,14 @@ from pipeckpt.order import Op, kept, local_order
 from pipeckpt.selective import run_selective
 from pipeckpt.side_inputs import Chain
 
-__all__ = ["Stage", "CallerState", "StepCasts", "capture_caller_state", "side_effect_free"]
+__all__ = [
+    "Stage",
+    "CallerState",
+    "StepCasts",
+    "capture_caller_state",
+    "mark_shared_parameters",
+    "side_effect_free",
+]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()
@@ -416,6 +423,7 @@ class Stage(nn.Module):
         self.checkpointed: List[int] = []  # the micro-batches of this step that dropped activations
         self._segment_list: Optional[List[_Segment]] = None  # under a granularity (mode.every)
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
+        self.shares_parameters = False  # with another stage (tied weights): see mark_shared_parameters
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The counters change several times per micro-batch; nn.Module's __setattr__ checks
@@ -504,8 +512,9 @@ class Stage(nn.Module):
                     return self._granular(input, side)
             # A kept micro-batch goes through the Function too, so that every micro-batch adds its
             # gradients to .grad in place, in one order, whatever the modes (bitwise equal to
-            # ``never``, also under accumulation); with one micro-batch there is no sum to order.
-            if recompute or (self._num_microbatches > 1 and self._trainable()):
+            # ``never``, also under accumulation); with one micro-batch there is no sum to order,
+            # unless another stage adds to the same parameter (tied weights).
+            if recompute or ((self._num_microbatches > 1 or self.shares_parameters) and self._trainable()):
                 if side is None and _tensor_or_tensors(input):
                     return self._checkpointed(input, not recompute)
                 call = Call(self._chain, (input,), side or {})
@@ -642,7 +651,7 @@ class Stage(nn.Module):
                 guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
                 call = Call(_selective(fn, counted, guard, self.streams), args, kwargs)
                 return self._checkpointed_call(call, params, True)
-            if recompute or (self._num_microbatches > 1 and params):
+            if recompute or ((self._num_microbatches > 1 or self.shares_parameters) and params):
                 return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)
         self.forward_calls += 1
         return fn(*args, **kwargs)
@@ -743,3 +752,17 @@ def stage_modules(stages: List[Stage]) -> List[nn.Sequential]:
     parts = [s.partition for s in stages]
     assert all(isinstance(p, nn.Sequential) for p in parts)
     return cast(List[nn.Sequential], parts)
+
+
+def mark_shared_parameters(stages: Sequence[Stage]) -> None:
+    """Marks the stages holding a parameter that another of ``stages`` also holds (tied weights):
+    their micro-batches always add gradients in place, so that the summation order is the same
+    under every mode even with one micro-batch (see ``Stage._forward``)."""
+    owners: Dict[int, List[Stage]] = {}
+    for stage in stages:
+        for p in {id(p): p for p in stage.partition.parameters()}.values():
+            owners.setdefault(id(p), []).append(stage)
+    for held in owners.values():
+        if len(held) > 1:
+            for stage in held:
+                stage.shares_parameters = True

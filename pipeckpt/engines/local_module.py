@@ -21,7 +21,7 @@ from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan
 from pipeckpt.side_inputs import describe_call
 from pipeckpt.split import ModulePipeline
-from pipeckpt.stage import Stage, StepCasts, capture_caller_state, release_cast_cache
+from pipeckpt.stage import Stage, StepCasts, capture_caller_state, mark_shared_parameters, release_cast_cache
 
 __all__ = ["ModuleRunner"]
 
@@ -46,6 +46,7 @@ class ModuleRunner:
             part = nn.Sequential(*layers[a:b])
             self.stages.append(Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory))
             self._layer_counts.append(b - a)
+        mark_shared_parameters(self.stages)
         self.several_devices = len(set(plan.devices)) > 1
         self._microbatch: Optional[int] = None  # inside a pipelined call: the micro-batch running
         self._params: Dict[int, Tuple[nn.Parameter, ...]] = {}

@@ -37,7 +37,14 @@ from pipeckpt.boundary import batch_size, first_tensor, gather, scatter, to_devi
 from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.side_inputs import Chain, Signatures, describe_call
-from pipeckpt.stage import Stage, StepCasts, capture_caller_state, release_cast_cache, stage_modules
+from pipeckpt.stage import (
+    Stage,
+    StepCasts,
+    capture_caller_state,
+    mark_shared_parameters,
+    release_cast_cache,
+    stage_modules,
+)
 
 __all__: List[str] = []
 
@@ -109,6 +116,7 @@ class LocalPipeline:
             )
         ]
         _refuse_skip_connections(self.stages)
+        mark_shared_parameters(self.stages)
         self.ordered_backward = len(set(plan.devices)) > 1 if ordered_backward is None else ordered_backward
         self._warned_small_batch = False
         layers = list(sequential)

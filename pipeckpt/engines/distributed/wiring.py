@@ -34,7 +34,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.planning import StagePlan, split
-from pipeckpt.stage import Stage, side_effect_free
+from pipeckpt.stage import Stage, mark_shared_parameters, side_effect_free
 
 __all__: List[str] = []
 
@@ -228,6 +228,7 @@ def build_stages(
         a, b = plan.ranges[j]
         module.names = tuple(names[a:b])
         modules.append(module)
+    mark_shared_parameters([m.stage for m in modules])
     return modules
 
 
