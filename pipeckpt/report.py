@@ -49,7 +49,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -57,10 +57,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.autograd.graph import Node
-from torch.utils.hooks import RemovableHandle
 from torchgpipe import is_recomputing
 
 from pipeckpt._compat import TorchDispatchMode, tree_flatten
+
+if TYPE_CHECKING:
+    from pipeckpt.stage import Stage
 
 __all__ = ["StageReport", "StageStats", "format_table", "save_chart", "human_bytes"]
 
@@ -167,23 +169,9 @@ def _device_of(args: tuple[Any, ...]) -> torch.device:
     return first.device if isinstance(first, Tensor) else torch.device("cpu")
 
 
-def _stage_nodes(output: Tensor, stop: Optional[Node], seen: set[Node]) -> list[Node]:
-    """The autograd nodes between a stage's output and its input: everything its
-    backward runs, parameter accumulators included. Under non-reentrant
-    checkpointing the graph keeps this topology, so the walk is the same in every mode."""
-    found, todo = [], [output.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node is stop or node in seen:
-            continue
-        seen.add(node)
-        found.append(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
 class _Probe:
-    """Hooks on the user's layers that time and weigh each stage during one step."""
+    """Hooks on the user's layers (and on pipeckpt's stage modules, when given) that time and
+    weigh each stage during one step."""
 
     def __init__(
         self,
@@ -192,28 +180,46 @@ class _Probe:
         devices: list[torch.device],
         *,
         memory: bool,
+        stages: Sequence["Stage"] = (),
     ) -> None:
         self.memory = memory
         self.ledger = _Ledger(devices)
         self.forward_s: dict[int, float] = defaultdict(float)
         self.backward_s: dict[int, float] = defaultdict(float)
-        self.recomputed: dict[int, int] = defaultdict(int)
+        # Runs of each layer while recomputing, per stage: a micro-batch reruns each layer at
+        # most once, and under a per-layer mode some layers (a parameter-free first layer whose
+        # input needs no gradient) are not rerun at all, so the stage's count is the maximum.
+        self._reruns: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         # (stage, forward?, start mark, end mark), read by resolve() at the end of the step
         self._spans: list[tuple[int, bool, Mark, Mark]] = []
         self._devices = devices
-        self._seen: set[Node] = set()
+        # Leaves (parameters, a stage's phony) whose accumulator node is timed already this step:
+        # one node serves every micro-batch, and a second pair of hooks would count it twice.
+        # Keyed by the leaf's id: leaves live through the step; no node is referenced here.
+        self._leaves: set[int] = set()
+        self._covered: set[int] = set()  # stages timed by their Stage module's hooks this step
         self._local = threading.local()
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[Any] = []
         children = list(layers)
+        for module in stages:
+            index = module.index
+            self._handles.append(module.register_forward_pre_hook(self._enter_stage(index)))
+            self._handles.append(module.register_forward_hook(self._leave_stage(index)))
         for stage, (first, stop) in enumerate(ranges):
             self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
             self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
-            if memory:
-                # One dispatch mode per layer call, left even when the layer raises:
-                # a checkpoint recompute stops with an exception once it has what it needs.
-                for layer in children[first:stop]:
+            for position, layer in enumerate(children[first:stop]):
+                self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
+                if memory:
+                    # One dispatch mode per layer call, left even when the layer raises:
+                    # a checkpoint recompute stops with an exception once it has what it needs.
                     self._handles.append(layer.register_forward_pre_hook(self._push(stage)))
                     self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+
+    @property
+    def recomputed(self) -> dict[int, int]:
+        """Micro-batches each stage reran (wholly or some of its layers) during backward."""
+        return {stage: max(runs.values()) for stage, runs in self._reruns.items()}
 
     def resolve(self) -> None:
         """Adds the step's recorded spans to the times (one synchronisation per CUDA device)."""
@@ -228,7 +234,7 @@ class _Probe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._seen.clear()
+        self._leaves.clear()
 
     def _state(self) -> threading.local:
         if not hasattr(self._local, "open"):
@@ -250,41 +256,96 @@ class _Probe:
         if modes:
             modes.pop().__exit__(None, None, None)
 
-    def _enter(self, stage: int) -> Callable[..., None]:
+    def _rerun(self, stage: int, position: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if is_recomputing():
-                # pipeckpt's stages recompute in backward, then backpropagate the recomputed
+                self._reruns[stage][position] += 1
+
+        return pre_hook
+
+    # -- timing at the stage module's boundary (pipeckpt's engines) ------------------------------
+    # Every micro-batch of a stage that trains (and every recomputed one) is one autograd node
+    # (``_Recompute``, one per segment under a per-layer mode) whose backward reruns and
+    # backpropagates the stage: the walk from the stage's output to its input finds those few
+    # nodes, and their run time is the stage's backward, recompute included, in every mode.
+
+    def _enter_stage(self, stage: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._covered.add(stage)
+            first = args[0] if args else None
+            grad_fn = first.grad_fn if isinstance(first, Tensor) else None
+            self._state().open[stage] = (_mark(_device_of(args)), grad_fn)
+
+        return pre_hook
+
+    def _leave_stage(self, stage: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            entry = self._state().open.pop(stage, None)
+            if entry is None:
+                return
+            start, stop = entry
+            leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+            if not leaves:
+                return
+            device = leaves[0].device
+            self._spans.append((stage, True, start, _mark(device)))
+            self._time_graph([t.grad_fn for t in leaves], stop, stage, device)
+
+        return hook
+
+    # -- timing at the first and last layer (no stage modules: one stage, or other engines) -------
+
+    def _enter(self, stage: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if stage in self._covered:
+                return
+            if is_recomputing():
+                # The stage recomputes in backward, then backpropagates the recomputed
                 # graph: both are this stage's backward time.
-                self.recomputed[stage] += 1
                 self._state().recompute[stage] = _mark(_device_of(args))
                 return
             first = args[0] if args else None
-            device = first.device if isinstance(first, Tensor) else torch.device("cpu")
             grad_fn = first.grad_fn if isinstance(first, Tensor) else None
-            self._state().open[stage] = (_mark(device), grad_fn)
+            self._state().open[stage] = (_mark(_device_of(args)), grad_fn)
 
         return pre_hook
 
     def _leave(self, stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if stage in self._covered:
+                return
             if is_recomputing():
                 start = self._state().recompute.pop(stage, None)
                 if start is not None and isinstance(output, Tensor):
                     self._spans.append((stage, False, start, _mark(output.device)))
-                    if output.grad_fn is not None:
-                        for node in _stage_nodes(output, None, self._seen):
-                            self._time_node(node, stage, output.device)
+                    self._time_graph([output.grad_fn], None, stage, output.device)
                 return
             entry = self._state().open.pop(stage, None)
             if entry is None or not isinstance(output, Tensor):
                 return
             start, stop = entry
             self._spans.append((stage, True, start, _mark(output.device)))
-            if output.grad_fn is not None:
-                for node in _stage_nodes(output, stop, self._seen):
-                    self._time_node(node, stage, output.device)
+            self._time_graph([output.grad_fn], stop, stage, output.device)
 
         return hook
+
+    def _time_graph(self, roots: list[Optional[Node]], stop: Optional[Node], stage: int, device: Any) -> None:
+        """Times every node between ``roots`` and ``stop``: everything the stage's backward runs,
+        parameter accumulators included. The set of visited nodes lives only for this walk."""
+        seen: set[Node] = set()
+        todo = list(roots)
+        while todo:
+            node = todo.pop()
+            if node is None or node is stop or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an accumulator: its leaf
+            if variable is not None:
+                if id(variable) in self._leaves:
+                    continue
+                self._leaves.add(id(variable))
+            self._time_node(node, stage, device)
+            todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _time_node(self, node: Node, stage: int, device: torch.device) -> None:
         started: list[Mark] = []
@@ -376,7 +437,10 @@ class StageReport(L.Callback):
         if not self._first <= self._batches <= self._last:
             return
         memory = self._batches == self._first
-        self._probe = _Probe(_pipeline_layers(pl_module), self._ranges, self._devices, memory=memory)
+        stages = list(getattr(trainer.strategy, "stages", None) or ())
+        self._probe = _Probe(
+            _pipeline_layers(pl_module), self._ranges, self._devices, memory=memory, stages=stages
+        )
         self._started = _now(trainer.strategy.root_device)
 
     def on_train_batch_end(
