@@ -6,24 +6,35 @@ step time, and mode. It works for any strategy: under ``pipe`` the stages are
 the plan's layer ranges, otherwise the whole ``configure_pipeline()``
 Sequential is one stage.
 
-How it measures, with hooks on the user's own layers (so any engine works):
+How it measures, with hooks on the user's own layers (so any engine works) and,
+under pipeckpt's engines, on each :class:`~pipeckpt.stage.Stage` module:
 
-* Forward time: a pre-hook on a stage's first layer and a hook on its last
-  layer bracket each micro-batch's forward.
-* Backward time: in forward, the last layer's hook walks the autograd graph
-  from the stage's output back to its input and puts a pre-hook and a hook on
-  every node found (parameter accumulators included); a stage's backward time
-  is the summed run time of its nodes. Under checkpointing the recompute runs
-  inside the first of those nodes that needs a saved tensor, so it is counted
-  as backward time, where it is spent. (Timing from "gradient reaches the
+* Time, at the stage's boundary (why: hooks on every autograd node cost about
+  30 us each, 5% of a CPU step at ~1,350 nodes; the boundary needs a few per
+  micro-batch). A pre-hook and a hook on the Stage module bracket each
+  micro-batch's forward. Every micro-batch of a stage that trains or
+  recomputes is one autograd node of pipeckpt's checkpoint Function (one per
+  segment under a per-layer mode) whose backward reruns and backpropagates
+  the stage, so the walk from the stage's output back to its input finds only
+  those few nodes, and their summed run time is the stage's backward,
+  recompute included, in every mode. (Timing from "gradient reaches the
   stage" to "gradient leaves it" would be wrong: the autograd engine
-  interleaves the nodes of different stages and micro-batches.) A run of the
-  first layer while torchgpipe's ``is_recomputing()`` is set (pipeckpt's
-  stages set it) is counted as one recomputed micro-batch. On CUDA a hook
-  records an event on the current stream (no synchronisation: waiting for
-  the device at every node would serialise host and device and cost more
-  than the step's own work); the events are read once, at the end of the
-  step, after a single synchronisation. On CPU a hook reads the host clock.
+  interleaves the nodes of different stages and micro-batches.)
+* Time, at the stage's first and last layer, for a stage no Stage module ran
+  (no pipeline, or an engine that calls the layers one by one): the same
+  forward bracket, and hooks on every autograd node between the stage's
+  output and input; a recompute is timed layer by layer (each rerun and the
+  nodes of the graph it rebuilds), so that per-layer modes are covered too.
+* Recomputed micro-batches: the runs of each layer while torchgpipe's
+  ``is_recomputing()`` is set (pipeckpt's stages set it); under a per-layer
+  mode some layers never rerun (a parameter-free first layer whose input needs
+  no gradient), so a stage's count is its most-rerun layer's.
+* Marks: on CUDA a hook records an event on the current stream (no
+  synchronisation: waiting for the device at every node would serialise host
+  and device); the events are read once, at the end of the step, after a
+  single synchronisation. On CPU a hook reads the host clock. The probe
+  keeps no autograd node (a node kept alive keeps what it saved alive, which
+  the memory figure would then count).
 * Activation memory: an engine may run stages on threads of its own, and both
   ``saved_tensors_hooks`` and dispatch modes are thread-local, so the probe
   runs inside the layers: every layer's pre-hook enters a dispatch mode that
@@ -210,6 +221,7 @@ class _Probe:
             self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
             for position, layer in enumerate(children[first:stop]):
                 self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
+                self._handles.append(layer.register_forward_hook(self._reran(stage, position)))
                 if memory:
                     # One dispatch mode per layer call, left even when the layer raises:
                     # a checkpoint recompute stops with an exception once it has what it needs.
@@ -239,7 +251,7 @@ class _Probe:
     def _state(self) -> threading.local:
         if not hasattr(self._local, "open"):
             self._local.open = {}  # stage -> (start time, input grad_fn)
-            self._local.recompute = {}  # stage -> start time of its recompute
+            self._local.recompute = {}  # (stage, layer) -> (start time, input grad_fn) of a rerun
             self._local.modes = []
         return self._local
 
@@ -260,8 +272,27 @@ class _Probe:
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if is_recomputing():
                 self._reruns[stage][position] += 1
+                if stage not in self._covered:
+                    first = args[0] if args else None
+                    grad_fn = first.grad_fn if isinstance(first, Tensor) else None
+                    self._state().recompute[stage, position] = (_mark(_device_of(args)), grad_fn)
 
         return pre_hook
+
+    def _reran(self, stage: int, position: int) -> Callable[..., None]:
+        """A layer's rerun, timed with the nodes of the graph it rebuilt, for a stage no Stage
+        module covers: layer by layer, so a per-layer mode's reruns are all found."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not is_recomputing() or stage in self._covered:
+                return
+            entry = self._state().recompute.pop((stage, position), None)
+            if entry is not None and isinstance(output, Tensor):
+                start, stop = entry
+                self._spans.append((stage, False, start, _mark(output.device)))
+                self._time_graph([output.grad_fn], stop, stage, output.device)
+
+        return hook
 
     # -- timing at the stage module's boundary (pipeckpt's engines) ------------------------------
     # Every micro-batch of a stage that trains (and every recomputed one) is one autograd node
@@ -297,12 +328,7 @@ class _Probe:
 
     def _enter(self, stage: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if stage in self._covered:
-                return
-            if is_recomputing():
-                # The stage recomputes in backward, then backpropagates the recomputed
-                # graph: both are this stage's backward time.
-                self._state().recompute[stage] = _mark(_device_of(args))
+            if stage in self._covered or is_recomputing():  # a rerun is timed layer by layer (_rerun)
                 return
             first = args[0] if args else None
             grad_fn = first.grad_fn if isinstance(first, Tensor) else None
@@ -312,13 +338,7 @@ class _Probe:
 
     def _leave(self, stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if stage in self._covered:
-                return
-            if is_recomputing():
-                start = self._state().recompute.pop(stage, None)
-                if start is not None and isinstance(output, Tensor):
-                    self._spans.append((stage, False, start, _mark(output.device)))
-                    self._time_graph([output.grad_fn], None, stage, output.device)
+            if stage in self._covered or is_recomputing():
                 return
             entry = self._state().open.pop(stage, None)
             if entry is None or not isinstance(output, Tensor):

@@ -377,3 +377,24 @@ def test_a_per_layer_recompute_of_a_slow_layer_shows_in_its_stages_backward(desi
     assert report.stats[0].forward_s < slept and report.stats[0].backward_s < slept
     wall = sum(clock.seconds[2:4]) / 2
     assert sum(s.forward_s + s.backward_s for s in report.stats) <= wall
+
+
+@pytest.mark.parametrize("mode", ["always", "always:1", "selective:1"])
+@pytest.mark.parametrize("boundary", ["stage modules", "layers only"])
+def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mode, boundary):
+    # The report times pipeckpt's stages at their Stage module; an engine without one is timed
+    # from the layers. Either way both stages rerun once per micro-batch and spend backward time.
+    from pipeckpt.engines.local_pipeline import LocalPipeline
+    from pipeckpt.planning import plan
+    from pipeckpt.report import _Probe
+
+    layers = Designed().layers
+    stage_plan = plan(layers, devices=[torch.device("cpu")], checkpoint=mode, chunks=CHUNKS, balance=[3, 3])
+    engine = LocalPipeline(layers, stage_plan, chunks=CHUNKS, pin_memory=False)
+    stages = engine.stages if boundary == "stage modules" else ()
+    probe = _Probe(layers, list(stage_plan.ranges), list(stage_plan.devices), memory=False, stages=stages)
+    engine.forward(torch.randn(8, 8)).pow(2).mean().backward()
+    probe.remove()
+    probe.resolve()
+    assert probe.recomputed == {0: CHUNKS, 1: CHUNKS}
+    assert all(probe.forward_s[s] > 0 and probe.backward_s[s] > 0 for s in (0, 1)), probe.backward_s
