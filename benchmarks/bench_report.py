@@ -75,6 +75,7 @@ def main() -> None:
                 list(stage_plan.devices),
                 memory=False,
                 stages=engine.stages if stages else (),
+                count_layers=not stages,
             )
             if probe
             else None

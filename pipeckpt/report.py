@@ -25,10 +25,11 @@ under pipeckpt's engines, on each :class:`~pipeckpt.stage.Stage` module:
   forward bracket, and hooks on every autograd node between the stage's
   output and input; a recompute is timed layer by layer (each rerun and the
   nodes of the graph it rebuilds), so that per-layer modes are covered too.
-* Recomputed micro-batches: the runs of each layer while torchgpipe's
-  ``is_recomputing()`` is set (pipeckpt's stages set it); under a per-layer
-  mode some layers never rerun (a parameter-free first layer whose input needs
-  no gradient), so a stage's count is its most-rerun layer's.
+* Recomputed micro-batches: a Stage module's own list of the micro-batches it
+  checkpointed this step; without one, the runs of each layer while
+  torchgpipe's ``is_recomputing()`` is set (pipeckpt's stages set it). Under a
+  per-layer mode some layers never rerun (a parameter-free first layer whose
+  input needs no gradient), so a stage's count is its most-rerun layer's.
 * Marks: on CUDA a hook records an event on the current stream (no
   synchronisation: waiting for the device at every node would serialise host
   and device); the events are read once, at the end of the step, after a
@@ -192,7 +193,13 @@ class _Probe:
         *,
         memory: bool,
         stages: Sequence["Stage"] = (),
+        count_layers: bool = True,
     ) -> None:
+        """``stages``: pipeckpt's Stage modules, timed at their boundary when the engine calls them
+        (a ``pipeline_of`` engine calls their layers one by one instead). ``count_layers=False``:
+        the engine is known to call every one of ``stages`` (a step measured before said so), so
+        their own lists of checkpointed micro-batches count the recomputes, with no hook on
+        their layers; otherwise every layer counts its reruns."""
         self.memory = memory
         self.ledger = _Ledger(devices)
         self.forward_s: dict[int, float] = defaultdict(float)
@@ -201,6 +208,7 @@ class _Probe:
         # most once, and under a per-layer mode some layers (a parameter-free first layer whose
         # input needs no gradient) are not rerun at all, so the stage's count is the maximum.
         self._reruns: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self._checkpointed: dict[int, int] = {}
         # (stage, forward?, start mark, end mark), read by resolve() at the end of the step
         self._spans: list[tuple[int, bool, Mark, Mark]] = []
         self._devices = devices
@@ -209,6 +217,7 @@ class _Probe:
         # Keyed by the leaf's id: leaves live through the step; no node is referenced here.
         self._leaves: set[int] = set()
         self._covered: set[int] = set()  # stages timed by their Stage module's hooks this step
+        self._stages = {stage.index: stage for stage in stages} if not count_layers else {}
         self._local = threading.local()
         self._handles: list[Any] = []
         children = list(layers)
@@ -220,8 +229,9 @@ class _Probe:
             self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
             self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
             for position, layer in enumerate(children[first:stop]):
-                self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
-                self._handles.append(layer.register_forward_hook(self._reran(stage, position)))
+                if stage not in self._stages:  # a Stage module counts its own recomputes
+                    self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
+                    self._handles.append(layer.register_forward_hook(self._reran(stage, position)))
                 if memory:
                     # One dispatch mode per layer call, left even when the layer raises:
                     # a checkpoint recompute stops with an exception once it has what it needs.
@@ -229,12 +239,23 @@ class _Probe:
                     self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
 
     @property
+    def covered(self) -> frozenset[int]:
+        """The stages this step timed at their Stage module (the engine called it)."""
+        return frozenset(self._covered)
+
+    @property
     def recomputed(self) -> dict[int, int]:
-        """Micro-batches each stage reran (wholly or some of its layers) during backward."""
-        return {stage: max(runs.values()) for stage, runs in self._reruns.items()}
+        """Micro-batches each stage checkpointed, i.e. reran (wholly or some of its layers) in
+        backward: a Stage module's own count (read before its next step resets it), else the
+        runs of the stage's most-rerun layer."""
+        counts = {stage: max(runs.values()) for stage, runs in self._reruns.items()}
+        counts.update(self._checkpointed)
+        return counts
 
     def resolve(self) -> None:
-        """Adds the step's recorded spans to the times (one synchronisation per CUDA device)."""
+        """Adds the step's recorded spans to the times (one synchronisation per CUDA device),
+        and takes the recomputed micro-batches the Stage modules counted this step."""
+        self._checkpointed.update({index: len(stage.checkpointed) for index, stage in self._stages.items()})
         for device in set(self._devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -422,6 +443,7 @@ class StageReport(L.Callback):
         self._timed: list[tuple[float, dict[int, float], dict[int, float], dict[int, int]]] = []
         self._fallback: Optional[tuple[float, dict[int, float], dict[int, float], dict[int, int]]] = None
         self._peak: dict[int, int] = {}
+        self._boundary: set[int] = set()  # stages whose Stage module the engine calls
         self._ranges: list[tuple[int, int]] = []
         self._modes: list[str] = []
         self._devices: list[torch.device] = []
@@ -458,8 +480,17 @@ class StageReport(L.Callback):
             return
         memory = self._batches == self._first
         stages = list(getattr(trainer.strategy, "stages", None) or ())
+        if not memory:
+            # The memory step showed which Stage modules the engine calls: those count their own
+            # recomputes, and their layers need no hook in the timed steps.
+            stages = [stage for stage in stages if stage.index in self._boundary]
         self._probe = _Probe(
-            _pipeline_layers(pl_module), self._ranges, self._devices, memory=memory, stages=stages
+            _pipeline_layers(pl_module),
+            self._ranges,
+            self._devices,
+            memory=memory,
+            stages=stages,
+            count_layers=memory,
         )
         self._started = _now(trainer.strategy.root_device)
 
@@ -475,6 +506,7 @@ class StageReport(L.Callback):
         probe.resolve()
         if probe.memory:
             self._peak = dict(probe.ledger.peak)
+            self._boundary = set(probe.covered)
         timing = (step, dict(probe.forward_s), dict(probe.backward_s), dict(probe.recomputed))
         if probe.memory:
             # The memory probe slows its step: its times are used only if no other step is measured.

@@ -380,10 +380,11 @@ def test_a_per_layer_recompute_of_a_slow_layer_shows_in_its_stages_backward(desi
 
 
 @pytest.mark.parametrize("mode", ["always", "always:1", "selective:1"])
-@pytest.mark.parametrize("boundary", ["stage modules", "layers only"])
+@pytest.mark.parametrize("boundary", ["stage modules, own counts", "stage modules, layer counts", "layers"])
 def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mode, boundary):
     # The report times pipeckpt's stages at their Stage module; an engine without one is timed
-    # from the layers. Either way both stages rerun once per micro-batch and spend backward time.
+    # from the layers. Recomputes are counted by the Stage modules themselves or by every layer.
+    # Every way, both stages rerun once per micro-batch and spend backward time.
     from pipeckpt.engines.local_pipeline import LocalPipeline
     from pipeckpt.planning import plan
     from pipeckpt.report import _Probe
@@ -391,8 +392,10 @@ def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mod
     layers = Designed().layers
     stage_plan = plan(layers, devices=[torch.device("cpu")], checkpoint=mode, chunks=CHUNKS, balance=[3, 3])
     engine = LocalPipeline(layers, stage_plan, chunks=CHUNKS, pin_memory=False)
-    stages = engine.stages if boundary == "stage modules" else ()
-    probe = _Probe(layers, list(stage_plan.ranges), list(stage_plan.devices), memory=False, stages=stages)
+    stages = engine.stages if boundary.startswith("stage modules") else ()
+    own = boundary == "stage modules, own counts"
+    ranges, devices = list(stage_plan.ranges), list(stage_plan.devices)
+    probe = _Probe(layers, ranges, devices, memory=False, stages=stages, count_layers=not own)
     engine.forward(torch.randn(8, 8)).pow(2).mean().backward()
     probe.remove()
     probe.resolve()
