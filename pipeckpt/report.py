@@ -226,10 +226,13 @@ class _Probe:
             self._handles.append(module.register_forward_pre_hook(self._enter_stage(index)))
             self._handles.append(module.register_forward_hook(self._leave_stage(index)))
         for stage, (first, stop) in enumerate(ranges):
-            self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
-            self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
+            # A stage known to run through its Stage module is timed and counted there alone.
+            by_layers = stage not in self._stages
+            if by_layers:
+                self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
+                self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
             for position, layer in enumerate(children[first:stop]):
-                if stage not in self._stages:  # a Stage module counts its own recomputes
+                if by_layers:
                     self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
                     self._handles.append(layer.register_forward_hook(self._reran(stage, position)))
                 if memory:
@@ -336,7 +339,11 @@ class _Probe:
             if entry is None:
                 return
             start, stop = entry
-            leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+            # A tensor or a tuple of them is the common case; torch's pytree walk costs more.
+            flat = output if isinstance(output, tuple) else (output,)
+            if not all(isinstance(t, Tensor) for t in flat):
+                flat = tuple(tree_flatten(output)[0])
+            leaves = [t for t in flat if isinstance(t, Tensor)]
             if not leaves:
                 return
             device = leaves[0].device
