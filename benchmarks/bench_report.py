@@ -1,11 +1,12 @@
 """What the per-stage timing report costs: a training step with StageReport's timing probe
 against the same step without it, interleaved, as a ratio (median of rounds).
 
-Three variants per round, each against the mean of the plain steps around it:
-``probe`` (the report as it is: a host clock on CPU, a CUDA event per autograd node read once at
-the end of the step) and ``probe+sync`` (the former report: the device synchronised at every
-node, kept here for comparison only). The step is the local engine's forward and backward of a
-GPT-shaped Sequential, with the engine built once::
+Two variants per round, each against the mean of the plain steps around it: ``probe`` (the
+report as it is: pipeckpt's stages timed at their Stage module, whose backward is one autograd
+node per micro-batch and segment) and ``probe, every node`` (the former report, still the path
+for engines without Stage modules: hooks on every autograd node of each stage's graph). Timing
+marks are a host clock on CPU and a CUDA event read once at the end of the step. The step is
+the local engine's forward and backward of a GPT-shaped Sequential, with the engine built once::
 
     python benchmarks/bench_report.py                                  # CPU, small config
     python benchmarks/bench_report.py --device cuda --d-model 768 --layers 12 --seq 128 --batch 4
@@ -16,7 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -64,45 +65,54 @@ def main() -> None:
     engine = LocalPipeline(seq, stage_plan, chunks=args.chunks, pin_memory=False)
     x = torch.randint(args.vocab, (args.batch, args.seq), device=device)
     y = torch.randint(args.vocab, (args.batch, args.seq), device=device)
-    sync_mark = report._mark
 
-    def step(probe: bool, sync: bool = False) -> float:
-        report._mark = (lambda d: report._now(d)) if sync else sync_mark  # type: ignore[assignment]
+    def step(probe: bool, stages: bool = True) -> Tuple[float, float, int]:
+        """Wall seconds, process CPU seconds (steadier on a shared machine), hooks registered."""
         p = (
-            report._Probe(seq, list(stage_plan.ranges), list(stage_plan.devices), memory=False)
+            report._Probe(
+                seq,
+                list(stage_plan.ranges),
+                list(stage_plan.devices),
+                memory=False,
+                stages=engine.stages if stages else (),
+                count_layers=not stages,
+            )
             if probe
             else None
         )
         seq.zero_grad(set_to_none=True)
         _sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = engine.forward(x)
         F.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+        hooks = 0
         if p is not None:
+            hooks = len(p._handles)
             p.remove()
             p.resolve()
         _sync(device)
-        seconds = time.perf_counter() - start
-        report._mark = sync_mark  # type: ignore[assignment]
-        return seconds
+        return time.perf_counter() - start, time.process_time() - cpu, hooks
 
-    variants: Dict[str, Callable[[], float]] = {
+    variants: Dict[str, Callable[[], Tuple[float, float, int]]] = {
         "probe": lambda: step(True),
-        "probe+sync": lambda: step(True, sync=True),
+        "probe, every node": lambda: step(True, stages=False),
     }
     for _ in range(2):  # warm-up
         step(False)
         for run in variants.values():
             run()
-    ratios: Dict[str, List[float]] = {name: [] for name in variants}
+    walls: Dict[str, List[float]] = {name: [] for name in variants}
+    cpus: Dict[str, List[float]] = {name: [] for name in variants}
+    hooks: Dict[str, int] = {}
     plains: List[float] = []
     for _ in range(args.rounds):
         for name, run in variants.items():
             before = step(False)
-            measured = run()
+            wall, cpu, hooks[name] = run()
             after = step(False)
-            plains += [before, after]
-            ratios[name].append(measured / ((before + after) / 2))
+            plains += [before[0], after[0]]
+            walls[name].append(wall / ((before[0] + after[0]) / 2))
+            cpus[name].append(cpu / ((before[1] + after[1]) / 2))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# report cost, {device_name}; {machine()}")
     print(
@@ -111,10 +121,14 @@ def main() -> None:
         f"{args.stages} stages x {args.chunks} chunks, {args.mode}; plain step median "
         f"{statistics.median(plains) * 1e3:.1f} ms; {args.rounds} interleaved rounds"
     )
-    print("| variant | step time vs plain (median) | min | max |")
+    print("| variant | hooks per step | wall vs plain (median, min-max) | CPU vs plain (median, min-max) |")
     print("|---|---|---|---|")
-    for name, values in ratios.items():
-        print(f"| {name} | {statistics.median(values):.4f} | {min(values):.4f} | {max(values):.4f} |")
+    for name in variants:
+        w, c = walls[name], cpus[name]
+        print(
+            f"| {name} | {hooks[name]} | {statistics.median(w):.4f} ({min(w):.3f}-{max(w):.3f}) "
+            f"| {statistics.median(c):.4f} ({min(c):.3f}-{max(c):.3f}) |"
+        )
 
 
 if __name__ == "__main__":

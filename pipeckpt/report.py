@@ -6,24 +6,36 @@ step time, and mode. It works for any strategy: under ``pipe`` the stages are
 the plan's layer ranges, otherwise the whole ``configure_pipeline()``
 Sequential is one stage.
 
-How it measures, with hooks on the user's own layers (so any engine works):
+How it measures, with hooks on the user's own layers (so any engine works) and,
+under pipeckpt's engines, on each :class:`~pipeckpt.stage.Stage` module:
 
-* Forward time: a pre-hook on a stage's first layer and a hook on its last
-  layer bracket each micro-batch's forward.
-* Backward time: in forward, the last layer's hook walks the autograd graph
-  from the stage's output back to its input and puts a pre-hook and a hook on
-  every node found (parameter accumulators included); a stage's backward time
-  is the summed run time of its nodes. Under checkpointing the recompute runs
-  inside the first of those nodes that needs a saved tensor, so it is counted
-  as backward time, where it is spent. (Timing from "gradient reaches the
+* Time, at the stage's boundary (why: hooks on every autograd node cost about
+  30 us each, 5% of a CPU step at ~1,350 nodes; the boundary needs a few per
+  micro-batch). A pre-hook and a hook on the Stage module bracket each
+  micro-batch's forward. Every micro-batch of a stage that trains or
+  recomputes is one autograd node of pipeckpt's checkpoint Function (one per
+  segment under a per-layer mode) whose backward reruns and backpropagates
+  the stage, so the walk from the stage's output back to its input finds only
+  those few nodes, and their summed run time is the stage's backward,
+  recompute included, in every mode. (Timing from "gradient reaches the
   stage" to "gradient leaves it" would be wrong: the autograd engine
-  interleaves the nodes of different stages and micro-batches.) A run of the
-  first layer while torchgpipe's ``is_recomputing()`` is set (pipeckpt's
-  stages set it) is counted as one recomputed micro-batch. On CUDA a hook
-  records an event on the current stream (no synchronisation: waiting for
-  the device at every node would serialise host and device and cost more
-  than the step's own work); the events are read once, at the end of the
-  step, after a single synchronisation. On CPU a hook reads the host clock.
+  interleaves the nodes of different stages and micro-batches.)
+* Time, at the stage's first and last layer, for a stage no Stage module ran
+  (no pipeline, or an engine that calls the layers one by one): the same
+  forward bracket, and hooks on every autograd node between the stage's
+  output and input; a recompute is timed layer by layer (each rerun and the
+  nodes of the graph it rebuilds), so that per-layer modes are covered too.
+* Recomputed micro-batches: a Stage module's own list of the micro-batches it
+  checkpointed this step; without one, the runs of each layer while
+  torchgpipe's ``is_recomputing()`` is set (pipeckpt's stages set it). Under a
+  per-layer mode some layers never rerun (a parameter-free first layer whose
+  input needs no gradient), so a stage's count is its most-rerun layer's.
+* Marks: on CUDA a hook records an event on the current stream (no
+  synchronisation: waiting for the device at every node would serialise host
+  and device); the events are read once, at the end of the step, after a
+  single synchronisation. On CPU a hook reads the host clock. The probe
+  keeps no autograd node (a node kept alive keeps what it saved alive, which
+  the memory figure would then count).
 * Activation memory: an engine may run stages on threads of its own, and both
   ``saved_tensors_hooks`` and dispatch modes are thread-local, so the probe
   runs inside the layers: every layer's pre-hook enters a dispatch mode that
@@ -49,7 +61,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -57,10 +69,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.autograd.graph import Node
-from torch.utils.hooks import RemovableHandle
 from torchgpipe import is_recomputing
 
 from pipeckpt._compat import TorchDispatchMode, tree_flatten
+
+if TYPE_CHECKING:
+    from pipeckpt.stage import Stage
 
 __all__ = ["StageReport", "StageStats", "format_table", "save_chart", "human_bytes"]
 
@@ -167,23 +181,9 @@ def _device_of(args: tuple[Any, ...]) -> torch.device:
     return first.device if isinstance(first, Tensor) else torch.device("cpu")
 
 
-def _stage_nodes(output: Tensor, stop: Optional[Node], seen: set[Node]) -> list[Node]:
-    """The autograd nodes between a stage's output and its input: everything its
-    backward runs, parameter accumulators included. Under non-reentrant
-    checkpointing the graph keeps this topology, so the walk is the same in every mode."""
-    found, todo = [], [output.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node is stop or node in seen:
-            continue
-        seen.add(node)
-        found.append(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
 class _Probe:
-    """Hooks on the user's layers that time and weigh each stage during one step."""
+    """Hooks on the user's layers (and on pipeckpt's stage modules, when given) that time and
+    weigh each stage during one step."""
 
     def __init__(
         self,
@@ -192,31 +192,73 @@ class _Probe:
         devices: list[torch.device],
         *,
         memory: bool,
+        stages: Sequence["Stage"] = (),
+        count_layers: bool = True,
     ) -> None:
+        """``stages``: pipeckpt's Stage modules, timed at their boundary when the engine calls them
+        (a ``pipeline_of`` engine calls their layers one by one instead). ``count_layers=False``:
+        the engine is known to call every one of ``stages`` (a step measured before said so), so
+        their own lists of checkpointed micro-batches count the recomputes, with no hook on
+        their layers; otherwise every layer counts its reruns."""
         self.memory = memory
         self.ledger = _Ledger(devices)
         self.forward_s: dict[int, float] = defaultdict(float)
         self.backward_s: dict[int, float] = defaultdict(float)
-        self.recomputed: dict[int, int] = defaultdict(int)
+        # Runs of each layer while recomputing, per stage: a micro-batch reruns each layer at
+        # most once, and under a per-layer mode some layers (a parameter-free first layer whose
+        # input needs no gradient) are not rerun at all, so the stage's count is the maximum.
+        self._reruns: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self._checkpointed: dict[int, int] = {}
         # (stage, forward?, start mark, end mark), read by resolve() at the end of the step
         self._spans: list[tuple[int, bool, Mark, Mark]] = []
         self._devices = devices
-        self._seen: set[Node] = set()
+        # Leaves (parameters, a stage's phony) whose accumulator node is timed already this step:
+        # one node serves every micro-batch, and a second pair of hooks would count it twice.
+        # Keyed by the leaf's id: leaves live through the step; no node is referenced here.
+        self._leaves: set[int] = set()
+        self._covered: set[int] = set()  # stages timed by their Stage module's hooks this step
+        self._stages = {stage.index: stage for stage in stages} if not count_layers else {}
         self._local = threading.local()
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[Any] = []
         children = list(layers)
+        for module in stages:
+            index = module.index
+            self._handles.append(module.register_forward_pre_hook(self._enter_stage(index)))
+            self._handles.append(module.register_forward_hook(self._leave_stage(index)))
         for stage, (first, stop) in enumerate(ranges):
-            self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
-            self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
-            if memory:
-                # One dispatch mode per layer call, left even when the layer raises:
-                # a checkpoint recompute stops with an exception once it has what it needs.
-                for layer in children[first:stop]:
+            # A stage known to run through its Stage module is timed and counted there alone.
+            by_layers = stage not in self._stages
+            if by_layers:
+                self._handles.append(children[first].register_forward_pre_hook(self._enter(stage)))
+                self._handles.append(children[stop - 1].register_forward_hook(self._leave(stage)))
+            for position, layer in enumerate(children[first:stop]):
+                if by_layers:
+                    self._handles.append(layer.register_forward_pre_hook(self._rerun(stage, position)))
+                    self._handles.append(layer.register_forward_hook(self._reran(stage, position)))
+                if memory:
+                    # One dispatch mode per layer call, left even when the layer raises:
+                    # a checkpoint recompute stops with an exception once it has what it needs.
                     self._handles.append(layer.register_forward_pre_hook(self._push(stage)))
                     self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
 
+    @property
+    def covered(self) -> frozenset[int]:
+        """The stages this step timed at their Stage module (the engine called it)."""
+        return frozenset(self._covered)
+
+    @property
+    def recomputed(self) -> dict[int, int]:
+        """Micro-batches each stage checkpointed, i.e. reran (wholly or some of its layers) in
+        backward: a Stage module's own count (read before its next step resets it), else the
+        runs of the stage's most-rerun layer."""
+        counts = {stage: max(runs.values()) for stage, runs in self._reruns.items()}
+        counts.update(self._checkpointed)
+        return counts
+
     def resolve(self) -> None:
-        """Adds the step's recorded spans to the times (one synchronisation per CUDA device)."""
+        """Adds the step's recorded spans to the times (one synchronisation per CUDA device),
+        and takes the recomputed micro-batches the Stage modules counted this step."""
+        self._checkpointed.update({index: len(stage.checkpointed) for index, stage in self._stages.items()})
         for device in set(self._devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -228,12 +270,12 @@ class _Probe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._seen.clear()
+        self._leaves.clear()
 
     def _state(self) -> threading.local:
         if not hasattr(self._local, "open"):
             self._local.open = {}  # stage -> (start time, input grad_fn)
-            self._local.recompute = {}  # stage -> start time of its recompute
+            self._local.recompute = {}  # (stage, layer) -> (start time, input grad_fn) of a rerun
             self._local.modes = []
         return self._local
 
@@ -250,41 +292,108 @@ class _Probe:
         if modes:
             modes.pop().__exit__(None, None, None)
 
-    def _enter(self, stage: int) -> Callable[..., None]:
+    def _rerun(self, stage: int, position: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if is_recomputing():
-                # pipeckpt's stages recompute in backward, then backpropagate the recomputed
-                # graph: both are this stage's backward time.
-                self.recomputed[stage] += 1
-                self._state().recompute[stage] = _mark(_device_of(args))
+                self._reruns[stage][position] += 1
+                if stage not in self._covered:
+                    first = args[0] if args else None
+                    grad_fn = first.grad_fn if isinstance(first, Tensor) else None
+                    self._state().recompute[stage, position] = (_mark(_device_of(args)), grad_fn)
+
+        return pre_hook
+
+    def _reran(self, stage: int, position: int) -> Callable[..., None]:
+        """A layer's rerun, timed with the nodes of the graph it rebuilt, for a stage no Stage
+        module covers: layer by layer, so a per-layer mode's reruns are all found."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not is_recomputing() or stage in self._covered:
+                return
+            entry = self._state().recompute.pop((stage, position), None)
+            if entry is not None and isinstance(output, Tensor):
+                start, stop = entry
+                self._spans.append((stage, False, start, _mark(output.device)))
+                self._time_graph([output.grad_fn], stop, stage, output.device)
+
+        return hook
+
+    # -- timing at the stage module's boundary (pipeckpt's engines) ------------------------------
+    # Every micro-batch of a stage that trains (and every recomputed one) is one autograd node
+    # (``_Recompute``, one per segment under a per-layer mode) whose backward reruns and
+    # backpropagates the stage: the walk from the stage's output to its input finds those few
+    # nodes, and their run time is the stage's backward, recompute included, in every mode.
+
+    def _enter_stage(self, stage: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._covered.add(stage)
+            first = args[0] if args else None
+            grad_fn = first.grad_fn if isinstance(first, Tensor) else None
+            self._state().open[stage] = (_mark(_device_of(args)), grad_fn)
+
+        return pre_hook
+
+    def _leave_stage(self, stage: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            entry = self._state().open.pop(stage, None)
+            if entry is None:
+                return
+            start, stop = entry
+            # A tensor or a tuple of them is the common case; torch's pytree walk costs more.
+            flat = output if isinstance(output, tuple) else (output,)
+            if not all(isinstance(t, Tensor) for t in flat):
+                flat = tuple(tree_flatten(output)[0])
+            leaves = [t for t in flat if isinstance(t, Tensor)]
+            if not leaves:
+                return
+            device = leaves[0].device
+            self._spans.append((stage, True, start, _mark(device)))
+            self._time_graph([t.grad_fn for t in leaves], stop, stage, device)
+
+        return hook
+
+    # -- timing at the first and last layer (no stage modules: one stage, or other engines) -------
+
+    def _enter(self, stage: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if stage in self._covered or is_recomputing():  # a rerun is timed layer by layer (_rerun)
                 return
             first = args[0] if args else None
-            device = first.device if isinstance(first, Tensor) else torch.device("cpu")
             grad_fn = first.grad_fn if isinstance(first, Tensor) else None
-            self._state().open[stage] = (_mark(device), grad_fn)
+            self._state().open[stage] = (_mark(_device_of(args)), grad_fn)
 
         return pre_hook
 
     def _leave(self, stage: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if is_recomputing():
-                start = self._state().recompute.pop(stage, None)
-                if start is not None and isinstance(output, Tensor):
-                    self._spans.append((stage, False, start, _mark(output.device)))
-                    if output.grad_fn is not None:
-                        for node in _stage_nodes(output, None, self._seen):
-                            self._time_node(node, stage, output.device)
+            if stage in self._covered or is_recomputing():
                 return
             entry = self._state().open.pop(stage, None)
             if entry is None or not isinstance(output, Tensor):
                 return
             start, stop = entry
             self._spans.append((stage, True, start, _mark(output.device)))
-            if output.grad_fn is not None:
-                for node in _stage_nodes(output, stop, self._seen):
-                    self._time_node(node, stage, output.device)
+            self._time_graph([output.grad_fn], stop, stage, output.device)
 
         return hook
+
+    def _time_graph(self, roots: list[Optional[Node]], stop: Optional[Node], stage: int, device: Any) -> None:
+        """Times every node between ``roots`` and ``stop``: everything the stage's backward runs,
+        parameter accumulators included. The set of visited nodes lives only for this walk."""
+        seen: set[Node] = set()
+        todo = list(roots)
+        while todo:
+            node = todo.pop()
+            if node is None or node is stop or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an accumulator: its leaf
+            if variable is not None:
+                if id(variable) in self._leaves:
+                    continue
+                self._leaves.add(id(variable))
+            self._time_node(node, stage, device)
+            todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _time_node(self, node: Node, stage: int, device: torch.device) -> None:
         started: list[Mark] = []
@@ -341,6 +450,7 @@ class StageReport(L.Callback):
         self._timed: list[tuple[float, dict[int, float], dict[int, float], dict[int, int]]] = []
         self._fallback: Optional[tuple[float, dict[int, float], dict[int, float], dict[int, int]]] = None
         self._peak: dict[int, int] = {}
+        self._boundary: set[int] = set()  # stages whose Stage module the engine calls
         self._ranges: list[tuple[int, int]] = []
         self._modes: list[str] = []
         self._devices: list[torch.device] = []
@@ -376,7 +486,19 @@ class StageReport(L.Callback):
         if not self._first <= self._batches <= self._last:
             return
         memory = self._batches == self._first
-        self._probe = _Probe(_pipeline_layers(pl_module), self._ranges, self._devices, memory=memory)
+        stages = list(getattr(trainer.strategy, "stages", None) or ())
+        if not memory:
+            # The memory step showed which Stage modules the engine calls: those count their own
+            # recomputes, and their layers need no hook in the timed steps.
+            stages = [stage for stage in stages if stage.index in self._boundary]
+        self._probe = _Probe(
+            _pipeline_layers(pl_module),
+            self._ranges,
+            self._devices,
+            memory=memory,
+            stages=stages,
+            count_layers=memory,
+        )
         self._started = _now(trainer.strategy.root_device)
 
     def on_train_batch_end(
@@ -391,6 +513,7 @@ class StageReport(L.Callback):
         probe.resolve()
         if probe.memory:
             self._peak = dict(probe.ledger.peak)
+            self._boundary = set(probe.covered)
         timing = (step, dict(probe.forward_s), dict(probe.backward_s), dict(probe.recomputed))
         if probe.memory:
             # The memory probe slows its step: its times are used only if no other step is measured.

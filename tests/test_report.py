@@ -146,6 +146,8 @@ def test_the_probe_leaves_no_hook_behind(measured):
     assert callback.stats and torch._C._len_torch_dispatch_stack() == 0
     assert all(not layer._forward_hooks and not layer._forward_pre_hooks for layer in model.layers)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    stages = model.trainer.strategy.stages
+    assert stages and all(not s._forward_hooks and not s._forward_pre_hooks for s in stages)
 
 
 def test_table_has_a_header_and_one_row_per_stage(measured):
@@ -205,13 +207,15 @@ class Designed(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-FIRST_LAYERS = (0, 3)  # each stage's first layer in Designed.layers
+LAST_LAYERS = (2, 5)  # each stage's last layer in Designed.layers: a Linear, rerun in every recompute
 
 
 class RerunCount(L.Callback):
-    """Counts, per measured step, the calls of each stage's first layer made during backward
+    """Counts, per measured step, the calls of each stage's last layer made during backward
     (between Lightning's on_before_backward and on_after_backward): recomputes, counted
-    without torchgpipe's is_recomputing flag that the report reads."""
+    without torchgpipe's is_recomputing flag that the report reads. The last layer, because
+    under a per-layer mode the first (a parameter-free Sleep, whose input in stage 0 needs no
+    gradient, and which saves nothing for selective checkpointing to rerun) may not rerun."""
 
     def __init__(self, layers: torch.nn.Sequential) -> None:
         self.forward_calls: list[list[int]] = []
@@ -219,7 +223,7 @@ class RerunCount(L.Callback):
         self._in_backward = False
         self._now = [0, 0]
         self._now_backward = [0, 0]
-        for stage, index in enumerate(FIRST_LAYERS):
+        for stage, index in enumerate(LAST_LAYERS):
             layers[index].register_forward_pre_hook(self._count(stage))
 
     def _count(self, stage: int) -> Callable[..., None]:
@@ -295,11 +299,18 @@ def test_always_peak_is_the_held_outputs_plus_one_micro_batchs_run(designed):
     # second Linear: chunks outputs + the first Linear's output, exactly (its backward,
     # one micro-batch's recompute after the loss freed the outputs, holds less: 32 + 4 widths).
     assert stats[1].peak_activation_bytes == CHUNKS * out_bytes(4) + out_bytes(32)  # 384
-    # First stage: the same forward peak, chunks x 16-wide + one 64-wide output (1024), is a floor;
-    # its outputs are the next stage's saved inputs, so its recompute in backward may run while
-    # all of them are still held: + one micro-batch's 16-wide output at most (1152).
-    forward_peak = CHUNKS * out_bytes(16) + out_bytes(64)
-    assert forward_peak <= stats[0].peak_activation_bytes <= forward_peak + out_bytes(16)
+    # First stage: the same forward peak, chunks x 16-wide + one 64-wide output, exactly. Its
+    # recompute in backward runs once the next stage has let go of that micro-batch's output
+    # (the probe keeps no autograd node, so it keeps no saved tensor alive).
+    assert stats[0].peak_activation_bytes == CHUNKS * out_bytes(16) + out_bytes(64)  # 1024
+
+
+def test_a_per_layer_mode_keeps_every_layers_input_so_its_peak_is_nevers(designed):
+    # always:1 checkpoints each layer alone: each keeps its input, i.e. the previous Linear's
+    # output, for every micro-batch; the stage's output is the next stage's saved input.
+    assert [s.peak_activation_bytes for s in designed("always:1")[0].stats] == [
+        s.peak_activation_bytes for s in designed("never")[0].stats
+    ]
 
 
 @pytest.mark.parametrize(
@@ -312,12 +323,14 @@ def test_always_peak_is_the_held_outputs_plus_one_micro_batchs_run(designed):
         ("selective", CHUNKS),  # = always+selective: the whole stage reruns, matmuls come from the cache
         ("except_last+selective", CHUNKS - 1),
         ("always:2", CHUNKS),  # segments [Sleep, Linear] and [Linear]: the first reruns once a micro-batch
+        ("always:1", CHUNKS),  # stage 0's Sleep (no parameters, input needs no gradient) never reruns
+        ("selective:1", CHUNKS),
     ],
 )
-def test_recomputed_is_the_modes_count_and_the_first_layers_backward_calls(designed, mode, recomputed):
+def test_recomputed_is_the_modes_count_and_the_last_layers_backward_calls(designed, mode, recomputed):
     report, _, reruns = designed(mode)
     assert [s.recomputed for s in report.stats] == [recomputed, recomputed]
-    # Independently: each timed step (2 and 3) runs each stage's first layer once per
+    # Independently: each timed step (2 and 3) runs each stage's last layer once per
     # micro-batch in forward and once per recomputed micro-batch during backward.
     assert reruns.forward_calls[2:] == [[CHUNKS, CHUNKS]] * 2
     assert reruns.backward_calls[2:] == [[recomputed, recomputed]] * 2
@@ -345,3 +358,46 @@ def test_a_slow_layer_shows_in_its_own_stages_times_only(designed, slow):
     for s in report.stats:
         assert s.forward_s <= wall and s.backward_s <= wall, (s, wall)
     assert sum(s.forward_s + s.backward_s for s in report.stats) <= wall
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always", "always:1", "selective:1", "selective"])
+def test_every_stage_has_backward_time_in_every_mode(designed, mode):
+    # Both stages have parameters, so both run a backward in every mode (stage 0 under
+    # always:1 too, though its first layer neither trains nor reruns).
+    stats = designed(mode)[0].stats
+    assert all(s.forward_s > 0 and s.backward_s > 0 for s in stats), stats
+
+
+def test_a_per_layer_recompute_of_a_slow_layer_shows_in_its_stages_backward(designed):
+    # Stage 1 under always:1: its Sleep is a segment of its own, rerun in backward (its input
+    # needs a gradient), so the sleep counts in stage 1's backward; stage 0 (never) sleeps nowhere.
+    report, clock, _ = designed(("never", "always:1"), (0.0, SLEEP))
+    slept = SLEEP * CHUNKS
+    assert report.stats[1].forward_s >= slept and report.stats[1].backward_s >= slept
+    assert report.stats[0].forward_s < slept and report.stats[0].backward_s < slept
+    wall = sum(clock.seconds[2:4]) / 2
+    assert sum(s.forward_s + s.backward_s for s in report.stats) <= wall
+
+
+@pytest.mark.parametrize("mode", ["always", "always:1", "selective:1"])
+@pytest.mark.parametrize("boundary", ["stage modules, own counts", "stage modules, layer counts", "layers"])
+def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mode, boundary):
+    # The report times pipeckpt's stages at their Stage module; an engine without one is timed
+    # from the layers. Recomputes are counted by the Stage modules themselves or by every layer.
+    # Every way, both stages rerun once per micro-batch and spend backward time.
+    from pipeckpt.engines.local_pipeline import LocalPipeline
+    from pipeckpt.planning import plan
+    from pipeckpt.report import _Probe
+
+    layers = Designed().layers
+    stage_plan = plan(layers, devices=[torch.device("cpu")], checkpoint=mode, chunks=CHUNKS, balance=[3, 3])
+    engine = LocalPipeline(layers, stage_plan, chunks=CHUNKS, pin_memory=False)
+    stages = engine.stages if boundary.startswith("stage modules") else ()
+    own = boundary == "stage modules, own counts"
+    ranges, devices = list(stage_plan.ranges), list(stage_plan.devices)
+    probe = _Probe(layers, ranges, devices, memory=False, stages=stages, count_layers=not own)
+    engine.forward(torch.randn(8, 8)).pow(2).mean().backward()
+    probe.remove()
+    probe.resolve()
+    assert probe.recomputed == {0: CHUNKS, 1: CHUNKS}
+    assert all(probe.forward_s[s] > 0 and probe.backward_s[s] > 0 for s in (0, 1)), probe.backward_s
