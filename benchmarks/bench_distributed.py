@@ -37,12 +37,7 @@ run's output, pasted in beside the checkpointing benchmark.
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -50,7 +45,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from _machine import machine
+from _ranks import run_ranks  # benchmarks/ is on sys.path when a script runs
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
@@ -297,52 +293,9 @@ def worker(spec_path: str) -> None:
         json.dump(results, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pipeline_round(args: argparse.Namespace, model: Dict[str, int]) -> List[Dict[str, Any]]:
     """Both ranks started here, as torchrun would, so no launcher process competes for a core."""
-    with tempfile.TemporaryDirectory() as out:
-        spec = os.path.join(out, "spec.json")
-        with open(spec, "w") as f:
-            json.dump({"out": out, "args": vars(args), "model": model}, f)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            WORLD_SIZE="2",
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", spec],
-                env=dict(env, LOCAL_RANK=str(r)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            for r in range(2)
-        ]
-        try:
-            outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError("a pipeline process failed:\n" + "\n".join(o[-4000:] for o in outputs))
-        results = []
-        for r in range(2):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                results += json.load(f)
-        return results
+    return run_ranks(__file__, 2, {"args": vars(args), "model": model}, timeout=args.timeout)
 
 
 # -- the report ---------------------------------------------------------------------

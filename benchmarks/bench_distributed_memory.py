@@ -35,11 +35,7 @@ Commands::
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -48,7 +44,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from _machine import machine
+from _ranks import run_ranks  # benchmarks/ is on sys.path when a script runs
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -219,52 +216,9 @@ def worker(spec_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(todo: List[Tuple[str, str, str]], *, timeout: float) -> List[Dict[str, Any]]:
     """Both ranks started here, as torchrun would; killed, with their children, whatever happens."""
-    with tempfile.TemporaryDirectory() as out:
-        spec = os.path.join(out, "spec.json")
-        with open(spec, "w") as f:
-            json.dump({"out": out, "runs": todo}, f)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            WORLD_SIZE=str(RANKS),
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", spec],
-                env=dict(env, LOCAL_RANK=str(r)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            for r in range(RANKS)
-        ]
-        try:
-            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError("a pipeline process failed:\n" + "\n".join(o[-4000:] for o in outputs))
-        results: List[Dict[str, Any]] = []
-        for r in range(RANKS):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                results += json.load(f)
-        return results
+    return run_ranks(__file__, RANKS, {"runs": todo}, timeout=timeout)
 
 
 # -- predictions and the table -------------------------------------------------------

@@ -7,13 +7,12 @@ local run on a single stage. One start of two processes runs every training belo
 (tests/distributed_worker.py)."""
 
 import json
-import subprocess
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterator
 
 import pytest
-from test_distributed_engine import START_S, _logs, _start, _state, _stop
+import ranks
+from test_distributed_engine import START_S, WORKER, _state
 from torch import Tensor
 from toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params
 
@@ -75,17 +74,7 @@ def _runs() -> list:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("dropout_bn")
-    procs = _start(2, _runs(), out)
-    try:
-        deadline = time.time() + START_S
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, 2)}")
-    finally:
-        _stop(procs)
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"exit codes {codes}:\n{_logs(out, 2)}"
+    ranks.launch(WORKER, 2, _runs(), out, within_s=START_S)
     yield out
 
 

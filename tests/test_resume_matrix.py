@@ -5,14 +5,13 @@ local 4 stages -> local 2 stages -> distributed, 2 processes x 1 stage -> local 
 Lightning resumes a plain DataLoader exactly). With per-layer random streams the dropout masks of
 every leg are the uninterrupted run's, so the chain ends where that run ends."""
 
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_distributed_engine import START_S, _logs, _start, _stop
+from test_distributed_engine import START_S, WORKER
 from toy import ToyModule, fit, max_relative_difference, params
 
 from pipeckpt import PipelineStrategy, sharded
@@ -41,16 +40,7 @@ def _distributed_leg(resume: Path, out: Path) -> Path:
         checkpoint_every=EPOCH,
         resume=str(resume),
     )
-    procs = _start(2, [run], out)
-    try:
-        deadline = time.time() + START_S
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the processes did not finish in {START_S}s:\n{_logs(out, 2)}")
-    finally:
-        _stop(procs)
-    assert [p.returncode for p in procs] == [0, 0], _logs(out, 2)
+    ranks.launch(WORKER, 2, [run], out, within_s=START_S)
     written = out / "distributed" / f"epoch=2-step={3 * EPOCH}.ckpt"
     assert sharded.is_sharded(written)
     return written
