@@ -41,7 +41,7 @@ from pipeckpt._compat import (
     sync_ddp_if_available,
     unwrap_optimizer,
 )
-from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
 from pipeckpt.checkpoint_io import AtomicCheckpointIO
 from pipeckpt.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
@@ -188,17 +188,23 @@ class PipelineStrategy(ParallelStrategy):
         sequential = pipelined_sequential(module)
         chosen: List[Any] = [None]
         if self.global_rank == 0:
-            batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
-            chosen[0] = resolve_auto(
-                self.settings,
-                sequential,
-                devices=self.parallel_devices or [torch.device("cpu")],
-                batch=batch,
-                target=target,
-                loss_fn=loss_fn,
-                accumulating=trainer.accumulate_grad_batches > 1,
-            )
-        self.auto_plan = self.broadcast(chosen[0])
+            try:
+                batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
+                chosen[0] = resolve_auto(
+                    self.settings,
+                    sequential,
+                    devices=self.parallel_devices or [torch.device("cpu")],
+                    batch=batch,
+                    target=target,
+                    loss_fn=loss_fn,
+                    accumulating=trainer.accumulate_grad_batches > 1,
+                )
+            except PipeckptConfigError as error:  # every rank raises rank 0's error, none waits
+                chosen[0] = error
+        plan = self.broadcast(chosen[0])
+        if isinstance(plan, PipeckptConfigError):
+            raise plan
+        self.auto_plan = plan
         self.settings = self.engine.settings = self.auto_plan.settings
         rank_zero_info(self.auto_plan.describe())
 

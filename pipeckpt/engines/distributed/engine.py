@@ -86,6 +86,14 @@ class DistributedEngine(Engine):
         assert s.schedule is not None and s.virtual_stages is not None
         kind = lookup(s.schedule)
         check_kind(kind, s.virtual_stages)
+        if s.checkpoint == "auto":
+            raise config_error(
+                "checkpoint='auto' with engine='distributed'",
+                "the budgeted plan is chosen under the local engine only for now: its memory model covers "
+                "gpipe and 1f1b, but choosing needs every layer profiled in one process",
+                "plan with `python -m pipeckpt.plan ckpt=auto memory.budget=... strategy.engine=local` and "
+                "pass the modes it prints as checkpoint=[...]",
+            )
         names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
         check_modes(kind, parse_modes(names, len(names)))
 
