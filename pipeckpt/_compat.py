@@ -28,25 +28,15 @@ from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
-
-
-def gradients(
-    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
-) -> Tuple[Optional[torch.Tensor], ...]:
-    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)`` without its
-    Python argument checks (a third of a small stage's recompute overhead): a stage's
-    recompute calls it with gradients autograd has already checked against the outputs."""
-    return Variable._execution_engine.run_backward(
-        tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, False
-    )
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 
 def accumulate_gradients(
     outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 ) -> None:
     """``torch.autograd.backward(outputs, grad_outputs, inputs=inputs)`` without its Python
-    argument checks, as :func:`gradients`: each input's gradient is added to its ``.grad``
+    argument checks (a third of a small stage's recompute overhead; autograd has already checked
+    the gradients against the outputs): each input's gradient is added to its ``.grad``
     (in place where one exists) as soon as it is made."""
     Variable._execution_engine.run_backward(
         tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, True
@@ -231,11 +221,10 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 # has one global checkpoint mode), so these are torchgpipe's internal modules.
 from torchgpipe import microbatch  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
-from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing  # noqa: E402
 
 # The thread-local that torchgpipe's is_checkpointing()/is_recomputing() read: a stage flips
-# the two flags directly twice per micro-batch, where the public setters above are generator
-# context managers (a frame and a generator each time).
+# the two flags directly twice per micro-batch, where torchgpipe's own setters
+# (enable_checkpointing/enable_recomputing) are generator context managers.
 from torchgpipe.checkpoint import thread_local as gpipe_flags  # noqa: E402
 
 # A zero-size "phony" edge that orders two micro-batches' backward across devices (the
@@ -264,11 +253,8 @@ __all__ = [
     "default_process_group_backend",
     "default_store",
     "dispatch_mode_stack",
-    "enable_checkpointing",
-    "enable_recomputing",
     "fork_dependency",
     "gpipe_flags",
-    "gradients",
     "hpc_checkpoint_path",
     "init_dist_connection",
     "join_dependency",
@@ -286,7 +272,6 @@ __all__ = [
     "set_module_device",
     "sync_ddp_if_available",
     "tree_flatten",
-    "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "unwrap_optimizer",

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from pipeckpt._compat import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from pipeckpt._compat import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from pipeckpt._errors import config_error
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "flat_output",
     "gather",
     "scatter",
-    "tensor_leaves",
     "to_device",
 ]
 
@@ -145,11 +144,6 @@ class Structure:
         return tree_unflatten(leaves, self.spec)
 
 
-def tensor_leaves(tree: Any) -> Tuple[Tensor, ...]:
-    """The tensors of ``tree`` in :func:`flat_output`'s order, without building its structure."""
-    return tuple(leaf for leaf in tree_leaves(tree) if isinstance(leaf, Tensor))
-
-
 def flat_output(output: Any) -> Tuple[Any, Optional[Structure]]:
     """``output`` unchanged if it is a tensor or a tuple of tensors (what an autograd Function
     may return); else its tensor leaves and the :class:`Structure` that rebuilds it."""
@@ -178,15 +172,12 @@ class Call:
     def tensors(self) -> Tuple[Tensor, ...]:
         return tuple(self.leaves[i] for i in self.slots)
 
-    def run(self, tensors: Sequence[Tensor], *, again: bool = False) -> Tuple[Tensor, ...]:
-        """The call's output tensors; ``again`` (a recompute): the structure is known from the
-        first run, so only the leaves are taken (no spec is built)."""
+    def run(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The call's output tensors."""
         leaves = list(self.leaves)
         for slot, t in zip(self.slots, tensors):
             leaves[slot] = t
         args, kwargs = tree_unflatten(leaves, self.spec)
-        if again:
-            return tensor_leaves(self.fn(*args, **kwargs))
         out_leaves, spec = tree_flatten(self.fn(*args, **kwargs))
         self.out = Structure(out_leaves, spec)
         return tuple(leaf for leaf in out_leaves if isinstance(leaf, Tensor))

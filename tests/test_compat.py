@@ -124,20 +124,6 @@ def test_unwrap_optimizer_finds_the_torch_optimizer_inside_lightnings():
     assert _compat.unwrap_optimizer(opt) is opt
 
 
-def test_torchgpipe_checkpoint_flags_are_context_managers():
-    from torchgpipe import is_checkpointing, is_recomputing
-
-    with _compat.enable_checkpointing():
-        assert is_checkpointing()
-    with _compat.enable_recomputing():
-        assert is_recomputing()
-
-
-def test_tree_leaves_lists_the_leaves_in_tree_flattens_order():
-    tree = {"b": (torch.ones(1), 2), "a": [torch.zeros(1)]}
-    assert _compat.tree_leaves(tree) == _compat.tree_flatten(tree)[0]
-
-
 def test_gpipe_flags_are_what_torchgpipes_flag_readers_read():
     from torchgpipe import is_checkpointing, is_recomputing
 
@@ -203,15 +189,6 @@ def test_checkpoint_io_unset_until_someone_chooses_one():
     assert _compat.checkpoint_io_unset(strategy)
     strategy.checkpoint_io = TorchCheckpointIO()
     assert not _compat.checkpoint_io_unset(strategy)
-
-
-def test_gradients_match_autograd_grad_and_leave_grad_empty():
-    w = nn.Parameter(torch.tensor([2.0, 3.0]))
-    x = torch.tensor([1.0, 4.0], requires_grad=True)
-    y = w * x
-    found = _compat.gradients([y], [torch.ones(2)], [x, w])
-    assert torch.equal(found[0], w.detach()) and torch.equal(found[1], x.detach())
-    assert w.grad is None
 
 
 def test_accumulate_gradients_adds_to_grad_in_place_like_autograd_backward():
