@@ -146,17 +146,7 @@ class DistributedEngine(Engine):
             return
         check_all_parameters_pipelined(module, sequential)
         device = self._device  # this process's, from connect()
-        stage_plan = self._plan(module, sequential, device, self.settings.balance)
-        # A profiled balance may differ between processes, and so may torch.initial_seed().
-        agreed: List[Any] = [list(stage_plan.balance), torch.initial_seed()]
-        dist.broadcast_object_list(agreed, src=0)
-        if tuple(agreed[0]) != stage_plan.balance:
-            stage_plan = self._plan(module, sequential, device, agreed[0])
-        self.plan = stage_plan
-        if self.settings.deferred_batch_norm:
-            convert_deferred_batch_norm(sequential, self.settings.chunks)
-        compile_layers(sequential, self.settings.compile)
-        self.seed_layers(sequential, stage_plan, seed=agreed[1])  # a resume restores its own later
+        stage_plan = self._prepare(module, sequential)
         step = PipelinedStep(
             module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
         )
@@ -175,28 +165,8 @@ class DistributedEngine(Engine):
         )
         step.modules = self.modules
         step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
-        if ties:
-            ties.broadcast()
-            step.ties = ties
-        self.ties = ties
-        self.use_layer_streams(self.stages)
-        assert self.processes.pp_group is not None
-        step.schedules = Schedules(
-            kind=self.kind,
-            indices=[m.stage.index for m in self.modules],
-            modules=self.modules,
-            trained=[
-                data_parallel(m, self.processes.dp_group, self.topology.dp, device) for m in self.modules
-            ],
-            num_stages=stage_plan.stages,
-            device=device,
-            group=self.processes.pp_group,
-            loss_fn=step.microbatch_loss,
-        )
-        self.step = step
-        self.module = module
-        sequential.forward = called_outside_a_step  # type: ignore[method-assign]
-        self.sequential = sequential
+        trained = [data_parallel(m, self.processes.dp_group, self.topology.dp, device) for m in self.modules]
+        self._finish(module, sequential, step, ties, trained=trained, routed=sequential)
 
     def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
         """``pipeline_of``: every stage runs the model's forward (:mod:`.rooted`); the parameters
@@ -207,14 +177,7 @@ class DistributedEngine(Engine):
         check_all_parameters_pipelined(module, spec.root)
         device = self._device
         names = [f"{name}.{n}" for n in spec.names]
-        stage_plan = self._plan(module, spec, device, s.balance, names=names)
-        self.plan = stage_plan
-        if s.deferred_batch_norm:
-            convert_deferred_batch_norm(spec, s.chunks)
-        seed: List[Any] = [torch.initial_seed()]  # may differ between processes: rank 0's holds
-        dist.broadcast_object_list(seed, src=0)
-        compile_layers(spec, s.compile)
-        self.seed_layers(spec, stage_plan, seed=seed[0])  # before the routing takes the layers' forward
+        stage_plan = self._prepare(module, spec, names=names)  # before the routing takes the layers' forward
         step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=device)  # type: ignore[arg-type]
         outside = outside_parameters(spec, module)
         assert self.processes.pp_group is not None
@@ -237,29 +200,65 @@ class DistributedEngine(Engine):
             make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
         )
         routing.stages = {m.stage.index: m.stage for m in self.modules}
-        self.use_layer_streams([m.stage for m in self.modules])
         self.routing = routing
         step.modules = self.modules
         step.outside = [p for _, p in outside]
+        # One replica (check_module_pipeline): no DDP.
+        self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
+        self.root = spec.root
+
+    def _prepare(
+        self, module: LightningModule, layers: nn.Sequential, names: Optional[Sequence[str]] = None
+    ) -> StagePlan:
+        """The plan every process agrees on, and the layers made ready for it: deferred BatchNorm,
+        compiled, each with its random stream (rank 0's seed; a resume restores its own later)."""
+        s = self.settings
+        stage_plan = self._plan(module, layers, self._device, s.balance, names=names)
+        # A profiled balance may differ between processes, and so may torch.initial_seed().
+        agreed: List[Any] = [list(stage_plan.balance), torch.initial_seed()]
+        dist.broadcast_object_list(agreed, src=0)
+        if tuple(agreed[0]) != stage_plan.balance:
+            stage_plan = self._plan(module, layers, self._device, agreed[0], names=names)
+        self.plan = stage_plan
+        if s.deferred_batch_norm:
+            convert_deferred_batch_norm(layers, s.chunks)
+        compile_layers(layers, s.compile)
+        self.seed_layers(layers, stage_plan, seed=agreed[1])
+        return stage_plan
+
+    def _finish(
+        self,
+        module: LightningModule,
+        sequential: nn.Sequential,
+        step: PipelinedStep,
+        ties: Optional[Ties],
+        *,
+        trained: List[nn.Module],
+        routed: nn.Module,
+    ) -> None:
+        """What both kinds of pipeline end with once this rank's stages are built: ties made equal,
+        random streams handed to the stages, the schedules, and ``routed`` (what the user calls)
+        refusing calls outside a step."""
         if ties:
             ties.broadcast()
             step.ties = ties
         self.ties = ties
+        self.use_layer_streams(self.stages)
+        assert self.plan is not None and self.processes.pp_group is not None
         step.schedules = Schedules(
             kind=self.kind,
             indices=[m.stage.index for m in self.modules],
             modules=self.modules,
-            trained=list(self.modules),  # one replica (check_module_pipeline): no DDP
-            num_stages=stage_plan.stages,
-            device=device,
+            trained=trained,
+            num_stages=self.plan.stages,
+            device=self._device,
             group=self.processes.pp_group,
             loss_fn=step.microbatch_loss,
         )
         self.step = step
         self.module = module
-        spec.root.forward = called_outside_a_step
-        self.sequential = spec
-        self.root = spec.root
+        routed.forward = called_outside_a_step
+        self.sequential = sequential
 
     def _plan(
         self,
