@@ -13,9 +13,10 @@ target of that loss (its memory sits on the last stage). Without a loss, backwar
 gradient of ones.
 """
 
+import functools
 import itertools
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.auto import DEFAULT_MODES, Choice, choose, parse_bytes
-from pipeckpt.memory import SCHEDULES, ModelProfile, profile
+from pipeckpt.memory import ModelProfile, profile
 from pipeckpt.planning import plan as make_plan
 from pipeckpt.settings import PipeSettings
 
@@ -47,6 +48,8 @@ class AutoPlan:
     settings: PipeSettings
     choice: Choice
     budget: int
+    #: The profile of one micro-batch per candidate chunk count that the choice was made from.
+    profiles: Dict[int, ModelProfile] = field(default_factory=dict, repr=False, compare=False)
 
     def describe(self) -> str:
         p = self.choice.prediction
@@ -112,26 +115,58 @@ def resolve_auto(
     target: Any = None,
     loss_fn: Optional[Callable[[Tensor, Any], Tensor]] = None,
     accumulating: bool = False,
+    profiles: Optional[Mapping[int, ModelProfile]] = None,
 ) -> AutoPlan:
     """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
     ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
-    of the pipeline's input (the whole batch; it is cut into micro-batches here)."""
+    of the pipeline's input (the whole batch; it is cut into micro-batches here).
+
+    ``profiles``: the profile of one micro-batch for each candidate chunk count, to choose from
+    instead of profiling (the same profiles give the same choice; :attr:`AutoPlan.profiles`
+    holds those a choice was made from). Under the distributed engine the budget is each
+    process's, the schedule is the engine's (gpipe or 1f1b) and only chunk counts that schedule
+    runs on the stages are candidates (:mod:`pipeckpt.engines.distributed.auto_plan`)."""
+    resolve = functools.partial(
+        _resolve,
+        settings,
+        sequential,
+        devices=devices,
+        batch=batch,
+        target=target,
+        loss_fn=loss_fn,
+        accumulating=accumulating,
+        profiles=profiles,
+    )
+    if settings.engine != "distributed":
+        return resolve()
+    # Imported here: only this engine's settings need its schedules (and torch.distributed).
+    from pipeckpt.engines.distributed.auto_plan import same_on_every_rank
+
+    with same_on_every_rank():
+        return resolve()
+
+
+def _resolve(
+    settings: PipeSettings,
+    sequential: nn.Sequential,
+    *,
+    devices: Sequence[torch.device],
+    batch: Any,
+    target: Any,
+    loss_fn: Optional[Callable[[Tensor, Any], Tensor]],
+    accumulating: bool,
+    profiles: Optional[Mapping[int, ModelProfile]],
+) -> AutoPlan:
     assert settings.memory_budget is not None  # PipeSettings requires it with checkpoint="auto"
     budget = parse_bytes(settings.memory_budget)
     search = set(settings.memory_search or ["modes"])
-    schedule = "local" if settings.engine == "local" else str(settings.resolved().schedule).lower()
-    if schedule not in SCHEDULES:
-        raise config_error(
-            f"checkpoint='auto' with schedule={settings.schedule!r}",
-            f"the memory model knows the schedules {list(SCHEDULES)}",
-            "choose the modes yourself (python -m pipeckpt.plan predicts them), or use gpipe or 1f1b",
-        )
-    if settings.engine != "local" and settings.stage_count is None:
-        raise config_error(
-            "checkpoint='auto' with engine='distributed' and no stages or balance",
-            "auto plans a fixed number of stages",
-            "set stages (or balance)",
-        )
+    distributed = settings.engine == "distributed"
+    schedule = "local"
+    if distributed:
+        from pipeckpt.engines.distributed import auto_plan
+
+        auto_plan.check_auto(settings)  # gpipe or 1f1b, the stage count fixed
+        schedule = auto_plan.model_schedule(settings)
     base = make_plan(
         sequential,
         devices=devices,
@@ -144,8 +179,13 @@ def resolve_auto(
     )
     size = _batch_size(batch)
     chunk_options = chunk_candidates(size, settings.chunks) if "chunks" in search else [settings.chunks]
-    profiles: Dict[int, ModelProfile] = {
-        c: profile(
+    if distributed:
+        chunk_options = auto_plan.usable_chunks(settings, chunk_options)
+    given = dict(profiles or {})
+    profiled: Dict[int, ModelProfile] = {
+        c: given[c]
+        if c in given
+        else profile(
             sequential,
             first_microbatch(batch, c),
             loss_fn=loss_fn,
@@ -157,7 +197,7 @@ def resolve_auto(
     balances = balance_candidates(len(sequential), base.stages, base.balance) if "balance" in search else None
     shared = settings.engine == "local" and len(set(base.devices)) == 1 and base.stages > 1
     choice = choose(
-        profiles,
+        profiled,
         budget,
         balance=base.balance,
         chunks=chunk_options,
@@ -177,7 +217,7 @@ def resolve_auto(
         memory_budget=None,
         memory_search=None,
     )
-    return AutoPlan(settings=chosen, choice=choice, budget=budget)
+    return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled)
 
 
 def sample_batch(module: Any, datamodule: Any) -> Tuple[Any, Any, Optional[Callable[[Tensor, Any], Tensor]]]:

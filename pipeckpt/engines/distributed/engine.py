@@ -30,6 +30,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.compiling import compile_layers
 from pipeckpt.engines.base import Engine, World
+from pipeckpt.engines.distributed.auto_plan import adopt, check_auto
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.rooted import (
@@ -86,14 +87,9 @@ class DistributedEngine(Engine):
         assert s.schedule is not None and s.virtual_stages is not None
         kind = lookup(s.schedule)
         check_kind(kind, s.virtual_stages)
+        check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
         if s.checkpoint == "auto":
-            raise config_error(
-                "checkpoint='auto' with engine='distributed'",
-                "the budgeted plan is chosen under the local engine only for now: its memory model covers "
-                "gpipe and 1f1b, but choosing needs every layer profiled in one process",
-                "plan with `python -m pipeckpt.plan ckpt=auto memory.budget=... strategy.engine=local` and "
-                "pass the modes it prints as checkpoint=[...]",
-            )
+            return  # the modes are chosen at set-up (pipeckpt.budget), then checked by adopt()
         names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
         check_modes(kind, parse_modes(names, len(names)))
 
@@ -141,6 +137,7 @@ class DistributedEngine(Engine):
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
+        self.settings = adopt(self.settings, self.topology)  # checkpoint='auto': rank 0's chosen plan
         if isinstance(sequential, ModulePipeline):
             self._build_module_pipeline(module, sequential)
             return
