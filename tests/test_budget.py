@@ -162,10 +162,3 @@ def test_an_infeasible_budget_stops_before_the_first_step() -> None:
     strategy = PipelineStrategy(stages=2, chunks=4, checkpoint="auto", memory_budget="10KiB")
     with pytest.raises(PipeckptConfigError, match=r"smallest feasible budget is .* decided by stage \d"):
         _fit(strategy)
-
-
-def test_auto_under_the_distributed_engine_is_refused_before_any_work_with_the_way_to_plan():
-    with pytest.raises(
-        PipeckptConfigError, match=r"checkpoint='auto' with engine='distributed'.*HINT: plan with"
-    ):
-        PipelineStrategy(engine="distributed", checkpoint="auto", memory_budget="1GiB", balance=[3, 3])
