@@ -6,7 +6,9 @@ each): a 7-layer GPT (d 128, seq 64, batch 16, 4 micro-batches, AdamW) cut into 
 """
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,3 +187,43 @@ def test_the_engine_adopts_chosen_settings_resolved() -> None:
     adopted = adopt(chosen, topology)
     assert (adopted.schedule, adopted.timeout, adopted.virtual_stages) == ("gpipe", 60.0, 1)
     assert adopted.checkpoint == ["always", "never"] and adopted.balance == [2, 2]
+
+
+def test_the_plan_command_under_the_distributed_engine_prints_the_per_rank_plan_auto_chooses(
+    tmp_path: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(WORKER.parents[1]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    overrides = [
+        "model=mlp",
+        "ckpt=auto",
+        "memory.budget=2MiB",
+        "memory.search=[modes,chunks]",
+        "strategy.engine=distributed",
+        "strategy.schedule=1f1b",
+        f"memory.png={tmp_path / 'plan.png'}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeckpt.plan", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    chosen = re.search(r"checkpoint=(\[.*?\]), chunks=(\d+).*\(1f1b schedule\)", result.stdout)
+    assert chosen is not None, result.stdout
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["stage", "layers", "mode"])
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert lines[0].startswith("schedule 1f1b (Schedule1F1B") and f"chunks {chosen[2]};" in lines[0]
+    assert [row[0] for row in rows] == ["0", "1"]  # one row per stage, i.e. per rank
+    assert str([row[2] for row in rows]).replace('"', "'") == chosen[1]
+    assert all(row[-1] == "fits" for row in rows)
+    assert int(chosen[2]) >= 2  # 1F1B on two ranks runs no fewer micro-batches
