@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -131,6 +132,12 @@ class StepWindows(Callback):
         self.previous_grads = 0
         self._calls = 0
         self._active = False
+        self._previous: List[Tuple[Any, int]] = []
+        self._hooked = False
+
+    def _previous_alive(self, *_: Any) -> None:
+        alive = sum(n for ref, n in self._previous if ref() is not None)
+        self.previous_grads = max(self.previous_grads, alive)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
@@ -139,11 +146,19 @@ class StepWindows(Callback):
         self.tracker.exclude([*module.parameters(), *module.buffers(), batch])
         if idx == self.measured:
             self.tracker.peak[0] = self.tracker.live[0]
-            # Lightning zeroes .grad after training_step, and the schedule's backward runs inside it.
-            self.previous_grads = sum(
-                p.grad.untyped_storage().nbytes() for p in module.parameters() if p.grad is not None
-            )
+            # The previous step's gradients: the engine drops them before the schedule at the first
+            # batch of an accumulation window (every batch here); whatever of them stays alive
+            # while the schedule runs is seen by the stages' forward hooks.
+            self._previous = [
+                (weakref.ref(p.grad), p.grad.untyped_storage().nbytes())
+                for p in module.parameters()
+                if p.grad is not None
+            ]
             self._calls = sum(s.forward_calls for s in trainer.strategy.stages)
+        if not self._hooked:
+            self._hooked = True
+            for stage in trainer.strategy.stages:
+                stage.register_forward_hook(self._previous_alive)
         self.tracker.__enter__()
         self._active = True
 
@@ -154,6 +169,7 @@ class StepWindows(Callback):
         self._active = False
         if trainer.global_step == self.measured:
             self.peak = self.tracker.peak[0]
+            self._previous = []
             stages = trainer.strategy.stages
             forwards = CHUNKS * len(stages)
             self.recomputes = sum(s.forward_calls for s in stages) - self._calls - forwards
