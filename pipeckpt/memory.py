@@ -61,6 +61,7 @@ __all__ = [
     "predict",
     "optimizer_state_bytes",
     "op_order",
+    "sends_held",
     "SCHEDULES",
     "OPTIMIZERS",
 ]
@@ -577,10 +578,6 @@ class _StageModel:
         self.input_bytes = p.bytes_of(self.inputs)
         self.outputs: Set[int] = set(self.layers[-1].outputs)
         self.output_bytes = p.bytes_of(self.outputs)
-        # A micro-batch that keeps its graph keeps its input and output too: the stage's
-        # Function holds both (with the graph) until its backward ends (pipeckpt/stage.py).
-        self.kept_full = self.bytes(p.saved_union(self.start, self.stop) | self.outputs | self.inputs)
-        self.kept_input = self.bytes(self.inputs)
         self.param_bytes = sum(layer.param_bytes for layer in self.layers)
         self.param_tensors = sum(layer.param_tensors for layer in self.layers)
         self.forward_s = sum(layer.forward_s for layer in self.layers)
@@ -614,14 +611,20 @@ class _StageModel:
                     held |= set(layer.sac_kept)
         return held
 
-    def kept(self, mode: CheckpointMode, recompute: bool, *, function: bool = True) -> int:
+    def kept(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> int:
         """Bytes one micro-batch holds from its forward to its backward (without the stage's
-        Function, its output only where a layer saved it)."""
+        Function, its output only where a layer saved it). ``output``: the stage's output is held
+        besides (torch's PipelineStage keeps each micro-batch's output until its backward); a
+        storage a layer also saves counts once."""
         if not recompute:
-            if not function:
-                return self.bytes(self.profile.saved_union(self.start, self.stop))
-            return self.kept_full
-        return self.bytes(self._kept_through(mode, self.segments(mode, recompute)))
+            ids = self.profile.saved_union(self.start, self.stop)
+            if function:
+                ids |= self.outputs | self.inputs
+        else:
+            ids = self._kept_through(mode, self.segments(mode, recompute))
+        return self.bytes(ids | self.outputs if output else ids)
 
     def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
@@ -642,7 +645,7 @@ class _StageModel:
         return out
 
     def backward_events(
-        self, mode: CheckpointMode, recompute: bool, *, function: bool = True
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
     ) -> List[Tuple[Any, ...]]:
         """One micro-batch's backward, segment by segment from the last: a recomputed segment first
         runs forward again, ``("R", layer, held, forward peak)``, keeping what its layers save; then
@@ -650,9 +653,17 @@ class _StageModel:
         the stage's layers after it, last segment?, segment's last layer?)``. While a segment runs
         backward, the earlier segments still keep what they kept, and the segment's output and the
         gradient that arrived for it stay held: its Function's backward holds both while autograd
-        runs inside it (whole stage: the stage's output and its incoming gradient)."""
+        runs inside it (whole stage: the stage's output and its incoming gradient). ``output``: the
+        stage's output from the forward is held throughout besides (torch's PipelineStage): counted
+        once with what holds it already, and apart from the new output a recompute makes."""
         p = self.profile
         segments = self.segments(mode, recompute)
+        outs: Set[int] = set()  # held from the forward: counted once with the rest
+        extra = 0  # held from the forward beside a recompute's own copy
+        if output and recompute:
+            extra = self.bytes(self.outputs - self._kept_through(mode, segments))
+        elif output:
+            outs = set(self.outputs)
         out: List[Tuple[Any, ...]] = []
         for n in reversed(range(len(segments))):
             a, b = segments[n]
@@ -671,7 +682,7 @@ class _StageModel:
                     work = layer.forward_peak
                     if mode.selective:  # SAC hands back the outputs it kept instead of computing them
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
-                    out.append(("R", k, self.bytes(held | set(layer.inputs)), work))
+                    out.append(("R", k, self.bytes(held | set(layer.inputs)) + extra, work))
                     held |= set(layer.saved)
             # Without the Function (one kept micro-batch) autograd walks the graph itself and
             # nothing holds the output.
@@ -685,7 +696,7 @@ class _StageModel:
                     (
                         "B",
                         k,
-                        self.bytes(held),
+                        self.bytes(held | outs) + extra,
                         own,
                         layer.backward_peak,
                         after,
@@ -744,6 +755,7 @@ def predict(
                 keep=keep,
                 optimizer=optimizer,
                 accumulating=accumulating,
+                sends=sends_held(schedule, order[j], stages=stages, stage=j),
             )
         )
         times.append(_op_times(model, mode, chunks, keep))
@@ -751,6 +763,39 @@ def predict(
     return Prediction(
         stages=tuple(out), step_time_s=step, schedule=schedule, order_source=source, chunks=chunks
     )
+
+
+def sends_held(
+    schedule: str, ops: Sequence[Tuple[str, int]], *, stages: int, stage: int
+) -> List[Tuple[int, int]]:
+    """For each op of stage ``stage``'s order: how many outputs and how many input gradients of
+    micro-batches whose backward is over are still alive while it runs, referenced by the sends
+    torch's schedule posted (a send's op or work keeps its tensor until dropped). Read from
+    torch's ``_step_microbatches``: GPipe keeps every forward and backward send until the step
+    ends, so the k-th backward runs beside k outputs and k gradients; 1F1B keeps the latest
+    backward's send until the next backward is over (one gradient from the first backward on),
+    and the send of the next-to-last warm-up forward (micro-batch ``warm - 2``) until its
+    one-backward-one-forward phase ends. The local engine sends nothing. Which of these a stage
+    has (no output sent from the last, no gradient from the first) is the caller's to apply."""
+    name = str(schedule).lower().replace("_", "")
+    out: List[Tuple[int, int]] = []
+    if name == "local":
+        return [(0, 0)] * len(ops)
+    warm = min(sum(1 for k, _ in ops if k == "F"), stages - stage)
+    last_forward = max(n for n, (k, _) in enumerate(ops) if k == "F")
+    warm_send = warm - 2  # 1F1B: the warm-up forward whose send stays referenced, if any
+    backwards: Set[int] = set()
+    phase_over = False  # 1F1B: the backward after the last forward has run
+    for n, (kind, i) in enumerate(ops):
+        if name == "gpipe":
+            out.append((len(backwards), len(backwards)) if kind == "B" else (0, 0))
+        else:
+            outputs = int(warm_send >= 0 and warm_send in backwards and not phase_over)
+            out.append((outputs, int(bool(backwards))))
+        if kind == "B":
+            backwards.add(i)
+            phase_over = phase_over or n > last_forward
+    return out
 
 
 def _predict_stage(
@@ -763,9 +808,11 @@ def _predict_stage(
     keep: AbstractSet[int],
     optimizer: Union[str, torch.optim.Optimizer, type],
     accumulating: bool,
+    sends: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> StageMemory:
     """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
-    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order)."""
+    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order);
+    ``sends``: per op, the outputs and input gradients sends still hold (:func:`sends_held`)."""
     m, local = chunks, s.local
     grads = s.param_bytes
     opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
@@ -776,12 +823,11 @@ def _predict_stage(
     # activations (not on the first stage) and gradients (not on the last), and each
     # micro-batch's output until its backward.
     recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
-    held_output = 0 if local else s.output_bytes
     # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
     function = {r: r or m > 1 for r in (False, True)}
-    kept_of = {r: s.kept(mode, r, function=function[r]) + held_output for r in (False, True)}
+    kept_of = {r: s.kept(mode, r, function=function[r], output=not local) for r in (False, True)}
     forward = {r: s.forward_live(mode, r) for r in (False, True)}
-    backward = {r: s.backward_events(mode, r, function=function[r]) for r in (False, True)}
+    backward = {r: s.backward_events(mode, r, function=function[r], output=not local) for r in (False, True)}
     # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
     # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
     # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
@@ -793,23 +839,26 @@ def _predict_stage(
     grads_done = accumulating
     tail = 0  # local engine, last stage: the gathered batch's output gradient
 
-    for kind, i in ops:
+    for n, (kind, i) in enumerate(ops):
         recompute = mode.recomputes(i, m, keep=keep)
         g_now = grads if grads_done else 0
         others = sum(cells.values())
-        base = static + g_now + recv + others
+        outputs_sent, grads_sent = sends[n] if sends is not None else (0, 0)
+        sent = outputs_sent * (0 if s.last else s.output_bytes) + grads_sent * s.input_bytes
+        recv_now = recv + sent  # the receive buffers, and what earlier sends still hold
+        base = static + g_now + recv_now + others
         if kind == "F":
             # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
             # after this stage's forward of micro-batch i; the last stage's wait for the gather.
             waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
             for k, (mine, work) in enumerate(forward[recompute]):
-                parts = (others + mine, recv + waiting, work)
+                parts = (others + mine, recv_now + waiting, work)
                 peak.see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
             cells[i] = kept_of[recompute]
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
                 peak.see(
                     base + cells[i] + loss.forward_peak,
-                    (others + cells[i], recv, loss.forward_peak),
+                    (others + cells[i], recv_now, loss.forward_peak),
                     f"F{i} loss",
                 )
                 cells[i] += loss_saved
@@ -831,15 +880,15 @@ def _predict_stage(
         others = sum(cells.values())
         if loss is not None and not local:
             peak.see(
-                base + kept + loss.backward_peak, (others + kept, recv, loss.backward_peak), f"B{i} loss"
+                base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
             )
         done = 0  # layers of this micro-batch backwarded so far
         for event in backward[recompute]:
             if event[0] == "R":
                 _, k, mine, work = event
                 peak.see(
-                    base + held_output + tail + mine + work,
-                    (others + mine + held_output, recv + tail, work),
+                    base + tail + mine + work,
+                    (others + mine, recv_now + tail, work),
                     f"B{i} recompute layer {k}",
                 )
                 continue
@@ -859,8 +908,8 @@ def _predict_stage(
                 arriving = own + seg_incoming
             if done == 1 and not cells:
                 tail = 0
-            total = static + recv + others + g + saved + held_output + tail + arriving + work
-            parts = (others + saved + held_output, recv + tail + arriving, work)
+            total = static + recv_now + others + g + saved + tail + arriving + work
+            parts = (others + saved, recv_now + tail + arriving, work)
             peak.see(total, parts, f"B{i} layer {k}")
             done += 1
         grads_done = True
