@@ -13,7 +13,11 @@ Measured, per rank, in the second training step (the first builds the schedule a
 - peak MiB: the most bytes, at any operator, of the storages created since training began by
   operators that ran inside a training step's window (from ``on_train_batch_start`` to
   ``on_before_optimizer_step``), still alive: activations, the gradients the step computes, the
-  recompute's working set, and the schedule's receive buffers (made in the first step, reused).
+  recompute's working set, the schedule's receive buffers (made in the first step, reused) and
+  the tensors its pending sends hold.
+- previous .grad MiB: the first step's gradients still alive during the second step's schedule
+  (seen at every forward of the rank's stages, by weak references): 0 since the engine drops
+  them at the first batch of an accumulation window.
   Parameters, optimizer state and the data loader's batch are outside the windows, so they are
   not counted. Counted as ``tests/stage_memory.py`` counts the local engine (a dispatch mode, one
   "stage" here because a rank is one device).
@@ -312,11 +316,12 @@ def report(results: List[Dict[str, Any]], elapsed: float, command: str) -> str:
         "",
         "Peak = the most bytes alive at once during the second training step of the storages that "
         "operators created inside the training steps (activations, the step's gradients, recompute "
-        "working set, the schedule's receive buffers, and the previous step's `.grad`); parameters, "
-        "optimizer state and the batch are not counted. Previous .grad = the gradients of the first "
-        "step, still in `.grad` while the schedule runs: Lightning zeroes them after "
-        "`training_step`, and this engine's whole forward and backward run inside it. Own peak = "
-        "peak less those (they are alive from the step's start until after the schedule). "
+        "working set, the schedule's receive buffers and pending sends, and any of the previous "
+        "step's `.grad` still alive); parameters, optimizer state and the batch are not counted. "
+        "Previous .grad = the most bytes of the first step's gradients alive while the schedule "
+        "runs: this engine's forward and backward run inside `training_step`, before Lightning "
+        "zeroes `.grad`, so at the first batch of an accumulation window (every batch here) it "
+        "drops them before the schedule. Own peak = peak less those. "
         "Recomputes = runs of the rank's stages beyond one forward per micro-batch. "
         "Predicted = `pipeckpt.memory.predict` (GPipe and 1F1B only) less parameters and optimizer "
         "state, against own peak; error = (predicted - own) / own. `offload` runs as `always` on CPU.",

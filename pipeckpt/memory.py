@@ -10,7 +10,9 @@ devices. Memory in a pipeline follows a few rules that a profile of one micro-ba
   (torchgpipe) runs all forwards, then the backwards from the last micro-batch; torch's GPipe from
   the first; torch's 1F1B holds at most ``stages - i`` on stage ``i``;
 - the backward of one micro-batch adds its recompute (the stage's saved tensors, rebuilt) and the
-  working set of each layer's backward, measured once per layer.
+  working set of each layer's backward, measured once per layer;
+- under torch's schedules a stage also holds receive buffers, each micro-batch's output until its
+  backward, and what its posted sends still reference (:func:`sends_held`).
 
 :func:`profile` runs one micro-batch through the user's Sequential, layer by layer, under torch's
 ``MemTracker`` (per layer: the peak of its forward and of its backward above what was live before)
