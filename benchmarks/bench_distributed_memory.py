@@ -43,7 +43,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from stage_memory import StageTracker
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.memory import predict, profile
+from pipeckpt.memory import predict, predict_device, profile
 from pipeckpt.models import GPT, MLP
 from pipeckpt.modes import parse_modes
 from pipeckpt.planning import StagePlan
@@ -77,7 +77,8 @@ SCHEDULES: Dict[str, int] = {
 }
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 MODES = ("never", "except_last", "always", "offload")
-PREDICTED = ("gpipe", "1f1b")  # the schedules pipeckpt.memory models
+PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.predict: one stage per device
+LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.predict_device, the rank's own op order
 
 MODELS: Dict[str, Dict[str, Any]] = {
     # GPT-2-shaped, small enough for two processes on two shared cores: 9 layers to balance.
@@ -138,10 +139,24 @@ class StepWindows(Callback):
         self._active = False
         self._previous: List[Tuple[Any, int]] = []
         self._hooked = False
+        self.order: List[List[Any]] = []
 
     def _previous_alive(self, *_: Any) -> None:
         alive = sum(n for ref, n in self._previous if ref() is not None)
         self.previous_grads = max(self.previous_grads, alive)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # The op order each step hands the rank's stages (the schedule's own, for a looped one):
+        # what the memory model walks for a device with several stages.
+        schedules = trainer.strategy.engine.step.schedules
+        orders = schedules.orders
+
+        def recorded(schedule: Any, microbatches: int) -> Dict[int, List[Tuple[int, str, int]]]:
+            out = orders(schedule, microbatches)
+            self.order = [list(op) for op in next(iter(out.values()))]
+            return out
+
+        schedules.orders = recorded
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
@@ -218,6 +233,7 @@ def train_one(name: str, schedule: str, mode: str) -> Dict[str, Any]:
         "peak": windows.peak,
         "recomputes": windows.recomputes,
         "previous_grads": windows.previous_grads,
+        "order": windows.order,
         "param_bytes": sum(
             p.numel() * p.element_size() for s in strategy.stages for p in s.parameters() if p.requires_grad
         ),
@@ -245,12 +261,12 @@ def launch(todo: List[Tuple[str, str, str]], *, timeout: float) -> List[Dict[str
 
 
 def predictions(results: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str, int], int]:
-    """Predicted act+grad bytes of each (model, schedule, mode, stage) the memory model covers."""
+    """Predicted act+grad bytes of each (model, schedule, mode, rank) the memory model covers."""
     out: Dict[Tuple[str, str, str, int], int] = {}
     profiles: Dict[str, Any] = {}
     for r in results:
         name, schedule, mode = r["model"], r["schedule"], r["mode"]
-        if schedule not in PREDICTED or (name, schedule, mode, r["stages"][0]) in out:
+        if schedule not in PREDICTED + LOOPED:
             continue
         if name not in profiles:
             model = build(name)
@@ -263,9 +279,14 @@ def predictions(results: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str, int]
             devices=(torch.device("cpu"),) * len(balance),
             modes=parse_modes(mode, len(balance)),
         )
-        predicted = predict(profiles[name], plan, chunks=CHUNKS, optimizer="adamw", schedule=schedule)
-        for s in predicted.stages:
-            out[(name, schedule, mode, s.stage)] = s.peak - s.params - s.optimizer
+        if schedule in LOOPED:
+            order = [tuple(op) for op in r["order"]]
+            device = predict_device(profiles[name], plan, chunks=CHUNKS, order=order, optimizer="adamw")
+            out[(name, schedule, mode, r["rank"])] = device.peak - device.params - device.optimizer
+            continue
+        (stage,) = r["stages"]
+        one = predict(profiles[name], plan, chunks=CHUNKS, optimizer="adamw", schedule=schedule).stages[stage]
+        out[(name, schedule, mode, r["rank"])] = one.peak - one.params - one.optimizer
     return out
 
 
@@ -278,9 +299,7 @@ def table(results: List[Dict[str, Any]], predicted: Dict[Tuple[str, str, str, in
     key = {run: k for k, run in enumerate(runs(list(MODELS), list(SCHEDULES), MODES))}
     ordered = sorted(results, key=lambda r: (key[(r["model"], r["schedule"], r["mode"])], r["rank"]))
     for r in ordered:
-        guess: Optional[int] = None
-        if len(r["stages"]) == 1:
-            guess = predicted.get((r["model"], r["schedule"], r["mode"], r["stages"][0]))
+        guess = predicted.get((r["model"], r["schedule"], r["mode"], r["rank"]))
         own = r["peak"] - r["previous_grads"]
         cells = [
             r["model"],
