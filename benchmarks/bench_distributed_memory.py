@@ -23,9 +23,11 @@ Measured, per rank, in the second training step (the first builds the schedule a
   "stage" here because a rank is one device).
 - recomputes: runs of a stage's layers in the step beyond its one forward per micro-batch, summed
   over the rank's stages (``Stage.forward_calls``): what the code did, whatever the mode promises.
-- predicted MiB, error %: where ``pipeckpt.memory.predict`` models the schedule (GPipe, 1F1B), its
-  per-stage peak less parameters and optimizer state (the same quantity), from a profile of one
-  micro-batch in the launching process; error = (predicted - measured) / measured.
+- predicted MiB, error %: ``pipeckpt.memory.predict``'s per-stage peak (GPipe, 1F1B) or
+  ``pipeckpt.memory.predict_device``'s per-rank peak under the op order the rank ran (the looped
+  schedules), less parameters and optimizer state (the same quantity), from a profile of one
+  micro-batch in the launching process; error = (predicted - measured) / measured. The
+  zero-bubble schedules split backward, which the model does not cover.
 
 On CPU ``offload`` has no host to move to (the stage input already lives there), so it runs as
 ``always`` does.
@@ -342,8 +344,10 @@ def report(results: List[Dict[str, Any]], elapsed: float, command: str) -> str:
         "zeroes `.grad`, so at the first batch of an accumulation window (every batch here) it "
         "drops them before the schedule. Own peak = peak less those. "
         "Recomputes = runs of the rank's stages beyond one forward per micro-batch. "
-        "Predicted = `pipeckpt.memory.predict` (GPipe and 1F1B only) less parameters and optimizer "
-        "state, against own peak; error = (predicted - own) / own. `offload` runs as `always` on CPU.",
+        "Predicted = `pipeckpt.memory.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
+        "own op order (interleaved, looped BFS; zero-bubble split backward is not modelled) less "
+        "parameters and optimizer state, against own peak; error = (predicted - own) / own. "
+        "`offload` runs as `always` on CPU.",
         "",
         *table(results, predictions(results)),
         "",
