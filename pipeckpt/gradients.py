@@ -11,8 +11,9 @@ accumulation window) drops them instead (:func:`window_starts` decides).
 """
 
 from contextlib import contextmanager
-from typing import Any, Collection, Iterable, Iterator, List, Tuple
+from typing import Collection, Iterable, Iterator, List, Tuple
 
+from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 
 __all__ = ["gradients_set_aside", "window_starts", "zeroed_by_lightning"]
@@ -39,20 +40,19 @@ def gradients_set_aside(
             p.grad = g
 
 
-def window_starts(trainer: Any) -> bool:
+def window_starts(trainer: Trainer) -> bool:
     """Whether the batch now running is the first of an accumulation window: the one before
-    whose backward Lightning's automatic optimization zeroes the gradients (its rule, from
-    ``_AutomaticOptimization._make_zero_grad_fn``: ``batch_idx % accumulate_grad_batches == 0``,
-    with the epoch loop's ``batch_idx`` already counting this batch)."""
+    whose backward Lightning's automatic optimization zeroes the gradients. Hand-written because
+    no public API tells: Lightning's rule, from ``_AutomaticOptimization._make_zero_grad_fn``, is
+    ``batch_idx % accumulate_grad_batches == 0``, with the epoch loop's public ``batch_idx``
+    already counting this batch when ``training_step`` runs."""
     return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
 
 
-def zeroed_by_lightning(module: Any) -> List[nn.Parameter]:
+def zeroed_by_lightning(module: LightningModule) -> List[nn.Parameter]:
     """The parameters Lightning zeroes at a window's first batch: its optimizers' parameters,
     when the module keeps Lightning's own ``optimizer_zero_grad`` (an override may zero
     otherwise, or not at all: then none is known to be zeroed)."""
-    from lightning.pytorch import LightningModule
-
     if type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad:
         return []
     return [p for opt in module.trainer.optimizers for group in opt.param_groups for p in group["params"]]
