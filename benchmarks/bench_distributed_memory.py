@@ -13,15 +13,21 @@ Measured, per rank, in the second training step (the first builds the schedule a
 - peak MiB: the most bytes, at any operator, of the storages created since training began by
   operators that ran inside a training step's window (from ``on_train_batch_start`` to
   ``on_before_optimizer_step``), still alive: activations, the gradients the step computes, the
-  recompute's working set, and the schedule's receive buffers (made in the first step, reused).
+  recompute's working set, the schedule's receive buffers (made in the first step, reused) and
+  the tensors its pending sends hold.
+- previous .grad MiB: the first step's gradients still alive during the second step's schedule
+  (seen at every forward of the rank's stages, by weak references): 0 since the engine drops
+  them at the first batch of an accumulation window.
   Parameters, optimizer state and the data loader's batch are outside the windows, so they are
   not counted. Counted as ``tests/stage_memory.py`` counts the local engine (a dispatch mode, one
   "stage" here because a rank is one device).
 - recomputes: runs of a stage's layers in the step beyond its one forward per micro-batch, summed
   over the rank's stages (``Stage.forward_calls``): what the code did, whatever the mode promises.
-- predicted MiB, error %: where ``pipeckpt.memory.predict`` models the schedule (GPipe, 1F1B), its
-  per-stage peak less parameters and optimizer state (the same quantity), from a profile of one
-  micro-batch in the launching process; error = (predicted - measured) / measured.
+- predicted MiB, error %: ``pipeckpt.memory.predict``'s per-stage peak (GPipe, 1F1B) or
+  ``pipeckpt.memory.predict_device``'s per-rank peak under the op order the rank ran (the looped
+  schedules), less parameters and optimizer state (the same quantity), from a profile of one
+  micro-batch in the launching process; error = (predicted - measured) / measured. The
+  zero-bubble schedules split backward, which the model does not cover.
 
 On CPU ``offload`` has no host to move to (the stage input already lives there), so it runs as
 ``always`` does.
@@ -37,8 +43,9 @@ import json
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -53,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from stage_memory import StageTracker
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.memory import predict, profile
+from pipeckpt.memory import predict, predict_device, profile
 from pipeckpt.models import GPT, MLP
 from pipeckpt.modes import parse_modes
 from pipeckpt.planning import StagePlan
@@ -72,7 +79,8 @@ SCHEDULES: Dict[str, int] = {
 }
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 MODES = ("never", "except_last", "always", "offload")
-PREDICTED = ("gpipe", "1f1b")  # the schedules pipeckpt.memory models
+PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.predict: one stage per device
+LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.predict_device, the rank's own op order
 
 MODELS: Dict[str, Dict[str, Any]] = {
     # GPT-2-shaped, small enough for two processes on two shared cores: 9 layers to balance.
@@ -131,6 +139,26 @@ class StepWindows(Callback):
         self.previous_grads = 0
         self._calls = 0
         self._active = False
+        self._previous: List[Tuple[Any, int]] = []
+        self._hooked = False
+        self.order: List[List[Any]] = []
+
+    def _previous_alive(self, *_: Any) -> None:
+        alive = sum(n for ref, n in self._previous if ref() is not None)
+        self.previous_grads = max(self.previous_grads, alive)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # The op order each step hands the rank's stages (the schedule's own, for a looped one):
+        # what the memory model walks for a device with several stages.
+        schedules = trainer.strategy.engine.step.schedules
+        orders = schedules.orders
+
+        def recorded(schedule: Any, microbatches: int) -> Dict[int, List[Tuple[int, str, int]]]:
+            out = orders(schedule, microbatches)
+            self.order = [list(op) for op in next(iter(out.values()))]
+            return out
+
+        schedules.orders = recorded
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
@@ -139,11 +167,19 @@ class StepWindows(Callback):
         self.tracker.exclude([*module.parameters(), *module.buffers(), batch])
         if idx == self.measured:
             self.tracker.peak[0] = self.tracker.live[0]
-            # Lightning zeroes .grad after training_step, and the schedule's backward runs inside it.
-            self.previous_grads = sum(
-                p.grad.untyped_storage().nbytes() for p in module.parameters() if p.grad is not None
-            )
+            # The previous step's gradients: the engine drops them before the schedule at the first
+            # batch of an accumulation window (every batch here); whatever of them stays alive
+            # while the schedule runs is seen by the stages' forward hooks.
+            self._previous = [
+                (weakref.ref(p.grad), p.grad.untyped_storage().nbytes())
+                for p in module.parameters()
+                if p.grad is not None
+            ]
             self._calls = sum(s.forward_calls for s in trainer.strategy.stages)
+        if not self._hooked:
+            self._hooked = True
+            for stage in trainer.strategy.stages:
+                stage.register_forward_hook(self._previous_alive)
         self.tracker.__enter__()
         self._active = True
 
@@ -154,6 +190,7 @@ class StepWindows(Callback):
         self._active = False
         if trainer.global_step == self.measured:
             self.peak = self.tracker.peak[0]
+            self._previous = []
             stages = trainer.strategy.stages
             forwards = CHUNKS * len(stages)
             self.recomputes = sum(s.forward_calls for s in stages) - self._calls - forwards
@@ -198,6 +235,7 @@ def train_one(name: str, schedule: str, mode: str) -> Dict[str, Any]:
         "peak": windows.peak,
         "recomputes": windows.recomputes,
         "previous_grads": windows.previous_grads,
+        "order": windows.order,
         "param_bytes": sum(
             p.numel() * p.element_size() for s in strategy.stages for p in s.parameters() if p.requires_grad
         ),
@@ -225,12 +263,12 @@ def launch(todo: List[Tuple[str, str, str]], *, timeout: float) -> List[Dict[str
 
 
 def predictions(results: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str, int], int]:
-    """Predicted act+grad bytes of each (model, schedule, mode, stage) the memory model covers."""
+    """Predicted act+grad bytes of each (model, schedule, mode, rank) the memory model covers."""
     out: Dict[Tuple[str, str, str, int], int] = {}
     profiles: Dict[str, Any] = {}
     for r in results:
         name, schedule, mode = r["model"], r["schedule"], r["mode"]
-        if schedule not in PREDICTED or (name, schedule, mode, r["stages"][0]) in out:
+        if schedule not in PREDICTED + LOOPED:
             continue
         if name not in profiles:
             model = build(name)
@@ -243,9 +281,14 @@ def predictions(results: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str, int]
             devices=(torch.device("cpu"),) * len(balance),
             modes=parse_modes(mode, len(balance)),
         )
-        predicted = predict(profiles[name], plan, chunks=CHUNKS, optimizer="adamw", schedule=schedule)
-        for s in predicted.stages:
-            out[(name, schedule, mode, s.stage)] = s.peak - s.params - s.optimizer
+        if schedule in LOOPED:
+            order = [tuple(op) for op in r["order"]]
+            device = predict_device(profiles[name], plan, chunks=CHUNKS, order=order, optimizer="adamw")
+            out[(name, schedule, mode, r["rank"])] = device.peak - device.params - device.optimizer
+            continue
+        (stage,) = r["stages"]
+        one = predict(profiles[name], plan, chunks=CHUNKS, optimizer="adamw", schedule=schedule).stages[stage]
+        out[(name, schedule, mode, r["rank"])] = one.peak - one.params - one.optimizer
     return out
 
 
@@ -258,9 +301,7 @@ def table(results: List[Dict[str, Any]], predicted: Dict[Tuple[str, str, str, in
     key = {run: k for k, run in enumerate(runs(list(MODELS), list(SCHEDULES), MODES))}
     ordered = sorted(results, key=lambda r: (key[(r["model"], r["schedule"], r["mode"])], r["rank"]))
     for r in ordered:
-        guess: Optional[int] = None
-        if len(r["stages"]) == 1:
-            guess = predicted.get((r["model"], r["schedule"], r["mode"], r["stages"][0]))
+        guess = predicted.get((r["model"], r["schedule"], r["mode"], r["rank"]))
         own = r["peak"] - r["previous_grads"]
         cells = [
             r["model"],
@@ -296,14 +337,17 @@ def report(results: List[Dict[str, Any]], elapsed: float, command: str) -> str:
         "",
         "Peak = the most bytes alive at once during the second training step of the storages that "
         "operators created inside the training steps (activations, the step's gradients, recompute "
-        "working set, the schedule's receive buffers, and the previous step's `.grad`); parameters, "
-        "optimizer state and the batch are not counted. Previous .grad = the gradients of the first "
-        "step, still in `.grad` while the schedule runs: Lightning zeroes them after "
-        "`training_step`, and this engine's whole forward and backward run inside it. Own peak = "
-        "peak less those (they are alive from the step's start until after the schedule). "
+        "working set, the schedule's receive buffers and pending sends, and any of the previous "
+        "step's `.grad` still alive); parameters, optimizer state and the batch are not counted. "
+        "Previous .grad = the most bytes of the first step's gradients alive while the schedule "
+        "runs: this engine's forward and backward run inside `training_step`, before Lightning "
+        "zeroes `.grad`, so at the first batch of an accumulation window (every batch here) it "
+        "drops them before the schedule. Own peak = peak less those. "
         "Recomputes = runs of the rank's stages beyond one forward per micro-batch. "
-        "Predicted = `pipeckpt.memory.predict` (GPipe and 1F1B only) less parameters and optimizer "
-        "state, against own peak; error = (predicted - own) / own. `offload` runs as `always` on CPU.",
+        "Predicted = `pipeckpt.memory.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
+        "own op order (interleaved, looped BFS; zero-bubble split backward is not modelled) less "
+        "parameters and optimizer state, against own peak; error = (predicted - own) / own. "
+        "`offload` runs as `always` on CPU.",
         "",
         *table(results, predictions(results)),
         "",

@@ -10,7 +10,9 @@ devices. Memory in a pipeline follows a few rules that a profile of one micro-ba
   (torchgpipe) runs all forwards, then the backwards from the last micro-batch; torch's GPipe from
   the first; torch's 1F1B holds at most ``stages - i`` on stage ``i``;
 - the backward of one micro-batch adds its recompute (the stage's saved tensors, rebuilt) and the
-  working set of each layer's backward, measured once per layer.
+  working set of each layer's backward, measured once per layer;
+- under torch's schedules a stage also holds receive buffers, each micro-batch's output until its
+  backward, and what its posted sends still reference (:func:`sends_held`).
 
 :func:`profile` runs one micro-batch through the user's Sequential, layer by layer, under torch's
 ``MemTracker`` (per layer: the peak of its forward and of its backward above what was live before)
@@ -61,6 +63,9 @@ __all__ = [
     "predict",
     "optimizer_state_bytes",
     "op_order",
+    "sends_held",
+    "predict_device",
+    "DeviceMemory",
     "SCHEDULES",
     "OPTIMIZERS",
 ]
@@ -511,6 +516,17 @@ class Prediction:
         return max(s.peak for s in self.stages)
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's predicted peak (bytes) where it runs several stages (a looped schedule)."""
+
+    stages: Tuple[StageMemory, ...]  # each stage's own walk, as if alone on the device
+    params: int
+    optimizer: int
+    peak: int  # everything the device's stages hold at its worst op
+    peak_at: str  # e.g. "stage 2 B3 layer 5"
+
+
 def optimizer_state_bytes(
     optimizer: Union[str, torch.optim.Optimizer, type], param_bytes: int, tensors: int
 ) -> int:
@@ -577,10 +593,6 @@ class _StageModel:
         self.input_bytes = p.bytes_of(self.inputs)
         self.outputs: Set[int] = set(self.layers[-1].outputs)
         self.output_bytes = p.bytes_of(self.outputs)
-        # A micro-batch that keeps its graph keeps its input and output too: the stage's
-        # Function holds both (with the graph) until its backward ends (pipeckpt/stage.py).
-        self.kept_full = self.bytes(p.saved_union(self.start, self.stop) | self.outputs | self.inputs)
-        self.kept_input = self.bytes(self.inputs)
         self.param_bytes = sum(layer.param_bytes for layer in self.layers)
         self.param_tensors = sum(layer.param_tensors for layer in self.layers)
         self.forward_s = sum(layer.forward_s for layer in self.layers)
@@ -614,14 +626,20 @@ class _StageModel:
                     held |= set(layer.sac_kept)
         return held
 
-    def kept(self, mode: CheckpointMode, recompute: bool, *, function: bool = True) -> int:
+    def kept(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> int:
         """Bytes one micro-batch holds from its forward to its backward (without the stage's
-        Function, its output only where a layer saved it)."""
+        Function, its output only where a layer saved it). ``output``: the stage's output is held
+        besides (torch's PipelineStage keeps each micro-batch's output until its backward); a
+        storage a layer also saves counts once."""
         if not recompute:
-            if not function:
-                return self.bytes(self.profile.saved_union(self.start, self.stop))
-            return self.kept_full
-        return self.bytes(self._kept_through(mode, self.segments(mode, recompute)))
+            ids = self.profile.saved_union(self.start, self.stop)
+            if function:
+                ids |= self.outputs | self.inputs
+        else:
+            ids = self._kept_through(mode, self.segments(mode, recompute))
+        return self.bytes(ids | self.outputs if output else ids)
 
     def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
@@ -642,7 +660,7 @@ class _StageModel:
         return out
 
     def backward_events(
-        self, mode: CheckpointMode, recompute: bool, *, function: bool = True
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
     ) -> List[Tuple[Any, ...]]:
         """One micro-batch's backward, segment by segment from the last: a recomputed segment first
         runs forward again, ``("R", layer, held, forward peak)``, keeping what its layers save; then
@@ -650,9 +668,17 @@ class _StageModel:
         the stage's layers after it, last segment?, segment's last layer?)``. While a segment runs
         backward, the earlier segments still keep what they kept, and the segment's output and the
         gradient that arrived for it stay held: its Function's backward holds both while autograd
-        runs inside it (whole stage: the stage's output and its incoming gradient)."""
+        runs inside it (whole stage: the stage's output and its incoming gradient). ``output``: the
+        stage's output from the forward is held throughout besides (torch's PipelineStage): counted
+        once with what holds it already, and apart from the new output a recompute makes."""
         p = self.profile
         segments = self.segments(mode, recompute)
+        outs: Set[int] = set()  # held from the forward: counted once with the rest
+        extra = 0  # held from the forward beside a recompute's own copy
+        if output and recompute:
+            extra = self.bytes(self.outputs - self._kept_through(mode, segments))
+        elif output:
+            outs = set(self.outputs)
         out: List[Tuple[Any, ...]] = []
         for n in reversed(range(len(segments))):
             a, b = segments[n]
@@ -671,7 +697,7 @@ class _StageModel:
                     work = layer.forward_peak
                     if mode.selective:  # SAC hands back the outputs it kept instead of computing them
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
-                    out.append(("R", k, self.bytes(held | set(layer.inputs)), work))
+                    out.append(("R", k, self.bytes(held | set(layer.inputs)) + extra, work))
                     held |= set(layer.saved)
             # Without the Function (one kept micro-batch) autograd walks the graph itself and
             # nothing holds the output.
@@ -685,7 +711,7 @@ class _StageModel:
                     (
                         "B",
                         k,
-                        self.bytes(held),
+                        self.bytes(held | outs) + extra,
                         own,
                         layer.backward_peak,
                         after,
@@ -744,6 +770,7 @@ def predict(
                 keep=keep,
                 optimizer=optimizer,
                 accumulating=accumulating,
+                sends=sends_held(schedule, order[j], stages=stages, stage=j),
             )
         )
         times.append(_op_times(model, mode, chunks, keep))
@@ -751,6 +778,99 @@ def predict(
     return Prediction(
         stages=tuple(out), step_time_s=step, schedule=schedule, order_source=source, chunks=chunks
     )
+
+
+def predict_device(
+    profile: ModelProfile,
+    plan: StagePlan,
+    *,
+    chunks: int,
+    order: Sequence[Tuple[int, str, int]],
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
+    accumulating: bool = False,
+) -> DeviceMemory:
+    """The peak of one device that runs several stages of ``plan`` under a looped torch schedule
+    (``interleaved_1f1b``, ``looped_bfs``): ``order`` is the device's ops ``(stage, "F" | "B",
+    micro-batch)`` as the schedule runs them (its own ``pipeline_order`` for this rank:
+    :func:`pipeckpt._compat.live_op_order`). While one stage runs an op, the device's other stages
+    hold what they hold between ops (parameters, optimizer state, gradients once made, receive
+    buffers, their micro-batches in flight) and what their sends still reference: measured on
+    gloo, every output and input gradient a looped schedule sends (in batches that mix sends and
+    receives) stays alive until the step ends, as under GPipe. ``except_last`` keeps what
+    :func:`pipeckpt.order.kept` reads off the device's order, as the stages do."""
+    if sum(plan.balance) != len(profile.layers):
+        raise config_error(
+            f"balance {list(plan.balance)} (sum {sum(plan.balance)})",
+            f"the profile has {len(profile.layers)} layers",
+            "profile the same Sequential the plan cuts",
+        )
+    unknown = sorted({kind for _, kind, _ in order} - {"F", "B"})
+    if unknown:
+        raise config_error(
+            f"an op order with {unknown} ops",
+            "the model knows whole backwards (F and B); a split backward (I, W) runs without recompute",
+            "predict a schedule whose backward is whole (interleaved_1f1b, looped_bfs)",
+        )
+    ops = [(j, kind, i) for j, kind, i in order]
+    walks: Dict[int, _StageWalk] = {}
+    for j in sorted({j for j, _, _ in ops}):
+        start, stop = plan.ranges[j]
+        model = _StageModel(profile, start, stop, first=j == 0, last=j == plan.stages - 1, local=False)
+        walks[j] = _StageWalk(
+            model,
+            j,
+            plan.modes[j],
+            chunks=chunks,
+            keep=kept_microbatches(ops, j),
+            optimizer=optimizer,
+            accumulating=accumulating,
+        )
+        walks[j].hold_sends = True
+    device = _Peak()
+    for j, kind, i in ops:
+        around = sum(w.resting() for k, w in walks.items() if k != j)
+        walks[j].run(kind, i, device=device, around=around)
+    stages = tuple(w.result() for w in walks.values())
+    return DeviceMemory(
+        stages=stages,
+        params=sum(st.params for st in stages),
+        optimizer=sum(st.optimizer for st in stages),
+        peak=device.value,
+        peak_at=device.at,
+    )
+
+
+def sends_held(
+    schedule: str, ops: Sequence[Tuple[str, int]], *, stages: int, stage: int
+) -> List[Tuple[int, int]]:
+    """For each op of stage ``stage``'s order: how many outputs and how many input gradients of
+    micro-batches whose backward is over are still alive while it runs, referenced by the sends
+    torch's schedule posted (a send's op or work keeps its tensor until dropped). Read from
+    torch's ``_step_microbatches``: GPipe keeps every forward and backward send until the step
+    ends, so the k-th backward runs beside k outputs and k gradients; 1F1B keeps the latest
+    backward's send until the next backward is over (one gradient from the first backward on),
+    and the send of the next-to-last warm-up forward (micro-batch ``warm - 2``) until its
+    one-backward-one-forward phase ends. The local engine sends nothing. Which of these a stage
+    has (no output sent from the last, no gradient from the first) is the caller's to apply."""
+    name = str(schedule).lower().replace("_", "")
+    out: List[Tuple[int, int]] = []
+    if name == "local":
+        return [(0, 0)] * len(ops)
+    warm = min(sum(1 for k, _ in ops if k == "F"), stages - stage)
+    last_forward = max(n for n, (k, _) in enumerate(ops) if k == "F")
+    warm_send = warm - 2  # 1F1B: the warm-up forward whose send stays referenced, if any
+    backwards: Set[int] = set()
+    phase_over = False  # 1F1B: the backward after the last forward has run
+    for n, (kind, i) in enumerate(ops):
+        if name == "gpipe":
+            out.append((len(backwards), len(backwards)) if kind == "B" else (0, 0))
+        else:
+            outputs = int(warm_send >= 0 and warm_send in backwards and not phase_over)
+            out.append((outputs, int(bool(backwards))))
+        if kind == "B":
+            backwards.add(i)
+            phase_over = phase_over or n > last_forward
+    return out
 
 
 def _predict_stage(
@@ -763,127 +883,196 @@ def _predict_stage(
     keep: AbstractSet[int],
     optimizer: Union[str, torch.optim.Optimizer, type],
     accumulating: bool,
+    sends: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> StageMemory:
     """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
-    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order)."""
-    m, local = chunks, s.local
-    grads = s.param_bytes
-    opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
-    static = s.param_bytes + opt
-    loss = s.profile.loss if s.last else None
-    loss_saved = s.profile.bytes_of(set(loss.saved)) if loss is not None else 0
-    # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
-    # activations (not on the first stage) and gradients (not on the last), and each
-    # micro-batch's output until its backward.
-    recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
-    held_output = 0 if local else s.output_bytes
-    # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
-    function = {r: r or m > 1 for r in (False, True)}
-    kept_of = {r: s.kept(mode, r, function=function[r]) + held_output for r in (False, True)}
-    forward = {r: s.forward_live(mode, r) for r in (False, True)}
-    backward = {r: s.backward_events(mode, r, function=function[r]) for r in (False, True)}
-    # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
-    # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
-    # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
-    # segment runs backward; an earlier segment holds the gradient the segment after it made.
-    stage_incoming = 0 if s.last == local else s.output_bytes
+    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order);
+    ``sends``: per op, the outputs and input gradients sends still hold (:func:`sends_held`)."""
+    walk = _StageWalk(s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating)
+    for n, (kind, i) in enumerate(ops):
+        walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
+    return walk.result()
 
-    cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
-    peak, most = _Peak(), 0
-    grads_done = accumulating
-    tail = 0  # local engine, last stage: the gathered batch's output gradient
 
-    for kind, i in ops:
-        recompute = mode.recomputes(i, m, keep=keep)
-        g_now = grads if grads_done else 0
+class _StageWalk:
+    """One stage's memory, op by op: what it holds between ops (:meth:`resting`) and the totals
+    while one of its ops runs (:meth:`run`), seen by its own peak and, where several stages share
+    a device, by the device's (``around``: what the device's other stages hold meanwhile)."""
+
+    def __init__(
+        self,
+        s: _StageModel,
+        j: int,
+        mode: CheckpointMode,
+        *,
+        chunks: int,
+        keep: AbstractSet[int],
+        optimizer: Union[str, torch.optim.Optimizer, type],
+        accumulating: bool,
+    ) -> None:
+        self.s, self.j, self.mode, self.m, self.keep = s, j, mode, chunks, keep
+        m, local = chunks, s.local
+        self.grads = s.param_bytes
+        self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
+        self.static = s.param_bytes + self.opt
+        self.loss = s.profile.loss if s.last else None
+        self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
+        # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
+        # activations (not on the first stage) and gradients (not on the last), and each
+        # micro-batch's output until its backward.
+        self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
+        # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
+        self.function = {r: r or m > 1 for r in (False, True)}
+        self.kept_of = {
+            r: s.kept(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        }
+        self.forward = {r: s.forward_live(mode, r) for r in (False, True)}
+        self.backward = {
+            r: s.backward_events(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        }
+        # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
+        # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
+        # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
+        # segment runs backward; an earlier segment holds the gradient the segment after it made.
+        self.stage_incoming = 0 if s.last == local else s.output_bytes
+        self.cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
+        self.peak, self.most = _Peak(), 0
+        self.grads_done = accumulating
+        self.tail = 0  # local engine, last stage: the gathered batch's output gradient
+        self.device: Optional[_Peak] = None
+        self.around = 0
+        self.backwards = 0  # micro-batches whose backward is over
+        self.hold_sends = False  # every send lives until the step ends (a looped schedule's)
+
+    def resting(self) -> int:
+        """Bytes the stage holds while another stage of its device runs."""
+        g_now = self.grads if self.grads_done else 0
+        resting = self.static + g_now + self.recv + sum(self.cells.values()) + self.tail
+        return resting + self._sent_bytes(self._held_sends())
+
+    def _held_sends(self) -> Tuple[int, int]:
+        return (self.backwards, self.backwards) if self.hold_sends else (0, 0)
+
+    def _sent_bytes(self, sent: Tuple[int, int]) -> int:
+        outputs, gradients = sent
+        return outputs * (0 if self.s.last else self.s.output_bytes) + gradients * self.s.input_bytes
+
+    def _see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
+        self.peak.see(value, parts, at)
+        if self.device is not None:
+            self.device.see(value + self.around, parts, f"stage {self.j} {at}")
+
+    def run(
+        self,
+        kind: str,
+        i: int,
+        *,
+        sent: Tuple[int, int] = (0, 0),
+        device: Optional[_Peak] = None,
+        around: int = 0,
+    ) -> None:
+        """One op, ``("F" | "B", micro-batch)``. ``sent``: the outputs and input gradients of
+        finished micro-batches the schedule's sends still hold (:func:`sends_held`)."""
+        s, mode, m, local, loss = self.s, self.mode, self.m, self.s.local, self.loss
+        self.device, self.around = device, around
+        static, recv, grads, cells, peak_see = self.static, self.recv, self.grads, self.cells, self._see
+        recompute = mode.recomputes(i, m, keep=self.keep)
+        g_now = grads if self.grads_done else 0
         others = sum(cells.values())
-        base = static + g_now + recv + others
+        if self.hold_sends:
+            sent = self._held_sends()
+        recv_now = recv + self._sent_bytes(sent)  # the receive buffers, and what earlier sends still hold
+        base = static + g_now + recv_now + others
         if kind == "F":
             # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
             # after this stage's forward of micro-batch i; the last stage's wait for the gather.
             waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
-            for k, (mine, work) in enumerate(forward[recompute]):
-                parts = (others + mine, recv + waiting, work)
-                peak.see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
-            cells[i] = kept_of[recompute]
+            for k, (mine, work) in enumerate(self.forward[recompute]):
+                parts = (others + mine, recv_now + waiting, work)
+                peak_see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
+            cells[i] = self.kept_of[recompute]
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
-                peak.see(
+                peak_see(
                     base + cells[i] + loss.forward_peak,
-                    (others + cells[i], recv, loss.forward_peak),
+                    (others + cells[i], recv_now, loss.forward_peak),
                     f"F{i} loss",
                 )
-                cells[i] += loss_saved
-            most = max(most, len(cells))
+                cells[i] += self.loss_saved
+            self.most = max(self.most, len(cells))
             if local and s.last and len(cells) == m:
                 # The whole batch at once: gathered outputs, loss forward and backward.
                 acts, gathered = sum(cells.values()), m * s.output_bytes
                 total = static + g_now + acts
-                peak.see(total + 2 * gathered, (acts, 2 * gathered, 0), "gather")
+                peak_see(total + 2 * gathered, (acts, 2 * gathered, 0), "gather")
                 if loss is not None:
                     work = m * loss.forward_peak
-                    peak.see(total + gathered + work, (acts, gathered, work), "loss forward")
+                    peak_see(total + gathered + work, (acts, gathered, work), "loss forward")
                     work = m * loss.backward_peak
-                    peak.see(total + m * loss_saved + work, (acts, m * loss_saved, work), "loss backward")
-                tail = gathered
-            continue
+                    ls = m * self.loss_saved
+                    peak_see(total + ls + work, (acts, ls, work), "loss backward")
+                self.tail = gathered
+            return
         kept = cells.pop(i)
         base -= kept
         others = sum(cells.values())
         if loss is not None and not local:
-            peak.see(
-                base + kept + loss.backward_peak, (others + kept, recv, loss.backward_peak), f"B{i} loss"
+            peak_see(
+                base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
             )
         done = 0  # layers of this micro-batch backwarded so far
-        for event in backward[recompute]:
+        for event in self.backward[recompute]:
             if event[0] == "R":
                 _, k, mine, work = event
-                peak.see(
-                    base + held_output + tail + mine + work,
-                    (others + mine + held_output, recv + tail, work),
+                peak_see(
+                    base + self.tail + mine + work,
+                    (others + mine, recv_now + self.tail, work),
                     f"B{i} recompute layer {k}",
                 )
                 continue
             _, k, saved, own, work, after, last_segment, segment_end, _ = event
-            g = grads if grads_done else after
+            g = grads if self.grads_done else after
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
-                stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
+                self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
             )
-            if not function[recompute]:  # each gradient goes once its node has used it
+            if not self.function[recompute]:  # each gradient goes once its node has used it
                 arriving = own
             elif segment_end:
-                seg_incoming = incoming
-                arriving = seg_incoming
+                arriving = incoming
             else:
-                arriving = own + seg_incoming
+                arriving = own + incoming
             if done == 1 and not cells:
-                tail = 0
-            total = static + recv + others + g + saved + held_output + tail + arriving + work
-            parts = (others + saved + held_output, recv + tail + arriving, work)
-            peak.see(total, parts, f"B{i} layer {k}")
+                self.tail = 0
+            total = static + recv_now + others + g + saved + self.tail + arriving + work
+            parts = (others + saved, recv_now + self.tail + arriving, work)
+            peak_see(total, parts, f"B{i} layer {k}")
             done += 1
-        grads_done = True
-    acts, boundary, working = peak.parts
-    held_grads = peak.value - static - acts - boundary - working  # the rest of every total
-    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
-    time_s = sum(_op_times(s, mode, m, keep).values())
-    return StageMemory(
-        stage=j,
-        layers=(s.start, s.stop),
-        mode=mode.name,
-        params=s.param_bytes,
-        grads=held_grads,
-        optimizer=opt,
-        activations=acts,
-        boundary=boundary,
-        working=working,
-        peak=peak.value,
-        in_flight=most,
-        recomputed=recomputed,
-        time_s=time_s,
-        peak_at=peak.at,
-    )
+        self.grads_done = True
+        self.backwards += 1
+
+    def result(self) -> StageMemory:
+        s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak
+        acts, boundary, working = peak.parts
+        held_grads = peak.value - self.static - acts - boundary - working  # the rest of every total
+        recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
+        time_s = sum(_op_times(s, mode, m, keep).values())
+        return StageMemory(
+            stage=self.j,
+            layers=(s.start, s.stop),
+            mode=mode.name,
+            params=s.param_bytes,
+            grads=held_grads,
+            optimizer=self.opt,
+            activations=acts,
+            boundary=boundary,
+            working=working,
+            peak=peak.value,
+            in_flight=self.most,
+            recomputed=recomputed,
+            time_s=time_s,
+            peak_at=peak.at,
+        )
 
 
 def _op_times(

@@ -3,8 +3,8 @@
 One launch of the benchmark (two gloo processes) serves every test here. The figures it reports
 must be consistent with what the modes and the model are: ``always`` keeps only each stage's input
 per micro-batch, so it peaks below ``never`` on every rank of a GPT (activations outweigh
-parameters); it recomputes every micro-batch once and ``never`` none; and the previous step's
-gradients held during the step are exactly the bytes of the rank's trainable parameters.
+parameters); it recomputes every micro-batch once and ``never`` none; and none of the previous
+step's gradients is alive while the schedule runs.
 """
 
 import json
@@ -70,9 +70,10 @@ def test_always_recomputes_each_microbatch_once_and_never_none(run: Dict[str, An
 
 
 @pytest.mark.slow
-def test_previous_gradients_are_exactly_the_ranks_trainable_parameter_bytes(run: Dict[str, Any]) -> None:
+def test_no_previous_gradients_stay_alive_while_the_schedule_runs(run: Dict[str, Any]) -> None:
+    # Every batch opens a window (no accumulation): the engine drops .grad before the schedule.
     for row in run["rows"]:
-        assert row["previous_grads"] == row["param_bytes"] > 0, row
+        assert row["previous_grads"] == 0 < row["param_bytes"], row
 
 
 @pytest.mark.slow
@@ -83,3 +84,11 @@ def test_report_has_a_row_per_mode_and_rank_with_a_prediction(run: Dict[str, Any
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 10, cells
         assert cells[8] != "-" and cells[9] != "-", cells  # GPipe is a schedule the model predicts
+
+
+@pytest.mark.slow
+def test_predicted_peaks_are_within_ten_percent_of_the_measured(run: Dict[str, Any]) -> None:
+    # The issue's acceptance: pipeckpt.memory.predict per rank, against the peak the rank measured.
+    rows = [line for line in run["text"].splitlines() if line.startswith("| gpt | gpipe |")]
+    errors = [float(line.strip("|").split("|")[9]) for line in rows]
+    assert len(errors) == 4 and all(abs(e) <= 10.0 for e in errors), rows

@@ -8,6 +8,10 @@
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
       broadcast from the last stage  mean loss and reduced self.log calls, replayed on every rank
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
+
+At the first batch of an accumulation window the previous step's ``.grad`` is dropped before the
+schedule runs (Lightning would zero it before the backward anyway), so no rank holds two copies of
+the gradients during the schedule.
 """
 
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from pipeckpt.engines.distributed.schedules import Schedules
 from pipeckpt.engines.distributed.ties import Ties
 from pipeckpt.engines.distributed.topology import microbatches_for
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
-from pipeckpt.gradients import gradients_set_aside
+from pipeckpt.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
 from pipeckpt.side_inputs import Chain, Signatures
 from pipeckpt.stage import capture_caller_state
 
@@ -116,7 +120,7 @@ class PipelinedStep:
                 # A tied weight that two stages of this rank share is one parameter.
                 held = {id(p): p for sm in self.modules for p in sm.parameters() if p.requires_grad}
                 held.update((id(p), p) for p in self.outside if p.requires_grad)
-                with gradients_set_aside(held.values()) as computed:
+                with gradients_set_aside(held.values(), drop=self._zeroed_after_this_step()) as computed:
                     target = torch.arange(m) if last is not None else None
                     schedule.step(*inputs, target=target, return_outputs=False)
                 self.gradients = computed
@@ -144,6 +148,15 @@ class PipelinedStep:
         if train:
             return payload["loss"].to(self.device)
         return payload["prediction"] if hook == "predict_step" else result
+
+    def _zeroed_after_this_step(self) -> List[nn.Parameter]:
+        """The parameters whose ``.grad`` Lightning zeroes between this ``training_step`` and its
+        backward (the first batch of an accumulation window): their previous gradients are dropped
+        before the schedule runs rather than held through it beside the step's own (one whole
+        copy of the gradients at the schedule's peak). Inside a window they are kept, and the
+        step's gradients add to them. ``on_before_zero_grad`` then sees no gradient there."""
+        trainer = self.module.trainer
+        return zeroed_by_lightning(self.module) if window_starts(trainer) else []
 
     def take_gradients(self) -> None:
         """Adds the gradients of the last training step to ``.grad``, as a backward would; a weight
