@@ -128,8 +128,9 @@ def test_the_cuda_copy_layer_runs_on_two_side_streams_of_the_stage_gpu():
 
 
 def test_a_copy_out_waits_for_the_compute_stream_and_lands_in_pinned_host_memory():
+    copies = CudaCopies(CUDA0)
     x = busy()
-    stored = CudaCopies(CUDA0).to_host(x, pin_memory=True)
+    stored = copies.to_host(x, pin_memory=True)
     torch.cuda.synchronize()
     assert stored.host.device == torch.device("cpu") and stored.host.is_pinned()
     assert torch.equal(stored.host, x.cpu())
