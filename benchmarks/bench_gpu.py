@@ -8,15 +8,21 @@ batch 16, ``bf16-mixed``. Every method trains the same model through a
 - ``plain``: no pipeline; ``loop``: the training step runs the same 4 micro-batches one
   after the other and backpropagates their summed loss (micro-batching without a
   pipeline); ``per-block checkpoint``: ``torch.utils.checkpoint`` around every block;
-- pipeckpt 4 stages x 1 chunk ``never`` and 4 x 4 ``never`` / ``always`` / ``offload``.
+- pipeckpt 4 stages x 1 chunk ``never`` and 4 x 4 ``never`` / ``always`` / ``offload``, and per
+  layer ``always:1`` / ``offload:1``: the rows "offload vs always" compare each offload with the
+  ``always`` of its granularity (time, and the CUDA bytes kept after forward).
 
 Timing: CUDA-synchronised wall time of each optimizer step (forward, loss, backward,
 SGD step) after warm-up steps, methods interleaved over rounds (a fresh ``Trainer`` per
 method per round), median per method. Peak: ``max_memory_allocated`` during the
 measured steps minus what was allocated before the first step (weights), so it covers
-activations, gradients and optimizer state. Without CUDA it prints why and exits 0.
+activations, gradients and optimizer state. Kept after forward: ``memory_allocated`` when
+backward is about to start (Lightning's ``on_before_backward``) minus the same base, median of
+the measured steps: what forward left on the GPU for backward (saved activations, the loss's
+logits, gradients of earlier steps). Without CUDA it prints why and exits 0.
 
     python benchmarks/bench_gpu.py --out benchmarks/RESULTS_gpu.md
+    python benchmarks/bench_gpu.py --methods offload   # plain and the offload/always rows only
 """
 
 import argparse
@@ -96,7 +102,13 @@ class Model(L.LightningModule):
 class StepTimer(L.Callback):
     def __init__(self, warmup: int) -> None:
         self.warmup, self.times, self.base, self.peak = warmup, [], 0, 0
+        self.kept: List[int] = []
         self._start = 0.0
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.warmup:
+            torch.cuda.synchronize()
+            self.kept.append(torch.cuda.memory_allocated() - self.base)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         torch.cuda.synchronize()
@@ -125,7 +137,11 @@ METHODS: Dict[str, Tuple[str, Callable[[], Any]]] = {
     "pipeckpt 4x4 never": ("plain", lambda: strategy(CHUNKS, "never")),
     "pipeckpt 4x4 always": ("plain", lambda: strategy(CHUNKS, "always")),
     "pipeckpt 4x4 offload": ("plain", lambda: strategy(CHUNKS, "offload")),
+    "pipeckpt 4x4 always:1": ("plain", lambda: strategy(CHUNKS, "always:1")),
+    "pipeckpt 4x4 offload:1": ("plain", lambda: strategy(CHUNKS, "offload:1")),
 }
+# --methods offload: what the offload rows need, interleaved the same way.
+OFFLOAD_METHODS = ["plain"] + [f"pipeckpt 4x4 {m}" for m in ("always", "offload", "always:1", "offload:1")]
 
 
 def run_once(shape: Shape, method: str, precision: str, steps: int, warmup: int) -> StepTimer:
@@ -150,37 +166,60 @@ def run_once(shape: Shape, method: str, precision: str, steps: int, warmup: int)
     return timer
 
 
-def table(shape: Shape, precision: str, *, rounds: int, steps: int, warmup: int) -> List[str]:
-    times: Dict[str, List[float]] = {m: [] for m in METHODS}
+def table(
+    shape: Shape, precision: str, methods: Sequence[str], *, rounds: int, steps: int, warmup: int
+) -> List[str]:
+    times: Dict[str, List[float]] = {m: [] for m in methods}
     peaks: Dict[str, int] = {}
+    kept: Dict[str, int] = {}
     for r in range(rounds):
-        names = list(METHODS)
+        names = list(methods)
         for method in names[r % len(names) :] + names[: r % len(names)]:
             timer = run_once(shape, method, precision, steps, warmup)
             times[method].append(statistics.median(timer.times))
             peaks[method] = timer.peak
+            kept[method] = int(statistics.median(timer.kept)) if timer.kept else -1
             torch.cuda.empty_cache()
     med = {m: statistics.median(v) for m, v in times.items()}
-    loop, plain = med["loop over 4 micro-batches"], med["plain"]
+    plain = med["plain"]
     lines = [
         f"### {shape.name}, seq {shape.seq_len}, batch {shape.batch}, {precision}",
         "",
-        "| method | time vs plain | ms | peak act+grad+opt GiB |",
-        "|---|---|---|---|",
+        "| method | time vs plain | ms | peak act+grad+opt GiB | kept after forward GiB |",
+        "|---|---|---|---|---|",
     ]
-    for m in METHODS:
-        lines.append(f"| {m} | {med[m] / plain:.2f} | {med[m] * 1e3:.1f} | {peaks[m] / 2**30:.2f} |")
-    never4, always4 = med["pipeckpt 4x4 never"], med["pipeckpt 4x4 always"]
-    # One forward ~ a third of a plain step (backward ~ 2x forward): loop + that.
-    forward = plain / 3
-    lines += [
-        "",
-        f"- 4x1 never / plain: {med['pipeckpt 4x1 never'] / plain:.2f} (target <= 1.05)",
-        f"- 4x4 never / loop: {never4 / loop:.2f} (target <= 1.10)",
-        f"- 4x4 always / (loop + plain/3 as one forward): {always4 / (loop + forward):.2f} (target <= 1.15)",
-        "",
-    ]
-    return lines
+    for m in methods:
+        gib = f"{peaks[m] / 2**30:.2f} | {kept[m] / 2**30:.2f}"
+        lines.append(f"| {m} | {med[m] / plain:.2f} | {med[m] * 1e3:.1f} | {gib} |")
+    lines.append("")
+    if {"loop over 4 micro-batches", "pipeckpt 4x1 never", "pipeckpt 4x4 never"} <= set(methods):
+        loop = med["loop over 4 micro-batches"]
+        never4, always4 = med["pipeckpt 4x4 never"], med["pipeckpt 4x4 always"]
+        # One forward ~ a third of a plain step (backward ~ 2x forward): loop + that.
+        forward = plain / 3
+        lines += [
+            f"- 4x1 never / plain: {med['pipeckpt 4x1 never'] / plain:.2f} (target <= 1.05)",
+            f"- 4x4 never / loop: {never4 / loop:.2f} (target <= 1.10)",
+            f"- 4x4 always / (loop + plain/3 as one forward): {always4 / (loop + forward):.2f}"
+            " (target <= 1.15)",
+        ]
+    for suffix in ("", ":1"):
+        always, offload = f"pipeckpt 4x4 always{suffix}", f"pipeckpt 4x4 offload{suffix}"
+        if always in med and offload in med:
+            lines.append(offload_row(suffix, med[offload] / med[always], kept[always], kept[offload]))
+    return [*lines, ""]
+
+
+def offload_row(suffix: str, time_ratio: float, kept_always: int, kept_offload: int) -> str:
+    """The "offload vs always" row: time, and the share of what ``always`` keeps on the GPU after
+    forward that offload keeps off it (a lower bound on the share of the saved activations:
+    the kept bytes also hold the loss's logits, which both keep)."""
+    moved = (kept_always - kept_offload) / kept_always if kept_always > 0 else float("nan")
+    return (
+        f"- offload{suffix} vs always{suffix}: time {time_ratio:.3f} (target <= 1.03), "
+        f"kept after forward {kept_always / 2**30:.2f} -> {kept_offload / 2**30:.2f} GiB "
+        f"({moved:.0%} of always{suffix}'s moved off the GPU; target >= 50%)"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -189,6 +228,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: the harness only")
+    parser.add_argument(
+        "--methods",
+        choices=["all", "offload"],
+        default="all",
+        help="offload: plain and the offload rows only",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -207,8 +252,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"Device: {torch.cuda.get_device_name(0)}. Host: {machine()}.",
         "",
     ]
+    methods = list(METHODS) if args.methods == "all" else OFFLOAD_METHODS
     for shape, precision in plans:
-        lines += table(shape, precision, rounds=rounds, steps=steps, warmup=warmup)
+        lines += table(shape, precision, methods, rounds=rounds, steps=steps, warmup=warmup)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:

@@ -25,7 +25,8 @@ an empty "phony" leaf the Function takes in place of the parameters. One limit:
 a parameter used twice *within* one stage sums its two uses before they reach
 ``.grad``, which can differ from an unpipelined run in the last bit.
 
-``offload`` keeps the stage input in (pinned) host memory until backward.
+``offload`` keeps the stage input in (pinned) host memory until backward, copied out and
+prefetched back on side streams (:mod:`pipeckpt.offload`).
 
 Autocast's cast cache: the local engine runs every stage on the caller's thread
 inside the caller's autocast, so weights are cast once per forward for all
@@ -74,6 +75,7 @@ from pipeckpt._compat import (
 from pipeckpt.boundary import Call, Structure, flat_output
 from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.modes import CheckpointMode
+from pipeckpt.offload import Copies, Offloader, backward_microbatches, copies_for
 from pipeckpt.order import Op, kept, local_order
 from pipeckpt.selective import run_selective
 from pipeckpt.side_inputs import Chain
@@ -253,14 +255,6 @@ class _RngState:
             self.streams.set_current(self.microbatch)
 
 
-def _offload(x: Tensor, pin_memory: bool) -> Tensor:
-    # Stream-ordered: the copy back in backward runs on the same stream (autograd runs a
-    # Function's backward on its forward's stream), so no host synchronisation is needed.
-    host = torch.empty(x.size(), dtype=x.dtype, layout=x.layout, pin_memory=pin_memory)
-    host.copy_(x, non_blocking=pin_memory)
-    return host
-
-
 class _Recompute(torch.autograd.Function):
     """A stage's micro-batch that keeps only its input and reruns itself in backward, or
     (``keep``) one that keeps its graph, built inside: either way its backward adds the
@@ -306,8 +300,7 @@ class _Recompute(torch.autograd.Function):
             ctx.kept = (output, inputs)
             output = output.detach() if isinstance(output, Tensor) else tuple(o.detach() for o in output)
         elif stage.offloads:
-            ctx.offloaded = tuple(_offload(x, stage.pin_memory) for x in inputs)
-            ctx.requires = tuple(x.requires_grad for x in inputs)
+            ctx.offloaded = stage._offloader().park(stage._running_microbatch(), inputs)
         else:
             ctx.offloaded = None
             ctx.save_for_backward(*inputs)
@@ -326,10 +319,7 @@ class _Recompute(torch.autograd.Function):
             return _Recompute._gradients(ctx, output, inputs, grads)
         stage: Stage = ctx.stage
         if ctx.offloaded is not None:
-            inputs = [
-                h.to(stage.device, non_blocking=stage.pin_memory).requires_grad_(r)
-                for h, r in zip(ctx.offloaded, ctx.requires)
-            ]
+            inputs = stage._offloader().fetch(ctx.offloaded)  # and prefetches the next ones
             ctx.offloaded = None
         else:
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
@@ -424,6 +414,8 @@ class Stage(nn.Module):
         self._segment_list: Optional[List[_Segment]] = None  # under a granularity (mode.every)
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
         self.shares_parameters = False  # with another stage (tied weights): see mark_shared_parameters
+        self.copies: Optional[Copies] = None  # offload's stream layer (None: the device's); tests inject one
+        self._offload_state: Optional[Offloader] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The counters change several times per micro-batch; nn.Module's __setattr__ checks
@@ -443,6 +435,19 @@ class Stage(nn.Module):
         """Whether the inputs this stage keeps for its recomputes wait in host memory: an
         offloading mode on a CUDA stage (a CPU stage's inputs are in host memory already)."""
         return self.mode.offloads and self._cuda is not None
+
+    def _offloader(self) -> Offloader:
+        """The stage's offloader (a segment's: its parent's, so that one backward order spans
+        the segments), made at first use."""
+        root: Stage = self.__dict__.get("_parent", self)
+        if root._offload_state is None:
+            copies = root.copies if root.copies is not None else copies_for(root.device)
+            root._offload_state = Offloader(copies, pin_memory=root.pin_memory)
+        return root._offload_state
+
+    def _running_microbatch(self) -> int:
+        """The micro-batch whose forward runs now (a segment's: its parent's)."""
+        return self.__dict__.get("_parent", self)._microbatch - 1
 
     def _kept(self, num_microbatches: int, order: Optional[Sequence[Op]]) -> FrozenSet[int]:
         return kept(order if order is not None else local_order(self.index, num_microbatches), self.index)
@@ -480,6 +485,9 @@ class Stage(nn.Module):
         self._params = None  # found again at the first checkpointed micro-batch of the step
         for segment in self._segment_list or ():
             segment._params = None
+        if self.offloads:
+            ops = order if order is not None else local_order(self.index, num_microbatches)
+            self._offloader().begin_step(backward_microbatches(ops, self.index))
 
     def take_microbatch(self) -> int:
         """The index of the micro-batch that runs now, counted as run: for an engine that calls the
