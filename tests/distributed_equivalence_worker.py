@@ -7,9 +7,10 @@ lists runs done one after the other in the same processes:
     python tests/distributed_equivalence_worker.py SPEC.json
 
 Each run builds ``model`` ("tied": tests/equivalence_models.py's TiedDropoutModule; "pytree":
-PytreeForwardModule; "gpt2" / "demo": the clients of examples/, unmodified, pipelined with pipeline_of)
-with ``dropout`` under engine="distributed", then either trains it (``action`` "fit": writes
-`<name>.ckpt`) or, untrained, validates and predicts (``action`` "forward": rank 0 writes
+PytreeForwardModule; "skips": SkipsModule; "gpt2" / "demo": the clients of examples/, unmodified,
+pipelined with pipeline_of) with ``dropout`` under engine="distributed", then either trains it
+(``action`` "fit": writes `<name>.ckpt`) or, untrained, validates and predicts (``action``
+"forward": rank 0 writes
 `<name>.forward.pt` holding the logged ``val_loss`` and every batch's ``predict_step`` output).
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Dict, Tuple
 
 import lightning as L
 import torch
-from equivalence_models import PytreeForwardModule, TiedDropoutModule, forward_client
+from equivalence_models import PytreeForwardModule, SkipsModule, TiedDropoutModule, forward_client
 from pytree_models import pytree_loader, tied_loader
 from torch.utils.data import DataLoader
 
@@ -31,6 +32,8 @@ def build(spec: Dict[str, Any]) -> Tuple[L.LightningModule, DataLoader]:
     model, dropout = spec["model"], spec.get("dropout", 0.0)
     if model == "tied":
         return TiedDropoutModule(dropout=dropout), tied_loader()
+    if model == "skips":
+        return SkipsModule(dropout=dropout), pytree_loader()
     if model == "pytree":
         return PytreeForwardModule(dropout=dropout), pytree_loader()
     return forward_client(model, dropout=dropout)

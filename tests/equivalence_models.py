@@ -7,6 +7,8 @@ where they had none, and with the forward-only hooks (validation_step, predict_s
   the last stage) with a dropout in its middle layer;
 - :class:`PytreeForwardModule`: :class:`~pytree_models.PytreeModule` whose ``predict_step`` returns
   the pipeline's whole dict output;
+- :class:`Skips` / :class:`SkipsModule`: a model with its own forward whose first block's output is
+  read again by the last block (a skip from the first stage to the last), pipelined with ``pipeline_of``;
 - :func:`forward_client`: the demo Transformer's / GPT-2's LightningModule with a ``validation_step``
   and a ``predict_step`` (log-probabilities / logits of the whole batch).
 """
@@ -20,6 +22,8 @@ from pytree_models import PytreeModule, TiedModule
 from real_models import client
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
+
+from pipeckpt import pipeline_of
 
 
 class TiedDropoutModule(TiedModule):
@@ -47,6 +51,45 @@ class PytreeForwardModule(PytreeModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Dict[str, Any]:
         x, _ = batch
         return self.layers(x, mask=pytree_mask(x))  # the whole pytree: logits and a string
+
+
+class Skips(nn.Module):
+    """A U-Net-like model with its own forward: block 0's output is read again by block 3 (a skip from
+    the first stage to the last) and block 1's by block 2; dropout inside the blocks and outside them."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.drop = nn.Dropout(dropout)  # outside the named layers
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.Dropout(dropout), nn.Tanh()) for _ in range(4)
+        )
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h0 = self.blocks[0](self.drop(self.inp(x)))
+        h1 = self.blocks[1](h0)
+        h2 = self.blocks[2](h1) + h1
+        return self.out(self.blocks[3](h2) + h0)
+
+
+class SkipsModule(L.LightningModule):
+    """:class:`Skips` pipelined with ``pipeline_of``, block by block."""
+
+    def __init__(self, *, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.model = Skips(dropout)
+
+    def configure_pipeline(self) -> Any:
+        return pipeline_of(self.model, "blocks")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def forward_client(name: str, *, dropout: float = 0.0) -> Tuple[L.LightningModule, DataLoader]:

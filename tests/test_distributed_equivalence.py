@@ -1,7 +1,7 @@
-"""The distributed engine against the unpipelined module, dropout on (issue 9 acceptance, items 3-6):
-a weight tied across processes, skip connections across stages and the two real clients pipelined with
-``pipeline_of``; and forward-only steps (validation, predict) of a pytree model and of a ``pipeline_of``
-model.
+"""The distributed engine against the unpipelined module, dropout on (issue 9 acceptance, items 1-6):
+pytrees with side inputs, a weight tied across processes, skip connections across stages (a stage 0
+output read on stage 3) and the two real clients pipelined with ``pipeline_of``; and forward-only steps
+(validation, predict) of a pytree model and of a ``pipeline_of`` model.
 
 With dropout on, the reference is the same module trained by the local engine on one stage with the
 same ``chunks``: per-layer random streams (``layer_rng``) make every named layer's masks depend on the
@@ -15,7 +15,7 @@ One launch of 2 real processes (gloo on CPU, tests/distributed_equivalence_worke
 """
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import lightning as L
 import pytest
@@ -23,6 +23,7 @@ import ranks
 import torch
 from equivalence_models import (
     PytreeForwardModule,
+    SkipsModule,
     TiedDropoutModule,
     forward_client,
     unpipelined_outputs,
@@ -41,6 +42,7 @@ DROPOUT = 0.2
 TOLERANCE = 1e-5
 TWO = dict(balance=[2, 2], chunks=4)
 TIED_1F1B = dict(balance=[2, 3], chunks=4, schedule="1f1b")
+FOUR = dict(balance=[1, 1, 1, 1], chunks=4, virtual_stages=2)
 FIT = [  # name, model, distributed settings (2 processes); all with dropout on
     ("tied_1f1b_mix", "tied", dict(TIED_1F1B, checkpoint=["always", "never"])),
     (
@@ -53,6 +55,12 @@ FIT = [  # name, model, distributed settings (2 processes); all with dropout on
             schedule="interleaved_1f1b",
             checkpoint=["never", "always", "except_last", "offload"],
         ),
+    ),
+    ("pytree_1f1b_mix", "pytree", dict(TIED_1F1B, checkpoint=["except_last", "offload"])),
+    (
+        "skips_interleaved_mix",  # stage 0's output read by stage 3: rank 0 -> rank 1
+        "skips",
+        dict(FOUR, schedule="interleaved_1f1b", checkpoint=["always", "never", "offload", "except_last"]),
     ),
     ("gpt2_gpipe_mix", "gpt2", dict(TWO, schedule="gpipe", checkpoint=["except_last", "always"])),
     ("demo_1f1b_always", "demo", dict(TWO, schedule="1f1b", checkpoint="always")),
@@ -97,16 +105,23 @@ def _one_stage(module: L.LightningModule, loader: Any) -> Dict[str, torch.Tensor
     return params(module)
 
 
-def _untrained(model: str) -> Dict[str, torch.Tensor]:
+def _built(model: str) -> Tuple[L.LightningModule, Any]:
+    """The module with dropout on, untrained, and its data."""
     if model == "tied":
-        return params(TiedDropoutModule(dropout=DROPOUT))
-    return params(forward_client(model, dropout=DROPOUT)[0])
+        return TiedDropoutModule(dropout=DROPOUT), tied_loader()
+    if model == "pytree":
+        return PytreeForwardModule(dropout=DROPOUT), pytree_loader()
+    if model == "skips":
+        return SkipsModule(dropout=DROPOUT), pytree_loader()
+    return forward_client(model, dropout=DROPOUT)
+
+
+def _untrained(model: str) -> Dict[str, torch.Tensor]:
+    return params(_built(model)[0])
 
 
 def _reference(model: str) -> Dict[str, torch.Tensor]:
-    if model == "tied":
-        return _one_stage(TiedDropoutModule(dropout=DROPOUT), tied_loader())
-    return _one_stage(*forward_client(model, dropout=DROPOUT))
+    return _one_stage(*_built(model))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence_models import TiedDropoutModule, plain_pytree, pytree_mask
+from equivalence_models import Skips, TiedDropoutModule, plain_pytree, pytree_mask
 from pytree_models import VOCAB, pytree_layers
 from real_models import example
 from torch import Tensor, nn
@@ -91,29 +91,8 @@ def _tokens() -> Tuple[Tensor, ...]:
     return tokens, tokens.roll(-1, dims=1)
 
 
-class Skips(nn.Module):
-    """A U-Net-like model with its own forward: block 0's output is read again by block 3 (a skip from
-    the first stage to the last) and block 1's by block 2; dropout inside the blocks and outside them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.drop = nn.Dropout(DROPOUT)  # outside the named layers
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 16), nn.Dropout(DROPOUT), nn.Tanh()) for _ in range(4)
-        )
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h0 = self.blocks[0](self.drop(self.inp(x)))
-        h1 = self.blocks[1](h0)
-        h2 = self.blocks[2](h1) + h1
-        return self.out(self.blocks[3](h2) + h0)
-
-
 def _skips() -> Tuple[nn.Module, Any]:
-    model = Skips()
+    model = Skips(dropout=DROPOUT)
     return model, pipeline_of(model, "blocks")
 
 
