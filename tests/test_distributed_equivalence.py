@@ -14,6 +14,7 @@ micro-batch gradients aside). Forward-only outputs are compared with the unpipel
 One launch of 2 real processes (gloo on CPU, tests/distributed_equivalence_worker.py) runs every run.
 """
 
+import functools
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -64,6 +65,11 @@ FIT = [  # name, model, distributed settings (2 processes); all with dropout on
     ),
     ("gpt2_gpipe_mix", "gpt2", dict(TWO, schedule="gpipe", checkpoint=["except_last", "always"])),
     ("demo_1f1b_always", "demo", dict(TWO, schedule="1f1b", checkpoint="always")),
+    (  # two passes of each micro-batch per rank: the positional-encoding dropout must draw alike
+        "demo_interleaved_mix",
+        "demo",
+        dict(FOUR, schedule="interleaved_1f1b", checkpoint=["never", "always", "except_last", "always"]),
+    ),
 ]
 OFF = ["tied_1f1b_mix", "demo_1f1b_always"]  # run again with layer_rng="off": they must then differ
 FORWARD = [  # name, model, distributed settings: validate and predict, untrained
@@ -120,6 +126,7 @@ def _untrained(model: str) -> Dict[str, torch.Tensor]:
     return params(_built(model)[0])
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(model: str) -> Dict[str, torch.Tensor]:
     return _one_stage(*_built(model))
 
