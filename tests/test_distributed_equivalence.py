@@ -126,7 +126,7 @@ def _untrained(model: str) -> Dict[str, torch.Tensor]:
     return params(_built(model)[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model: str) -> Dict[str, torch.Tensor]:
     return _one_stage(*_built(model))
 
