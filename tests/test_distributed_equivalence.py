@@ -34,6 +34,10 @@ from test_distributed_pytree import _state
 from toy import max_relative_difference, params
 
 from pipeckpt import PipelineStrategy
+from pipeckpt.engines.distributed.rooted import check_module_pipeline
+from pipeckpt.engines.distributed.schedules import lookup
+from pipeckpt.engines.distributed.topology import Topology
+from pipeckpt.settings import PipeSettings
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_equivalence_worker.py"
@@ -64,6 +68,9 @@ FIT = [  # name, model, distributed settings (2 processes); all with dropout on
         dict(FOUR, schedule="interleaved_1f1b", checkpoint=["always", "never", "offload", "except_last"]),
     ),
     ("gpt2_gpipe_mix", "gpt2", dict(TWO, schedule="gpipe", checkpoint=["except_last", "always"])),
+    # split backward: every gradient in the input pass (RootStageModule.whole_backward)
+    ("gpt2_zbv_zero_bubble", "gpt2", dict(FOUR, schedule="zbv_zero_bubble", checkpoint="never")),
+    ("demo_dual_pipe_v", "demo", dict(FOUR, schedule="DualPipeV", checkpoint="never")),
     ("demo_1f1b_always", "demo", dict(TWO, schedule="1f1b", checkpoint="always")),
     (  # two passes of each micro-batch per rank: the positional-encoding dropout must draw alike
         "demo_interleaved_mix",
@@ -91,6 +98,12 @@ def two_processes(tmp_path_factory) -> Iterator[Path]:
     ]
     runs += [dict(name=n, model=m, strategy=s, action="forward", dropout=DROPOUT) for n, m, s in FORWARD]
     yield ranks.launch(WORKER, 2, runs, tmp_path_factory.mktemp("equivalence"), within_s=START_S)
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "zbv_zero_bubble", "DualPipeV"])
+def test_a_module_pipeline_is_accepted_under_every_split_backward_schedule(schedule):
+    kind = lookup(schedule)
+    check_module_pipeline("model", PipeSettings(), kind, Topology(pp=2, dp=1, virtual_stages=2, kind=kind))
 
 
 def _one_stage(module: L.LightningModule, loader: Any) -> Dict[str, torch.Tensor]:

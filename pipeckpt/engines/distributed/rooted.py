@@ -30,6 +30,14 @@ pass of ``m`` draws, wherever the model draws before the first layer of the rank
 stage's successor (so always for draws before the first named layer); a draw after that point
 is made only by the passes that reach it, and the masks there follow the layout.
 
+Under a zero-bubble schedule (split backward: an input pass, then a weight pass) each stage
+computes all its gradients in the input pass, as 1F1B does, and its weight pass is empty
+(``whole_backward``, :class:`~.wiring.LiveStage`): a parameter outside the layers whose use
+feeds a layer (the demo's target embedding, read by every decoder layer) would need that
+layer's checkpoint Function to run backward a second time in the weight pass, which it
+cannot (it adds its parameters' gradients in place, once). The results are exact; what is
+lost is only the overlap the weight passes were to fill the bubbles with.
+
 Why every earlier output crosses rather than only those a later stage reads: which outputs
 the code outside the layers reads is not visible without tracing it, and a trace is what
 this design avoids. The cost is traffic, not correctness (see the engine's limits).
@@ -204,6 +212,7 @@ class RootStageModule(StageModule):
     ) -> None:
         super().__init__(stage, entry=None)
         self.routing = routing
+        self.whole_backward = True
         self._root_entry = entry
         self._calls = calls
 
@@ -240,7 +249,8 @@ def outside_parameters(spec: ModulePipeline, module: nn.Module) -> List[Tuple[st
 
 
 def check_module_pipeline(name: str, settings: PipeSettings, kind: ScheduleKind, topology: Topology) -> None:
-    """Refuse what a module pipeline cannot run exactly under the distributed engine (yet)."""
+    """Refuse what a module pipeline cannot run exactly under the distributed engine (yet). Every
+    schedule runs (``kind``: a split-backward one computes all in its input pass, module docstring)."""
     what = f"pipeline_of({name}, ...) with engine='distributed'"
     if topology.dp > 1:
         raise config_error(
@@ -248,13 +258,6 @@ def check_module_pipeline(name: str, settings: PipeSettings, kind: ScheduleKind,
             "the parameters outside the named layers are summed over the pipeline's ranks, and are not "
             "yet averaged over data-parallel replicas",
             "use dp=1 with pipeline_of, or engine='local'",
-        )
-    if kind.traits.split_backward:
-        raise config_error(
-            f"{what} and schedule={kind.name!r}",
-            "this schedule computes weight gradients only for the stage's layers, so the parameters outside "
-            "them (embeddings, final norm, head) would get none",
-            "use gpipe, 1f1b, interleaved_1f1b or looped_bfs with pipeline_of",
         )
     if settings.balance is None and settings.balance_by != "params":
         raise config_error(
