@@ -82,6 +82,7 @@ OFF = ["tied_1f1b_mix", "demo_1f1b_always"]  # run again with layer_rng="off": t
 FORWARD = [  # name, model, distributed settings: validate and predict, untrained
     ("pytree_forward", "pytree", dict(balance=[2, 3], chunks=4, schedule="1f1b", checkpoint="always")),
     ("demo_forward", "demo", dict(TWO, schedule="gpipe", checkpoint="never")),
+    ("gpt2_forward", "gpt2", dict(TWO, schedule="1f1b", checkpoint="always")),
 ]
 
 
@@ -181,10 +182,11 @@ def test_validation_and_predict_of_a_pytree_model_equal_the_unpipelined_layers(t
 
 
 @pytest.mark.slow
-def test_validation_and_predict_of_a_pipeline_of_model_equal_the_unpipelined_model(two_processes):
-    got = _forward(two_processes, "demo_forward")
-    module, loader = forward_client("demo", dropout=DROPOUT)
-    losses, outputs = unpipelined_outputs("demo", module, loader)
+@pytest.mark.parametrize("model", ["demo", "gpt2"])
+def test_validation_and_predict_of_a_pipeline_of_model_equal_the_unpipelined_model(two_processes, model):
+    got = _forward(two_processes, f"{model}_forward")
+    module, loader = forward_client(model, dropout=DROPOUT)
+    losses, outputs = unpipelined_outputs(model, module, loader)
     assert got["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=TOLERANCE)
     assert len(got["predictions"]) == len(outputs)
     for out, expected in zip(got["predictions"], outputs):

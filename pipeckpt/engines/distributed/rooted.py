@@ -255,9 +255,11 @@ def check_module_pipeline(name: str, settings: PipeSettings, kind: ScheduleKind,
     if topology.dp > 1:
         raise config_error(
             f"{what} and dp={topology.dp}",
-            "the parameters outside the named layers are summed over the pipeline's ranks, and are not "
-            "yet averaged over data-parallel replicas",
-            "use dp=1 with pipeline_of, or engine='local'",
+            "a module pipeline's stages are not yet data-parallel: neither its layers' gradients nor those "
+            "of the parameters outside them (summed over the pipeline's ranks) would be averaged over "
+            "the replicas, which would then drift apart",
+            "use dp=1 with pipeline_of (every process a pipeline stage), return an nn.Sequential from "
+            "configure_pipeline() (dp>1 works there), or use engine='local'",
         )
     if settings.balance is None and settings.balance_by != "params":
         raise config_error(
