@@ -26,9 +26,10 @@ inference runs one more, so each rank keeps the generator's state at the start o
 pass of each micro-batch: a later pass of that micro-batch starts from it again and leaves the
 generator as it found it, and a shape-inference pass leaves it untouched
 (:class:`_Generators`). Every pass of micro-batch ``m`` therefore draws what the local engine's
-pass of ``m`` draws, wherever the model draws before the first layer of the rank's first
-stage's successor (so always for draws before the first named layer); a draw after that point
-is made only by the passes that reach it, and the masks there follow the layout.
+pass of ``m`` draws as long as the model's own code draws before the point where each rank's
+lowest stage hands off (always so for draws before the first named layer, as in GPT-2 and the
+demo); a draw further on is made only by the passes that reach it, and its masks follow the
+layout (``tests/test_rooted_generators.py``, ``tests/test_distributed_equivalence.py``).
 
 Under a zero-bubble schedule (split backward: an input pass, then a weight pass) each stage
 computes all its gradients in the input pass, as 1F1B does, and its weight pass is empty
