@@ -18,6 +18,27 @@ calls of the named layers decide what runs where:
   those outputs, so a value made outside the layers from an earlier stage's output (the
   encoder's final norm, a skip sum) needs no declaration.
 
+Random numbers drawn by the model's own code outside the layers (GPT-2's embedding dropout,
+the demo's positional-encoding dropout) come from the caller's generator, as under the local
+engine, which runs ``forward`` once per micro-batch in micro-batch order. Here a rank may run
+several passes of one micro-batch (a looped schedule puts several stages on it) and shape
+inference runs one more, so each rank keeps the generator's state at the start of its first
+pass of each micro-batch: a later pass of that micro-batch starts from it again and leaves the
+generator as it found it, and a shape-inference pass leaves it untouched
+(:class:`_Generators`). Every pass of micro-batch ``m`` therefore draws what the local engine's
+pass of ``m`` draws as long as the model's own code draws before the point where each rank's
+lowest stage hands off (always so for draws before the first named layer, as in GPT-2 and the
+demo); a draw further on is made only by the passes that reach it, and its masks follow the
+layout (``tests/test_rooted_generators.py``, ``tests/test_distributed_equivalence.py``).
+
+Under a zero-bubble schedule (split backward: an input pass, then a weight pass) each stage
+computes all its gradients in the input pass, as 1F1B does, and its weight pass is empty
+(``whole_backward``, :class:`~.wiring.LiveStage`): a parameter outside the layers whose use
+feeds a layer (the demo's target embedding, read by every decoder layer) would need that
+layer's checkpoint Function to run backward a second time in the weight pass, which it
+cannot (it adds its parameters' gradients in place, once). The results are exact; what is
+lost is only the overlap the weight passes were to fill the bubbles with.
+
 Why every earlier output crosses rather than only those a later stage reads: which outputs
 the code outside the layers reads is not visible without tracing it, and a trace is what
 this design avoids. The cost is traffic, not correctness (see the engine's limits).
@@ -31,6 +52,7 @@ its sent tensors, and the copies are summed before the optimizer step by the tie
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import is_view
@@ -63,6 +85,23 @@ class _Pass:
     taken: int = 0  # received outputs handed out so far
 
 
+class _Generators:
+    """The states of the generators the model's own code draws from on this rank: the CPU one, and
+    the stage device's when it is a GPU."""
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.device = device if device is not None and device.type == "cuda" else None
+
+    def get(self) -> Tuple[Tensor, Optional[Tensor]]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
+        return torch.default_generator.get_state(), cuda
+
+    def set(self, states: Tuple[Tensor, Optional[Tensor]]) -> None:
+        torch.default_generator.set_state(states[0])
+        if self.device is not None and states[1] is not None:
+            torch.cuda.set_rng_state(states[1], self.device)
+
+
 class RootRouting:
     """Routes each named layer's calls during one stage's pass of the root's ``forward``."""
 
@@ -74,6 +113,8 @@ class RootRouting:
         self.last = len(ranges) - 1
         self.stages: Dict[int, Stage] = {}  # this rank's, by index (set by the engine)
         self._pass: Optional[_Pass] = None
+        # micro-batch -> the generators' states at this rank's first pass of it, this step
+        self._starts: Dict[int, Tuple[Tensor, Optional[Tensor]]] = {}
         self._routed: List[nn.Module] = []
         for index, layer in enumerate(spec):
             layer.forward = self._route(index, layer)
@@ -121,12 +162,27 @@ class RootRouting:
         stage, elsewhere the outputs of every layer call up to the next stage's first."""
         self._pass = p = _Pass(stage, live, microbatch, list(received))
         args, kwargs = call
+        generators = _Generators(self.stages[stage].device if stage in self.stages else None)
+        restore: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+        if not live:  # shape inference: no draw of it may shift the real passes' ones
+            restore = generators.get()
+        else:
+            if stage == min(self.stages, default=stage) and microbatch == 0:
+                self._starts.clear()  # this rank's first pass of a new step
+            start = self._starts.get(microbatch)
+            if start is None:
+                self._starts[microbatch] = generators.get()
+            else:  # another stage of this rank runs this micro-batch again: the same draws
+                restore = generators.get()
+                generators.set(start)
         try:
             out = self.root_forward(*args, **kwargs)
         except _Handoff:
             return p.produced
         finally:
             self._pass = None
+            if restore is not None:
+                generators.set(restore)
         if stage != self.last:
             later = [n for n, j in zip(self.names, self.stage_of) if j > stage]
             raise config_error(
@@ -157,6 +213,7 @@ class RootStageModule(StageModule):
     ) -> None:
         super().__init__(stage, entry=None)
         self.routing = routing
+        self.whole_backward = True
         self._root_entry = entry
         self._calls = calls
 
@@ -193,21 +250,17 @@ def outside_parameters(spec: ModulePipeline, module: nn.Module) -> List[Tuple[st
 
 
 def check_module_pipeline(name: str, settings: PipeSettings, kind: ScheduleKind, topology: Topology) -> None:
-    """Refuse what a module pipeline cannot run exactly under the distributed engine (yet)."""
+    """Refuse what a module pipeline cannot run exactly under the distributed engine (yet). Every
+    schedule runs (``kind``: a split-backward one computes all in its input pass, module docstring)."""
     what = f"pipeline_of({name}, ...) with engine='distributed'"
     if topology.dp > 1:
         raise config_error(
             f"{what} and dp={topology.dp}",
-            "the parameters outside the named layers are summed over the pipeline's ranks, and are not "
-            "yet averaged over data-parallel replicas",
-            "use dp=1 with pipeline_of, or engine='local'",
-        )
-    if kind.traits.split_backward:
-        raise config_error(
-            f"{what} and schedule={kind.name!r}",
-            "this schedule computes weight gradients only for the stage's layers, so the parameters outside "
-            "them (embeddings, final norm, head) would get none",
-            "use gpipe, 1f1b, interleaved_1f1b or looped_bfs with pipeline_of",
+            "a module pipeline's stages are not yet data-parallel: neither its layers' gradients nor those "
+            "of the parameters outside them (summed over the pipeline's ranks) would be averaged over "
+            "the replicas, which would then drift apart",
+            "use dp=1 with pipeline_of (every process a pipeline stage), return an nn.Sequential from "
+            "configure_pipeline() (dp>1 works there), or use engine='local'",
         )
     if settings.balance is None and settings.balance_by != "params":
         raise config_error(

@@ -69,6 +69,9 @@ class StageModule(nn.Module):
         self.boundaries = Boundaries()  # the running schedule's (Schedules.get sets it)
         self.names: Tuple[str, ...] = ()
         self.no_views = False  # set for split-backward schedules, which detach outputs in place
+        # Compute every gradient in the input pass of a split-backward schedule (its weight pass then
+        # does nothing): for a module pipeline's stages (.rooted), whose weight pass cannot be split.
+        self.whole_backward = False
 
     def forward(self, *inputs: Tensor) -> Any:
         j = self.stage.index
@@ -124,7 +127,10 @@ class LiveStage(PipelineStage):
         group: dist.ProcessGroup,
         boundaries: Boundaries,
     ) -> None:
-        super().__init__(submodule, index, num_stages, device, group=group)
+        # A dw_builder makes torch run the whole backward in the input pass and call the builder's
+        # runner for the weight pass (here: nothing left to do).
+        dw_builder = _no_weight_pass if module.whole_backward else None
+        super().__init__(submodule, index, num_stages, device, group=group, dw_builder=dw_builder)
         self.stage_module = module
         self.boundaries = boundaries
         self.last_output: Any = None
@@ -175,6 +181,11 @@ class LiveStage(PipelineStage):
 
 
 _STRUCTURE = "pipeckpt-structure"
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    """The weight pass of a stage that computed every gradient in its input pass."""
+    return lambda: None
 
 
 def shape_inference_loss(output: Any) -> Tensor:
