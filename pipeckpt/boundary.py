@@ -220,25 +220,36 @@ def scatter(
     """The call's ``(args, kwargs)`` cut into at most ``chunks`` micro-batches, its tensors moved
     to ``device`` (when given) on the way; ``flat_first``: each piece's first argument as a
     :class:`Flat` (for the local engine's first stage)."""
-    first, first_spec = flatten(args[0]) if args else ([], TENSOR)
-    batch = _batch_of(first, call=call)
+    tensors, first_spec = flatten(args[0]) if args else ([], TENSOR)
+    batch = _batch_of(tensors, call=call)
     _check_side_inputs(kwargs, batch, call=call)
-    rest, rest_spec = flatten((args[1:], kwargs))
-    tensors = [*first, *rest]
-    if device is not None and any(t.device != device for t in tensors):
-        tensors = [t.to(device, non_blocking=True) for t in tensors]
-    elif chunks == 1 and not flat_first:
+    n = len(tensors)
+    more = len(args) > 1
+    rest_spec = _walk((args[1:], kwargs) if more else kwargs, tensors) if more or kwargs else None
+    if device is not None:
+        for t in tensors:
+            if t.device != device:
+                tensors = [t.to(device, non_blocking=True) for t in tensors]
+                break
+        else:
+            device = None  # all there already
+    if chunks == 1 and device is None and not flat_first:
         return [(args, kwargs)]
     chunks = min(chunks, max(1, batch))  # no more pieces than samples (torch.chunk takes an int64)
-    count = len(torch.empty(batch, 0).chunk(chunks))  # chunk's own count: ceil-sized pieces
+    size = -(-batch // chunks)  # torch.chunk's pieces: ceil-sized, so maybe fewer than chunks
+    count = -(-batch // size) if batch else 1
     columns = [x.chunk(chunks) if x.dim() > 0 and x.size(0) == batch else (x,) * count for x in tensors]
-    n = len(first)
-    out = []
+    flat = flat_first and first_spec is not TENSOR
+    out: List[Tuple[Args, Kwargs]] = []
     for piece in zip(*columns):
-        more_args, more_kwargs = unflatten(rest_spec, piece[n:])
-        flat = flat_first and first_spec is not TENSOR
         head = Flat(piece[:n], first_spec) if flat else unflatten(first_spec, piece[:n])
-        out.append(((head, *more_args), more_kwargs))
+        if rest_spec is None:
+            out.append(((head,), {}))
+        elif not more:
+            out.append(((head,), unflatten(rest_spec, piece[n:])))
+        else:
+            more_args, more_kwargs = unflatten(rest_spec, piece[n:])
+            out.append(((head, *more_args), more_kwargs))
     return out
 
 
