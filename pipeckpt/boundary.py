@@ -113,7 +113,9 @@ class Flat:
         return unflatten(self.spec, self.tensors)
 
 
-register_pytree_node(Flat, lambda f: (list(f.tensors), f.spec), lambda tensors, spec: Flat(list(tensors), spec))
+register_pytree_node(
+    Flat, lambda f: (list(f.tensors), f.spec), lambda tensors, spec: Flat(list(tensors), spec)
+)
 
 
 def value(x: Any) -> Any:
