@@ -14,12 +14,12 @@
 Compared, interleaved in one process (process CPU time; the ratio is taken within
 each round, the median over rounds reported):
 
-- ``before``: the tensor-only engine as it was before pytrees (``--before``: a
-  ``git archive`` of that commit's ``pipeckpt/``, loaded as ``pipeckpt_before``);
+- ``before`` / ``tree before`` / ``side before`` (proxy, ``--before``): the same three on an
+  earlier engine (a ``git archive`` of that commit's ``pipeckpt/``, imports renamed, loaded
+  as ``pipeckpt_before``);
 - ``tensor``: this engine, the same tensor input (the fast path every tensor-only
   model keeps);
 - ``tree``: this engine, every block taking and returning a dict ``{"h": tensor, "n": 3}``;
-  ``tree, tensor blocks`` is its baseline with the same wrapper code around tensors;
 - ``side``: this engine with a keyword side input declared by every block (declared, not
   used, so that the layers' compute is the same);
 - proxy only, ``tensor model`` / ``tree model`` / ``side model``: the same three models
@@ -27,7 +27,7 @@ each round, the median over rounds reported):
   Python costs (a dict built and read per block, a keyword per call), which the pipelined
   ratios include.
 
-    python benchmarks/bench_pytree.py --config proxy --out /tmp/proxy.md
+    python benchmarks/bench_pytree.py --config proxy --before DIR --out /tmp/proxy.md
     python benchmarks/bench_pytree.py --config gpt2 --rounds 5 --reps 2 --out /tmp/gpt2.md
 """
 
@@ -91,8 +91,11 @@ def steps(mode: str, before: Optional[Any]) -> Dict[str, Callable[[], None]]:
         "side": lambda: side.forward(x, scale=scale).pow(2).mean().backward(),
     }
     if before is not None:
-        old = pipe(before.LocalPipeline, model(TensorBlock))
+        blocks = (TensorBlock, TreeBlock, SideBlock)
+        old, old_tree, old_side = (pipe(before.LocalPipeline, model(block)) for block in blocks)
         out["before"] = lambda: old.forward(x).pow(2).mean().backward()
+        out["tree before"] = lambda: old_tree.forward({"h": x, "n": 3})["h"].pow(2).mean().backward()
+        out["side before"] = lambda: old_side.forward(x, scale=scale).pow(2).mean().backward()
     return out
 
 
@@ -187,7 +190,7 @@ def ratio(times: Dict[str, List[float]], a: str, b: str) -> float:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=("proxy", "gpt2"), default="proxy")
-    parser.add_argument("--before", help="directory holding pipeckpt_before/ (the engine before pytrees)")
+    parser.add_argument("--before", help="directory holding pipeckpt_before/ (an earlier engine, to compare)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out")
@@ -208,7 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.config == "proxy":
             methods.update(model_steps())
         times = measure(methods, args.rounds, args.reps)
-        pairs = [("tree", "tensor"), ("side", "tensor")] + ([("tensor", "before")] if before else [])
+        pairs = [("tree", "tensor"), ("side", "tensor")]
+        if before:
+            pairs += [("tensor", "before"), ("tree before", "before"), ("side before", "before")]
         if args.config == "proxy":
             pairs += [("tree model", "tensor model"), ("side model", "tensor model")]
         for a, b in pairs:
