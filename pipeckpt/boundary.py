@@ -77,16 +77,39 @@ def _const(spec: Spec, tensors: Iterator[Tensor]) -> Any:
     return spec[1]
 
 
+# The builders loop over a node's children in one frame, tensors and constants inline (a
+# comprehension or a call per child is most of the cost of rebuilding a small boundary value).
+
+
+def _items(spec: Spec, tensors: Iterator[Tensor]) -> List[Any]:
+    out = []
+    for c in spec[1]:
+        if c is TENSOR:
+            out.append(next(tensors))
+        elif c[0] is _const:
+            out.append(c[1])
+        else:
+            out.append(c[0](c, tensors))
+    return out
+
+
 def _tuple(spec: Spec, tensors: Iterator[Tensor]) -> Any:
-    return tuple([next(tensors) if c is TENSOR else c[0](c, tensors) for c in spec[1]])
+    return tuple(_items(spec, tensors))
 
 
-def _list(spec: Spec, tensors: Iterator[Tensor]) -> Any:
-    return [next(tensors) if c is TENSOR else c[0](c, tensors) for c in spec[1]]
+_list = _items
 
 
 def _dict(spec: Spec, tensors: Iterator[Tensor]) -> Any:
-    return dict(zip(spec[2], [next(tensors) if c is TENSOR else c[0](c, tensors) for c in spec[1]]))
+    out = {}
+    for key, c in zip(spec[2], spec[1]):
+        if c is TENSOR:
+            out[key] = next(tensors)
+        elif c[0] is _const:
+            out[key] = c[1]
+        else:
+            out[key] = c[0](c, tensors)
+    return out
 
 
 def _torch_node(spec: Spec, tensors: Iterator[Tensor]) -> Any:
@@ -339,38 +362,53 @@ class Call:
     ``(args, kwargs)`` tuple to be walked; an output with one tensor leaf comes out of
     :meth:`run` as that tensor (what the Function returns for a plain tensor stage)."""
 
-    __slots__ = ("flat", "fn", "inputs", "out", "rest", "spec")
+    __slots__ = ("flat", "fn", "inputs", "keys", "out", "rest", "spec")
 
     def __init__(self, fn: Callable[..., Any], args: Args, kwargs: Kwargs) -> None:
         self.fn = fn
         self.out: Spec = None
         self.flat = False  # the first argument is a Flat: the output stays flat too
+        self.keys: Tuple[str, ...] = ()  # keywords whose values are all tensors (side inputs)
+        self.rest: Spec = None  # else the keywords' spec, or _WHOLE: spec is of (args, kwargs)
         if len(args) != 1:
             self.inputs, self.spec = flatten((args, kwargs))
-            self.rest: Spec = _WHOLE
+            self.rest = _WHOLE
             return
         x = args[0]
         if type(x) is Flat:
             self.inputs, self.spec, self.flat = list(x.tensors), x.spec, True
         else:
             self.inputs, self.spec = flatten(x)
-        self.rest = _walk(kwargs, self.inputs) if kwargs else None
+        if kwargs:
+            values = kwargs.values()
+            if all(isinstance(v, Tensor) for v in values):
+                self.keys = tuple(kwargs)
+                self.inputs.extend(values)
+            else:
+                self.rest = _walk(kwargs, self.inputs)
 
     def tensors(self) -> Tuple[Tensor, ...]:
         return tuple(self.inputs)
 
     def run(self, tensors: Sequence[Tensor]) -> Any:
         """The call's output tensors: one tensor, or a tuple of them."""
-        it = iter(tensors)
-        rest = self.rest
-        if rest is None:
-            out = self.fn(_node(self.spec, it))
-        elif rest is _WHOLE:
-            args, kwargs = _node(self.spec, it)
-            out = self.fn(*args, **kwargs)
+        spec, keys, rest = self.spec, self.keys, self.rest
+        if spec is TENSOR and (keys or rest is None):  # a tensor and maybe tensor keywords
+            x = tensors[0]
+            out = self.fn(x, **dict(zip(keys, tensors[1:]))) if keys else self.fn(x)
         else:
-            x = _node(self.spec, it)
-            out = self.fn(x, **_node(rest, it))
+            it = iter(tensors)
+            if rest is _WHOLE:
+                args, kwargs = spec[0](spec, it)
+                out = self.fn(*args, **kwargs)
+            else:
+                x = next(it) if spec is TENSOR else spec[0](spec, it)
+                if keys:
+                    out = self.fn(x, **dict(zip(keys, it)))
+                elif rest is not None:
+                    out = self.fn(x, **_node(rest, it))
+                else:
+                    out = self.fn(x)
         if isinstance(out, Tensor):
             self.out = TENSOR
             return out
