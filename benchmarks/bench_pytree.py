@@ -11,8 +11,8 @@
   ``{"h": hidden, "n": 3}`` (the tokens enter as ``{"h": tokens, "n": 3}``), ``side`` the
   hidden state plus a per-sample ``scale`` tensor every layer declares.
 
-Compared, interleaved in one process (process CPU time; the ratio is taken within
-each round, the median over rounds reported):
+Compared, interleaved in one process (process CPU time; the ratio, and the difference in
+ms per step, are taken within each round, the median over rounds reported):
 
 - ``before`` / ``tree before`` / ``side before`` (proxy, ``--before``): the same three on an
   earlier engine (a ``git archive`` of that commit's ``pipeckpt/``, imports renamed, loaded
@@ -187,6 +187,11 @@ def ratio(times: Dict[str, List[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
+def difference(times: Dict[str, List[float]], a: str, b: str) -> float:
+    """The median over rounds of a's time minus b's: the added cost itself, in seconds per step."""
+    return statistics.median(x - y for x, y in zip(times[a], times[b]))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=("proxy", "gpt2"), default="proxy")
@@ -218,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pairs += [("tree model", "tensor model"), ("side model", "tensor model")]
         for a, b in pairs:
             lines.append(f"| {mode} | {a} / {b} | {ratio(times, a, b):.4f} |")
+        for a, b in pairs[:2]:
+            lines.append(f"| {mode} | {a} - {b} ms/step | {difference(times, a, b) * 1e3:+.3f} |")
         for name, values in times.items():
             lines.append(f"| {mode} | {name} ms/step | {statistics.median(values) * 1e3:.2f} |")
     lines.append(f"\nload average after: {load()}")
