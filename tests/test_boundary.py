@@ -350,3 +350,22 @@ def test_each_layer_gets_exactly_the_side_inputs_it_declares():
     expected, got = run(False), run(True)
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_ordered_backward_edges_on_a_pytree_boundary_leave_gradients_bitwise_equal():
+    def run(ordered: bool) -> Dict[str, Tensor]:
+        seq, x = tree_layers(), inputs()
+        torch.manual_seed(5)
+        pipe = LocalPipeline(
+            seq,
+            plan(seq, devices=CPU, balance=[1, 1, 2], checkpoint="always"),
+            chunks=4,
+            ordered_backward=ordered,
+        )
+        out = pipe.forward(x)
+        (out["h"][0].pow(2).mean() + out["skip"][0].sum()).backward()
+        return grads(seq, x)
+
+    expected, got = run(False), run(True)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
