@@ -28,7 +28,18 @@ from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
 from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+# tree_is_leaf: whether torch's pytree treats an object as a leaf (registered node types,
+# named tuples), asked by pipeckpt.boundary's walk for objects that are not built-in containers;
+# register_pytree_node: so that torch's walks (the stage report's hooks) see the tensors inside
+# pipeckpt.boundary.Flat, the flat form a boundary value keeps between stages.
+from torch.utils._pytree import (
+    TreeSpec,
+    register_pytree_node,
+    tree_flatten,
+    tree_is_leaf,
+    tree_map,
+    tree_unflatten,
+)
 
 
 def accumulate_gradients(
@@ -271,7 +282,9 @@ __all__ = [
     "schedule_op_order",
     "set_module_device",
     "sync_ddp_if_available",
+    "register_pytree_node",
     "tree_flatten",
+    "tree_is_leaf",
     "tree_map",
     "tree_unflatten",
     "unwrap_optimizer",

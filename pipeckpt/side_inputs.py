@@ -120,6 +120,14 @@ class Chain:
         return frozenset(k for _, r in self.steps for k in r)
 
     def __call__(self, x: Any, side: Dict[str, Any]) -> Any:
+        # A route is a subset of ``side``'s keys, so one as long as ``side`` is all of them: such a
+        # layer (the common case: every layer takes the mask) gets ``side`` without a copy.
+        n = len(side)
         for layer, route in self.steps:
-            x = layer(x, **{k: side[k] for k in route}) if route else layer(x)
+            if not route:
+                x = layer(x)
+            elif len(route) == n:
+                x = layer(x, **side)
+            else:
+                x = layer(x, **{k: side[k] for k in route})
         return x

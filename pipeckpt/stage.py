@@ -72,7 +72,7 @@ from pipeckpt._compat import (
     pop_dispatch_mode,
     push_dispatch_mode,
 )
-from pipeckpt.boundary import Call, Structure, flat_output
+from pipeckpt.boundary import Call, Layout, flat_output, value
 from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.offload import Copies, Offloader, backward_microbatches, copies_for
@@ -406,7 +406,7 @@ class Stage(nn.Module):
         self._all_params: Optional[Tuple[nn.Parameter, ...]] = None
         self._cuda = device if device.type == "cuda" else None
         self._norm_list: Optional[List[nn.Module]] = None
-        self._structure: Optional[Structure] = None  # of the output _Recompute just flattened
+        self._structure: Optional[Layout] = None  # of the output _Recompute just flattened
         self._phony_leaf: Optional[Tensor] = None
         self.chain: Optional[Chain] = None  # routes side inputs to the layers; set by the engine
         self._keep: FrozenSet[int] = frozenset()  # what except_last keeps this step (the op order's)
@@ -527,6 +527,7 @@ class Stage(nn.Module):
                     return self._checkpointed(input, not recompute)
                 call = Call(self._chain, (input,), side or {})
                 return self._checkpointed_call(call, self._trainable(), not recompute)
+        input = value(input)  # the local engine may hand over a boundary value in flat form
         if side:
             self.forward_calls += 1
             return self._chain(input, **side)

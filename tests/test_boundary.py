@@ -1,6 +1,7 @@
 """Any pytree across a stage boundary, and side inputs, on the local engine: each checked
 against the same layers run unpipelined, and bitwise across checkpoint modes (dropout on)."""
 
+import collections
 from typing import Any, Dict, Optional
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt import PipeckptConfigError
-from pipeckpt.boundary import gather, scatter
+from pipeckpt._compat import tree_flatten
+from pipeckpt.boundary import Flat, flatten, gather, scatter, unflatten
 from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.planning import plan
 
@@ -210,3 +212,160 @@ def test_a_missing_side_input_names_the_layer_signature():
         match=r"model\.blocks\(x\) without mask=: layer model\.blocks\.1: forward\(x: torch.Tensor, mask",
     ):
         pipe.forward((inputs(),))
+
+
+# -- the boundary's own walk (boundary.flatten), and values kept flat between stages ---------
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def nested() -> Any:
+    t = torch.arange(4.0).view(2, 2)
+    return {
+        "t": (t, None, 3, "s"),
+        "l": [t * 2, {"x": 1.5}],
+        "nt": Pair(t * 3, "b"),
+        "od": collections.OrderedDict(k=t * 4),
+        "size": torch.Size([2, 2]),
+    }
+
+
+def test_flatten_yields_the_tensor_leaves_in_torch_pytree_order():
+    tree = nested()
+    tensors, _ = flatten(tree)
+    expected = [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor)]
+    assert len(tensors) == len(expected) == 4
+    assert all(a is b for a, b in zip(tensors, expected))
+
+
+def test_unflatten_rebuilds_every_container_type_and_keeps_non_tensor_leaves_as_they_were():
+    tree = nested()
+    tensors, spec = flatten(tree)
+    rebuilt = unflatten(spec, [t + 1 for t in tensors])
+    assert type(rebuilt["nt"]) is Pair and type(rebuilt["od"]) is collections.OrderedDict
+    assert rebuilt["t"][1:] == (None, 3, "s") and rebuilt["l"][1] == {"x": 1.5}
+    assert rebuilt["nt"].b is tree["nt"].b and rebuilt["size"] == torch.Size([2, 2])
+    assert torch.equal(rebuilt["od"]["k"], tree["od"]["k"] + 1)
+    assert list(rebuilt) == list(tree)
+
+
+def test_a_flat_value_is_a_torch_pytree_node_of_its_tensors():
+    tensors, spec = flatten({"h": torch.ones(2), "n": 3})
+    leaves, _ = tree_flatten([Flat(tensors, spec)])
+    assert len(leaves) == 1 and leaves[0] is tensors[0]
+
+
+def test_scatter_makes_as_many_pieces_as_torch_chunk():
+    for batch, chunks in [(5, 4), (10, 4), (7, 3), (2, 4)]:
+        x = torch.arange(float(batch))
+        pieces = scatter(({"x": x},), {}, chunks, call="f(x)")
+        assert [p[0][0]["x"].tolist() for p in pieces] == [c.tolist() for c in x.chunk(chunks)]
+
+
+def test_scatter_moves_every_tensor_to_the_device_it_is_given():
+    pieces = scatter(
+        ({"x": torch.ones(4, 2)},), {"m": torch.ones(4)}, 2, call="f(x)", device=torch.device("meta")
+    )
+    assert all(p[0][0]["x"].is_meta and p[1]["m"].is_meta for p in pieces)
+
+
+class Checks(nn.Module):
+    """A layer that asserts it is handed the user's dict (never the engine's flat form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, tree: Dict[str, Any]) -> Dict[str, Any]:
+        assert type(tree) is dict and tree["n"] == 3, type(tree)
+        return {"h": torch.tanh(self.lin(tree["h"])), "n": 3}
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+def test_layers_are_handed_the_users_values_and_so_is_the_caller(mode):
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[Checks() for _ in range(4)])
+    x = inputs()
+    expected = seq({"h": x, "n": 3})["h"]
+    pipe = LocalPipeline(seq, plan(seq, devices=CPU, balance=[1, 1, 2], checkpoint=mode), chunks=4)
+    out = pipe.forward({"h": x, "n": 3})
+    assert type(out) is dict and out["n"] == 3
+    torch.testing.assert_close(out["h"], expected, rtol=0, atol=1e-6)
+    with torch.no_grad():  # no autograd Function: stages run the layers directly
+        out = pipe.forward({"h": x, "n": 3})
+    assert type(out) is dict
+    torch.testing.assert_close(out["h"], expected, rtol=0, atol=1e-6)
+
+
+def test_a_named_tuple_boundary_keeps_its_type_and_gradients():
+    class ToPair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: Any) -> Pair:
+            h = x.a if isinstance(x, Pair) else x
+            return Pair(torch.tanh(self.lin(h)), "tag")
+
+    def run(pipelined: bool) -> Dict[str, Tensor]:
+        torch.manual_seed(0)
+        seq, x = nn.Sequential(ToPair(), ToPair(), ToPair(), ToPair()), inputs()
+        out = pipe_of(seq, "always").forward(x) if pipelined else seq(x)
+        assert type(out) is Pair and out.b == "tag"
+        out.a.pow(2).mean().backward()
+        return grads(seq, x)
+
+    expected, got = run(False), run(True)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+class TwoSides(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor, scale: Optional[Tensor] = None, shift: Optional[Tensor] = None) -> Tensor:
+        return torch.tanh(self.lin(x)) * scale + shift
+
+
+class OneSide(Masked):
+    def forward(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+        return torch.tanh(self.lin(x)) * scale
+
+
+def test_each_layer_gets_exactly_the_side_inputs_it_declares():
+    def run(pipelined: bool) -> Dict[str, Tensor]:
+        torch.manual_seed(0)
+        seq, x = nn.Sequential(TwoSides(), OneSide(), nn.Linear(8, 8), TwoSides()), inputs()
+        scale, shift = inputs(3), inputs(4)
+        if pipelined:
+            out = pipe_of(seq, "always").forward(x, scale=scale, shift=shift)
+        else:
+            out = seq[0](x, scale=scale, shift=shift)
+            out = seq[3](seq[2](seq[1](out, scale=scale)), scale=scale, shift=shift)
+        out.pow(2).mean().backward()
+        return grads(seq, x, scale, shift)
+
+    expected, got = run(False), run(True)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_ordered_backward_edges_on_a_pytree_boundary_leave_gradients_bitwise_equal():
+    def run(ordered: bool) -> Dict[str, Tensor]:
+        seq, x = tree_layers(), inputs()
+        torch.manual_seed(5)
+        pipe = LocalPipeline(
+            seq,
+            plan(seq, devices=CPU, balance=[1, 1, 2], checkpoint="always"),
+            chunks=4,
+            ordered_backward=ordered,
+        )
+        out = pipe.forward(x)
+        (out["h"][0].pow(2).mean() + out["skip"][0].sum()).backward()
+        return grads(seq, x)
+
+    expected, got = run(False), run(True)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k

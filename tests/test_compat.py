@@ -4,6 +4,7 @@ One test per entry, asserting the behaviour pipeckpt relies on: an upgrade that 
 changes one of them fails here, by name.
 """
 
+import collections
 import inspect
 import threading
 
@@ -55,6 +56,24 @@ def test_pytree_flattens_and_rebuilds_nested_structures():
     rebuilt = _compat.tree_unflatten(leaves, spec)
     assert rebuilt["b"] == [2, "s"] and torch.equal(rebuilt["a"][0], torch.ones(1))
     assert _compat.tree_map(lambda x: x * 2 if isinstance(x, int) else x, [3])[0] == 6
+
+
+def test_tree_is_leaf_tells_leaves_from_pytree_nodes():
+    Pair = collections.namedtuple("Pair", "a b")
+    assert _compat.tree_is_leaf(3) and _compat.tree_is_leaf("s") and _compat.tree_is_leaf(torch.ones(1))
+    assert not _compat.tree_is_leaf(Pair(1, 2))
+    assert not _compat.tree_is_leaf(collections.OrderedDict(a=1))
+
+
+def test_a_registered_pytree_node_is_walked_by_tree_flatten():
+    class Box:
+        def __init__(self, items: list) -> None:
+            self.items = items
+
+    _compat.register_pytree_node(Box, lambda b: (b.items, None), lambda items, _: Box(list(items)))
+    leaves, spec = _compat.tree_flatten({"b": Box([torch.ones(1), 2])})
+    assert len(leaves) == 2 and torch.equal(leaves[0], torch.ones(1)) and leaves[1] == 2
+    assert _compat.tree_unflatten(leaves, spec)["b"].items[1] == 2
 
 
 @pytest.mark.parametrize("norm", [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2)])

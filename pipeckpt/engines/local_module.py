@@ -83,9 +83,8 @@ class ModuleRunner:
         if self.streams is not None and self.spec.root.training:
             self.streams.next_call()
         call = describe_call(f"self.{self.name}", args, kwargs)
-        if self.several_devices:
-            args, kwargs = to_device((args, kwargs), self.plan.devices[-1])
-        pieces = scatter(args, kwargs, self.chunks, call=call)
+        device = self.plan.devices[-1] if self.several_devices else None
+        pieces = scatter(args, kwargs, self.chunks, call=call, device=device)
         m = len(pieces)
         caller = capture_caller_state()
         recomputes = sum(n * s.recomputes_per_step(m) for n, s in zip(self._layer_counts, self.stages))

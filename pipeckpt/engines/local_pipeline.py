@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch, tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
-from pipeckpt.boundary import batch_size, first_tensor, gather, scatter, to_device
+from pipeckpt.boundary import Flat, batch_size, first_tensor, gather, scatter, to_device
 from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.planning import StagePlan, split
 from pipeckpt.side_inputs import Chain, Signatures, describe_call
@@ -122,7 +122,7 @@ class LocalPipeline:
         layers = list(sequential)
         names = list(names) if names is not None else [f"{name}.{i}" for i in range(len(layers))]
         self.signatures = Signatures(name, list(zip(names, layers)))
-        self._chains: Dict[FrozenSet[str], List[Tuple[Chain, FrozenSet[str]]]] = {}
+        self._chains: Dict[FrozenSet[str], List[Tuple[Chain, Optional[FrozenSet[str]]]]] = {}
         self._checked_plain = False
         self.calls = 0  # pipelined calls, for the check that a step used the pipeline
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
@@ -162,23 +162,27 @@ class LocalPipeline:
         self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> List[Tuple[Any, Dict[str, Any]]]:
         call = describe_call(self.name, args, kwargs)
-        args, kwargs = _to((args, kwargs), self.plan.devices[0])
-        pieces = scatter(args, kwargs, self.chunks, call=call)
-        self._warn_small(batch_size(args, call=call), len(pieces))
+        # The first argument stays flat (boundary.Flat) into the first stage's Call.
+        pieces = scatter(args, kwargs, self.chunks, call=call, device=self.plan.devices[0], flat_first=True)
+        if len(pieces) < self.chunks:
+            self._warn_small(batch_size(args, call=call), len(pieces))
         return [(a[0], k) for a, k in pieces]
 
     def _gather(self, outputs: Sequence[Any]) -> Any:
+        first = outputs[0]
         if len(outputs) == 1:
-            return outputs[0]
-        if isinstance(outputs[0], Tensor):
+            return first.value() if type(first) is Flat else first
+        if isinstance(first, Tensor):
             return torch.cat(outputs)  # type: ignore[arg-type]
-        if _tensors(outputs[0]):
+        if _tensors(first):
             return tuple(torch.cat(parts) for parts in zip(*outputs))
         return gather(outputs, call=f"{self.name}(...)")
 
     def _stage_chains(
         self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> List[Tuple[Chain, FrozenSet[str]]]:
+    ) -> List[Tuple[Chain, Optional[FrozenSet[str]]]]:
+        """Per stage, its Chain and the side inputs it takes (None: every one of the call's),
+        made once per set of keywords."""
         routes = self.signatures.routes(args, kwargs)
         keys = frozenset(kwargs)
         chains = self._chains.get(keys)
@@ -187,7 +191,8 @@ class LocalPipeline:
             for stage, (a, b) in zip(self.stages, self.plan.ranges):
                 assert isinstance(stage.partition, nn.Sequential)
                 chain = Chain(list(stage.partition), routes[a:b])
-                chains.append((chain, chain.keys()))
+                wanted = chain.keys()
+                chains.append((chain, None if wanted == keys else wanted))
             self._chains[keys] = chains
         return chains
 
@@ -233,7 +238,7 @@ class LocalPipeline:
                     batches[i] = stages[j](x)
                 else:
                     wanted = chains[j][1]
-                    side = {k: v for k, v in sides[i].items() if k in wanted}
+                    side = sides[i] if wanted is None else {k: v for k, v in sides[i].items() if k in wanted}
                     if side and stages[j].device != self.plan.devices[0]:
                         side = _to(side, stages[j].device)
                     batches[i] = stages[j](x, side or None)
