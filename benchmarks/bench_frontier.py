@@ -348,9 +348,11 @@ def _budget_name(headroom: float) -> str:
 
 
 def _draw(by_key, peers, candidates, autos, path: Path) -> None:
+    """Peers, every candidate, auto's picks; labels only on peers, picks and the candidates no other
+    candidate beats on both axes (the rest would be unreadable)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5))
+    fig = Figure(figsize=(9, 5.5))
     ax = fig.subplots()
 
     def point(m: Method, **style) -> None:
@@ -359,17 +361,47 @@ def _draw(by_key, peers, candidates, autos, path: Path) -> None:
         ax.errorbar([mm], [t], yerr=err, capsize=2, linestyle="none", **style)
 
     chosen = {k for k in autos.values() if k is not None}
+    points = {k: _point(m) for k, m in candidates.items()}
+    frontier = {
+        k
+        for k, (mm, t) in points.items()
+        if not any(o != (mm, t) and o[0] <= mm and o[1] <= t for o in points.values())
+    }
     for key in peers:
-        point(by_key[key], marker="s", color="tab:red")
-        ax.annotate(key, _point(by_key[key]), fontsize="x-small", color="tab:red")
+        point(by_key[key], marker="s", color="tab:red", markersize=7)
+        ax.annotate(
+            key,
+            _point(by_key[key]),
+            fontsize="small",
+            color="tab:red",
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     for key, m in candidates.items():
-        point(m, marker="*" if key in chosen else "o", color="tab:green" if key in chosen else "tab:blue")
-        ax.annotate(m.key.replace("pipeckpt-", ""), _point(m), fontsize="xx-small")
+        picked = key in chosen
+        point(
+            m,
+            marker="*" if picked else "o",
+            color="tab:green" if picked else "tab:blue",
+            markersize=9 if picked else 4,
+        )
+        if picked or key in frontier:
+            ax.annotate(
+                m.key.replace("pipeckpt-", ""),
+                _point(m),
+                fontsize="xx-small",
+                color="tab:green" if picked else "tab:blue",
+                xytext=(4, -8),
+                textcoords="offset points",
+            )
+    ax.set_yscale("log")
     ax.set_xlabel("peak activations + gradients, MiB")
-    ax.set_ylabel("CPU time vs plain (median, bars: round-to-round range)")
-    ax.set_title("frontier: peers (red squares), pipeckpt (blue), auto's picks (green stars)")
+    ax.set_ylabel("CPU time vs plain (median; bars: round-to-round range)")
+    ax.set_title(
+        "frontier: peers (red), pipeckpt candidates (blue; labelled: not beaten on both), auto (green)"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -269,9 +269,24 @@ def _search_shared(
     whose process peak fits (None if none does), and the least process peak with its deciding stage."""
     stages = len(balance)
     held = {m.name: _held_per_step(profile, balance, (m,) * stages, chunks) for m in ranked}
+
+    def terms(j: int, m: CheckpointMode) -> Tuple[float, int, int]:
+        s = per_mode[m.name].stages[j]
+        return (s.time_s, held[m.name][j], s.peak - s.params - s.optimizer)
+
+    # A mode no better than another on all three of its stage's terms can be dropped: the process
+    # peak and the step time grow with each term, so the other does at least as well in any plan.
+    options = []
+    for j in range(stages):
+        kept: List[CheckpointMode] = []
+        for m in ranked:
+            mine = terms(j, m)
+            if not any(all(a <= b for a, b in zip(terms(j, o), mine)) for o in kept):
+                kept = [o for o in kept if not all(a <= b for a, b in zip(mine, terms(j, o)))] + [m]
+        options.append(kept)
     best: Optional[Tuple[float, int, Tuple[CheckpointMode, ...]]] = None
     least: Optional[Tuple[int, StageMemory]] = None
-    for picked in _combinations([ranked] * stages):
+    for picked in _combinations(options):
         memories = [per_mode[m.name].stages[j] for j, m in enumerate(picked)]
         whole = _compose(memories, [held[m.name][j] for j, m in enumerate(picked)], chunks)
         if least is None or whole < least[0]:
