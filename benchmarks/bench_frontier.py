@@ -8,21 +8,32 @@ pipeckpt's candidates are auto's own search space, so modes added to
 every mode on every stage, for each chunk count that cuts the batch, plus what
 :func:`pipeckpt.auto.choose` picks at each peer's memory.
 
-Auto's budget at a peer's point: the benchmark's figure is the whole device's activations +
-gradients; the memory model's per-stage peak also counts the stage's parameters (SGD keeps no
-state). With every stage on the one CPU the budget handed to ``choose`` is the peer's figure
-plus the largest stage's parameters, an approximation that this table then checks by measuring
-the chosen configuration::
+Auto's budget at a peer's point: the benchmark's figure is the whole process's peak of
+activations + gradients; every stage runs on the one CPU, so ``choose`` gets ``shared_device=True``
+(the budget is the device's, checked against the whole process's predicted peak,
+:func:`pipeckpt.auto.process_peak`), a budget of the peer's figure less ``--headroom`` (0.5 %) plus
+all the parameters (SGD keeps no state), and balances within one layer per stage of the default.
+The headroom: the model's accounting differs from this harness's tracker by about a kilobyte either
+way (mode-dependent), and with none auto picked, at ``checkpoint_sequential``'s memory, a plan
+768 bytes (0.04 %) above it. The candidate table sets the model's predictions (process peak, step time)
+beside the measured ones, so a wrong pick can be traced to the memory or the time model.
+
+Noise: each timed sample runs ``--repeat`` steps (the quick step takes ~10 ms); ratios are against
+the plain runs around each group, and the tables give the median and the round-to-round range
+(min-max); "at or below" compares medians only::
 
     python benchmarks/bench_frontier.py --quick --out /tmp/frontier.md     # a minute
     python benchmarks/bench_frontier.py --rounds 5 --out benchmarks/RESULTS_frontier.md  # GPT-2 small
+    python benchmarks/bench_frontier.py --rounds 1 --only per-block,ckpt-seq-4,always-c1  # a subset
 """
 
 import argparse
+import itertools
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +47,7 @@ from bench_checkpoint import (
     LR,
     QUICK,
     Config,
+    ForwardBackward,
     Method,
     build_methods,
     make_batch,
@@ -45,10 +57,10 @@ from bench_checkpoint import (
 )
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.auto import DEFAULT_MODES, choose
+from pipeckpt.auto import DEFAULT_MODES, choose, process_peak
 from pipeckpt.budget import chunk_candidates
 from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.memory import profile
+from pipeckpt.memory import ModelProfile, predict, profile
 from pipeckpt.planning import plan
 
 MiB = 2**20
@@ -59,25 +71,91 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def pipeckpt_method(model: torch.nn.Sequential, cfg: Config, modes: Sequence[str], chunks: int) -> Method:
-    stage_plan = plan(model, devices=[CPU], balance=cfg.balance, checkpoint=list(modes), chunks=chunks)
+#: A pipeckpt configuration: the modes per stage, the chunks and the balance.
+Key = Tuple[Tuple[str, ...], int, Tuple[int, ...]]
+
+
+def nearby_balances(balance: Sequence[int]) -> List[Tuple[int, ...]]:
+    """The balances auto may choose among: each stage within one layer of ``balance``, every stage
+    non-empty, the same layers in all (the quick config: 13 of them; the full one: 19)."""
+    options = itertools.product(*[(n - 1, n, n + 1) for n in balance])
+    return [b for b in options if min(b) >= 1 and sum(b) == sum(balance)]
+
+
+def pipeckpt_method(
+    model: torch.nn.Sequential, cfg: Config, modes: Sequence[str], chunks: int, balance: Sequence[int]
+) -> Method:
+    stage_plan = plan(model, devices=[CPU], balance=list(balance), checkpoint=list(modes), chunks=chunks)
     engine = LocalPipeline(model, stage_plan, chunks=chunks, pin_memory=False)
     name = modes[0] if len(set(modes)) == 1 else "/".join(modes)
+    cut = "" if list(balance) == list(cfg.balance) else f"-b{''.join(map(str, balance))}"
     return Method(
-        f"pipeckpt-{name}-c{chunks}",
-        f"pipeckpt {name}, {chunks} chunks",
+        f"pipeckpt-{name}-c{chunks}{cut}",
+        f"pipeckpt {name}, {chunks} chunks" + (f", balance {list(balance)}" if cut else ""),
         "pipeckpt",
         name,
         whole_batch(engine.forward),
     )
 
 
+def _key(name: str) -> str:
+    """A method key as ``--only`` names it: peers as they are, candidates without ``pipeckpt-``."""
+    name = name.strip()
+    return name if name in ("plain", *PEERS) or name.startswith("pipeckpt-") else f"pipeckpt-{name}"
+
+
+def _repeated(run: ForwardBackward, repeat: int) -> ForwardBackward:
+    """``repeat`` forward + backward passes per timed sample (gradients accumulate; the optimizer
+    steps once, the same for every method): a 10 ms step is too short to time alone."""
+    if repeat == 1:
+        return run
+
+    def runs(x: torch.Tensor, y: torch.Tensor, probe: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        for _ in range(repeat - 1):
+            run(x, y, probe)
+        return run(x, y, probe)
+
+    return runs
+
+
+@dataclass
+class Predicted:
+    """The model's figures for one pipeckpt configuration (every stage on the one CPU)."""
+
+    process_mib: float
+    step_ms: float
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the tables (Markdown); the PNG goes beside it")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated method keys to measure (plain always runs): peers as in PEERS, "
+        "pipeckpt candidates as MODE-cCHUNKS, e.g. 'per-block,ckpt-seq-4,always-c1,always:1-c1'",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="steps per timed sample (default 10 with --quick, else 1)"
+    )
+    parser.add_argument(
+        "--profile-rounds",
+        type=int,
+        default=10,
+        help="timing rounds of the profile auto plans from (a median; 2 let one stall skew a layer)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.005,
+        help="share of a peer's figure auto's budget leaves for the memory model's error (its pick lands "
+        "up to ~1.5 KiB above the prediction on the quick GPT; 0 plans to the byte)",
+    )
     args = parser.parse_args(argv)
+    only: Optional[Set[str]] = None if args.only is None else {_key(k) for k in args.only.split(",") if k}
+    repeat = args.repeat if args.repeat is not None else (10 if args.quick else 1)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else FULL
     torch.manual_seed(0)
@@ -94,111 +172,236 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             whole_batch(lambda t: checkpoint_sequential(model, 4, t, use_reentrant=False)),
         ),
     )
+    methods = [m for m in methods if only is None or m.key == "plain" or m.key in only]
+    peers = [m.key for m in methods if m.key in PEERS]
     chunk_options = chunk_candidates(cfg.batch, cfg.chunks)
-    candidates: Dict[Tuple[Tuple[str, ...], int], Method] = {}
+    candidates: Dict[Key, Method] = {}
     for c in chunk_options:
         for mode in DEFAULT_MODES:
             modes = (mode.name,) * cfg.stages
-            candidates[(modes, c)] = pipeckpt_method(model, cfg, modes, c)
+            method = pipeckpt_method(model, cfg, modes, c, cfg.balance)
+            if only is None or method.key in only:
+                candidates[(modes, c, tuple(cfg.balance))] = method
     for m in methods + list(candidates.values()):
         measure_memory(m, model, x, y, seed=0)
-    # auto at each peer's memory
     profiles = {
-        c: profile(model, x.chunk(c)[0], loss_fn=_loss, target=y.chunk(c)[0], rounds=2) for c in chunk_options
+        c: profile(model, x.chunk(c)[0], loss_fn=_loss, target=y.chunk(c)[0], rounds=args.profile_rounds)
+        for c in chunk_options
     }
-    stage_params = [
-        sum(p.numel() * p.element_size() for layer in list(model)[a:b] for p in layer.parameters())
-        for a, b in plan(model, devices=[CPU], balance=cfg.balance, checkpoint="never").ranges
-    ]
+    all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     by_key = {m.key: m for m in methods}
-    autos: Dict[str, Optional[Tuple[Tuple[str, ...], int]]] = {}
-    for peer in PEERS:
-        budget = int(by_key[peer].footprint_mib * MiB) + max(stage_params)
-        try:
-            got = choose(
-                profiles,
-                budget,
-                balance=cfg.balance,
-                chunks=chunk_options,
-                optimizer="sgd",
-                shared_device=True,
-            )
-        except PipeckptConfigError:
-            autos[peer] = None
-            continue
-        key = (tuple(m.name for m in got.modes), got.chunks)
-        if key not in candidates:
-            candidates[key] = pipeckpt_method(model, cfg, key[0], key[1])
-            measure_memory(candidates[key], model, x, y, seed=0)
-        autos[peer] = key
+    autos: Dict[Tuple[str, float], Optional[Key]] = {}  # (peer, headroom) -> auto's pick
+    balances = nearby_balances(cfg.balance)
+    headrooms = (0.0, args.headroom)
+    for peer in peers:
+        figure = int(by_key[peer].footprint_mib * MiB)
+        for headroom in headrooms:
+            try:
+                got = choose(
+                    profiles,
+                    int(figure * (1 - headroom)) + all_params,
+                    balance=cfg.balance,
+                    balances=balances,
+                    chunks=chunk_options,
+                    optimizer="sgd",
+                    shared_device=True,
+                )
+            except PipeckptConfigError:
+                autos[(peer, headroom)] = None
+                continue
+            key = (tuple(m.name for m in got.modes), got.chunks, tuple(got.balance))
+            if key not in candidates:
+                candidates[key] = pipeckpt_method(model, cfg, *key)
+                measure_memory(candidates[key], model, x, y, seed=0)
+            autos[(peer, headroom)] = key
+    predicted = {key: _predicted(profiles[key[1]], model, key, all_params) for key in candidates}
     everything = methods + list(candidates.values())
+    for m in everything:
+        m.run = _repeated(m.run, repeat)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     measure_time(
         everything, x, y, optimizer, rounds=args.rounds, group=3, log=lambda s: print(s, file=sys.stderr)
     )
-    lines = _table(by_key, candidates, autos, cfg, args.rounds)
+    lines = _table(by_key, peers, candidates, predicted, autos, cfg, args.rounds, repeat, headrooms)
     text = "\n".join(lines)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-        _draw(by_key, candidates, Path(args.out).with_suffix(".png"))
+        _draw(by_key, peers, candidates, autos, Path(args.out).with_suffix(".png"))
     return 0
+
+
+def _predicted(prof: ModelProfile, model: torch.nn.Sequential, key: Key, all_params: int) -> Predicted:
+    modes, chunks, balance = key
+    stage_plan = plan(model, devices=[CPU], balance=list(balance), checkpoint=list(modes), chunks=chunks)
+    whole = process_peak(prof, stage_plan, chunks=chunks, optimizer="sgd")
+    step = predict(prof, stage_plan, chunks=chunks, optimizer="sgd", shared_device=True).step_time_s
+    return Predicted(process_mib=(whole - all_params) / MiB, step_ms=step * 1e3)
 
 
 def _point(m: Method) -> Tuple[float, float]:
     return m.footprint_mib or 0.0, statistics.median(m.cpu_ratios)
 
 
-def _table(by_key, candidates, autos, cfg: Config, rounds: int) -> List[str]:
+def _spread(m: Method) -> str:
+    return f"{min(m.cpu_ratios):.2f}-{max(m.cpu_ratios):.2f}"
+
+
+def _step_ms(m: Method, repeat: int) -> float:
+    return statistics.median(m.cpu) / repeat * 1e3
+
+
+def _ranks(values: Sequence[float]) -> List[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    for r, i in enumerate(order):
+        ranks[i] = float(r)
+    return ranks
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Rank correlation, hand-written: five lines against a SciPy import the project does not need."""
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    ra, rb = _ranks(a), _ranks(b)
+    return 1 - 6 * sum((p - q) ** 2 for p, q in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def _table(
+    by_key,
+    peers,
+    candidates,
+    predicted,
+    autos,
+    cfg: Config,
+    rounds: int,
+    repeat: int,
+    headrooms: Sequence[float],
+) -> List[str]:
+    plain = by_key["plain"]
+    plain_ms = [c / repeat * 1e3 for c in plain.cpu]
     lines = [
-        f"# Frontier: peak activations + gradients (MiB) and CPU time vs plain ({rounds} interleaved rounds, "
-        "medians)",
+        f"# Frontier: peak activations + gradients (MiB) and CPU time vs plain ({rounds} interleaved rounds "
+        f"of {repeat} steps per sample; medians, round-to-round range in brackets)",
         f"{machine()}; GPT d {cfg.d_model} x {cfg.n_layers}, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
         f"batch {cfg.batch}, {cfg.stages} stages; pipeckpt candidates: modes "
-        f"{[m.name for m in DEFAULT_MODES]} "
-        f"on every stage x chunks {sorted({c for _, c in candidates})}",
+        f"{[m.name for m in DEFAULT_MODES]} on every stage x chunks {sorted({c for _, c, _ in candidates})}; "
+        f"plain step {statistics.median(plain_ms):.2f} ms CPU "
+        f"(range {min(plain_ms):.2f}-{max(plain_ms):.2f})",
+        "auto's budget at a peer: its figure (to the byte, then less a headroom for the model's error) plus "
+        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=each stage within one "
+        "layer of the default)`; each pick measured",
         "",
-        "| peer | peak act+grad MiB | time vs plain | pipeckpt at or below on both "
-        "| auto at the peer's memory | auto's point |",
-        "|---|---|---|---|---|---|",
+        "| peer | peak act+grad MiB | time vs plain [range] | pipeckpt at or below on both (medians) | "
+        + " | ".join(f"auto, budget {_budget_name(h)}: pick (MiB, time [range])" for h in headrooms)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(headrooms),
     ]
-    for peer in PEERS:
+    for peer in peers:
         pm, pt = _point(by_key[peer])
         below = [m for m in candidates.values() if _point(m)[0] <= pm and _point(m)[1] <= pt]
-        names = ", ".join(f"{m.label} ({_point(m)[0]:.1f}, {_point(m)[1]:.2f})" for m in below) or "none"
-        auto = autos[peer]
-        if auto is None:
-            found, point = "no plan fits", "-"
-        else:
+        names = ", ".join(f"{m.label} ({_point(m)[0]:.2f}, {_point(m)[1]:.2f})" for m in below) or "none"
+        picks = []
+        for h in headrooms:
+            auto = autos.get((peer, h))
+            if auto is None:
+                picks.append("no plan fits")
+                continue
             m = candidates[auto]
             am, at = _point(m)
-            found = f"{m.label}: " + ("at or below" if am <= pm and at <= pt else "not below")
-            point = f"{am:.1f}, {at:.2f}"
-        lines.append(f"| {by_key[peer].label} | {pm:.1f} | {pt:.2f} | {names} | {found} | {point} |")
-    lines += ["", "| pipeckpt candidate | peak act+grad MiB | time vs plain |", "|---|---|---|"]
-    for m in candidates.values():
-        lines.append(f"| {m.label} | {_point(m)[0]:.1f} | {_point(m)[1]:.2f} |")
+            verdict = "at or below" if am <= pm and at <= pt else "not below"
+            if am > pm:
+                verdict += f" (+{(am - pm) * MiB:.0f} B)"
+            picks.append(f"{m.label}: **{verdict}** ({am:.2f}, {at:.2f} [{_spread(m)}])")
+        lines.append(
+            f"| {by_key[peer].label} | {pm:.2f} | {pt:.2f} [{_spread(by_key[peer])}] | {names} | "
+            + " | ".join(picks)
+            + " |"
+        )
+    lines += [
+        "",
+        "Candidates, measured against the model (predicted process peak: `pipeckpt.auto.process_peak` "
+        "less the parameters; predicted step: `predict(..., shared_device=True)` from the profile):",
+        "",
+        "| pipeckpt candidate | peak MiB measured / predicted | time vs plain [range] "
+        "| step ms CPU measured / predicted |",
+        "|---|---|---|---|",
+    ]
+    for key, m in candidates.items():
+        p = predicted[key]
+        lines.append(
+            f"| {m.label} | {_point(m)[0]:.2f} / {p.process_mib:.2f} | {_point(m)[1]:.2f} [{_spread(m)}] "
+            f"| {_step_ms(m, repeat):.2f} / {p.step_ms:.2f} |"
+        )
+    keys = list(candidates)
+    rho = _spearman([_step_ms(candidates[k], repeat) for k in keys], [predicted[k].step_ms for k in keys])
+    lines += [
+        "",
+        f"Rank correlation (Spearman) of predicted and measured step time over the candidates: {rho:.2f}",
+    ]
     return lines
 
 
-def _draw(by_key, candidates, path: Path) -> None:
+def _budget_name(headroom: float) -> str:
+    return "to the byte" if headroom == 0 else f"less {headroom:.1%}"
+
+
+def _draw(by_key, peers, candidates, autos, path: Path) -> None:
+    """Peers, every candidate, auto's picks; labels only on peers, picks and the candidates no other
+    candidate beats on both axes (the rest would be unreadable)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(9, 5.5))
     ax = fig.subplots()
-    for key in PEERS:
-        m, t = _point(by_key[key])
-        ax.scatter([m], [t], marker="s", color="tab:red")
-        ax.annotate(key, (m, t), fontsize="x-small")
-    for m in candidates.values():
+
+    def point(m: Method, **style) -> None:
         mm, t = _point(m)
-        ax.scatter([mm], [t], marker="o", color="tab:blue")
-        ax.annotate(m.key.replace("pipeckpt-", ""), (mm, t), fontsize="x-small")
+        err = [[t - min(m.cpu_ratios)], [max(m.cpu_ratios) - t]]
+        ax.errorbar([mm], [t], yerr=err, capsize=2, linestyle="none", **style)
+
+    chosen = {k for k in autos.values() if k is not None}
+    points = {k: _point(m) for k, m in candidates.items()}
+    frontier = {
+        k
+        for k, (mm, t) in points.items()
+        if not any(o != (mm, t) and o[0] <= mm and o[1] <= t for o in points.values())
+    }
+    for key in peers:
+        point(by_key[key], marker="s", color="tab:red", markersize=7)
+        ax.annotate(
+            key,
+            _point(by_key[key]),
+            fontsize="small",
+            color="tab:red",
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    for key, m in candidates.items():
+        picked = key in chosen
+        point(
+            m,
+            marker="*" if picked else "o",
+            color="tab:green" if picked else "tab:blue",
+            markersize=9 if picked else 4,
+        )
+        if picked or key in frontier:
+            ax.annotate(
+                m.key.replace("pipeckpt-", ""),
+                _point(m),
+                fontsize="xx-small",
+                color="tab:green" if picked else "tab:blue",
+                xytext=(4, -8),
+                textcoords="offset points",
+            )
+    ax.set_yscale("log")
     ax.set_xlabel("peak activations + gradients, MiB")
-    ax.set_ylabel("CPU time vs plain")
-    ax.set_title("frontier: peers (red squares), pipeckpt (blue)")
+    ax.set_ylabel("CPU time vs plain (median; bars: round-to-round range)")
+    ax.set_title(
+        "frontier: peers (red), pipeckpt candidates (blue; labelled: not beaten on both), auto (green)"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

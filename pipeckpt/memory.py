@@ -29,7 +29,7 @@ not counted.
 import statistics
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
@@ -52,6 +52,7 @@ from pipeckpt.gradients import gradients_set_aside
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.order import kept as kept_microbatches
 from pipeckpt.planning import StagePlan
+from pipeckpt.selective import run_selective
 from pipeckpt.sizes import OPTIMIZERS
 
 __all__ = [
@@ -100,6 +101,10 @@ class LayerProfile:
     # the ops its policy keeps, and the forward seconds those ops take (a selective recompute skips them).
     sac_kept: Tuple[int, ...] = ()
     sac_s: float = 0.0
+    # Seconds selective checkpointing adds to this layer's forward + backward, as measured (None:
+    # not measured, fake tensors): on a dispatch-bound layer SAC's per-op dispatch mode and the
+    # checkpoint's hooks cost more than the recompute SAC saves (GPT d 64 block: 3.0x plain).
+    sac_extra_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,16 @@ def _unpack(t: Tensor) -> Tensor:
     return t
 
 
+def _clock() -> Callable[[], float]:
+    """The clock the timing passes read: on CPU with one torch thread, this process's CPU time,
+    which a machine shared with other jobs does not inflate (the wall clock there counted every
+    wait for a core: a GPT d 64 profile read 2.6x its step); else the wall clock (a GPU's kernels,
+    several threads' overlap)."""
+    if torch.cuda.is_available() or torch.get_num_threads() > 1:
+        return time.perf_counter
+    return time.process_time
+
+
 def _timing_pass(
     layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], rounds: int
 ) -> List[Tuple[float, float]]:
@@ -269,23 +284,24 @@ def _timing_pass(
     modules = [*layers, *([loss] if loss is not None else [])]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     samples: List[List[Tuple[float, float]]] = [[] for _ in modules]
+    clock = _clock()
     for r in range(rounds + 1):
         marks: List[float] = []
-        handles = [m.register_full_backward_pre_hook(_marker(marks, sync)) for m in modules]
+        handles = [m.register_full_backward_pre_hook(_marker(marks, sync, clock)) for m in modules]
         forward_s = []
         try:
             h = x
             for m in modules:
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 h = m(h)
                 sync()
-                forward_s.append(time.perf_counter() - t0)
+                forward_s.append(clock() - t0)
             outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             sync()
-            marks.append(time.perf_counter())
+            marks.append(clock())
         finally:
             for handle in handles:
                 handle.remove()
@@ -303,10 +319,48 @@ def _timing_pass(
     ]
 
 
-def _marker(marks: List[float], sync: Callable[[], Any]) -> Callable[..., None]:
+def _selective_pass(layers: List[nn.Module], x: Any, rounds: int) -> List[Optional[float]]:
+    """Per layer, the median seconds selective checkpointing adds to its forward + backward over
+    ``rounds`` (after one warm-up): each layer alone on the input it gets, plain and under
+    :func:`pipeckpt.selective.run_selective`, interleaved."""
+    inputs, h = [], x
+    with torch.no_grad():
+        for m in layers:
+            inputs.append(h)
+            h = m(h)
+    out: List[Optional[float]] = []
+    for m, h in zip(layers, inputs):
+        # A pytree between layers is left to the recompute estimate.
+        out.append(_selective_extra(m, h, rounds) if isinstance(h, Tensor) else None)
+    return out
+
+
+def _selective_extra(layer: nn.Module, x: Tensor, rounds: int) -> float:
+    h = x.detach().requires_grad_(x.is_floating_point())
+    clock = _clock()
+    runs = (lambda: layer(h), lambda: run_selective(layer, (h,), {}, recompute_guard=nullcontext))
+    extra = []
+    for r in range(rounds + 1):
+        took = []
+        for run in runs:
+            t0 = clock()
+            _forward_backward_of(run)
+            took.append(clock() - t0)
+        if r > 0:
+            extra.append(took[1] - took[0])
+    return max(0.0, statistics.median(extra))
+
+
+def _forward_backward_of(run: Callable[[], Any]) -> None:
+    outputs = [t for t in tree_flatten(run())[0] if isinstance(t, Tensor) and t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def _marker(marks: List[float], sync: Callable[[], Any], clock: Callable[[], float]) -> Callable[..., None]:
     def mark(*_: Any) -> None:
         sync()
-        marks.append(time.perf_counter())
+        marks.append(clock())
 
     return mark
 
@@ -369,6 +423,7 @@ def profile(
                     # fires with its output's gradient, which is what the timing wants.
                     warnings.filterwarnings("ignore", message="Full backward hook is firing")
                     times = _timing_pass(layers, microbatch, loss, rounds)
+                    sac_extra = _selective_pass(layers, microbatch, rounds)
     finally:
         sequential.train(was_training)
     profiles = []
@@ -390,6 +445,7 @@ def profile(
                 backward_s=bwd,
                 sac_kept=tuple(sorted(record["sac"])),
                 sac_s=fwd * _sac_share(record, fake),
+                sac_extra_s=None if fake or i >= len(layers) else sac_extra[i],
             )
         )
     return ModelProfile(
@@ -726,7 +782,10 @@ class _StageModel:
         """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
         selective all but the ops SAC kept."""
         if mode.selective:
-            return sum(max(0.0, layer.forward_s - layer.sac_s) for layer in self.layers)
+            return sum(
+                max(0.0, layer.forward_s - layer.sac_s) if layer.sac_extra_s is None else layer.sac_extra_s
+                for layer in self.layers
+            )
         return self.forward_s
 
 

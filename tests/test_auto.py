@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stage_memory import measure_local_step, split_batch
+from stage_memory import StageTracker, measure_local_step, split_batch
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.auto import DEFAULT_MODES, choose, parse_bytes, with_balance_modes
+from pipeckpt.auto import DEFAULT_MODES, choose, parse_bytes, process_peak, with_balance_modes
+from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.memory import predict, profile, with_balance
 from pipeckpt.models.gpt import gpt_layers
 from pipeckpt.models.mlp import mlp_layers
-from pipeckpt.planning import StagePlan
+from pipeckpt.planning import StagePlan, plan
 
 CPU = torch.device("cpu")
 
@@ -161,3 +162,72 @@ def test_the_infeasible_error_names_the_largest_term_of_the_deciding_stage() -> 
         choose(PROFILES[4], decisive.peak - 1, balance=BALANCE, chunks=4)
     assert f"decided by stage {decisive.stage} " in str(error.value)
     assert f"whose largest term is {term} " in str(error.value)
+
+
+# -- one device for every stage (shared_device): the budget is the whole process's ---------------
+
+
+@pytest.fixture(scope="module")
+def one_device_plans():
+    """(modes, process peak, step time) of every per-stage mode combination, all stages on one CPU."""
+    out = []
+    for modes in itertools.product(DEFAULT_MODES, repeat=len(BALANCE)):
+        p = _plan(BALANCE, modes)
+        whole = process_peak(PROFILES[4], p, chunks=4, optimizer="adam")
+        step = predict(PROFILES[4], p, chunks=4, optimizer="adam", shared_device=True).step_time_s
+        out.append((modes, whole, step))
+    return out
+
+
+def test_one_device_choice_is_as_fast_as_brute_force_under_the_whole_process_peak(one_device_plans) -> None:
+    peaks = sorted({whole for _, whole, _ in one_device_plans})
+    budgets = [*peaks[:: max(1, len(peaks) // 12)], peaks[-1]]
+    checked = 0
+    for budget in budgets:
+        expected = min(step for _, whole, step in one_device_plans if whole <= budget)
+        got = choose(PROFILES[4], budget, balance=BALANCE, chunks=4, shared_device=True)
+        assert got.process_peak is not None and got.process_peak <= budget
+        assert got.process_peak == process_peak(PROFILES[4], _plan(BALANCE, got.modes), chunks=4)
+        assert got.prediction.step_time_s == pytest.approx(expected, rel=1e-12), budget
+        checked += 1
+    assert checked >= 10
+
+
+def test_one_device_infeasible_budget_names_the_least_whole_process_peak(one_device_plans) -> None:
+    least = min(whole for _, whole, _ in one_device_plans)
+    with pytest.raises(PipeckptConfigError, match=rf"smallest feasible budget is .* \({least} bytes\)"):
+        choose(PROFILES[4], least - 1, balance=BALANCE, chunks=4, shared_device=True)
+    assert choose(PROFILES[4], least, balance=BALANCE, chunks=4, shared_device=True).process_peak == least
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_the_whole_process_peak_on_one_cpu_is_predicted_within_ten_percent(chunks) -> None:
+    # Measured: every storage the step creates, parameters added (the harness's figure plus them).
+    torch.manual_seed(0)
+    seq = gpt_layers(vocab_size=256, d_model=64, n_heads=4, n_layers=4, seq_len=32, dropout=0.1)
+    x, y = torch.randint(256, (4, 32)), torch.randint(256, (4, 32))
+
+    def loss(out, target):
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    fitted = profile(seq, split_batch(x, chunks), loss_fn=loss, target=split_batch(y, chunks), rounds=1)
+    params = sum(p.numel() * p.element_size() for p in seq.parameters())
+    off = {}
+    for modes in (
+        ["never"] * 4,
+        ["always"] * 4,
+        ["always:1"] * 4,
+        ["always", "always:1", "never", "selective"],
+    ):
+        stage_plan = plan(seq, devices=[CPU], balance=[2, 2, 2, 1], checkpoint=modes, chunks=chunks)
+        engine = LocalPipeline(seq, stage_plan, chunks=chunks, pin_memory=False)
+        seq.zero_grad(set_to_none=True)
+        tracker = StageTracker(1)  # one "stage": the whole process
+        tracker.exclude([*seq.parameters(), x, y])
+        torch.manual_seed(0)
+        with tracker:
+            loss(engine.forward(x), y).backward()
+        seq.zero_grad(set_to_none=True)
+        predicted = process_peak(fitted, stage_plan, chunks=chunks, optimizer="sgd")
+        off["/".join(modes)] = predicted / (tracker.total_peak + params)
+    assert all(0.9 <= r <= 1.1 for r in off.values()), off
