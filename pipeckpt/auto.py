@@ -145,9 +145,9 @@ def choose(
                 for m in ranked
             }
             if shared_device:
-                found, least = _search_shared(by_chunks[c], b, c, ranked, per_mode, budget_bytes)
-                if smallest is None or least[0] < smallest[0]:
-                    smallest = (least[0], least[1], c, b)
+                found, lowest = _search_shared(by_chunks[c], b, c, ranked, per_mode, budget_bytes)
+                if smallest is None or lowest[0] < smallest[0]:
+                    smallest = (lowest[0], lowest[1], c, b)
                 if found is not None:
                     picked, whole = found
                     prediction = predict(
