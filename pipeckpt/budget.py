@@ -54,10 +54,17 @@ class AutoPlan:
     def describe(self) -> str:
         p = self.choice.prediction
         peaks = ", ".join(f"{s.peak / 2**20:.1f}" for s in p.stages)
+        whole = self.choice.process_peak
+        # Every stage on one device: the budget bounds the whole process, which is what was planned.
+        peak = (
+            f"predicted peak of the one device (all stages) {whole / 2**20:.1f} MiB, per stage [{peaks}] MiB"
+            if whole is not None
+            else f"predicted peak per stage [{peaks}] MiB"
+        )
         return (
             f"checkpoint=auto under {self.budget / 2**20:.1f} MiB per device: "
             f"checkpoint={[m.name for m in self.choice.modes]}, chunks={self.choice.chunks}, "
-            f"balance={list(self.choice.balance)}; predicted peak per stage [{peaks}] MiB, "
+            f"balance={list(self.choice.balance)}; {peak}, "
             f"step {p.step_time_s * 1e3:.1f} ms ({p.schedule} schedule)"
         )
 

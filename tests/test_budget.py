@@ -131,6 +131,17 @@ def test_the_strategy_builds_the_plan_choose_picks_under_the_budget() -> None:
     assert auto.choice.balance == (4, 5)  # the params balance: only modes were searched
 
 
+def test_the_plan_on_one_device_is_described_by_the_whole_devices_peak() -> None:
+    budget = 8 * 2**20
+    strategy = PipelineStrategy(
+        stages=2, chunks=4, checkpoint="auto", memory_budget=budget, memory_optimizer="adamw"
+    )
+    _fit(strategy)
+    auto = strategy.auto_plan
+    whole = auto.choice.process_peak / 2**20
+    assert f"predicted peak of the one device (all stages) {whole:.1f} MiB" in auto.describe()
+
+
 def test_a_tight_budget_checkpoints_and_the_plan_fits_it() -> None:
     data = SyntheticVectors(
         in_features=32, num_classes=10, num_samples=64, val_samples=16, batch_size=16, seed=0
