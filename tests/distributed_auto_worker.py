@@ -26,6 +26,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_distributed_memory import StepWindows  # the benchmark's own measurement
+from ranks import serve
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.data import SyntheticTokens
@@ -97,14 +98,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         torch.save(auto.profiles, os.path.join(out, f"{spec['name']}.profiles.pt"))
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

@@ -14,15 +14,14 @@ pipelined with pipeline_of) with ``dropout`` under engine="distributed", then ei
 `<name>.forward.pt` holding the logged ``val_loss`` and every batch's ``predict_step`` output).
 """
 
-import json
 import os
-import sys
 from typing import Any, Dict, Tuple
 
 import lightning as L
 import torch
 from equivalence_models import PytreeForwardModule, SkipsModule, TiedDropoutModule, forward_client
 from pytree_models import pytree_loader, tied_loader
+from ranks import serve
 from torch.utils.data import DataLoader
 
 from pipeckpt import PipelineStrategy
@@ -69,14 +68,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         torch.save({"val_loss": val_loss, "predictions": predictions}, path)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

@@ -13,13 +13,13 @@ the previous step's gradients were dropped or set aside, and before the strategy
 
 import json
 import os
-import sys
 import weakref
 from typing import Any, Dict, List
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from ranks import serve
 from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
@@ -118,14 +118,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         json.dump({"held": probe.held}, f)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

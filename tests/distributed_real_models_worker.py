@@ -13,11 +13,11 @@ unmodified, pipelined with pipeline_of) under engine="distributed" and writes `<
 
 import json
 import os
-import sys
 from typing import Any, Dict
 
 import lightning as L
 import torch
+from ranks import serve
 from real_models import client
 
 from pipeckpt import PipelineStrategy
@@ -51,14 +51,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         json.dump(seen, f)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

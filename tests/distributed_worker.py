@@ -13,13 +13,13 @@ checkpoint) and `<name>.rank<R>.json` (what that rank saw) into the spec's `out`
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any, Dict, List
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from ranks import serve
 from torch.utils.data import DataLoader, TensorDataset
 from toy import ToyModule, toy_loader
 
@@ -150,14 +150,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         json.dump(seen, f)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
@@ -53,6 +53,19 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
                 )
             )
     return procs
+
+
+def serve(run: Callable[[Dict[str, Any], str, int], None]) -> None:
+    """A worker's entry point: one torch thread, then ``run(one, out, world)`` for each run of the
+    spec that :func:`start` wrote (the world size is read first: Lightning's teardown deletes it)."""
+    import torch
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    for one in spec["runs"]:
+        run(one, spec["out"], world)
 
 
 def stop(procs: List[subprocess.Popen]) -> None:
