@@ -1,19 +1,21 @@
 """``pipeline_of`` under the distributed engine with data-parallel replicas (issue 9 item 5, dp > 1).
 
 One launch of 4 real processes (2 pipeline stages x 2 replicas, gloo on CPU,
-tests/distributed_rooted_dp_worker.py) trains Hugging Face GPT-2 (tied input embedding / LM head:
-the parameters outside the named layers are held by both stages of a replica, 4 copies in all),
-replica r reading samples r, r + 2, ... in order. The replicas of replica 1
-start from other weights (``skew``), so only a broadcast from replica 0 makes them train alike. It
-is compared with the unmodified model trained in this process on the same global batches (16
-samples, both replicas' 8 together): last step's gradients and trained weights within 1e-5 relative,
-every copy of a tensor bitwise equal on every rank that holds it, the checkpoint written by replica 0
-only and loading strict=True into the unmodified model. Dropout is off: each replica draws its own
-masks, which no single process reproduces.
+tests/distributed_rooted_dp_worker.py) trains Hugging Face GPT-2 twice (once plain, once clipped by
+norm). Its tied input embedding / LM head and the other parameters outside the named layers are held
+by both stages of a replica, 4 copies in all. Replica r reads samples r, r + 2, ... in order; in the
+first run the ranks of replica 1 start from other weights (``skew``), so only a broadcast from
+replica 0 makes the replicas train alike. Each run is compared with the unmodified model trained in
+this process on the same global batches (16 samples, both replicas' 8 together): last step's
+gradients and trained weights within 1e-5 relative, every copy of a tensor bitwise equal on every
+rank that holds it, the checkpoint written by replica 0 only and loading strict=True into the
+unmodified model. Dropout is off: each replica draws its own masks, which no single process
+reproduces.
 """
 
+import functools
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import lightning as L
 import pytest
@@ -36,17 +38,25 @@ RUN = dict(
     steps=STEPS,
     skew=True,
 )
+CLIP = 0.05  # by norm: the norm of the replica-averaged gradients, a tie counted once
+CLIPPED = dict(
+    name="gpt2_dp2_gpipe_except_last_clip",
+    client="gpt2",
+    strategy=dict(balance=[2, 2], chunks=4, schedule="gpipe", checkpoint="except_last", dp=DP),
+    steps=STEPS,
+    gradient_clip_val=CLIP,
+)
 OUTSIDE = ("model.transformer.wte.weight", "model.transformer.wpe.weight", "model.transformer.ln_f.weight")
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory) -> Iterator[Path]:
-    runs: List[Dict[str, Any]] = [RUN]
+    runs: List[Dict[str, Any]] = [RUN, CLIPPED]
     yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("rooted_dp"), within_s=START_S)
 
 
-@pytest.fixture(scope="module")
-def reference() -> Dict[str, Dict[str, torch.Tensor]]:
+@functools.cache
+def _reference(clip: Optional[float] = None) -> Dict[str, Dict[str, torch.Tensor]]:
     """The unmodified model trained in one process on the replicas' batches joined."""
     module, loader = client("gpt2")
     torch.manual_seed(123)
@@ -58,6 +68,7 @@ def reference() -> Dict[str, Dict[str, torch.Tensor]]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        gradient_clip_val=clip,
     ).fit(module, DataLoader(loader.dataset, batch_size=DP * loader.batch_size))
     return {
         "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -69,10 +80,16 @@ def _rank(out: Path, rank: int) -> Dict[str, Dict[str, torch.Tensor]]:
     return torch.load(out / f"{RUN['name']}.rank{rank}.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Dict[str, torch.Tensor]]:
+    return _reference()
+
+
 @pytest.mark.slow
-def test_trained_weights_equal_one_process_trained_on_both_replicas_batches(four_processes, reference):
-    got = _state(four_processes / f"{RUN['name']}.ckpt")["state_dict"]
-    expected = reference["weights"]
+@pytest.mark.parametrize("run", [RUN, CLIPPED], ids=lambda r: r["name"])
+def test_trained_weights_equal_one_process_trained_on_both_replicas_batches(four_processes, run):
+    got = _state(four_processes / f"{run['name']}.ckpt")["state_dict"]
+    expected = _reference(run.get("gradient_clip_val"))["weights"]
     assert sorted(got) == sorted(expected)  # the model's own keys, each once
     assert max_relative_difference(got, expected) < 1e-5
 
