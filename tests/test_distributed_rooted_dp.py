@@ -26,6 +26,8 @@ from test_distributed_pytree import _state
 from torch.utils.data import DataLoader
 from toy import assert_bitwise_equal, max_relative_difference
 
+from pipeckpt.engines.distributed import ties
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_rooted_dp_worker.py"
 WORLD, PP, DP = 4, 2, 2
@@ -47,6 +49,20 @@ CLIPPED = dict(
     gradient_clip_val=CLIP,
 )
 OUTSIDE = ("model.transformer.wte.weight", "model.transformer.wpe.weight", "model.transformer.ln_f.weight")
+
+
+def test_gradients_are_averaged_in_order_in_buckets_of_one_dtype_within_the_byte_cap(monkeypatch):
+    monkeypatch.setattr(ties, "_BUCKET_BYTES", 64)  # 16 float32 elements
+    grads = [
+        torch.zeros(8),
+        torch.zeros(8),
+        torch.zeros(4),
+        torch.zeros(2, dtype=torch.float64),
+        torch.zeros(40),
+        torch.zeros(2),
+    ]
+    cut = [[g.numel() for g in bucket] for bucket in ties._buckets(grads)]
+    assert cut == [[8, 8], [4], [2], [40], [2]]  # full; a dtype change; one tensor over the cap alone
 
 
 @pytest.fixture(scope="module")
