@@ -36,8 +36,6 @@ from toy import max_relative_difference, params
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.engines.distributed.rooted import check_module_pipeline
-from pipeckpt.engines.distributed.schedules import lookup
-from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.settings import PipeSettings
 
 HERE = Path(__file__).resolve().parent
@@ -110,9 +108,11 @@ def two_processes(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "zbv_zero_bubble", "DualPipeV"])
-def test_a_module_pipeline_is_accepted_under_every_split_backward_schedule(schedule):
-    kind = lookup(schedule)
-    check_module_pipeline("model", PipeSettings(), kind, Topology(pp=2, dp=1, virtual_stages=2, kind=kind))
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_module_pipeline_is_accepted_under_every_split_backward_schedule_and_with_replicas(schedule, dp):
+    check_module_pipeline(
+        "model", PipeSettings(engine="distributed", schedule=schedule, virtual_stages=2, dp=dp)
+    )
 
 
 def _one_stage(module: L.LightningModule, loader: Any) -> Dict[str, torch.Tensor]:

@@ -23,8 +23,6 @@ from toy import assert_bitwise_equal, max_relative_difference
 
 from pipeckpt import PipeckptConfigError, pipeline_of
 from pipeckpt.engines.distributed.rooted import RootRouting, check_module_pipeline
-from pipeckpt.engines.distributed.schedules import lookup
-from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.settings import PipeSettings
 
 HERE = Path(__file__).resolve().parent
@@ -103,13 +101,9 @@ def test_a_forward_that_never_reaches_the_next_stage_is_refused_naming_its_first
         routing.run(0, live=False, microbatch=0, call=((torch.ones(1, 4),), {}), received=[])
 
 
-@pytest.mark.parametrize("schedule, dp, match", [("gpipe", 2, "dp=2")])
-def test_what_a_module_pipeline_cannot_run_yet_is_refused_with_the_fix(schedule, dp, match):
-    kind = lookup(schedule)
-    v = 2 if kind.looped else 1
-    topology = Topology(pp=2, dp=dp, virtual_stages=v, kind=kind)
-    with pytest.raises(PipeckptConfigError, match=rf"(?s)pipeline_of\(model.*{match}.*HINT"):
-        check_module_pipeline("model", PipeSettings(), kind, topology)
+def test_profiling_a_module_pipeline_is_refused_with_the_fix():
+    with pytest.raises(PipeckptConfigError, match=r"(?s)balance_by='time' with pipeline_of\(model.*HINT"):
+        check_module_pipeline("model", PipeSettings(balance_by="time"))
 
 
 # -- two real processes ------------------------------------------------------------------

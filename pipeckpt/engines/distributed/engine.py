@@ -42,7 +42,7 @@ from pipeckpt.engines.distributed.rooted import (
 from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep
-from pipeckpt.engines.distributed.ties import Ties, find_ties, held_by_every_rank
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_every_rank
 from pipeckpt.engines.distributed.topology import Topology, check_kind
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
@@ -77,6 +77,7 @@ class DistributedEngine(Engine):
         self.modules: List[StageModule] = []
         self.step: Optional[PipelinedStep] = None
         self.ties: Optional[Ties] = None
+        self.replicas: Optional[Replicas] = None  # a module pipeline's, when dp > 1 (no DDP there)
         self.routing: Optional[RootRouting] = None  # a module pipeline's (pipeline_of)
         self.root: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -167,10 +168,12 @@ class DistributedEngine(Engine):
 
     def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
         """``pipeline_of``: every stage runs the model's forward (:mod:`.rooted`); the parameters
-        outside the layers live on every rank, one tie each."""
+        outside the layers live on every rank, one tie each. Replicas (``dp > 1``) average every
+        gradient this rank holds (:class:`.ties.Replicas`), not through DDP: a stage module does not
+        hold the parameters outside the layers, which its replay of ``forward`` trains too."""
         s, topology = self.settings, self.topology
         name = module_name(module, spec.root)
-        check_module_pipeline(name, s, self.kind, topology)
+        check_module_pipeline(name, s)
         check_all_parameters_pipelined(module, spec.root)
         device = self._device
         names = [f"{name}.{n}" for n in spec.names]
@@ -200,7 +203,12 @@ class DistributedEngine(Engine):
         self.routing = routing
         step.modules = self.modules
         step.outside = [p for _, p in outside]
-        # One replica (check_module_pipeline): no DDP.
+        if topology.dp > 1:
+            assert self.processes.dp_group is not None
+            self.replicas = Replicas(
+                module, group=self.processes.dp_group, src=self.processes.pipeline_rank, size=topology.dp
+            )
+            self.replicas.broadcast()  # before the ties: each replica's copies then start from replica 0's
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
         self.root = spec.root
 
@@ -293,13 +301,15 @@ class DistributedEngine(Engine):
 
     def take_step_gradients(self) -> None:
         assert self.step is not None
+        if self.replicas is not None:  # averaged over replicas, then (in take_gradients) summed over ties
+            self.step.gradients = self.replicas.average(self.step.gradients)
         self.step.take_gradients()
 
     def total_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
         if self.ties is not None:
             grads = self.ties.counted_once(grads)
         squared = super().total_norm(grads, device) ** 2
-        if self.topology.pp > 1:  # replicas hold the same, DDP-averaged, gradients
+        if self.topology.pp > 1:  # replicas hold the same gradients, averaged by DDP or Replicas
             dist.all_reduce(squared, group=self.processes.pp_group)
         return squared.sqrt()
 
@@ -326,6 +336,8 @@ class DistributedEngine(Engine):
         storage_options: Optional[Any],
         is_zero: bool,
     ) -> None:
+        if self.replicas is not None and self.processes.replica > 0:
+            checkpoint = _without_tensors(checkpoint)  # replica 0's copies are written, once
         sharded.save(checkpoint, path)  # every rank writes its own stages
 
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
@@ -370,3 +382,12 @@ class DistributedEngine(Engine):
         if self.step is not None:
             self.step.clear()
         super().teardown(module)
+
+
+def _without_tensors(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """``checkpoint`` with no model or optimizer tensors: what a replica whose copies another writes
+    hands to the (collective) sharded writer."""
+    out = dict(checkpoint, state_dict={})
+    if "optimizer_states" in out:
+        out["optimizer_states"] = [dict(o, state={}) for o in out["optimizer_states"]]
+    return out

@@ -46,7 +46,9 @@ this design avoids. The cost is traffic, not correctness (see the engine's limit
 Parameters outside the layers (embeddings, final norm, head) live on every rank; each
 rank's gradient for them comes from the part of ``forward`` whose outputs reach its loss or
 its sent tensors, and the copies are summed before the optimizer step by the tie machinery
-(:mod:`.ties`), so a checkpoint holds each key once, as the unmodified model does.
+(:mod:`.ties`), so a checkpoint holds each key once, as the unmodified model does. With data-parallel
+replicas (``dp > 1``) every tensor a rank holds starts as replica 0's, and its gradients are averaged
+over the replicas (:class:`.ties.Replicas`) as well as summed over the ties.
 """
 
 from dataclasses import dataclass, field
@@ -58,8 +60,6 @@ from torch import Tensor, nn
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.replay import Call
-from pipeckpt.engines.distributed.schedules import ScheduleKind
-from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import StageModule, _usable
 from pipeckpt.settings import PipeSettings
 from pipeckpt.split import ModulePipeline
@@ -249,19 +249,10 @@ def outside_parameters(spec: ModulePipeline, module: nn.Module) -> List[Tuple[st
     return [(n, p) for n, p in module.named_parameters() if id(p) in root and id(p) not in inside]
 
 
-def check_module_pipeline(name: str, settings: PipeSettings, kind: ScheduleKind, topology: Topology) -> None:
-    """Refuse what a module pipeline cannot run exactly under the distributed engine (yet). Every
-    schedule runs (``kind``: a split-backward one computes all in its input pass, module docstring)."""
+def check_module_pipeline(name: str, settings: PipeSettings) -> None:
+    """Refuse what a module pipeline cannot run under the distributed engine. Every schedule runs (a
+    split-backward one computes all in its input pass, module docstring), and so does ``dp > 1``."""
     what = f"pipeline_of({name}, ...) with engine='distributed'"
-    if topology.dp > 1:
-        raise config_error(
-            f"{what} and dp={topology.dp}",
-            "a module pipeline's stages are not yet data-parallel: neither its layers' gradients nor those "
-            "of the parameters outside them (summed over the pipeline's ranks) would be averaged over "
-            "the replicas, which would then drift apart",
-            "use dp=1 with pipeline_of (every process a pipeline stage), return an nn.Sequential from "
-            "configure_pipeline() (dp>1 works there), or use engine='local'",
-        )
     if settings.balance is None and settings.balance_by != "params":
         raise config_error(
             f"balance_by={settings.balance_by!r} with {what}",

@@ -14,10 +14,17 @@ does, the copies are kept one parameter:
   optimizer then makes the same update on every copy;
 - clipping by norm counts a tie once (on its lowest rank), and a checkpoint holds its one key
   (every copy writes it, and the sharded writer keeps one).
+
+Data-parallel replicas of a module pipeline (``pipeline_of`` with ``dp > 1``) are the same idea
+one axis over (:class:`Replicas`): a rank's every tensor has a copy on the rank of the same
+pipeline position in each other replica. Those copies start as replica 0's, and each step's
+gradients are averaged over them. DDP does this for an ``nn.Sequential``'s stages, but a module
+pipeline's rank also holds parameters outside its stage modules (the embeddings and head that
+every stage's replay of ``forward`` uses), which DDP, wrapping a stage module, would not see.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +33,7 @@ from torch import Tensor, nn
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.planning import StagePlan, split
 
-__all__ = ["Ties", "find_ties", "held_by_every_rank"]
+__all__ = ["Replicas", "Ties", "find_ties", "held_by_every_rank"]
 
 Gradient = Tuple[nn.Parameter, Tensor]
 
@@ -124,3 +131,71 @@ def held_by_every_rank(
     rank ``src`` (global) holds the copy that the others start from."""
     every = tuple(range(stages))
     return Ties([_Tie(name, p, every, group, src=src, primary=primary) for name, p in named])
+
+
+# Gradients averaged in flat buckets of at most this many bytes: one collective per bucket rather
+# than one per tensor (DDP's default bucket size).
+_BUCKET_BYTES = 25 * 2**20
+
+
+class Replicas:
+    """The tensors this rank holds (not on the meta device) as copies of the same tensors on the ranks
+    of the same pipeline position in the other data-parallel replicas (``group``, of ``size``)."""
+
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup, src: int, size: int) -> None:
+        self.params = [p for p in module.parameters() if not p.is_meta]  # one entry per parameter
+        self.buffers = [b for b in module.buffers() if not b.is_meta]
+        self.group, self.src, self.size = group, src, size
+
+    def broadcast(self) -> None:
+        """Every replica starts from replica 0's parameters and buffers (global rank ``src``), as DDP
+        makes its module's: the same seed alone does not promise the same weights (a model may draw
+        them per rank, or load them on rank 0 only)."""
+        with torch.no_grad():
+            for t in (*self.params, *self.buffers):
+                dist.broadcast(t.data, src=self.src, group=self.group)
+
+    def average(self, gradients: List[Gradient]) -> List[Gradient]:
+        """``gradients`` of one step, each the mean over the replicas' copies. A parameter that some
+        replica gave no gradient counts zero there; one that none did stays without."""
+        where: Dict[int, int] = {id(p): i for i, (p, _) in enumerate(gradients)}
+        trained = [p for p in self.params if p.requires_grad]
+        present = torch.tensor([id(p) in where for p in trained], dtype=torch.uint8)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        out = list(gradients)
+        reduced: List[Tensor] = []
+        for p, anywhere in zip(trained, present.tolist()):
+            if not anywhere:
+                continue
+            i = where.get(id(p))
+            if i is None:
+                out.append((p, torch.zeros_like(p)))
+                i = len(out) - 1
+            reduced.append(out[i][1])
+        for bucket in _buckets(reduced):
+            # Hand-written flattening: torch's own (torch._utils._flatten_dense_tensors, DDP's
+            # reducer) is private or bound to a module's parameters.
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(piece.view_as(g))
+        return out
+
+
+def _buckets(grads: Sequence[Tensor]) -> Iterator[List[Tensor]]:
+    """``grads`` in order, cut into runs of one dtype and device, each of at most ``_BUCKET_BYTES``
+    (or one tensor larger than that)."""
+    bucket: List[Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if bucket and (
+            g.dtype != bucket[0].dtype or g.device != bucket[0].device or size + nbytes > _BUCKET_BYTES
+        ):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
