@@ -10,13 +10,12 @@ ranks of replica 1 and up start from other weights than replica 0's (a model dra
 so that only a broadcast from replica 0 makes the replicas train alike.
 """
 
-import json
 import os
-import sys
 from typing import Any, Dict
 
 import lightning as L
 import torch
+from ranks import serve
 from real_models import client
 from torch.utils.data import DataLoader, Subset
 
@@ -60,14 +59,5 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     )
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # Lightning's teardown deletes it after a run
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    for one in spec["runs"]:
-        run(one, spec["out"], world)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)
