@@ -271,7 +271,11 @@ class _Recompute(torch.autograd.Function):
         *args: Tensor,
     ) -> Any:
         inputs = args[:n]  # args[n:]: the stage's phony, when it has parameters to train
-        ctx.stage, ctx.packing, ctx.params, ctx.phonies = stage, packing, params, len(args) - n
+        # A Call holds the micro-batch's input tensors: a kept micro-batch's backward needs no
+        # packing, and autograd keeps this ctx (not only its saved tensors) while anything holds
+        # the graph, e.g. the loss during the whole backward, so it is not kept where not needed.
+        ctx.stage, ctx.params, ctx.phonies = stage, params, len(args) - n
+        ctx.packing = None if keep else packing
         ctx.kept = None
         if keep:
             inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
@@ -344,6 +348,9 @@ class _Recompute(torch.autograd.Function):
                         output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
+            # The recompute has run: the Call (and the input tensors it holds) goes now rather
+            # than when autograd lets go of this node (with the graph, after the whole backward).
+            ctx.packing = None
             if ctx.flat:
                 output = flat_output(output)[0]
             return _Recompute._gradients(ctx, output, inputs, grads)

@@ -102,21 +102,9 @@ def test_predicted_stage_peaks_are_within_ten_percent_of_measured(name: str, mod
     )
 
 
-# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``). Known
-# misses, stated in docs/MEMORY.md and kept here as strict xfails so that a fix shows: the last stage
-# of convnet ``selective`` with 2-4 chunks, 12-17% under (since selective runs inside the stage's
-# Function, what the model misses there has not been found).
-_SELECTIVE_MISSES = {("convnet", "selective", c) for c in (2, 3, 4)}
+# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``).
 GRANULAR = [
-    pytest.param(
-        n,
-        m,
-        c,
-        id=f"{n}-{m}-{c}",
-        marks=[pytest.mark.xfail(strict=True, reason="known miss on the last stage")]
-        if (n, m, c) in _SELECTIVE_MISSES
-        else [],
-    )
+    pytest.param(n, m, c, id=f"{n}-{m}-{c}")
     for n in ("gpt", "mlp", "convnet")
     for m in ("always:1", "always:2", "except_last:1", "selective")
     for c in (1, 2, 3, 4)
