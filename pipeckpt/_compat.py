@@ -6,11 +6,12 @@ with the name, instead of somewhere deep in a training run.
 """
 
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import GradientEdge
 
 # The rendezvous store of the default group, which liveness beats into: torch exposes it
 # only privately (init_process_group keeps it; there is no dist.get_store()).
@@ -43,12 +44,15 @@ from torch.utils._pytree import (
 
 
 def accumulate_gradients(
-    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+    outputs: Sequence[Union[torch.Tensor, GradientEdge]],
+    grad_outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
 ) -> None:
     """``torch.autograd.backward(outputs, grad_outputs, inputs=inputs)`` without its Python
     argument checks (a third of a small stage's recompute overhead; autograd has already checked
     the gradients against the outputs): each input's gradient is added to its ``.grad``
-    (in place where one exists) as soon as it is made."""
+    (in place where one exists) as soon as it is made. ``outputs`` may be gradient edges, as
+    for ``torch.autograd.backward``: the output tensors themselves then need not stay alive."""
     Variable._execution_engine.run_backward(
         tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, True
     )

@@ -745,6 +745,10 @@ class _StageModel:
             if recompute:
                 held = set(before)
                 if mode.selective:
+                    # SAC recomputes inside the Function's backward, after the segment's output has
+                    # gone (unless SAC keeps it): its gradient is held instead (the walk adds it).
+                    kept_ops = set().union(*(set(x.sac_kept) for x in p.layers[a:b]))
+                    held -= set(p.layers[b - 1].outputs) - kept_ops - self._segment_input(a)
                     # SAC's cache hands its outputs to the recompute, which keeps only what autograd
                     # saves: the others go as soon as the segment has been run again.
                     before = self._kept_through(mode, segments[:n]) | self._segment_input(a)
@@ -753,14 +757,18 @@ class _StageModel:
                     work = layer.forward_peak
                     if mode.selective:  # SAC hands back the outputs it kept instead of computing them
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
-                    out.append(("R", k, self.bytes(held | set(layer.inputs)) + extra, work))
+                    last_segment, seg_out = n == len(segments) - 1, p.bytes_of(set(p.layers[b - 1].outputs))
+                    out.append(
+                        ("R", k, self.bytes(held | set(layer.inputs)) + extra, work, last_segment, seg_out)
+                    )
                     held |= set(layer.saved)
-            # Without the Function (one kept micro-batch) autograd walks the graph itself and
-            # nothing holds the output.
-            seg_out = set(p.layers[b - 1].outputs) if function else set()
+            # Nothing holds the segment's output through its backward unless a layer saved it: the
+            # stage's Function starts the backward inside from the output's gradient edge and drops
+            # the output first (pipeckpt/stage.py ``_Recompute._roots``); without the Function (one
+            # kept micro-batch) autograd walks the graph itself.
             for k in reversed(range(a, b)):
                 layer = p.layers[k]
-                held = before | p.saved_union(a, k + 1) | seg_out
+                held = before | p.saved_union(a, k + 1)
                 after = sum(x.param_bytes for x in p.layers[k + 1 : self.stop])
                 own = p.bytes_of(set(layer.outputs))
                 out.append(
@@ -1081,10 +1089,12 @@ class _StageWalk:
         done = 0  # layers of this micro-batch backwarded so far
         for event in self.backward[recompute]:
             if event[0] == "R":
-                _, k, mine, work = event
+                # The gradient for the segment's output has arrived before its recompute starts.
+                _, k, mine, work, last_segment, seg_out = event
+                incoming = self.stage_incoming if last_segment else seg_out
                 peak_see(
-                    base + self.tail + mine + work,
-                    (others + mine, recv_now + self.tail, work),
+                    base + self.tail + incoming + mine + work,
+                    (others + mine, recv_now + self.tail + incoming, work),
                     f"B{i} recompute layer {k}",
                 )
                 continue

@@ -61,6 +61,7 @@ from typing import (
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from pipeckpt._compat import (
     BatchNormBase,
@@ -97,6 +98,8 @@ TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 # tensors (the fast paths), or a Call for any pytree input and side inputs.
 Packing = Union[bool, Call]
 Autocast = Tuple[Tuple[str, torch.dtype], ...]
+# The outputs' gradient edges and the gradients arriving for them.
+_Roots = Tuple[List[GradientEdge], List[Tensor]]
 
 
 def _autocast_now() -> Autocast:
@@ -271,7 +274,11 @@ class _Recompute(torch.autograd.Function):
         *args: Tensor,
     ) -> Any:
         inputs = args[:n]  # args[n:]: the stage's phony, when it has parameters to train
-        ctx.stage, ctx.packing, ctx.params, ctx.phonies = stage, packing, params, len(args) - n
+        # A Call holds the micro-batch's input tensors: a kept micro-batch's backward needs no
+        # packing, and autograd keeps this ctx (not only its saved tensors) while anything holds
+        # the graph, e.g. the loss during the whole backward, so it is not kept where not needed.
+        ctx.stage, ctx.params, ctx.phonies = stage, params, len(args) - n
+        ctx.packing = None if keep else packing
         ctx.kept = None
         if keep:
             inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
@@ -316,7 +323,9 @@ class _Recompute(torch.autograd.Function):
         if ctx.kept is not None:
             output, inputs = ctx.kept
             ctx.kept = None
-            return _Recompute._gradients(ctx, output, inputs, grads)
+            roots = _Recompute._roots(output, grads)
+            del output
+            return _Recompute._gradients(ctx, roots, inputs)
         stage: Stage = ctx.stage
         if ctx.offloaded is not None:
             inputs = stage._offloader().fetch(ctx.offloaded)  # and prefetches the next ones
@@ -344,25 +353,37 @@ class _Recompute(torch.autograd.Function):
                         output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
+            # The recompute has run: the Call (and the input tensors it holds) goes now rather
+            # than when autograd lets go of this node (with the graph, after the whole backward).
+            ctx.packing = None
             if ctx.flat:
                 output = flat_output(output)[0]
-            return _Recompute._gradients(ctx, output, inputs, grads)
+            roots = _Recompute._roots(output, grads)
+            del output
+            return _Recompute._gradients(ctx, roots, inputs)
 
     @staticmethod
-    def _gradients(
-        ctx: Any, output: TensorOrTensors, inputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]]
-    ) -> Tuple[Optional[Tensor], ...]:
+    def _roots(output: TensorOrTensors, grads: Sequence[Optional[Tensor]]) -> _Roots:
+        """Where the backward through the recomputed (or kept) graph starts: the outputs' gradient
+        edges, not the outputs, so that the caller can drop the outputs first and each goes as soon as
+        the graph no longer needs it (unless a layer saved it), not after the whole backward."""
         if isinstance(output, Tensor):
             pairs = [(output, grads[0])] if grads[0] is not None and output.requires_grad else []
         else:
             pairs = [(o, g) for o, g in zip(output, grads) if g is not None and o.requires_grad]
+        return [get_gradient_edge(o) for o, _ in pairs], [g for _, g in pairs]
+
+    @staticmethod
+    def _gradients(ctx: Any, roots: _Roots, inputs: Sequence[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        edges, grads = roots
         wrt = [x for x in inputs if x.requires_grad]
-        if pairs and (wrt or ctx.params):
+        if edges and (wrt or ctx.params):
             # The parameters' gradients go straight into ``.grad``, as this micro-batch's
             # backward makes each one: returned instead, autograd would sum them over the
             # step's micro-batches in a buffer of its own beside ``.grad`` (a whole extra
             # copy of the gradients when ``.grad`` already holds some: accumulation).
-            accumulate_gradients([o for o, _ in pairs], [g for _, g in pairs], [*wrt, *ctx.params])
+            accumulate_gradients(edges, grads, [*wrt, *ctx.params])
+        del edges, grads, roots
         input_grads = [x.grad if x.requires_grad else None for x in inputs]
         return (None, None, None, None, None, *input_grads, *([None] * ctx.phonies))
 

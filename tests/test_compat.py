@@ -219,6 +219,17 @@ def test_accumulate_gradients_adds_to_grad_in_place_like_autograd_backward():
     assert torch.equal(x.grad, torch.tensor([2.0, 3.0]))
 
 
+def test_accumulate_gradients_starts_from_a_gradient_edge_once_the_output_is_dropped():
+    w = nn.Parameter(torch.tensor([2.0, 3.0]))
+    x = torch.tensor([1.0, 4.0], requires_grad=True)
+    out = torch.sin(w * x)
+    edge = torch.autograd.graph.get_gradient_edge(out)
+    expected = torch.cos(w * x).detach() * x
+    del out
+    _compat.accumulate_gradients([edge], [torch.ones(2)], [x, w])
+    assert torch.equal(w.grad, expected)
+
+
 def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
     class Double(torch.autograd.Function):
         @staticmethod
