@@ -26,10 +26,11 @@ stages placed on one device add up. The batch's own input tensors are the data l
 not counted.
 """
 
+import functools
 import statistics
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
@@ -39,6 +40,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeckpt._compat import (
+    DeferredBatchNorm,
     FakeTensorMode,
     MemTracker,
     TorchDispatchMode,
@@ -54,6 +56,7 @@ from pipeckpt.order import kept as kept_microbatches
 from pipeckpt.planning import StagePlan
 from pipeckpt.selective import run_selective
 from pipeckpt.sizes import OPTIMIZERS
+from pipeckpt.stage import side_effect_free
 
 __all__ = [
     "LayerProfile",
@@ -335,10 +338,16 @@ def _selective_pass(layers: List[nn.Module], x: Any, rounds: int) -> List[Option
     return out
 
 
-def _selective_extra(layer: nn.Module, x: Tensor, rounds: int) -> float:
+def _selective_extra(layer: nn.Module, x: Tensor, rounds: int) -> Optional[float]:
+    if any(isinstance(m, DeferredBatchNorm) for m in layer.modules()):
+        # Its forward commits statistics that its recompute skips, which SAC's replay refuses: the
+        # time is left to the recompute estimate (``sac_extra_s`` None).
+        return None
     h = x.detach().requires_grad_(x.is_floating_point())
     clock = _clock()
-    runs = (lambda: layer(h), lambda: run_selective(layer, (h,), {}, recompute_guard=nullcontext))
+    # The stage's own guard: a recompute leaves BatchNorm statistics as the forward left them.
+    guard = functools.partial(side_effect_free, layer)
+    runs = (lambda: layer(h), lambda: run_selective(layer, (h,), {}, recompute_guard=guard))
     extra = []
     for r in range(rounds + 1):
         took = []

@@ -19,8 +19,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from stage_memory import StageTracker, measure_local_step, split_batch
 
-from pipeckpt._compat import MemTracker
+from pipeckpt._compat import DeferredBatchNorm, MemTracker
 from pipeckpt._errors import PipeckptConfigError
+from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.memory import (
     fake_mode,
@@ -346,3 +347,18 @@ def test_profile_times_with_the_wall_clock_when_threads_overlap(monkeypatch) -> 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert memory._clock() is time.perf_counter
+
+
+def test_profiling_a_deferred_batch_norm_leaves_its_selective_time_to_the_estimate() -> None:
+    # torchgpipe's DeferredBatchNorm commits statistics in a forward that its recompute skips, which
+    # SAC's replay refuses: the profile must neither fail nor time it, and must leave its state alone.
+    torch.manual_seed(0)
+    layers = convnet_layers(in_channels=3, num_classes=10, width=8)
+    convert_deferred_batch_norm(layers, chunks=2)
+    before = {k: v.clone() for k, v in layers.state_dict().items()}
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(10, (4,))
+    fitted = profile(layers, x, loss_fn=F.cross_entropy, target=y, rounds=1)
+    deferred = [i for i, m in enumerate(layers) if any(isinstance(n, DeferredBatchNorm) for n in m.modules())]
+    assert deferred
+    assert all(fitted.layers[i].sac_extra_s is None for i in deferred)
+    assert all(torch.equal(before[k], v) for k, v in layers.state_dict().items())

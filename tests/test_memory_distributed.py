@@ -88,12 +88,16 @@ def test_a_recompute_runs_beside_the_output_of_the_forward() -> None:
     assert [e[2] + stage.output_bytes for e in plain] == [e[2] for e in held]
 
 
-def test_a_kept_micro_batchs_backward_counts_the_held_output_once() -> None:
+def test_a_kept_micro_batchs_backward_counts_the_held_output_once_and_to_the_end() -> None:
     stage = _first_stage()
     never = parse_modes("never", 1)[0]
     plain = stage.backward_events(never, False)
     held = stage.backward_events(never, False, output=True)
-    assert [e[2] for e in plain] == [e[2] for e in held]  # the Function holds that output already
+    # Backward runs the last ReLU first, which saved the output: counted once there. After it, the
+    # stage's Function no longer holds the output (pipeckpt/stage.py drops it before the backward
+    # inside), but torch's PipelineStage does, until the micro-batch's backward ends.
+    assert [e[1] for e in held] == [3, 2, 1, 0]
+    assert [h[2] - p[2] for p, h in zip(plain, held)] == [0] + [stage.output_bytes] * 3
 
 
 def _mlp_plan(balance, mode: str = "always"):
