@@ -20,13 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-import lightning as L
 import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_distributed_memory import StepWindows  # the benchmark's own measurement
-from ranks import serve
+from ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.data import SyntheticTokens
@@ -49,18 +48,10 @@ def _bytes(tensors: Any) -> int:
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", checkpoint="auto", **spec["strategy"])
     windows = StepWindows(measured=1)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         callbacks=[windows],
     )
     model, data = build()

@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from equivalence_models import PytreeForwardModule, SkipsModule, TiedDropoutModule, forward_client
 from pytree_models import pytree_loader, tied_loader
-from ranks import serve
+from ranks import quiet_trainer, serve
 from torch.utils.data import DataLoader
 
 from pipeckpt import PipelineStrategy
@@ -42,18 +42,11 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     module, loader = build(spec)
     forward_only = spec.get("action", "fit") == "forward"
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec.get("steps", 1),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=1.0 if forward_only else 0,
-        use_distributed_sampler=False,
     )
     torch.manual_seed(123)
     if not forward_only:

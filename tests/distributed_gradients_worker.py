@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from ranks import serve
+from ranks import quiet_trainer, serve
 from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
@@ -94,19 +94,12 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
                 save_top_k=-1,
             )
         )
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec["steps"],
-        logger=False,
         enable_checkpointing="checkpoint_every" in spec,
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         accumulate_grad_batches=spec["accumulate_grad_batches"],
         gradient_clip_val=spec.get("gradient_clip_val"),
     )

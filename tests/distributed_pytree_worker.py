@@ -14,10 +14,9 @@ import json
 import os
 from typing import Any, Dict
 
-import lightning as L
 import torch
 from pytree_models import PytreeModule, TiedModule, pytree_loader, tied_loader
-from ranks import serve
+from ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
 
@@ -29,18 +28,11 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     if spec.get("perturb_tie") and int(os.environ["LOCAL_RANK"]) != 0:
         with torch.no_grad():
             module.layers[0].weight.add_(1.0)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=1.0 if spec.get("validate") else 0,
-        use_distributed_sampler=False,
         accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
         gradient_clip_val=spec.get("gradient_clip_val"),
     )

@@ -15,9 +15,8 @@ import json
 import os
 from typing import Any, Dict
 
-import lightning as L
 import torch
-from ranks import serve
+from ranks import quiet_trainer, serve
 from real_models import client
 
 from pipeckpt import PipelineStrategy
@@ -26,18 +25,10 @@ from pipeckpt import PipelineStrategy
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     module, loader = client(spec["client"], dropout=spec.get("dropout", 0.0))
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         gradient_clip_val=spec.get("gradient_clip_val"),
     )
     torch.manual_seed(123)

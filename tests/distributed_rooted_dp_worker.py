@@ -13,9 +13,8 @@ so that only a broadcast from replica 0 makes the replicas train alike.
 import os
 from typing import Any, Dict
 
-import lightning as L
 import torch
-from ranks import serve
+from ranks import quiet_trainer, serve
 from real_models import client
 from torch.utils.data import DataLoader, Subset
 
@@ -35,18 +34,10 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(torch.randn_like(p))
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         gradient_clip_val=spec.get("gradient_clip_val"),
     )
     torch.manual_seed(123)

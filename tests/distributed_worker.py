@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from ranks import serve
+from ranks import quiet_trainer, serve
 from torch.utils.data import DataLoader, TensorDataset
 from toy import ToyModule, toy_loader
 
@@ -109,20 +109,14 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         callbacks.append(StageReport(warmup_steps=1, steps=1, dirpath=report_dir, verbose=False))
     if "die" in spec:
         die_mid_step(module, **spec["die"])
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=spec["steps"],
-        logger=False,
         # `checkpoint_every`: ModelCheckpoint every so many steps into <out>/<name>/ (sharded directories)
         enable_checkpointing="checkpoint_every" in spec,
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=1.0 if spec.get("validate") else 0,
-        use_distributed_sampler=False,
         accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
         gradient_clip_val=spec.get("gradient_clip_val"),
     )

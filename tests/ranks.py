@@ -55,6 +55,28 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
     return procs
 
 
+def quiet_trainer(strategy: Any, world: int, **options: Any) -> Any:
+    """A worker's ``Trainer``: ``world`` CPU processes under ``strategy``, with nothing but the run
+    itself (no logger, checkpoints, progress bar, summary, sanity or validation steps, and no
+    distributed sampler: every rank reads the batches its test gives it). ``options`` add or replace."""
+    import lightning as L
+
+    settings: Dict[str, Any] = dict(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    settings.update(options)
+    return L.Trainer(**settings)
+
+
 def serve(run: Callable[[Dict[str, Any], str, int], None]) -> None:
     """A worker's entry point: one torch thread, then ``run(one, out, world)`` for each run of the
     spec that :func:`start` wrote (the world size is read first: Lightning's teardown deletes it)."""
