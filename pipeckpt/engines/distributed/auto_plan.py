@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.schedules import check_modes, lookup, microbatch_rule
-from pipeckpt.engines.distributed.topology import Topology
+from pipeckpt.engines.distributed.topology import Topology, check_chunks
 from pipeckpt.modes import parse_modes
 from pipeckpt.settings import PipeSettings
 
@@ -99,13 +99,7 @@ def adopt(settings: PipeSettings, topology: Optional[Topology]) -> PipeSettings:
             "the stages were given out to the processes before the plan was chosen",
             "set stages (or balance) to the pipeline's stage count",
         )
-    problem = microbatch_rule(topology.kind, s.chunks, topology.pp, topology.stages)
-    if problem:
-        raise config_error(
-            f"chunks={s.chunks} with schedule={topology.kind.name!r} on pp={topology.pp}",
-            problem,
-            "raise chunks, or use schedule='gpipe'",
-        )
+    check_chunks(topology.kind, s.chunks, pp=topology.pp, stages=topology.stages)
     if s.checkpoint != "auto":
         names = [s.checkpoint] if isinstance(s.checkpoint, str) else list(s.checkpoint)
         check_modes(topology.kind, parse_modes(names, len(names)))

@@ -105,14 +105,19 @@ def resolve(
             f"set stages={topology.stages}, or set dp so that pp = stages / virtual_stages = "
             f"{stages // v}, or change virtual_stages",
         )
-    problem = microbatch_rule(kind, chunks, pp, topology.stages)
+    check_chunks(kind, chunks, pp=pp, stages=topology.stages)
+    return topology
+
+
+def check_chunks(kind: ScheduleKind, chunks: int, *, pp: int, stages: int) -> None:
+    """A config error when ``kind`` cannot run ``chunks`` micro-batches on ``pp`` pipeline ranks."""
+    problem = microbatch_rule(kind, chunks, pp, stages)
     if problem:
         raise config_error(
             f"chunks={chunks} with schedule={kind.name!r} on pp={pp}",
             problem,
             "raise chunks, or use schedule='gpipe'",
         )
-    return topology
 
 
 def microbatches_for(size: int, *, chunks: int, topology: Topology, train: bool) -> int:
