@@ -24,6 +24,7 @@ under: the drain's overlap is approximated).
 tests/test_auto.py checks the result against brute force over every combination.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
@@ -131,34 +132,24 @@ def choose(
     for c in chunk_options:
         nested = _nested(candidates, c)
         ranked = sorted(candidates, key=lambda m: _recompute_rank(m, c))
+        predicted = functools.partial(
+            predict,
+            by_chunks[c],
+            chunks=c,
+            optimizer=optimizer,
+            schedule=schedule,
+            accumulating=accumulating,
+            shared_device=shared_device,
+        )
         for b in balance_options:
-            per_mode = {
-                m.name: predict(
-                    by_chunks[c],
-                    with_balance_modes(b, m),
-                    chunks=c,
-                    optimizer=optimizer,
-                    schedule=schedule,
-                    accumulating=accumulating,
-                    shared_device=shared_device,
-                )
-                for m in ranked
-            }
+            per_mode = {m.name: predicted(with_balance_modes(b, m)) for m in ranked}
             if shared_device:
                 found, lowest = _search_shared(by_chunks[c], b, c, ranked, per_mode, budget_bytes)
                 if smallest is None or lowest[0] < smallest[0]:
                     smallest = (lowest[0], lowest[1], c, b)
                 if found is not None:
                     picked, whole = found
-                    prediction = predict(
-                        by_chunks[c],
-                        with_balance(_cpu_plan(b), b, picked),
-                        chunks=c,
-                        optimizer=optimizer,
-                        schedule=schedule,
-                        accumulating=accumulating,
-                        shared_device=True,
-                    )
+                    prediction = predicted(with_balance(_cpu_plan(b), b, picked))
                     key = (prediction.step_time_s, whole)
                     if best is None or key < (best.prediction.step_time_s, best.process_peak or 0):
                         best = Choice(tuple(picked), b, c, prediction, process_peak=whole)
@@ -176,15 +167,7 @@ def choose(
                 continue
             combos = [tuple(f[0] for f in fits)] if nested else _combinations(fits)
             for picked in combos:
-                prediction = predict(
-                    by_chunks[c],
-                    with_balance(_cpu_plan(b), b, picked),
-                    chunks=c,
-                    optimizer=optimizer,
-                    schedule=schedule,
-                    accumulating=accumulating,
-                    shared_device=shared_device,
-                )
+                prediction = predicted(with_balance(_cpu_plan(b), b, picked))
                 key = (prediction.step_time_s, prediction.peak)
                 if best is None or key < (best.prediction.step_time_s, best.prediction.peak):
                     best = Choice(modes=tuple(picked), balance=b, chunks=c, prediction=prediction)
