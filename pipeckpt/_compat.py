@@ -192,6 +192,13 @@ def is_view(t: Any) -> bool:
     return bool(t._is_view())
 
 
+def saved_tensors_hooks_now() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` now active, or None. A hook
+    pipeckpt installs inside a user's (``save_on_cpu``, say) shadows it; knowing it lets pipeckpt's
+    call it in turn. torch offers no public way to read the active pair."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 # -- Lightning ------------------------------------------------------------------------
 
 from lightning.fabric.utilities.distributed import (  # noqa: E402
@@ -283,6 +290,7 @@ __all__ = [
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
     "sac_saved_ops",
+    "saved_tensors_hooks_now",
     "schedule_op_order",
     "set_module_device",
     "sync_ddp_if_available",

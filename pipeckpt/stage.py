@@ -78,6 +78,7 @@ from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.modes import CheckpointMode
 from pipeckpt.offload import Copies, Offloader, backward_microbatches, copies_for
 from pipeckpt.order import Op, kept, local_order
+from pipeckpt.release import ReleasedAtUnpack
 from pipeckpt.selective import run_selective
 from pipeckpt.side_inputs import Chain
 
@@ -335,6 +336,8 @@ class _Recompute(torch.autograd.Function):
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         norms = stage._norms()
+        # Layer by layer (``:k``), each saved tensor goes at its node's last use of it (pipeckpt.release).
+        release = ReleasedAtUnpack() if stage.mode.every is not None else None
         with side_effect_free(stage.partition, norms) if norms else _Recomputing():
             now = _RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
@@ -344,12 +347,12 @@ class _Recompute(torch.autograd.Function):
                     with ExitStack() as stack:
                         for device_type, dtype in ctx.autocast:
                             stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                        with torch.enable_grad():
+                        with torch.enable_grad(), release or _NOTHING:
                             output = stage._run_packed(ctx.packing, inputs)
                     if ctx.step.one_done():
                         _cast_cache.release()
                 else:
-                    with torch.enable_grad():
+                    with torch.enable_grad(), release or _NOTHING:
                         output = stage._run_packed(ctx.packing, inputs)
             finally:
                 now.restore()
@@ -360,7 +363,11 @@ class _Recompute(torch.autograd.Function):
                 output = flat_output(output)[0]
             roots = _Recompute._roots(output, grads)
             del output
-            return _Recompute._gradients(ctx, roots, inputs)
+            try:
+                return _Recompute._gradients(ctx, roots, inputs)
+            finally:
+                if release is not None:
+                    release.clear()
 
     @staticmethod
     def _roots(output: TensorOrTensors, grads: Sequence[Optional[Tensor]]) -> _Roots:

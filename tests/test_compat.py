@@ -263,6 +263,20 @@ def test_is_view_tells_a_view_from_its_base():
     assert _compat.is_view(base.view(3, 2)) and not _compat.is_view(base)
 
 
+def test_saved_tensors_hooks_now_reads_the_innermost_active_pair():
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    assert _compat.saved_tensors_hooks_now() is None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            assert _compat.saved_tensors_hooks_now() == (pack, unpack)
+    assert _compat.saved_tensors_hooks_now() is None
+
+
 def test_fake_tensor_mode_runs_a_module_without_allocating():
     with _compat.FakeTensorMode():
         layer = nn.Linear(1024, 1024)
