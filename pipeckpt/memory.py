@@ -754,22 +754,23 @@ class _StageModel:
             if recompute:
                 held = set(before)
                 if mode.selective:
-                    # SAC recomputes inside the Function's backward, after the segment's output has
-                    # gone (unless SAC keeps it): its gradient is held instead (the walk adds it).
-                    kept_ops = set().union(*(set(x.sac_kept) for x in p.layers[a:b]))
-                    held -= set(p.layers[b - 1].outputs) - kept_ops - self._segment_input(a)
-                    # SAC's cache hands its outputs to the recompute, which keeps only what autograd
-                    # saves: the others go as soon as the segment has been run again.
+                    # SAC's cache hands each kept output to the recompute as its op runs again (and
+                    # drops it there): the recompute keeps only what autograd saves, so an output
+                    # still held is one of a layer not yet run again. The segment's output has gone
+                    # before the recompute starts (the Function drops it) unless such a layer's op
+                    # made it; its gradient is held instead (the walk adds it).
                     before = self._kept_through(mode, segments[:n]) | self._segment_input(a)
+                    held = set(before)
                 for k in range(a, b):
                     layer = p.layers[k]
                     work = layer.forward_peak
+                    pending: Set[int] = set()  # SAC's kept outputs of this layer and the ones after it
                     if mode.selective:  # SAC hands back the outputs it kept instead of computing them
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
+                        pending = set().union(*(set(x.sac_kept) for x in p.layers[k:b]))
                     last_segment, seg_out = n == len(segments) - 1, p.bytes_of(set(p.layers[b - 1].outputs))
-                    out.append(
-                        ("R", k, self.bytes(held | set(layer.inputs)) + extra, work, last_segment, seg_out)
-                    )
+                    now = held | pending | set(layer.inputs)
+                    out.append(("R", k, self.bytes(now) + extra, work, last_segment, seg_out))
                     held |= set(layer.saved)
             # Nothing holds the segment's output through its backward unless a layer saved it: the
             # stage's Function starts the backward inside from the output's gradient edge and drops

@@ -103,21 +103,9 @@ def test_predicted_stage_peaks_are_within_ten_percent_of_measured(name: str, mod
     )
 
 
-# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``). Known miss,
-# stated in docs/MEMORY.md and kept as a strict xfail so that a fix shows: gpt ``selective`` with one
-# chunk, last stage, over-predicted by 21% (the model recomputes SAC's segment at once; since the
-# Function drops the segment's output before its backward, the measurement fell below that).
-_SELECTIVE_MISSES = {("gpt", "selective", 1)}
+# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``).
 GRANULAR = [
-    pytest.param(
-        n,
-        m,
-        c,
-        id=f"{n}-{m}-{c}",
-        marks=[pytest.mark.xfail(strict=True, reason="known miss on the last stage")]
-        if (n, m, c) in _SELECTIVE_MISSES
-        else [],
-    )
+    pytest.param(n, m, c, id=f"{n}-{m}-{c}")
     for n in ("gpt", "mlp", "convnet")
     for m in ("always:1", "always:2", "except_last:1", "selective")
     for c in (1, 2, 3, 4)
