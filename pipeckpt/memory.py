@@ -1008,8 +1008,8 @@ class _StageWalk:
             r: s.backward_events(mode, r, function=self.function[r], output=not local) for r in (False, True)
         }
         # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
-        # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
-        # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
+        # recv), a view of the gathered batch's (local, last stage: the tail, freed with the last
+        # micro-batch's view); else a copy of its own. It stays held while the stage's last
         # segment runs backward; an earlier segment holds the gradient the segment after it made.
         self.stage_incoming = 0 if s.last == local else s.output_bytes
         self.cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
@@ -1097,7 +1097,13 @@ class _StageWalk:
                 base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
             )
         done = 0  # layers of this micro-batch backwarded so far
+        function = self.function[recompute]
         for event in self.backward[recompute]:
+            # The tail goes with the last micro-batch's view of it: under the stage's Function, when
+            # the last segment's backward returns (autograd's engine holds the gradient it hands a
+            # Function until then); in plain autograd, once the last layer's node has used it.
+            if not cells and (not event[4 if event[0] == "R" else 6] if function else done == 1):
+                self.tail = 0
             if event[0] == "R":
                 # The gradient for the segment's output has arrived before its recompute starts.
                 _, k, mine, work, last_segment, seg_out = event
@@ -1115,14 +1121,12 @@ class _StageWalk:
             incoming = (
                 self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
             )
-            if not self.function[recompute]:  # each gradient goes once its node has used it
+            if not function:  # each gradient goes once its node has used it
                 arriving = own
             elif segment_end:
                 arriving = incoming
             else:
                 arriving = own + incoming
-            if done == 1 and not cells:
-                self.tail = 0
             total = static + recv_now + others + g + saved + self.tail + arriving + work
             parts = (others + saved, recv_now + self.tail + arriving, work)
             peak_see(total, parts, f"B{i} layer {k}")
