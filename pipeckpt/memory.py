@@ -1122,7 +1122,9 @@ class _StageWalk:
                 self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
             )
             if not function:  # each gradient goes once its node has used it
-                arriving = own
+                # The stage's last layer gets the stage's incoming gradient (the tail's view, which
+                # the tail counts, on the local engine's last stage).
+                arriving = incoming if last_segment and segment_end else own
             elif segment_end:
                 arriving = incoming
             else:
