@@ -698,13 +698,19 @@ class _StageModel:
         Function, its output only where a layer saved it). ``output``: the stage's output is held
         besides (torch's PipelineStage keeps each micro-batch's output until its backward); a
         storage a layer also saves counts once."""
+        return self.bytes(self.kept_ids(mode, recompute, function=function, output=output))
+
+    def kept_ids(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> Set[int]:
+        """The storages :meth:`kept` counts."""
         if not recompute:
             ids = self.profile.saved_union(self.start, self.stop)
             if function:
                 ids |= self.outputs | self.inputs
         else:
             ids = self._kept_through(mode, self.segments(mode, recompute))
-        return self.bytes(ids | self.outputs if output else ids)
+        return ids | self.outputs if output else ids
 
     def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
@@ -1000,9 +1006,10 @@ class _StageWalk:
         self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
         # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
         self.function = {r: r or m > 1 for r in (False, True)}
-        self.kept_of = {
-            r: s.kept(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        self.kept_ids_of = {
+            r: s.kept_ids(mode, r, function=self.function[r], output=not local) for r in (False, True)
         }
+        self.kept_of = {r: s.bytes(ids) for r, ids in self.kept_ids_of.items()}
         self.forward = {r: s.forward_live(mode, r) for r in (False, True)}
         self.backward = {
             r: s.backward_events(mode, r, function=self.function[r], output=not local) for r in (False, True)
@@ -1080,12 +1087,17 @@ class _StageWalk:
                 # The whole batch at once: gathered outputs, loss forward and backward.
                 acts, gathered = sum(cells.values()), m * s.output_bytes
                 total = static + g_now + acts
-                peak_see(total + 2 * gathered, (acts, 2 * gathered, 0), "gather")
+                # One micro-batch is handed back as it is, no copy (LocalPipeline._gather): the
+                # output, and what the loss saves of it, count once with what the micro-batch holds.
+                held = self.kept_ids_of[recompute] if m == 1 else set()
+                joined = s.bytes(s.outputs - held) if m == 1 else 2 * gathered
+                peak_see(total + joined, (acts, joined, 0), "gather")
                 if loss is not None:
+                    joined = s.bytes(s.outputs - held) if m == 1 else gathered
                     work = m * loss.forward_peak
-                    peak_see(total + gathered + work, (acts, gathered, work), "loss forward")
+                    peak_see(total + joined + work, (acts, joined, work), "loss forward")
                     work = m * loss.backward_peak
-                    ls = m * self.loss_saved
+                    ls = s.profile.bytes_of(set(loss.saved) - held) if m == 1 else m * self.loss_saved
                     peak_see(total + ls + work, (acts, ls, work), "loss backward")
                 self.tail = gathered
             return
