@@ -1103,6 +1103,13 @@ class _StageWalk:
             return
         kept = cells.pop(i)
         base -= kept
+        if local and self.backwards:
+            # The input gradient the previous backward (micro-batch i + 1) made waits in autograd's
+            # buffer for the stage before until this backward is over: on one autograd pass, the
+            # engine runs the nodes made later first, and this stage's forward of micro-batch i
+            # came after the previous stage's of micro-batch i + 1 (torchgpipe's clock).
+            recv_now += s.input_bytes
+            base += s.input_bytes
         others = sum(cells.values())
         if loss is not None and not local:
             peak_see(

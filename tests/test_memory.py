@@ -124,11 +124,16 @@ def test_predicted_granular_and_selective_peaks_are_within_ten_percent(
 EXACT = 0.01
 
 
-def _stage_errors(seq: nn.Sequential, stage_plan: Any, x: Any, loss: Any, chunks: int) -> list:
+def _stage_errors(
+    seq: nn.Sequential, stage_plan: Any, x: Any, loss: Any, chunks: int, target: Any = None
+) -> list:
     torch.set_num_threads(1)
-    fitted = profile(seq, split_batch(x, chunks), loss_fn=loss, target=None, rounds=1)
+    part = None if target is None else split_batch(target, chunks)
+    fitted = profile(seq, split_batch(x, chunks), loss_fn=loss, target=part, rounds=1)
     predicted = predict(fitted, stage_plan, chunks=chunks, optimizer="sgd")
-    measured, _ = measure_local_step(seq, stage_plan, chunks=chunks, batch=x, loss_fn=loss)
+    measured, _ = measure_local_step(
+        seq, stage_plan, chunks=chunks, batch=x, loss_fn=lambda o: loss(o, target)
+    )
     return [(p.peak - m) / m for p, m in zip(predicted.stages, measured)]
 
 
@@ -149,7 +154,7 @@ def test_a_selective_recompute_holds_the_kept_outputs_of_the_layers_not_yet_run_
     # only what autograd saves. Holding every kept output of the segment: +9.2% and +20.6%.
     seq, x, y, loss = _model("gpt")
     stage_plan = plan(seq, devices=[CPU], stages=3, checkpoint="selective", chunks=1)
-    errors = _stage_errors(seq, stage_plan, x, lambda o, t=None: loss(o, y), 1)
+    errors = _stage_errors(seq, stage_plan, x, loss, 1, y)
     assert all(abs(e) <= EXACT for e in errors), errors
 
 
@@ -178,8 +183,18 @@ def test_without_the_function_the_last_layer_gets_the_output_gradient_itself() -
     x, y = torch.randn(48, 32), torch.randint(2048, (48,))
     stage_plan = plan(seq, devices=[CPU], stages=2, checkpoint="never", chunks=1)
     assert stage_plan.ranges[1] == (4, 5)
-    errors = _stage_errors(seq, stage_plan, x, lambda o, t=None: F.cross_entropy(o, y), 1)
+    errors = _stage_errors(seq, stage_plan, x, F.cross_entropy, 1, y)
     assert abs(errors[-1]) <= EXACT, errors
+
+
+def test_a_backward_runs_beside_the_input_gradient_the_previous_backward_made() -> None:
+    # The local engine's one autograd pass runs the later-made nodes first: the stage before takes
+    # micro-batch 1's input gradient only after this stage's backward of micro-batch 0. Not counted:
+    # -4.7% on the middle stage.
+    seq, x, y, loss = _model("mlp")
+    stage_plan = plan(seq, devices=[CPU], stages=3, checkpoint="never", chunks=2)
+    errors = _stage_errors(seq, stage_plan, x, loss, 2, y)
+    assert all(abs(e) <= EXACT for e in errors), errors
 
 
 def test_a_segment_holds_less_than_the_whole_stage_in_backward() -> None:
