@@ -698,13 +698,19 @@ class _StageModel:
         Function, its output only where a layer saved it). ``output``: the stage's output is held
         besides (torch's PipelineStage keeps each micro-batch's output until its backward); a
         storage a layer also saves counts once."""
+        return self.bytes(self.kept_ids(mode, recompute, function=function, output=output))
+
+    def kept_ids(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> Set[int]:
+        """The storages :meth:`kept` counts."""
         if not recompute:
             ids = self.profile.saved_union(self.start, self.stop)
             if function:
                 ids |= self.outputs | self.inputs
         else:
             ids = self._kept_through(mode, self.segments(mode, recompute))
-        return self.bytes(ids | self.outputs if output else ids)
+        return ids | self.outputs if output else ids
 
     def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
@@ -754,22 +760,23 @@ class _StageModel:
             if recompute:
                 held = set(before)
                 if mode.selective:
-                    # SAC recomputes inside the Function's backward, after the segment's output has
-                    # gone (unless SAC keeps it): its gradient is held instead (the walk adds it).
-                    kept_ops = set().union(*(set(x.sac_kept) for x in p.layers[a:b]))
-                    held -= set(p.layers[b - 1].outputs) - kept_ops - self._segment_input(a)
-                    # SAC's cache hands its outputs to the recompute, which keeps only what autograd
-                    # saves: the others go as soon as the segment has been run again.
+                    # SAC's cache hands each kept output to the recompute as its op runs again (and
+                    # drops it there): the recompute keeps only what autograd saves, so an output
+                    # still held is one of a layer not yet run again. The segment's output has gone
+                    # before the recompute starts (the Function drops it) unless such a layer's op
+                    # made it; its gradient is held instead (the walk adds it).
                     before = self._kept_through(mode, segments[:n]) | self._segment_input(a)
+                    held = set(before)
                 for k in range(a, b):
                     layer = p.layers[k]
                     work = layer.forward_peak
+                    pending: Set[int] = set()  # SAC's kept outputs of this layer and the ones after it
                     if mode.selective:  # SAC hands back the outputs it kept instead of computing them
                         work = max(0, work - p.bytes_of(set(layer.sac_kept)))
+                        pending = set().union(*(set(x.sac_kept) for x in p.layers[k:b]))
                     last_segment, seg_out = n == len(segments) - 1, p.bytes_of(set(p.layers[b - 1].outputs))
-                    out.append(
-                        ("R", k, self.bytes(held | set(layer.inputs)) + extra, work, last_segment, seg_out)
-                    )
+                    now = held | pending | set(layer.inputs)
+                    out.append(("R", k, self.bytes(now) + extra, work, last_segment, seg_out))
                     held |= set(layer.saved)
             # Nothing holds the segment's output through its backward unless a layer saved it: the
             # stage's Function starts the backward inside from the output's gradient edge and drops
@@ -999,16 +1006,17 @@ class _StageWalk:
         self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
         # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
         self.function = {r: r or m > 1 for r in (False, True)}
-        self.kept_of = {
-            r: s.kept(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        self.kept_ids_of = {
+            r: s.kept_ids(mode, r, function=self.function[r], output=not local) for r in (False, True)
         }
+        self.kept_of = {r: s.bytes(ids) for r, ids in self.kept_ids_of.items()}
         self.forward = {r: s.forward_live(mode, r) for r in (False, True)}
         self.backward = {
             r: s.backward_events(mode, r, function=self.function[r], output=not local) for r in (False, True)
         }
         # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
-        # recv), a view of the gathered batch's (local, last stage: the tail, freed once the last
-        # micro-batch's view is used); else a copy of its own. It stays held while the stage's last
+        # recv), a view of the gathered batch's (local, last stage: the tail, freed with the last
+        # micro-batch's view); else a copy of its own. It stays held while the stage's last
         # segment runs backward; an earlier segment holds the gradient the segment after it made.
         self.stage_incoming = 0 if s.last == local else s.output_bytes
         self.cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
@@ -1079,24 +1087,42 @@ class _StageWalk:
                 # The whole batch at once: gathered outputs, loss forward and backward.
                 acts, gathered = sum(cells.values()), m * s.output_bytes
                 total = static + g_now + acts
-                peak_see(total + 2 * gathered, (acts, 2 * gathered, 0), "gather")
+                # One micro-batch is handed back as it is, no copy (LocalPipeline._gather): the
+                # output, and what the loss saves of it, count once with what the micro-batch holds.
+                held = self.kept_ids_of[recompute] if m == 1 else set()
+                joined = s.bytes(s.outputs - held) if m == 1 else 2 * gathered
+                peak_see(total + joined, (acts, joined, 0), "gather")
                 if loss is not None:
+                    joined = s.bytes(s.outputs - held) if m == 1 else gathered
                     work = m * loss.forward_peak
-                    peak_see(total + gathered + work, (acts, gathered, work), "loss forward")
+                    peak_see(total + joined + work, (acts, joined, work), "loss forward")
                     work = m * loss.backward_peak
-                    ls = m * self.loss_saved
+                    ls = s.profile.bytes_of(set(loss.saved) - held) if m == 1 else m * self.loss_saved
                     peak_see(total + ls + work, (acts, ls, work), "loss backward")
                 self.tail = gathered
             return
         kept = cells.pop(i)
         base -= kept
+        if local and self.backwards:
+            # The input gradient the previous backward (micro-batch i + 1) made waits in autograd's
+            # buffer for the stage before until this backward is over: on one autograd pass, the
+            # engine runs the nodes made later first, and this stage's forward of micro-batch i
+            # came after the previous stage's of micro-batch i + 1 (torchgpipe's clock).
+            recv_now += s.input_bytes
+            base += s.input_bytes
         others = sum(cells.values())
         if loss is not None and not local:
             peak_see(
                 base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
             )
         done = 0  # layers of this micro-batch backwarded so far
+        function = self.function[recompute]
         for event in self.backward[recompute]:
+            # The tail goes with the last micro-batch's view of it: under the stage's Function, when
+            # the last segment's backward returns (autograd's engine holds the gradient it hands a
+            # Function until then); in plain autograd, once the last layer's node has used it.
+            if not cells and (not event[4 if event[0] == "R" else 6] if function else done == 1):
+                self.tail = 0
             if event[0] == "R":
                 # The gradient for the segment's output has arrived before its recompute starts.
                 _, k, mine, work, last_segment, seg_out = event
@@ -1114,14 +1140,14 @@ class _StageWalk:
             incoming = (
                 self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
             )
-            if not self.function[recompute]:  # each gradient goes once its node has used it
-                arriving = own
+            if not function:  # each gradient goes once its node has used it
+                # The stage's last layer gets the stage's incoming gradient (the tail's view, which
+                # the tail counts, on the local engine's last stage).
+                arriving = incoming if last_segment and segment_end else own
             elif segment_end:
                 arriving = incoming
             else:
                 arriving = own + incoming
-            if done == 1 and not cells:
-                self.tail = 0
             total = static + recv_now + others + g + saved + self.tail + arriving + work
             parts = (others + saved, recv_now + self.tail + arriving, work)
             peak_see(total, parts, f"B{i} layer {k}")
