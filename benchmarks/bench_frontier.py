@@ -12,7 +12,8 @@ Auto's budget at a peer's point: the benchmark's figure is the whole process's p
 activations + gradients; every stage runs on the one CPU, so ``choose`` gets ``shared_device=True``
 (the budget is the device's, checked against the whole process's predicted peak,
 :func:`pipeckpt.auto.process_peak`), a budget of the peer's figure less ``--headroom`` (0.5 %) plus
-all the parameters (SGD keeps no state), and balances within one layer per stage of the default.
+all the parameters (SGD keeps no state), and balances whose cuts lie within ``--reach`` (3) layers of
+the default's. The candidates add plans shaped like per-block checkpointing (:func:`per_block_shaped`).
 The headroom: the model's accounting differs from this harness's tracker by about a kilobyte either
 way (mode-dependent), and with none auto picked, at ``checkpoint_sequential``'s memory, a plan
 768 bytes (0.04 %) above it. The candidate table sets the model's predictions (process peak, step time)
@@ -75,11 +76,30 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 Key = Tuple[Tuple[str, ...], int, Tuple[int, ...]]
 
 
-def nearby_balances(balance: Sequence[int]) -> List[Tuple[int, ...]]:
-    """The balances auto may choose among: each stage within one layer of ``balance``, every stage
-    non-empty, the same layers in all (the quick config: 13 of them; the full one: 19)."""
-    options = itertools.product(*[(n - 1, n, n + 1) for n in balance])
-    return [b for b in options if min(b) >= 1 and sum(b) == sum(balance)]
+def balances_within(balance: Sequence[int], reach: int) -> List[Tuple[int, ...]]:
+    """The balances auto may choose among: each cut between stages at most ``reach`` layers from
+    ``balance``'s, every stage non-empty (the full config, reach 3: 216 balances; ``choose`` scores
+    them all in about a second per chunk count)."""
+    n = sum(balance)
+    cuts = list(itertools.accumulate(balance))[:-1]
+    out = []
+    for moved in itertools.product(*[range(max(1, c - reach), min(n - 1, c + reach) + 1) for c in cuts]):
+        if all(a < b for a, b in itertools.pairwise(moved)):
+            edges = (0, *moved, n)
+            out.append(tuple(b - a for a, b in itertools.pairwise(edges)))
+    return out
+
+
+def per_block_shaped(cfg: Config) -> List[Key]:
+    """Plans shaped like ``torch.utils.checkpoint`` per block: the embedding alone under ``never``,
+    blocks per layer, the norm and head kept. Only the first blocks need recomputing: the peak
+    comes at the end of the backward (block 0's recompute, every later gradient made), when the
+    kept blocks' activations are long gone; the first third and half of the blocks are tried."""
+    n = cfg.n_layers
+    return [
+        (("never", "always:1", "never", "never"), 1, (1, k, n - k, 2))
+        for k in sorted({max(1, n // 3), max(1, n // 2)})
+    ]
 
 
 def pipeckpt_method(
@@ -153,6 +173,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="share of a peer's figure auto's budget leaves for the memory model's error (its pick lands "
         "up to ~1.5 KiB above the prediction on the quick GPT; 0 plans to the byte)",
     )
+    parser.add_argument(
+        "--reach",
+        type=int,
+        default=3,
+        help="auto's balances: each cut between stages within this many layers of the default's",
+    )
     args = parser.parse_args(argv)
     only: Optional[Set[str]] = None if args.only is None else {_key(k) for k in args.only.split(",") if k}
     repeat = args.repeat if args.repeat is not None else (10 if args.quick else 1)
@@ -182,6 +208,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             method = pipeckpt_method(model, cfg, modes, c, cfg.balance)
             if only is None or method.key in only:
                 candidates[(modes, c, tuple(cfg.balance))] = method
+    if cfg.stages == 4:
+        for key in per_block_shaped(cfg):
+            method = pipeckpt_method(model, cfg, *key)
+            if only is None or method.key in only:
+                candidates[key] = method
     for m in methods + list(candidates.values()):
         measure_memory(m, model, x, y, seed=0)
     profiles = {
@@ -191,7 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     by_key = {m.key: m for m in methods}
     autos: Dict[Tuple[str, float], Optional[Key]] = {}  # (peer, headroom) -> auto's pick
-    balances = nearby_balances(cfg.balance)
+    balances = balances_within(cfg.balance, args.reach)
     headrooms = (0.0, args.headroom)
     for peer in peers:
         figure = int(by_key[peer].footprint_mib * MiB)
@@ -222,7 +253,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     measure_time(
         everything, x, y, optimizer, rounds=args.rounds, group=3, log=lambda s: print(s, file=sys.stderr)
     )
-    lines = _table(by_key, peers, candidates, predicted, autos, cfg, args.rounds, repeat, headrooms)
+    lines = _table(
+        by_key, peers, candidates, predicted, autos, cfg, args.rounds, repeat, headrooms, args.reach
+    )
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -278,6 +311,7 @@ def _table(
     rounds: int,
     repeat: int,
     headrooms: Sequence[float],
+    reach: int,
 ) -> List[str]:
     plain = by_key["plain"]
     plain_ms = [c / repeat * 1e3 for c in plain.cpu]
@@ -290,8 +324,10 @@ def _table(
         f"plain step {statistics.median(plain_ms):.2f} ms CPU "
         f"(range {min(plain_ms):.2f}-{max(plain_ms):.2f})",
         "auto's budget at a peer: its figure (to the byte, then less a headroom for the model's error) plus "
-        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=each stage within one "
-        "layer of the default)`; each pick measured",
+        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=each cut between stages "
+        f"within {reach} layers of the default's)`; each pick measured. Candidates besides the uniform "
+        "modes: auto's picks, and plans shaped like per-block checkpointing (embedding alone, first blocks "
+        "per layer)",
         "",
         "| peer | peak act+grad MiB | time vs plain [range] | pipeckpt at or below on both (medians) | "
         + " | ".join(f"auto, budget {_budget_name(h)}: pick (MiB, time [range])" for h in headrooms)
