@@ -11,9 +11,9 @@ end of backward, every byte is on top of all the gradients).
 Why hand-written: torch keeps a saved tensor inside its node, with no public switch to drop it at
 unpack; ``saved_tensors_hooks`` is the public way to hold it instead. It costs a Python call per
 saved tensor, pack and unpack: 7% of an ``always:1`` step on the dispatch-bound CPU proxy of
-``benchmarks/bench_dispatch.py`` (48 x Linear(64, 64) + GELU), nothing measurable on the GPT-2-small
-config. So a stage uses it only where it recomputes layer by layer (``<mode>:k``), the modes chosen
-to use the least memory.
+``benchmarks/bench_dispatch.py`` (48 x Linear(64, 64) + GELU), within noise on the GPT-2-small config
+(0.8%, 7 interleaved rounds, range -3.5% to +1.9%). So a stage uses it only where it recomputes
+layer by layer (``<mode>:k``), the modes chosen to use the least memory.
 """
 
 from types import TracebackType
