@@ -108,6 +108,10 @@ class LayerProfile:
     # not measured, fake tensors): on a dispatch-bound layer SAC's per-op dispatch mode and the
     # checkpoint's hooks cost more than the recompute SAC saves (GPT d 64 block: 3.0x plain).
     sac_extra_s: Optional[float] = None
+    # The same with the gradient that arrives for its output held until its backward is over, as
+    # a Function's backward holds it while the layer that ends its segment runs inside (None: as
+    # ``backward_peak``, not measured).
+    backward_held_peak: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,43 @@ def _memory_pass(
         snap = module_memory(tracker, module)
         record["forward_peak"] = snap.get("Peak-Forward", 0) - snap.get("Pre-Forward", 0)
         record["backward_peak"] = snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0)
+    for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
+        record["backward_held_peak"] = held_peak
     return records, batch_inputs
+
+
+def _held_backward_peaks(probe: "_Probe", x: Any) -> List[int]:
+    """Each layer's backward peak above what was live before it, with the gradient that arrived
+    for its output held through its backward. Plain autograd frees that gradient once the layer's
+    first node has used it; the stage's Function (pipeckpt/stage.py ``_Recompute``) holds it through
+    the whole backward run inside it, and a layer ending a segment runs there. Every such gradient is
+    held until the pass ends: one freed during a later layer's backward would lower that layer's
+    peak below what was live before it. Measured, not added: where a layer's peak comes before its
+    first node is done, holding the gradient changes nothing."""
+    held: List[Tensor] = []
+    handles = [m.register_forward_hook(_hold_output_gradient(held.append)) for m in probe.layers]
+    tracker = MemTracker()
+    try:
+        with tracker:
+            _forward_backward(probe, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+        held.clear()
+    out = []
+    for module in probe.layers:
+        snap = module_memory(tracker, module)
+        out.append(snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0))
+    return out
+
+
+def _hold_output_gradient(hold: Callable[[Tensor], None]) -> Callable[..., None]:
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(hold)
+
+    return hook
 
 
 def _forward_backward(module: nn.Module, x: Any) -> None:
@@ -450,6 +490,7 @@ def profile(
                 saved=tuple(sorted(record["saved"])),
                 forward_peak=max(0, record["forward_peak"]),
                 backward_peak=max(0, record["backward_peak"]),
+                backward_held_peak=max(0, record["backward_held_peak"]),
                 forward_s=fwd,
                 backward_s=bwd,
                 sac_kept=tuple(sorted(record["sac"])),
@@ -1148,6 +1189,11 @@ class _StageWalk:
                 arriving = incoming
             else:
                 arriving = own + incoming
+            if function and segment_end:
+                # The Function holds the gradient for the segment's output through the whole
+                # backward inside it, beyond the layer's first node (plain autograd frees it there).
+                held_peak = s.profile.layers[k].backward_held_peak
+                work = work if held_peak is None else held_peak
             total = static + recv_now + others + g + saved + self.tail + arriving + work
             parts = (others + saved, recv_now + self.tail + arriving, work)
             peak_see(total, parts, f"B{i} layer {k}")
