@@ -392,6 +392,11 @@ class _Recompute(torch.autograd.Function):
             accumulate_gradients(edges, grads, [*wrt, *ctx.params])
         del edges, grads, roots
         input_grads = [x.grad if x.requires_grad else None for x in inputs]
+        # The inputs are leaves of this micro-batch's graph only: a gradient left on them would live as
+        # long as anything holds the leaf (a module hook, a profiler: torch's MemTracker, whose module
+        # tracking holds the layers' inputs, measured it beside the earlier stages' backward).
+        for x in wrt:
+            x.grad = None
         return (None, None, None, None, None, *input_grads, *([None] * ctx.phonies))
 
 

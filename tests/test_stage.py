@@ -248,3 +248,17 @@ def test_a_stage_run_on_another_thread_runs_under_the_callers_autocast():
     worker.start()
     worker.join()
     assert out[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["selective", "except_last", "always:1", "always"])
+def test_an_input_a_hook_kept_carries_no_gradient_after_the_stage_backward(mode: str) -> None:
+    # A stage's input is a leaf of its micro-batch's own graph; its gradient goes back to the stage
+    # before. Left on the leaf, it would live as long as anything holds the leaf (here a forward
+    # pre-hook; torch's MemTracker does so for every layer's input).
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    stages = plan(seq, devices=[torch.device("cpu")], balance=[2, 2], checkpoint=mode)
+    engine = LocalPipeline(seq, stages, chunks=2)
+    kept: List[torch.Tensor] = []
+    seq[2].register_forward_pre_hook(lambda module, args: kept.append(args[0]))
+    engine.forward(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert kept and all(x.grad is None for x in kept)
