@@ -118,18 +118,7 @@ def test_a_module_pipeline_is_accepted_under_every_split_backward_schedule_and_w
 def _one_stage(module: L.LightningModule, loader: Any) -> Dict[str, torch.Tensor]:
     """``module`` trained by the local engine on one stage, ``chunks`` as the distributed runs."""
     torch.manual_seed(123)
-    L.Trainer(
-        strategy=PipelineStrategy(stages=1, chunks=4),
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    ).fit(module, loader)
+    ranks.quiet_trainer(PipelineStrategy(stages=1, chunks=4), 1, max_steps=STEPS).fit(module, loader)
     return params(module)
 
 

@@ -12,7 +12,6 @@ model. Fast tests check the routing of the layers and the refusals without proce
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
-import lightning as L
 import pytest
 import ranks
 import torch
@@ -128,16 +127,7 @@ def two_processes(tmp_path_factory) -> Iterator[Path]:
 def _unpipelined(name: str, clip: Any = None) -> Dict[str, torch.Tensor]:
     module, loader = client(name)
     torch.manual_seed(123)
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=clip,
-    ).fit(module, loader)
+    ranks.quiet_trainer("auto", 1, max_steps=STEPS, gradient_clip_val=clip).fit(module, loader)
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 

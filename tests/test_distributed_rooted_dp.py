@@ -17,7 +17,6 @@ import functools
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-import lightning as L
 import pytest
 import ranks
 import torch
@@ -76,16 +75,8 @@ def _reference(clip: Optional[float] = None) -> Dict[str, Dict[str, torch.Tensor
     """The unmodified model trained in one process on the replicas' batches joined."""
     module, loader = client("gpt2")
     torch.manual_seed(123)
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=clip,
-    ).fit(module, DataLoader(loader.dataset, batch_size=DP * loader.batch_size))
+    trainer = ranks.quiet_trainer("auto", 1, max_steps=STEPS, gradient_clip_val=clip)
+    trainer.fit(module, DataLoader(loader.dataset, batch_size=DP * loader.batch_size))
     return {
         "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
         "grads": {f"model.{n}": p.grad.clone() for n, p in module.model.named_parameters()},
