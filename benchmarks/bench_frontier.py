@@ -12,8 +12,9 @@ Auto's budget at a peer's point: the benchmark's figure is the whole process's p
 activations + gradients; every stage runs on the one CPU, so ``choose`` gets ``shared_device=True``
 (the budget is the device's, checked against the whole process's predicted peak,
 :func:`pipeckpt.auto.process_peak`), a budget of the peer's figure less ``--headroom`` (0.5 %) plus
-all the parameters (SGD keeps no state), and balances whose cuts lie within ``--reach`` (3) layers of
-the default's. The candidates add plans shaped like per-block checkpointing (:func:`per_block_shaped`).
+all the parameters (SGD keeps no state), and the balances ``ckpt=auto memory.search=[balance]``
+searches (:func:`pipeckpt.budget.balance_candidates`: all of them on both configs here). The
+candidates add plans shaped like per-block checkpointing (:func:`per_block_shaped`).
 The headroom: the model's accounting differs from this harness's tracker by about a kilobyte either
 way (mode-dependent), and with none auto picked, at ``checkpoint_sequential``'s memory, a plan
 768 bytes (0.04 %) above it. The candidate table sets the model's predictions (process peak, step time)
@@ -29,7 +30,6 @@ the plain runs around each group, and the tables give the median and the round-t
 """
 
 import argparse
-import itertools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -59,7 +59,7 @@ from bench_checkpoint import (
 
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.auto import DEFAULT_MODES, choose, process_peak
-from pipeckpt.budget import chunk_candidates
+from pipeckpt.budget import balance_candidates, chunk_candidates
 from pipeckpt.engines.local_pipeline import LocalPipeline
 from pipeckpt.memory import ModelProfile, predict, profile
 from pipeckpt.planning import plan
@@ -74,20 +74,6 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 #: A pipeckpt configuration: the modes per stage, the chunks and the balance.
 Key = Tuple[Tuple[str, ...], int, Tuple[int, ...]]
-
-
-def balances_within(balance: Sequence[int], reach: int) -> List[Tuple[int, ...]]:
-    """The balances auto may choose among: each cut between stages at most ``reach`` layers from
-    ``balance``'s, every stage non-empty (the full config, reach 3: 216 balances; ``choose`` scores
-    them all in about a second per chunk count)."""
-    n = sum(balance)
-    cuts = list(itertools.accumulate(balance))[:-1]
-    out = []
-    for moved in itertools.product(*[range(max(1, c - reach), min(n - 1, c + reach) + 1) for c in cuts]):
-        if all(a < b for a, b in itertools.pairwise(moved)):
-            edges = (0, *moved, n)
-            out.append(tuple(b - a for a, b in itertools.pairwise(edges)))
-    return out
 
 
 def per_block_shaped(cfg: Config) -> List[Key]:
@@ -173,12 +159,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="share of a peer's figure auto's budget leaves for the memory model's error (its pick lands "
         "up to ~1.5 KiB above the prediction on the quick GPT; 0 plans to the byte)",
     )
-    parser.add_argument(
-        "--reach",
-        type=int,
-        default=3,
-        help="auto's balances: each cut between stages within this many layers of the default's",
-    )
     args = parser.parse_args(argv)
     only: Optional[Set[str]] = None if args.only is None else {_key(k) for k in args.only.split(",") if k}
     repeat = args.repeat if args.repeat is not None else (10 if args.quick else 1)
@@ -222,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     by_key = {m.key: m for m in methods}
     autos: Dict[Tuple[str, float], Optional[Key]] = {}  # (peer, headroom) -> auto's pick
-    balances = balances_within(cfg.balance, args.reach)
+    # The balances `ckpt=auto memory.search=[balance]` searches (pipeckpt.budget).
+    balances = balance_candidates(sum(cfg.balance), cfg.stages, cfg.balance)
     headrooms = (0.0, args.headroom)
     for peer in peers:
         figure = int(by_key[peer].footprint_mib * MiB)
@@ -253,9 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     measure_time(
         everything, x, y, optimizer, rounds=args.rounds, group=3, log=lambda s: print(s, file=sys.stderr)
     )
-    lines = _table(
-        by_key, peers, candidates, predicted, autos, cfg, args.rounds, repeat, headrooms, args.reach
-    )
+    lines = _table(by_key, peers, candidates, predicted, autos, cfg, args.rounds, repeat, headrooms)
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -311,7 +290,6 @@ def _table(
     rounds: int,
     repeat: int,
     headrooms: Sequence[float],
-    reach: int,
 ) -> List[str]:
     plain = by_key["plain"]
     plain_ms = [c / repeat * 1e3 for c in plain.cpu]
@@ -324,8 +302,9 @@ def _table(
         f"plain step {statistics.median(plain_ms):.2f} ms CPU "
         f"(range {min(plain_ms):.2f}-{max(plain_ms):.2f})",
         "auto's budget at a peer: its figure (to the byte, then less a headroom for the model's error) plus "
-        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=each cut between stages "
-        f"within {reach} layers of the default's)`; each pick measured. Candidates besides the uniform "
+        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=pipeckpt.budget."
+        "balance_candidates(...))`, as `memory.search=[balance]` searches; each pick measured. Candidates "
+        "besides the uniform "
         "modes: auto's picks, and plans shaped like per-block checkpointing (embedding alone, first blocks "
         "per layer)",
         "",

@@ -21,15 +21,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine
 from bench_checkpoint import FULL, LR, build_methods, make_batch, measure_memory, measure_time
-from bench_frontier import pipeckpt_method
+from bench_frontier import per_block_shaped, pipeckpt_method
 
-PLANS = (
-    (("never", "always:1", "always:1", "never"), (1, 6, 6, 2)),
-    (("never", "always:1", "always:1", "always:1"), (1, 5, 5, 4)),
-    # Only blocks 0-3 per layer, blocks 4-11 kept: the peak stays at the end of the backward (block 0's
-    # recompute, all the later gradients made), where the kept blocks' activations are long gone.
-    (("never", "always:1", "never", "never"), (1, 4, 8, 2)),
-)
+PLANS = [
+    (("never", "always:1", "always:1", "never"), 1, (1, 6, 6, 2)),
+    (("never", "always:1", "always:1", "always:1"), 1, (1, 5, 5, 4)),
+    *per_block_shaped(FULL),  # only the first blocks per layer, the rest kept
+]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -42,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = cfg.layers()
     x, y = make_batch(cfg)
     methods = [m for m in build_methods(model, cfg) if m.key in ("plain", "per-block")]
-    methods += [pipeckpt_method(model, cfg, modes, 1, balance) for modes, balance in PLANS]
+    methods += [pipeckpt_method(model, cfg, *key) for key in PLANS]
     for m in methods:
         measure_memory(m, model, x, y, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
