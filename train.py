@@ -38,8 +38,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeckpt import PipeckptConfigError
-from pipeckpt.config import register
-from pipeckpt.report import StageReport, format_table, human_bytes
+from pipeckpt.app.config import register
+from pipeckpt.report.stage_report import StageReport, format_table, human_bytes
 
 register()
 

@@ -57,9 +57,9 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import checkpoint
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -730,7 +730,7 @@ def report(
         "",
         f"Command: `{command}` ({elapsed / 60:.1f} min).",
         "",
-        f"Model: `pipeckpt.models.gpt.gpt_layers`, {cfg.n_layers} layers, d_model "
+        f"Model: `pipeckpt.app.models.gpt.gpt_layers`, {cfg.n_layers} layers, d_model "
         f"{cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch "
         f"{cfg.batch}, dropout {cfg.dropout}, fp32, random init, {params / 1e6:.1f}M parameters "
         f"({params * 4 / MiB:.0f} MiB). Pipelines: {cfg.stages} stages x {cfg.chunks} chunks, "

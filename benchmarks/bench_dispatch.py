@@ -40,8 +40,8 @@ import torchgpipe
 from _machine import machine  # benchmarks/ is on sys.path when a script runs
 from torch import Tensor, nn
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import plan
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = torch.device("cpu")
 BLOCKS, WIDTH, BATCH, CHUNKS, STAGES = 48, 64, 16, 4, 4

@@ -1,6 +1,6 @@
 """Throughput and activation memory of the distributed engine on two processes.
 
-A 2-stage pipeline of the project's MLP (``pipeckpt.models.MLP``) runs on two
+A 2-stage pipeline of the project's MLP (``pipeckpt.app.models.MLP``) runs on two
 processes of one torch thread each, against the same module trained in one
 process with one thread. Both go through a real ``Trainer`` (the pipeline with
 ``PipelineStrategy(engine="distributed")``), so the figures include the engine's
@@ -52,8 +52,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.models import MLP
-from pipeckpt.planning import plan, split
+from pipeckpt.app.models import MLP
+from pipeckpt.stages.partition import plan, split
 
 MiB = 2**20
 MICROBATCHES = (2, 4, 8)
@@ -310,7 +310,7 @@ def report(
         "## Distributed engine: two processes against one",
         "",
         f"Machine: {machine()}. One torch thread per process; gloo on localhost.",
-        f"Model: `pipeckpt.models.MLP({', '.join(f'{k}={v}' for k, v in model.items())})` "
+        f"Model: `pipeckpt.app.models.MLP({', '.join(f'{k}={v}' for k, v in model.items())})` "
         f"({params / 1e6:.1f}M parameters, fp32, AdamW), batch {args.batch}, 2 stages balanced by "
         "parameters, no activation checkpointing. Each figure: the mean step time over "
         f"{args.timed} steps after {args.warmup} warm-up steps, through a `Trainer`; "

@@ -1,9 +1,9 @@
 """Per-rank memory and recomputes of the distributed engine, for each schedule and checkpoint mode.
 
-Why: the memory model (``pipeckpt.memory``) predicts per-stage peaks under torch's GPipe and 1F1B,
+Why: the memory model (``pipeckpt.memory.model``) predicts per-stage peaks under torch's GPipe and 1F1B,
 and the modes claim to trade memory for recomputation, but until this benchmark nothing measured
 what a rank of ``engine="distributed"`` actually holds. Two gloo processes on CPU (one torch thread
-each) train a GPT-like model (``pipeckpt.models.GPT``) and an MLP (``pipeckpt.models.MLP``)
+each) train a GPT-like model (``pipeckpt.app.models.GPT``) and an MLP (``pipeckpt.app.models.MLP``)
 through a real ``Trainer`` with ``PipelineStrategy(engine="distributed")``: one stage per rank for
 GPipe and 1F1B, two virtual stages per rank for the looped schedules, and the zero-bubble schedules
 with ``never`` only (the engine refuses recomputation under a split backward).
@@ -23,8 +23,8 @@ Measured, per rank, in the second training step (the first builds the schedule a
   "stage" here because a rank is one device).
 - recomputes: runs of a stage's layers in the step beyond its one forward per micro-batch, summed
   over the rank's stages (``Stage.forward_calls``): what the code did, whatever the mode promises.
-- predicted MiB, error %: ``pipeckpt.memory.predict``'s per-stage peak (GPipe, 1F1B) or
-  ``pipeckpt.memory.predict_device``'s per-rank peak under the op order the rank ran (the looped
+- predicted MiB, error %: ``pipeckpt.memory.model.predict``'s per-stage peak (GPipe, 1F1B) or
+  ``pipeckpt.memory.model.predict_device``'s per-rank peak under the op order the rank ran (the looped
   schedules), less parameters and optimizer state (the same quantity), from a profile of one
   micro-batch in the launching process; error = (predicted - measured) / measured. The
   zero-bubble schedules split backward, which the model does not cover.
@@ -60,10 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from stage_memory import StageTracker
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.memory import predict, predict_device, profile
-from pipeckpt.models import GPT, MLP
-from pipeckpt.modes import parse_modes
-from pipeckpt.planning import StagePlan
+from pipeckpt.app.models import GPT, MLP
+from pipeckpt.checkpointing.modes import parse_modes
+from pipeckpt.memory.model import predict, predict_device, profile
+from pipeckpt.stages.partition import StagePlan
 
 MiB = 2**20
 RANKS = 2
@@ -79,8 +79,8 @@ SCHEDULES: Dict[str, int] = {
 }
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 MODES = ("never", "except_last", "always", "offload")
-PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.predict: one stage per device
-LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.predict_device, the rank's own op order
+PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.model.predict: one stage per device
+LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.model.predict_device, the rank's own op order
 
 MODELS: Dict[str, Dict[str, Any]] = {
     # GPT-2-shaped, small enough for two processes on two shared cores: 9 layers to balance.
@@ -344,7 +344,7 @@ def report(results: List[Dict[str, Any]], elapsed: float, command: str) -> str:
         "zeroes `.grad`, so at the first batch of an accumulation window (every batch here) it "
         "drops them before the schedule. Own peak = peak less those. "
         "Recomputes = runs of the rank's stages beyond one forward per micro-batch. "
-        "Predicted = `pipeckpt.memory.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
+        "Predicted = `pipeckpt.memory.model.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
         "own op order (interleaved, looped BFS; zero-bubble split backward is not modelled) less "
         "parameters and optimizer state, against own peak; error = (predicted - own) / own. "
         "`offload` runs as `always` on CPU.",

@@ -4,16 +4,16 @@ the pipeckpt configurations at or below it on both axes, and whether ``ckpt=auto
 Peers (as in benchmarks/bench_checkpoint.py, whose measuring this reuses): ``torch.utils.checkpoint``
 per block, ``checkpoint_sequential`` in 4 segments, torchgpipe never / except_last / always.
 pipeckpt's candidates are auto's own search space, so modes added to
-:data:`pipeckpt.auto.DEFAULT_MODES` (granularity, selective) are measured here without a change:
+:data:`pipeckpt.memory.auto.DEFAULT_MODES` (granularity, selective) are measured here without a change:
 every mode on every stage, for each chunk count that cuts the batch, plus what
-:func:`pipeckpt.auto.choose` picks at each peer's memory.
+:func:`pipeckpt.memory.auto.choose` picks at each peer's memory.
 
 Auto's budget at a peer's point: the benchmark's figure is the whole process's peak of
 activations + gradients; every stage runs on the one CPU, so ``choose`` gets ``shared_device=True``
 (the budget is the device's, checked against the whole process's predicted peak,
-:func:`pipeckpt.auto.process_peak`), a budget of the peer's figure less ``--headroom`` (0.5 %) plus
+:func:`pipeckpt.memory.auto.process_peak`), a budget of the peer's figure less ``--headroom`` (0.5 %) plus
 all the parameters (SGD keeps no state), and the balances ``ckpt=auto memory.search=[balance]``
-searches (:func:`pipeckpt.budget.balance_candidates`: all of them on both configs here). The
+searches (:func:`pipeckpt.memory.budget.balance_candidates`: all of them on both configs here). The
 candidates add plans shaped like per-block checkpointing (:func:`per_block_shaped`).
 The headroom: the model's accounting differs from this harness's tracker by about a kilobyte either
 way (mode-dependent), and with none auto picked, at ``checkpoint_sequential``'s memory, a plan
@@ -58,11 +58,11 @@ from bench_checkpoint import (
 )
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.auto import DEFAULT_MODES, choose, process_peak
-from pipeckpt.budget import balance_candidates, chunk_candidates
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.memory import ModelProfile, predict, profile
-from pipeckpt.planning import plan
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.memory.auto import DEFAULT_MODES, choose, process_peak
+from pipeckpt.memory.budget import balance_candidates, chunk_candidates
+from pipeckpt.memory.model import ModelProfile, predict, profile
+from pipeckpt.stages.partition import plan
 
 MiB = 2**20
 PEERS = ("per-block", "ckpt-seq-4", "torchgpipe-never", "torchgpipe-except_last", "torchgpipe-always")
@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     all_params = sum(p.numel() * p.element_size() for p in model.parameters())
     by_key = {m.key: m for m in methods}
     autos: Dict[Tuple[str, float], Optional[Key]] = {}  # (peer, headroom) -> auto's pick
-    # The balances `ckpt=auto memory.search=[balance]` searches (pipeckpt.budget).
+    # The balances `ckpt=auto memory.search=[balance]` searches (pipeckpt.memory.budget).
     balances = balance_candidates(sum(cfg.balance), cfg.stages, cfg.balance)
     headrooms = (0.0, args.headroom)
     for peer in peers:
@@ -302,7 +302,7 @@ def _table(
         f"plain step {statistics.median(plain_ms):.2f} ms CPU "
         f"(range {min(plain_ms):.2f}-{max(plain_ms):.2f})",
         "auto's budget at a peer: its figure (to the byte, then less a headroom for the model's error) plus "
-        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=pipeckpt.budget."
+        "the parameters (SGD: no state); `choose(..., shared_device=True, balances=pipeckpt.memory.budget."
         "balance_candidates(...))`, as `memory.search=[balance]` searches; each pick measured. Candidates "
         "besides the uniform "
         "modes: auto's picks, and plans shaped like per-block checkpointing (embedding alone, first blocks "
@@ -336,7 +336,7 @@ def _table(
         )
     lines += [
         "",
-        "Candidates, measured against the model (predicted process peak: `pipeckpt.auto.process_peak` "
+        "Candidates, measured against the model (predicted process peak: `pipeckpt.memory.auto.process_peak` "
         "less the parameters; predicted step: `predict(..., shared_device=True)` from the profile):",
         "",
         "| pipeckpt candidate | peak MiB measured / predicted | time vs plain [range] "

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.models.gpt import gpt_layers
+from pipeckpt.app.models.gpt import gpt_layers
 
 CHUNKS, STAGES = 4, 4
 

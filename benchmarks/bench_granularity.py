@@ -32,9 +32,9 @@ from typing import Dict, List
 
 import torch
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from stage_memory import measure_local_step

@@ -2,7 +2,7 @@
 
 Models: ``benchmarks/bench_dispatch.py``'s proxy (48 x Linear(64, 64) + GELU, batch 16, 4 stages,
 4 chunks), the same with a Dropout(0.1) in every block (the worst case: every layer seeded), and a
-small GPT (``pipeckpt.models.gpt``, 4 blocks, d_model 128, seq 64, batch 8, dropout 0.1). Each
+small GPT (``pipeckpt.app.models.gpt``, 4 blocks, d_model 128, seq 64, batch 8, dropout 0.1). Each
 step: forward, mean-square loss, backward, under ``except_last``. Interleaved rounds, median ratio.
 
     python benchmarks/bench_layer_rng.py            # ~1 min
@@ -17,10 +17,10 @@ import torch
 from bench_dispatch import proxy
 from torch import nn
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.layer_rng import LayerStreams
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = torch.device("cpu")
 

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from stage_memory import measure_local_step
 from test_memory import MODELS, _model, _profile
 
-from pipeckpt.memory import predict
-from pipeckpt.planning import plan
+from pipeckpt.memory.model import predict
+from pipeckpt.stages.partition import plan
 
 MiB = 2**20
 MODES = ("never", "except_last", "always", "always:1", "always:2", "except_last:1", "selective")

@@ -43,9 +43,9 @@ import torch
 from _machine import machine
 from torch import Tensor, nn
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 BLOCKS, WIDTH, BATCH, CHUNKS, STAGES = 48, 64, 16, 4, 4
 CPU = [torch.device("cpu")]

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine
 
-from pipeckpt import report
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.report import stage_report as report
+from pipeckpt.stages.partition import plan
 
 
 def _sync(device: torch.device) -> None:

@@ -2,7 +2,7 @@
 
 Builds pipeckpt's GPT (80 blocks, d 8192, 64 heads, seq 4096, vocab 32000, dropout 0.1) in bf16
 on fake tensors (nothing allocated), profiles one micro-batch of one sequence with
-:func:`pipeckpt.memory.profile`, and predicts each of 8 pipeline stages (8-way data parallelism
+:func:`pipeckpt.memory.model.profile`, and predicts each of 8 pipeline stages (8-way data parallelism
 does not change a stage's memory without sharding) under torch's 1F1B and GPipe, without
 recompute and with full recompute. Prints the Markdown tables of docs/MEMORY.md::
 
@@ -15,10 +15,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeckpt.memory import fake_mode, predict, profile
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.modes import ALWAYS, NEVER
-from pipeckpt.planning import StagePlan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.checkpointing.modes import ALWAYS, NEVER
+from pipeckpt.memory.model import fake_mode, predict, profile
+from pipeckpt.stages.partition import StagePlan
 
 S, H, A, L, V = 4096, 8192, 64, 80, 32000  # sequence, hidden, heads, layers, vocabulary
 B = 1  # micro-batch, sequences

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pipeckpt
-from pipeckpt.report import StageReport
+from pipeckpt.report.stage_report import StageReport
 
 
 class Residual(nn.Module):

@@ -5,9 +5,9 @@ Importing the package registers the ``"pipe"`` strategy, so
 """
 
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
-from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
+from pipeckpt.boundaries.pipeline_of import pipeline_of
+from pipeckpt.checkpointing.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.settings import PipeSettings
-from pipeckpt.split import pipeline_of
 from pipeckpt.strategy import PipelineStrategy, register
 
 __all__ = [

@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import _push_mode as push_dispatch_mode
 
 # torch ships pytree utilities only under a private module name (no torch.utils.pytree).
 # tree_is_leaf: whether torch's pytree treats an object as a leaf (registered node types,
-# named tuples), asked by pipeckpt.boundary's walk for objects that are not built-in containers;
+# named tuples), asked by pipeckpt.boundaries.pytrees's walk for objects that are not built-in containers;
 # register_pytree_node: so that torch's walks (the stage report's hooks) see the tensors inside
-# pipeckpt.boundary.Flat, the flat form a boundary value keeps between stages.
+# pipeckpt.boundaries.pytrees.Flat, the flat form a boundary value keeps between stages.
 from torch.utils._pytree import (
     TreeSpec,
     register_pytree_node,
@@ -87,7 +87,7 @@ def set_module_device(module: Any, device: torch.device) -> None:
     module._device = device
 
 
-# -- memory model (pipeckpt.memory) ---------------------------------------------------
+# -- memory model (pipeckpt.memory.model) ---------------------------------------------------
 
 # Running a model without allocating its memory (a model larger than the machine): fake tensors
 # exist only under torch._subclasses; torch has no public FakeTensorMode.

@@ -8,8 +8,8 @@ module, for inference, sharing or tools that expect one file. It holds the whole
 import argparse
 from typing import List, Optional
 
-from pipeckpt import sharded
 from pipeckpt._errors import PipeckptConfigError
+from pipeckpt.state import sharded
 
 __all__ = ["main"]
 

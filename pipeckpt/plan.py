@@ -3,7 +3,7 @@
 Why a separate command: whether a plan fits is the first question of a run and the slowest to
 answer by trying. This composes ``conf/`` exactly as ``train.py`` does (the same overrides),
 builds the model and one batch of its data, profiles one micro-batch
-(:func:`pipeckpt.memory.profile`) and prints the model's prediction per stage. Its own options are
+(:func:`pipeckpt.memory.model.profile`) and prints the model's prediction per stage. Its own options are
 ``memory.*`` overrides, taken out before Hydra sees them::
 
     python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
@@ -13,7 +13,7 @@ builds the model and one batch of its data, profiles one micro-batch
 
 ``memory.budget``, ``memory.search`` and ``memory.optimizer`` are the configs' own (``conf/train.yaml``,
 what ``ckpt=auto`` plans to). With a budget the table marks each stage against it, prints the plan
-:func:`pipeckpt.auto.choose` picks under it and writes the PNG (stacked bars per stage, the budget
+:func:`pipeckpt.memory.auto.choose` picks under it and writes the PNG (stacked bars per stage, the budget
 as a line) to ``memory.png`` (default ``memory_plan.png``); under ``ckpt=auto`` the table is the
 chosen plan's, as ``train.py`` would run it. The command's own options: ``memory.schedule``:
 default ``local``, or the strategy's torch schedule under ``strategy.engine=distributed``;
@@ -33,13 +33,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
-from pipeckpt.auto import choose, parse_bytes
-from pipeckpt.budget import resolve_auto
-from pipeckpt.config import register
-from pipeckpt.contract import pipelined_sequential
-from pipeckpt.memory import OPTIMIZERS, Prediction, fake_mode, predict, profile
-from pipeckpt.planning import plan as make_plan
+from pipeckpt.app.config import register
+from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.memory.auto import choose, parse_bytes
+from pipeckpt.memory.budget import resolve_auto
+from pipeckpt.memory.model import OPTIMIZERS, Prediction, fake_mode, predict, profile
 from pipeckpt.settings import PipeSettings
+from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
 

@@ -3,11 +3,11 @@
 :class:`PipeSettings` is the single source of a setting's name, type, default,
 meaning and model-free check. ``PipelineStrategy(**settings)`` takes its
 keyword arguments from it, the Hydra schema of ``conf/strategy/pipe.yaml`` is
-generated from it (:mod:`pipeckpt.config`), and the README's table lists its
+generated from it (:mod:`pipeckpt.app.config`), and the README's table lists its
 fields. Checks run in ``__post_init__``, so the same bad value fails with the
 same message from Python, from a Hydra config and from the command line, before
 any model, process or device is touched. Checks that need the model (a balance
-summing to the layer count) live in :mod:`pipeckpt.planning`; checks that need
+summing to the layer count) live in :mod:`pipeckpt.stages.partition`; checks that need
 the world size live with the engine that runs it.
 """
 
@@ -16,14 +16,14 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
-from pipeckpt.compiling import check_compile
-from pipeckpt.modes import CheckpointMode, parse_modes
+from pipeckpt.checkpointing.compiling import check_compile
+from pipeckpt.checkpointing.layer_rng import LAYER_RNG, check_layer_rng
+from pipeckpt.checkpointing.modes import CheckpointMode, parse_modes
 from pipeckpt.sizes import OPTIMIZERS, parse_bytes
 
 __all__ = ["PipeSettings", "BALANCE_BY", "LAYER_RNG", "MEMORY_SEARCH", "check_balance_by", "check_layer_rng"]
 
 BALANCE_BY = ("params", "time", "memory")
-LAYER_RNG = ("auto", "all", "off")
 
 _DISTRIBUTED = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
 
@@ -170,16 +170,6 @@ def check_balance_by(balance_by: str) -> None:
             f"balance_by={balance_by!r}",
             f"must be one of {BALANCE_BY}",
             "choose params (default), time, or memory",
-        )
-
-
-def check_layer_rng(layer_rng: Any) -> None:
-    if layer_rng not in LAYER_RNG:
-        raise config_error(
-            f"layer_rng={layer_rng!r}",
-            f"must be one of {LAYER_RNG}",
-            "use 'auto' (layers holding dropout draw from streams of their own), 'all' (every layer), "
-            "or 'off' (the caller's generator, in schedule order)",
         )
 
 

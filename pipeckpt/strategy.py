@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from pipeckpt import _rng, preemption
+from pipeckpt import _rng
 from pipeckpt._compat import (
     checkpoint_io_unset,
     optimizers_to_device,
@@ -42,13 +42,14 @@ from pipeckpt._compat import (
     unwrap_optimizer,
 )
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
-from pipeckpt.checkpoint_io import AtomicCheckpointIO
-from pipeckpt.contract import pipelined_sequential
+from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine, World
-from pipeckpt.planning import StagePlan
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stage import Stage
+from pipeckpt.stages.partition import StagePlan
+from pipeckpt.stages.stage import Stage
+from pipeckpt.state import preemption
+from pipeckpt.state.files import AtomicCheckpointIO
 
 __all__ = ["PipelineStrategy"]
 
@@ -89,7 +90,9 @@ class PipelineStrategy(ParallelStrategy):
         self.settings = settings
         self.engine: Engine = engine(settings)
         self.num_nodes = 1
-        self.auto_plan: Optional[Any] = None  # checkpoint='auto': pipeckpt.budget.AutoPlan, once set up
+        self.auto_plan: Optional[Any] = (
+            None  # checkpoint='auto': pipeckpt.memory.budget.AutoPlan, once set up
+        )
 
     # -- topology ---------------------------------------------------------------
 
@@ -182,8 +185,8 @@ class PipelineStrategy(ParallelStrategy):
 
     def _choose_plan(self, trainer: Trainer, module: Any) -> None:
         """``checkpoint='auto'``: the plan under ``memory_budget``, chosen once (on rank 0) and
-        written into the settings every engine builds from (:mod:`pipeckpt.budget`)."""
-        from pipeckpt.budget import resolve_auto, sample_batch
+        written into the settings every engine builds from (:mod:`pipeckpt.memory.budget`)."""
+        from pipeckpt.memory.budget import resolve_auto, sample_batch
 
         sequential = pipelined_sequential(module)
         chosen: List[Any] = [None]

@@ -28,8 +28,8 @@ from bench_distributed_memory import StepWindows  # the benchmark's own measurem
 from ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.data import SyntheticTokens
-from pipeckpt.models import GPT
+from pipeckpt.app.data import SyntheticTokens
+from pipeckpt.app.models import GPT
 
 #: The model and data every run uses (the test builds the same ones to compare the choice).
 GPT_KWARGS: Dict[str, Any] = dict(size="tiny", n_layers=4, seq_len=64, vocab_size=256, dropout=0.1)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.report import StageReport
+from pipeckpt.report.stage_report import StageReport
 
 
 def replica_loader(dp: int, replica: int) -> DataLoader:

@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from toy import ToyModule, toy_loader
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.checkpoint_io import AtomicCheckpointIO
+from pipeckpt.state.files import AtomicCheckpointIO
 
 WRITE_KINDS = ("write_bytes", "write_before_replace", "write_after_replace")
 KINDS = ("forward", "backward", "optimizer_pre", "optimizer_post", *WRITE_KINDS)

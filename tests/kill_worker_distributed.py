@@ -39,7 +39,8 @@ from kill_worker import WRITE_KINDS, KillAfterBytes, Probe, ProbeCallback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from toy import ToyModule, toy_loader
 
-from pipeckpt import PipelineStrategy, sharded
+from pipeckpt import PipelineStrategy
+from pipeckpt.state import sharded
 
 WORLD = 2
 LAUNCH_TIMEOUT_S = 150  # a whole training, both ranks, on a loaded 2-core machine

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeckpt import sharded
+from pipeckpt.state import sharded
 
 STAGES: Tuple[Tuple[int, ...], ...] = ((0, 1), (2, 3))  # layer indices of each stage
 

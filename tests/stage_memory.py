@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import TorchDispatchMode, pop_dispatch_mode, push_dispatch_mode, tree_flatten
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import StagePlan
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import StagePlan
 
 
 class StageTracker(TorchDispatchMode):

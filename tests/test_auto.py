@@ -1,4 +1,4 @@
-"""pipeckpt.auto.choose: the fastest predicted plan under a budget, checked against brute force."""
+"""pipeckpt.memory.auto.choose: the fastest predicted plan under a budget, checked against brute force."""
 
 import itertools
 import sys
@@ -12,12 +12,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from stage_memory import StageTracker, measure_local_step, split_batch
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.auto import DEFAULT_MODES, choose, parse_bytes, process_peak, with_balance_modes
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.memory import predict, profile, with_balance
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.models.mlp import mlp_layers
-from pipeckpt.planning import StagePlan, plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.app.models.mlp import mlp_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.memory.auto import DEFAULT_MODES, choose, parse_bytes, process_peak, with_balance_modes
+from pipeckpt.memory.model import predict, profile, with_balance
+from pipeckpt.stages.partition import StagePlan, plan
 
 CPU = torch.device("cpu")
 
@@ -135,7 +135,7 @@ def test_budgets_parse_with_units() -> None:
 
 
 def test_modes_that_do_not_nest_are_searched_exhaustively_and_match_brute_force(monkeypatch) -> None:
-    import pipeckpt.auto as auto
+    import pipeckpt.memory.auto as auto
 
     monkeypatch.setattr(auto, "_nested", lambda modes, chunks: False)  # as granularity modes would be
     for budget in _budgets([4], [BALANCE])[::2]:
@@ -147,7 +147,7 @@ def test_modes_that_do_not_nest_are_searched_exhaustively_and_match_brute_force(
 
 
 def test_the_infeasible_error_names_the_largest_term_of_the_deciding_stage() -> None:
-    from pipeckpt.auto import TERMS
+    from pipeckpt.memory.auto import TERMS
 
     least = [
         min(

@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt._compat import tree_flatten
-from pipeckpt.boundary import Flat, flatten, gather, scatter, unflatten
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import plan
+from pipeckpt.boundaries.pytrees import Flat, flatten, gather, scatter, unflatten
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 MODES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]

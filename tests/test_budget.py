@@ -11,12 +11,12 @@ from hydra import compose, initialize_config_dir
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.auto import choose
-from pipeckpt.budget import balance_candidates, chunk_candidates, first_microbatch
-from pipeckpt.config import register
-from pipeckpt.data import SyntheticVectors
-from pipeckpt.memory import profile
-from pipeckpt.models import MLP
+from pipeckpt.app.config import register
+from pipeckpt.app.data import SyntheticVectors
+from pipeckpt.app.models import MLP
+from pipeckpt.memory.auto import choose
+from pipeckpt.memory.budget import balance_candidates, chunk_candidates, first_microbatch
+from pipeckpt.memory.model import profile
 from pipeckpt.settings import PipeSettings
 
 sys.path.insert(0, str(Path(__file__).parent))

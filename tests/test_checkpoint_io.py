@@ -1,4 +1,4 @@
-"""Atomic checkpoint writes (pipeckpt/checkpoint_io.py): a checkpoint file or directory appears
+"""Atomic checkpoint writes (pipeckpt/state/files.py): a checkpoint file or directory appears
 only complete, durably, without a second in-memory copy. The kill -9 trials of a real training
 run are in test_kill_trials.py."""
 
@@ -15,7 +15,7 @@ from toy import ToyModule, fit
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.checkpoint_io import (
+from pipeckpt.state.files import (
     AtomicCheckpointIO,
     atomic_replace_dir,
     atomic_write,

@@ -2,7 +2,7 @@
 
 Run under the ``aot_eager`` backend: it goes through Dynamo and AOTAutograd as inductor does
 but generates no code, so the tests need no C++ compiler and take seconds, and its random ops
-draw from torch's generator, which a recompute replays (see pipeckpt/compiling.py for what
+draw from torch's generator, which a recompute replays (see pipeckpt/checkpointing/compiling.py for what
 holds under inductor)."""
 
 from typing import Any, Dict, List

@@ -41,7 +41,7 @@ from toy import ToyModule, fit, params
 
 import train
 from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
-from pipeckpt.config import register
+from pipeckpt.app.config import register
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BATCH = 16  # toy_loader's batch size

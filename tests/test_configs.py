@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import pipeckpt
-from pipeckpt.config import register
+from pipeckpt.app.config import register
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["model", "data", "strategy", "ckpt", "trainer", "logger", "callbacks", "experiment"]

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from toy import ToyModule, fit, max_relative_difference, params, toy_layers
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.offload import CudaCopies, copies_for
-from pipeckpt.planning import plan
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.checkpointing.offload import CudaCopies, copies_for
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -105,7 +105,7 @@ def test_offload_keeps_less_on_the_gpu_than_always():
     assert always - offload >= 2 * 512 * 1024 * 4 * 0.9
 
 
-# -- offload on side streams (pipeckpt/offload.py) ---------------------------------------------
+# -- offload on side streams (pipeckpt/checkpointing/offload.py) ---------------------------------------------
 
 CUDA0 = torch.device("cuda", 0)
 

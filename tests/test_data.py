@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeckpt.data import SyntheticImages, SyntheticTokens, SyntheticVectors, TextDataModule
-from pipeckpt.data.text import read_corpus
+from pipeckpt.app.data import SyntheticImages, SyntheticTokens, SyntheticVectors, TextDataModule
+from pipeckpt.app.data.text import read_corpus
 
 
 def text(**kwargs) -> TextDataModule:

@@ -23,11 +23,11 @@ from distributed_auto_worker import build
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.budget import resolve_auto
+from pipeckpt.app.models import MLP
 from pipeckpt.engines.distributed.auto_plan import adopt
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.engines.distributed.topology import Topology
-from pipeckpt.models import MLP
+from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.settings import PipeSettings
 
 WORKER = Path(__file__).resolve().parent / "distributed_auto_worker.py"

@@ -19,10 +19,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
 
-from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy, sharded
+from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
 from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.engines.distributed.logs import LogRecorder
 from pipeckpt.engines.distributed.step import PipelinedStep
+from pipeckpt.state import sharded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_worker.py"
@@ -425,7 +426,7 @@ def test_checkpoint_modes_count_the_same_recomputes_under_1f1b(two_processes):
     for rank in range(2):
         calls.update(json.loads((two_processes / f"1f1b_mix.rank{rank}.json").read_text())["forward_calls"])
     # 4 steps of 4 micro-batches: `always` recomputes all 4; `except_last` on 1F1B's last stage,
-    # where every backward follows its own forward at once, recomputes none (pipeckpt.order).
+    # where every backward follows its own forward at once, recomputes none (pipeckpt.checkpointing.order).
     assert calls == {"0": STEPS * (4 + 4), "1": STEPS * (4 + 0)}
 
 
@@ -606,5 +607,5 @@ def test_the_stage_report_holds_every_stages_figures_from_the_rank_that_runs_it(
     for row in rows:  # measured where the stage ran: no stage is left at zero
         assert row["forward_s"] > 0 and row["backward_s"] > 0 and row["peak_activation_bytes"] > 0, row
     # 4 micro-batches under 1F1B: 'always' recomputes all 4; 'except_last' on the last stage, where
-    # each backward follows its own forward at once, keeps every micro-batch (pipeckpt.order).
+    # each backward follows its own forward at once, keeps every micro-batch (pipeckpt.checkpointing.order).
     assert [r["recomputed"] for r in rows] == [4, 0]

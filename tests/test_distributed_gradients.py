@@ -21,8 +21,9 @@ import torch
 from distributed_gradients_worker import OwnZeroGrad, ZeroingModule
 from toy import ToyModule, fit, max_relative_difference, params, toy_layers
 
-from pipeckpt import PipelineStrategy, sharded
-from pipeckpt.gradients import gradients_set_aside, window_starts
+from pipeckpt import PipelineStrategy
+from pipeckpt.stages.gradients import gradients_set_aside, window_starts
+from pipeckpt.state import sharded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_gradients_worker.py"

@@ -19,8 +19,9 @@ import torch
 from pytree_models import PytreeModule, TiedModule, pytree_loader, tied_loader
 from toy import assert_bitwise_equal, max_relative_difference, params
 
-from pipeckpt import PipeckptConfigError, PipelineStrategy, sharded
+from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.engines.distributed.boundaries import Boundaries
+from pipeckpt.state import sharded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_pytree_worker.py"
@@ -216,7 +217,7 @@ def test_recompute_with_side_inputs_leaves_dropout_training_bitwise_unchanged(tw
 
 @pytest.mark.slow
 def test_with_dropout_on_pytrees_and_side_inputs_train_like_the_local_engine(two_processes):
-    # Per-layer random streams (pipeckpt.layer_rng): the masks do not depend on the engine.
+    # Per-layer random streams (pipeckpt.checkpointing.layer_rng): the masks do not depend on the engine.
     settings = dict(DROPOUT, checkpoint=["always", "except_last"])
     reference = _fit(PytreeModule(dropout=0.3), _local(settings), pytree_loader())
     got = _state(two_processes / "dropout_mix.ckpt")["state_dict"]

@@ -8,7 +8,7 @@ Two references, both the plain module's own code with no pipeline, stage or chec
   module's own order, so the pipelined gradients must equal those of the plain module called once on
   the whole batch, its masks drawn as PyTorch draws them;
 - the default per-layer streams and 4 micro-batches: the plain module called on each micro-batch in
-  turn, each named layer seeded by a :class:`~pipeckpt.layer_rng.LayerStreams` of its own (the
+  turn, each named layer seeded by a :class:`~pipeckpt.checkpointing.layer_rng.LayerStreams` of its own (the
   documented stream of layer ``k``, micro-batch ``m``), the outputs joined, the same loss taken. This is
   the reference the distributed engine is held against (tests/test_distributed_equivalence.py: one local
   stage), here shown equal to the unpipelined module.
@@ -30,10 +30,10 @@ from real_models import example
 from torch import Tensor, nn
 
 from pipeckpt import pipeline_of
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.engines.local import LocalEngine
-from pipeckpt.layer_rng import LayerStreams
 from pipeckpt.settings import PipeSettings
-from pipeckpt.split import ModulePipeline
 
 CPU = [torch.device("cpu")]
 DROPOUT = 0.3

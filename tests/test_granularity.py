@@ -12,9 +12,9 @@ from torch import nn
 from toy import Counter, toy_layers
 
 from pipeckpt import PipeckptConfigError
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.modes import ALWAYS, parse_mode
-from pipeckpt.planning import plan
+from pipeckpt.checkpointing.modes import ALWAYS, parse_mode
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 GRANULAR = ["always:1", "always:2", "except_last:1", "offload:1", ["always:1", "except_last:2"]]

@@ -30,7 +30,7 @@ import torch
 from kill_worker import WRITE_KINDS
 from toy import assert_bitwise_equal
 
-from pipeckpt import sharded
+from pipeckpt.state import sharded
 
 pytestmark = pytest.mark.slow
 

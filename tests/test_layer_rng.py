@@ -1,4 +1,4 @@
-"""Per-layer random streams (``pipeckpt.layer_rng``, the ``layer_rng`` setting): dropout masks that
+"""Per-layer random streams (``checkpointing.layer_rng``, the ``layer_rng`` setting): dropout masks that
 depend on the seed, the training call, the micro-batch and the layer, never on the layout.
 
 Most tests build the local engine on the toy module without a Trainer (it is cheap) and take one or
@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.boundaries.pipeline_of import pipeline_of
+from pipeckpt.checkpointing.layer_rng import LayerStreams, draws_random
 from pipeckpt.engines.local import LocalEngine
-from pipeckpt.layer_rng import LayerStreams, draws_random
 from pipeckpt.settings import PipeSettings
-from pipeckpt.split import pipeline_of
 
 CPU = [torch.device("cpu")]
 LAYOUTS = {1: [6], 2: [3, 3], 4: [1, 2, 2, 1]}

@@ -11,8 +11,8 @@ from toy import toy_layers
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt._compat import TorchDispatchMode
-from pipeckpt.engines.local_pipeline import LocalPipeline, clock_cycles
-from pipeckpt.planning import plan
+from pipeckpt.engines.local.pipeline import LocalPipeline, clock_cycles
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 MODES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]

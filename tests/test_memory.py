@@ -1,4 +1,4 @@
-"""The memory model (pipeckpt.memory) against measurement, and its parts against their rules.
+"""The memory model (pipeckpt.memory.model) against measurement, and its parts against their rules.
 
 Measured: one forward and backward of the local engine on CPU, each storage attributed to the stage
 that created it, stage inputs and incoming gradients copied as between devices
@@ -21,19 +21,19 @@ from stage_memory import StageTracker, measure_local_step, split_batch
 
 from pipeckpt._compat import DeferredBatchNorm, MemTracker
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.batch_norm import convert_deferred_batch_norm
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.memory import (
+from pipeckpt.app.models.convnet import convnet_layers
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.app.models.mlp import mlp_layers
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.memory.model import (
     fake_mode,
     op_order,
     optimizer_state_bytes,
     predict,
     profile,
 )
-from pipeckpt.models.convnet import convnet_layers
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.models.mlp import mlp_layers
-from pipeckpt.planning import StagePlan, plan
+from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
+from pipeckpt.stages.partition import StagePlan, plan
 
 CPU = torch.device("cpu")
 TOLERANCE = 0.10
@@ -103,7 +103,7 @@ def test_predicted_stage_peaks_are_within_ten_percent_of_measured(name: str, mod
     )
 
 
-# Granularity and selective checkpointing (pipeckpt/modes.py ``<base>[+selective][:k]``).
+# Granularity and selective checkpointing (pipeckpt/checkpointing/modes.py ``<base>[+selective][:k]``).
 GRANULAR = [
     pytest.param(n, m, c, id=f"{n}-{m}-{c}")
     for n in ("gpt", "mlp", "convnet")
@@ -421,7 +421,7 @@ def test_profile_times_with_process_cpu_time_on_a_one_thread_cpu(monkeypatch) ->
     # A machine shared with other jobs inflates the wall clock by every wait for a core.
     import time
 
-    import pipeckpt.memory as memory
+    import pipeckpt.memory.model as memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -431,7 +431,7 @@ def test_profile_times_with_process_cpu_time_on_a_one_thread_cpu(monkeypatch) ->
 def test_profile_times_with_the_wall_clock_when_threads_overlap(monkeypatch) -> None:
     import time
 
-    import pipeckpt.memory as memory
+    import pipeckpt.memory.model as memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)

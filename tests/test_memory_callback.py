@@ -8,9 +8,9 @@ import torch
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptWarning
-from pipeckpt.data import SyntheticVectors
-from pipeckpt.memory_callback import MemoryCheck
-from pipeckpt.models import MLP
+from pipeckpt.app.data import SyntheticVectors
+from pipeckpt.app.models import MLP
+from pipeckpt.report.memory_check import MemoryCheck
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""`except_last` follows the op order of the schedule that runs (pipeckpt.order): a stage keeps the
+"""`except_last` follows the op order of the schedule that runs (checkpointing.order): a stage keeps the
 micro-batch whose backward comes first on it, and any whose backward follows its own forward at
 once; under the local engine that is the last micro-batch, under torch's GPipe and 1F1B micro-batch
 0, and on 1F1B's last stage all of them. Slow tests run 2 gloo processes and count what recomputes."""
@@ -13,11 +13,11 @@ from test_distributed_engine import _state, launch  # noqa: F401  (launch: the m
 from toy import assert_bitwise_equal, toy_layers
 
 from pipeckpt._compat import schedule_op_order
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.modes import parse_mode
-from pipeckpt.order import gpipe_order, kept, local_order, one_f_one_b_order
-from pipeckpt.planning import plan
-from pipeckpt.stage import Stage
+from pipeckpt.checkpointing.modes import parse_mode
+from pipeckpt.checkpointing.order import gpipe_order, kept, local_order, one_f_one_b_order
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
+from pipeckpt.stages.stage import Stage
 
 CPU = [torch.device("cpu")]
 

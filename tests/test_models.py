@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeckpt.models import GPT, MLP, SIZES, ConvNet, gpt_layers
-from pipeckpt.models.gpt import warmup_cosine
+from pipeckpt.app.models import GPT, MLP, SIZES, ConvNet, gpt_layers
+from pipeckpt.app.models.gpt import warmup_cosine
 
 
 def tiny_gpt(**kwargs) -> GPT:

@@ -3,7 +3,7 @@
 import pytest
 
 from pipeckpt import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, PipeckptConfigError
-from pipeckpt.modes import parse_modes
+from pipeckpt.checkpointing.modes import parse_modes
 
 
 @pytest.mark.parametrize(

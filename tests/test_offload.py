@@ -1,7 +1,7 @@
 """Offload: what a stage keeps for its recomputes, where that lives, and when it comes back.
 
 ``offload`` keeps each checkpointed call's inputs in (pinned) host memory, copied out and back
-by a stream layer (``pipeckpt.offload.Copies``), and in backward issues the copy back of the
+by a stream layer (``pipeckpt.checkpointing.offload.Copies``), and in backward issues the copy back of the
 next entry before the current one recomputes. Only a CUDA stage offloads, and this machine has
 no GPU, so CPU shows:
 
@@ -22,13 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD
+from pipeckpt.checkpointing.modes import parse_mode
+from pipeckpt.checkpointing.offload import HostCopies, Offloader, Parked, copies_for
+from pipeckpt.checkpointing.order import gpipe_order
 from pipeckpt.engines.distributed.wiring import build_stages
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.modes import parse_mode
-from pipeckpt.offload import HostCopies, Offloader, Parked, copies_for
-from pipeckpt.order import gpipe_order
-from pipeckpt.planning import plan
-from pipeckpt.stage import Stage
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
+from pipeckpt.stages.stage import Stage
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)

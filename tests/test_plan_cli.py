@@ -50,10 +50,10 @@ def test_a_bad_budget_is_a_configuration_error(tmp_path: Path) -> None:
 def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_batch() -> None:
     import torch
 
-    from pipeckpt.contract import pipelined_sequential
-    from pipeckpt.memory import predict, profile
+    from pipeckpt.boundaries.contract import pipelined_sequential
+    from pipeckpt.memory.model import predict, profile
     from pipeckpt.plan import COLUMNS, _loss, format_prediction, run
-    from pipeckpt.planning import plan
+    from pipeckpt.stages.partition import plan
 
     torch.set_num_threads(1)
     overrides = ["model=mlp", "strategy.stages=3", "ckpt=always", "memory.optimizer=adam"]

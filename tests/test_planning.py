@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pipeckpt import PipeckptConfigError
-from pipeckpt.planning import min_max_partition, plan, split
+from pipeckpt.stages.partition import min_max_partition, plan, split
 
 CPU2 = [torch.device("cpu")] * 2
 GPU2 = [torch.device("cuda", 0), torch.device("cuda", 1)]

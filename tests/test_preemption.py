@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.preemption import Preempted, PreemptionCallback
+from pipeckpt.state.preemption import Preempted, PreemptionCallback
 
 sys.path.insert(0, str(Path(__file__).parent / "slurm"))
 from preempt_job import Regression, SignalInjection, data

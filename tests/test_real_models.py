@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 import pipeckpt
 from pipeckpt import PipeckptConfigError, pipeline_of
-from pipeckpt.engines.local_module import ModuleRunner
-from pipeckpt.planning import plan
+from pipeckpt.engines.local.module import ModuleRunner
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 MODES = ["never", "except_last", "always", "offload", ["always", "never", "except_last", "never"]]

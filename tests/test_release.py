@@ -1,4 +1,4 @@
-"""A layer-by-layer recompute lets each saved tensor go at its node's use of it (pipeckpt/release.py)."""
+"""A layer-by-layer recompute lets each saved tensor go at its node's use of it (checkpointing/release.py)."""
 
 import weakref
 from typing import Any, List
@@ -10,10 +10,10 @@ from stage_memory import StageTracker
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.models.gpt import gpt_layers
-from pipeckpt.planning import plan
-from pipeckpt.release import ReleasedAtUnpack
+from pipeckpt.app.models.gpt import gpt_layers
+from pipeckpt.checkpointing.release import ReleasedAtUnpack
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 

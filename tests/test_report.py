@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeckpt import PipelineStrategy
-from pipeckpt.data import SyntheticTokens
-from pipeckpt.models import GPT
-from pipeckpt.report import StageReport, format_table, human_bytes
+from pipeckpt.app.data import SyntheticTokens
+from pipeckpt.app.models import GPT
+from pipeckpt.report.stage_report import StageReport, format_table, human_bytes
 
 CHUNKS = 4
 
@@ -385,9 +385,9 @@ def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mod
     # The report times pipeckpt's stages at their Stage module; an engine without one is timed
     # from the layers. Recomputes are counted by the Stage modules themselves or by every layer.
     # Every way, both stages rerun once per micro-batch and spend backward time.
-    from pipeckpt.engines.local_pipeline import LocalPipeline
-    from pipeckpt.planning import plan
-    from pipeckpt.report import _Probe
+    from pipeckpt.engines.local.pipeline import LocalPipeline
+    from pipeckpt.report.stage_report import _Probe
+    from pipeckpt.stages.partition import plan
 
     layers = Designed().layers
     stage_plan = plan(layers, devices=[torch.device("cpu")], checkpoint=mode, chunks=CHUNKS, balance=[3, 3])

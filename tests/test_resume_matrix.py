@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_distributed_engine import START_S, WORKER
 from toy import ToyModule, fit, max_relative_difference, params
 
-from pipeckpt import PipelineStrategy, sharded
+from pipeckpt import PipelineStrategy
+from pipeckpt.state import sharded
 
 EPOCH = 4  # steps: 64 samples in batches of 16
 DROPOUT = 0.3

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt import pipeline_of
+from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.distributed.rooted import RootRouting
-from pipeckpt.modes import parse_modes
-from pipeckpt.stage import Stage
+from pipeckpt.stages.stage import Stage
 
 NAMES = ["blocks.0", "blocks.1", "blocks.2"]
 RANGES = [(0, 1), (1, 2), (2, 3)]

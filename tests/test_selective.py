@@ -13,11 +13,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from pipeckpt import PipeckptConfigError, pipeline_of
 from pipeckpt._compat import TorchDispatchMode
-from pipeckpt.engines.local_module import ModuleRunner
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.modes import parse_mode
-from pipeckpt.planning import plan
-from pipeckpt.selective import policy
+from pipeckpt.checkpointing.modes import parse_mode
+from pipeckpt.checkpointing.selective import policy
+from pipeckpt.engines.local.module import ModuleRunner
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 SELECTIVE = [

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
-from pipeckpt.config import PipeStrategyConfig, register
+from pipeckpt.app.config import PipeStrategyConfig, register
 from pipeckpt.settings import PipeSettings
 
 ROOT = Path(__file__).resolve().parents[1]

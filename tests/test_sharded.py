@@ -1,4 +1,4 @@
-"""Sharded checkpoints (pipeckpt/sharded.py): each rank writes its own stages' tensors, a
+"""Sharded checkpoints (pipeckpt/state/sharded.py): each rank writes its own stages' tensors, a
 replicated tensor is written once, load reads only what is asked, the converter gives the plain
 Lightning checkpoint, and a checkpoint at its path is never a half-written one.
 
@@ -22,8 +22,8 @@ from sharded_worker import STAGES, build, names, train
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from pipeckpt import sharded
 from pipeckpt._errors import PipeckptConfigError
+from pipeckpt.state import sharded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "sharded_worker.py"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import plan
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.partition import plan
 
 CPU = [torch.device("cpu")]
 MODES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS_CONTRACT = "Layers: strategy > engines > stage/planning > modes > _errors"
 # _rng is in the bottom layer, planning two layers above it; planning does not import
 # _rng, so the added import breaks the layering without also making a cycle.
-INJECTED = "pipeckpt._rng -> pipeckpt.planning"
+INJECTED = "pipeckpt._rng -> pipeckpt.stages.partition"
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
@@ -52,7 +52,7 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
     shutil.copytree(REPO / "pipeckpt", tmp_path / "pipeckpt", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     rng = tmp_path / "pipeckpt" / "_rng.py"
-    rng.write_text(rng.read_text() + "\nimport pipeckpt.planning  # noqa: E402, F401\n")
+    rng.write_text(rng.read_text() + "\nimport pipeckpt.stages.partition  # noqa: E402, F401\n")
 
     result = _lint_imports(tmp_path)
 

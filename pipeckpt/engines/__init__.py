@@ -1,4 +1,4 @@
-"""Engines run a :class:`~pipeckpt.planning.StagePlan`'s stages behind one protocol
+"""Engines run a :class:`~pipeckpt.stages.partition.StagePlan`'s stages behind one protocol
 (:class:`~pipeckpt.engines.base.Engine`): ``local`` in one process (torchgpipe),
 ``distributed`` with one process per stage (``torch.distributed.pipelining``).
 

@@ -34,13 +34,14 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt import _rng, sharded
+from pipeckpt import _rng
 from pipeckpt._compat import apply_to_tensors, set_module_device
-from pipeckpt.compiling import uncompile_layers
-from pipeckpt.layer_rng import LayerStreams
-from pipeckpt.planning import StagePlan
+from pipeckpt.checkpointing.compiling import uncompile_layers
+from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stage import Stage
+from pipeckpt.stages.partition import StagePlan
+from pipeckpt.stages.stage import Stage
+from pipeckpt.state import sharded
 
 __all__ = ["Engine", "World", "optimizer_param_names"]
 
@@ -77,7 +78,7 @@ class Engine(ABC):
         self.plan: Optional[StagePlan] = None
         self.sequential: Optional[nn.Sequential] = None
         self.module: Optional[LightningModule] = None  # set by build()
-        # Per-layer random streams (pipeckpt.layer_rng); their seed and call count are checkpointed.
+        # Per-layer random streams (checkpointing.layer_rng); their seed and call count are checkpointed.
         self.layer_rng = LayerStreams(self.settings.layer_rng)
 
     @classmethod

@@ -109,7 +109,7 @@ def checkpoint_step(path: Path) -> int:
     directory (one shard file per rank that wrote it)."""
     import torch
 
-    from pipeckpt import sharded
+    from pipeckpt.state import sharded
 
     if sharded.is_sharded(path):
         return int(sharded.load(path, keys=[])["global_step"])

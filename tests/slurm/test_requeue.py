@@ -1,6 +1,6 @@
 """SIGUSR1 under SLURM at a quiet moment: hpc checkpoint at the next step boundary, requeue, resume.
 
-The pipe strategy answers the signal with pipeckpt.preemption (tests/slurm/test_preemption_on_cluster.py
+The pipe strategy answers the signal with pipeckpt.state.preemption (tests/slurm/test_preemption_on_cluster.py
 signals inside steps); the checkpoint name and the resume are Lightning's.
 """
 
@@ -55,7 +55,9 @@ def test_sigusr1_saves_hpc_checkpoint_requeues_and_resumes(slurm, tmp_path):
     assert hpc.exists(), f"no {hpc}:\n{output}"
     saved = checkpoint_step(hpc)
     assert saved >= signal_after
-    assert f"pipeckpt: requeued SLURM job {job}" in output  # pipeckpt.preemption, not Lightning's handler
+    assert (
+        f"pipeckpt: requeued SLURM job {job}" in output
+    )  # pipeckpt.state.preemption, not Lightning's handler
     assert f"Restored all states from the checkpoint at {hpc}" in output
     starts = start_steps(output)
     assert sorted(starts) == [(0, 0, 0), (0, 1, 0), (1, 0, saved), (1, 1, saved)], output

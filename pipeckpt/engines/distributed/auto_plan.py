@@ -1,6 +1,6 @@
 """``checkpoint="auto"`` under the distributed engine: what a budgeted plan must respect here.
 
-Why a module of its own: the choice is engine-free (:func:`pipeckpt.budget.resolve_auto`), made
+Why a module of its own: the choice is engine-free (:func:`pipeckpt.memory.budget.resolve_auto`), made
 once, on global rank 0, and broadcast to every rank before any stage is built, because profiled
 times differ between processes and ranks that each chose for themselves could build different
 pipelines. What only this engine knows lives here: which of its schedules the memory model
@@ -17,16 +17,16 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.schedules import check_modes, lookup, microbatch_rule
 from pipeckpt.engines.distributed.topology import Topology, check_chunks
-from pipeckpt.modes import parse_modes
 from pipeckpt.settings import PipeSettings
 
 __all__ = ["AUTO_SCHEDULES", "same_on_every_rank", "check_auto", "model_schedule", "usable_chunks", "adopt"]
 
 #: The distributed schedules ``checkpoint="auto"`` plans, by torch's class name, with the name the
-#: memory model (:data:`pipeckpt.memory.SCHEDULES`) knows each by.
+#: memory model (:data:`pipeckpt.memory.model.SCHEDULES`) knows each by.
 AUTO_SCHEDULES: Dict[str, str] = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 
 

@@ -1,8 +1,8 @@
 """The ``distributed`` engine: one process per pipeline rank, on ``torch.distributed.pipelining``.
 
 A pipeline rank holds one stage (or ``virtual_stages`` under a looped schedule)
-of the same :class:`~pipeckpt.planning.StagePlan` the local engine builds, each
-wrapped in the same :class:`~pipeckpt.stage.Stage`, so a checkpoint mode means
+of the same :class:`~pipeckpt.stages.partition.StagePlan` the local engine builds, each
+wrapped in the same :class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means
 the same under both engines. This class only composes the parts, one job each:
 
 - :mod:`.processes`: world, topology, launcher, process groups, liveness;
@@ -25,10 +25,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt import sharded
 from pipeckpt._errors import config_error
-from pipeckpt.batch_norm import convert_deferred_batch_norm
-from pipeckpt.compiling import compile_layers
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.side_inputs import Signatures
+from pipeckpt.checkpointing.compiling import compile_layers
+from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.auto_plan import adopt, check_auto
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
@@ -51,12 +52,11 @@ from pipeckpt.engines.distributed.wiring import (
     check_all_parameters_pipelined,
     data_parallel,
 )
-from pipeckpt.modes import parse_modes
-from pipeckpt.planning import StagePlan, module_name, plan
 from pipeckpt.settings import PipeSettings
-from pipeckpt.side_inputs import Signatures
-from pipeckpt.split import ModulePipeline
-from pipeckpt.stage import Stage
+from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
+from pipeckpt.stages.partition import StagePlan, module_name, plan
+from pipeckpt.stages.stage import Stage
+from pipeckpt.state import sharded
 
 __all__ = ["DistributedEngine"]
 
@@ -90,7 +90,7 @@ class DistributedEngine(Engine):
         check_kind(kind, s.virtual_stages)
         check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
         if s.checkpoint == "auto":
-            return  # the modes are chosen at set-up (pipeckpt.budget), then checked by adopt()
+            return  # the modes are chosen at set-up (pipeckpt.memory.budget), then checked by adopt()
         names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
         check_modes(kind, parse_modes(names, len(names)))
 

@@ -9,7 +9,7 @@ calls of the named layers decide what runs where:
 
 - a layer of an earlier stage is not run: its call returns the output that stage made
   for this micro-batch, received with the stage's input, in call order;
-- a layer of this stage runs through this stage's :class:`~pipeckpt.stage.Stage`, under
+- a layer of this stage runs through this stage's :class:`~pipeckpt.stages.stage.Stage`, under
   its checkpoint mode (one checkpoint per layer call, as under the local engine);
 - the first call of a layer of a later stage ends the pass (:class:`_Handoff`): what
   crosses to the next stage is the output of every layer call so far, with the layer's
@@ -59,11 +59,11 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.replay import Call
 from pipeckpt.engines.distributed.wiring import StageModule, _usable
 from pipeckpt.settings import PipeSettings
-from pipeckpt.split import ModulePipeline
-from pipeckpt.stage import Stage, side_effect_free
+from pipeckpt.stages.stage import Stage, side_effect_free
 
 __all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "outside_parameters"]
 

@@ -24,10 +24,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from pipeckpt._compat import live_op_order
 from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.checkpointing.order import Op, gpipe_order, one_f_one_b_order
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
-from pipeckpt.modes import CheckpointMode
-from pipeckpt.order import Op, gpipe_order, one_f_one_b_order
 
 __all__: List[str] = []
 
@@ -203,7 +203,7 @@ class Schedules:
 
     def orders(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
         """For each of this process's stages, the ops its device runs in one training step, in
-        order (see :mod:`pipeckpt.order`): a looped schedule's own ``pipeline_order`` for this
+        order (see :mod:`pipeckpt.checkpointing.order`): a looped schedule's own ``pipeline_order`` for this
         rank; derived for the single-stage ones, whose ``_step_microbatches`` torch codes apart
         from their (IR-only) ``pipeline_order``."""
         if self.kind.looped:

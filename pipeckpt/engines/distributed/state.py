@@ -3,7 +3,7 @@
 Each process holds only its stages' tensors (the rest of the module is on the
 meta device), and no process ever holds the whole model: every rank writes its
 own stages into one ``torch.distributed.checkpoint`` directory
-(:mod:`pipeckpt.sharded`), keyed by the unpipelined module's state-dict keys and
+(:mod:`pipeckpt.state.sharded`), keyed by the unpipelined module's state-dict keys and
 its parameter names, and a resume reads back only the keys of the stages it
 holds now. So a checkpoint moves freely between engines, stage counts and world
 sizes; ``python -m pipeckpt.convert`` turns one into a single ``torch.save`` file.
@@ -17,10 +17,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.optim import Optimizer
 
-from pipeckpt import _rng, sharded
+from pipeckpt import _rng
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import optimizer_param_names
 from pipeckpt.engines.distributed.processes import ProcessGroups
+from pipeckpt.state import sharded
 
 __all__: List[str] = []
 

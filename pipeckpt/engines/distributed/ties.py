@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeckpt.engines.distributed.topology import Topology
-from pipeckpt.planning import StagePlan, split
+from pipeckpt.stages.partition import StagePlan, split
 
 __all__ = ["Replicas", "Ties", "find_ties", "held_by_every_rank"]
 

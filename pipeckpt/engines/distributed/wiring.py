@@ -9,7 +9,7 @@ before the first micro-batch of a new shape to infer the shapes it must send
 and receive (on real data on the first stage, on uninitialised tensors after
 it; on the last stage it also calls the loss function; in training it then runs
 a backward through that forward to infer the gradients' shapes). The second call
-must not count as a micro-batch of the :class:`~pipeckpt.stage.Stage` (whose
+must not count as a micro-batch of the :class:`~pipeckpt.stages.stage.Stage` (whose
 mode depends on the micro-batch index), change BatchNorm statistics, or run the
 user's step. BatchNorm layers run it with ``track_running_stats`` off, so they
 neither update their statistics nor keep them for that backward (restoring them
@@ -33,8 +33,8 @@ from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_fla
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
-from pipeckpt.planning import StagePlan, split
-from pipeckpt.stage import Stage, mark_shared_parameters, side_effect_free
+from pipeckpt.stages.partition import StagePlan, split
+from pipeckpt.stages.stage import Stage, mark_shared_parameters, side_effect_free
 
 __all__: List[str] = []
 

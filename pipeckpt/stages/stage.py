@@ -26,7 +26,7 @@ a parameter used twice *within* one stage sums its two uses before they reach
 ``.grad``, which can differ from an unpipelined run in the last bit.
 
 ``offload`` keeps the stage input in (pinned) host memory until backward, copied out and
-prefetched back on side streams (:mod:`pipeckpt.offload`).
+prefetched back on side streams (:mod:`pipeckpt.checkpointing.offload`).
 
 Autocast's cast cache: the local engine runs every stage on the caller's thread
 inside the caller's autocast, so weights are cast once per forward for all
@@ -73,14 +73,14 @@ from pipeckpt._compat import (
     pop_dispatch_mode,
     push_dispatch_mode,
 )
-from pipeckpt.boundary import Call, Layout, flat_output, value
-from pipeckpt.layer_rng import LayerStreams
-from pipeckpt.modes import CheckpointMode
-from pipeckpt.offload import Copies, Offloader, backward_microbatches, copies_for
-from pipeckpt.order import Op, kept, local_order
-from pipeckpt.release import ReleasedAtUnpack
-from pipeckpt.selective import run_selective
-from pipeckpt.side_inputs import Chain
+from pipeckpt.boundaries.pytrees import Call, Layout, flat_output, value
+from pipeckpt.boundaries.side_inputs import Chain
+from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.checkpointing.offload import Copies, Offloader, backward_microbatches, copies_for
+from pipeckpt.checkpointing.order import Op, kept, local_order
+from pipeckpt.checkpointing.release import ReleasedAtUnpack
+from pipeckpt.checkpointing.selective import run_selective
 
 __all__ = [
     "Stage",
@@ -239,7 +239,7 @@ def side_effect_free(partition: nn.Module, norms: Optional[Sequence[nn.Module]] 
 
 class _RngState:
     """The CPU and (for a CUDA stage) device RNG states at a checkpointed forward, and the
-    micro-batch whose per-layer streams (``pipeckpt.layer_rng``) the stage was running."""
+    micro-batch whose per-layer streams (``pipeckpt.checkpointing.layer_rng``) the stage was running."""
 
     __slots__ = ("cpu", "cuda", "device", "microbatch", "streams")
 
@@ -336,7 +336,7 @@ class _Recompute(torch.autograd.Function):
         # BatchNorm statistics are restored only after the gradient: restoring bumps their
         # version, which autograd checks for the saved running statistics.
         norms = stage._norms()
-        # Layer by layer (``:k``), each saved tensor goes at its node's last use of it (pipeckpt.release).
+        # Layer by layer (``:k``), each saved tensor goes at its last use (checkpointing.release).
         release = ReleasedAtUnpack() if stage.mode.every is not None else None
         with side_effect_free(stage.partition, norms) if norms else _Recomputing():
             now = _RngState(stage._cuda, stage.streams)
@@ -505,7 +505,7 @@ class Stage(nn.Module):
     ) -> None:
         """``step`` is shared by the stages of one engine (see :class:`StepCasts`); a stage
         alone counts its own recomputes. ``order``: the ops the schedule runs on this stage's
-        device this step (:mod:`pipeckpt.order`), from which ``except_last`` takes the
+        device this step (:mod:`pipeckpt.checkpointing.order`), from which ``except_last`` takes the
         micro-batches it keeps; default the local engine's order."""
         self._microbatch = 0
         self._num_microbatches = num_microbatches
@@ -541,7 +541,7 @@ class Stage(nn.Module):
             return self._forward(i, input, side)
 
     def _layer_streams(self, i: int) -> ContextManager[None]:
-        """Micro-batch ``i``'s per-layer random streams (``pipeckpt.layer_rng``), when the engine set them."""
+        """Micro-batch ``i``'s per-layer random streams (``layer_rng``), when the engine set them."""
         return _NOTHING if self.streams is None else self.streams.microbatch(i)
 
     def _forward(self, i: int, input: Any, side: Optional[Dict[str, Any]]) -> Any:
@@ -667,7 +667,7 @@ class Stage(nn.Module):
         kwargs: Dict[str, Any],
     ) -> Any:
         """One call of one of this stage's layers by a module's own ``forward`` (a module
-        pipeline, ``pipeckpt.split``), as micro-batch ``i``: checkpointed alone under the mode."""
+        pipeline, ``pipeline_of``), as micro-batch ``i``: checkpointed alone under the mode."""
         with self._layer_streams(i):
             if self._caller.needs_applying():
                 with self._caller.applied():
@@ -713,7 +713,7 @@ def _selective(
     gradients to ``.grad`` in place as every other mode does (summed in the same order, so
     bitwise equal to ``never``, also under accumulation). SAC calls the region once in forward
     (counted by ``_run_packed``) and again to recompute: ``recompute`` counts that run, under
-    the per-layer random streams (``pipeckpt.layer_rng``) of the micro-batch it recomputes (SAC
+    the per-layer random streams (``pipeckpt.checkpointing.layer_rng``) of the micro-batch it recomputes (SAC
     restores the generators' states, not which micro-batch's streams the layers draw from)."""
     runs = 0
     key = streams.current() if streams is not None else None

@@ -38,7 +38,7 @@ class CheckpointMode:
     """How one pipeline stage trades memory for recomputation.
 
     ``recompute_last`` is False only for ``except_last``, which keeps the micro-batches whose
-    recompute buys no memory: those the engine's op order names (:func:`pipeckpt.order.kept`:
+    recompute buys no memory: those the engine's op order names (:func:`pipeckpt.checkpointing.order.kept`:
     the micro-batch whose backward comes first on the stage, and any whose backward follows
     its forward with nothing between). Under the local engine that is the last micro-batch
     (torchgpipe drains backward in reverse); under torch's GPipe and 1F1B it is micro-batch 0,

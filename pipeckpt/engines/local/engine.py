@@ -1,7 +1,7 @@
 """The ``local`` engine: every stage in this process, stage ``i`` on its own device.
 
 The user's Sequential keeps its place in the module and only its call is
-routed through :class:`~pipeckpt.engines.local_pipeline.LocalPipeline`, so the
+routed through :class:`~pipeckpt.engines.local.pipeline.LocalPipeline`, so the
 user's step runs unchanged, in the caller's thread, and checkpoints keep the
 module's own keys whatever the layout. Lightning's single-process defaults do
 the rest; this engine overrides only building, placing and running.
@@ -15,14 +15,14 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from pipeckpt._errors import PipeckptWarning, config_error
-from pipeckpt.batch_norm import convert_deferred_batch_norm
-from pipeckpt.compiling import compile_layers
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.checkpointing.compiling import compile_layers
 from pipeckpt.engines.base import Engine
-from pipeckpt.engines.local_module import ModuleRunner
-from pipeckpt.engines.local_pipeline import LocalPipeline
-from pipeckpt.planning import module_name, plan
-from pipeckpt.split import ModulePipeline
-from pipeckpt.stage import Stage
+from pipeckpt.engines.local.module import ModuleRunner
+from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
+from pipeckpt.stages.partition import module_name, plan
+from pipeckpt.stages.stage import Stage
 
 __all__ = ["LocalEngine"]
 

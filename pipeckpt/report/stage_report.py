@@ -7,7 +7,7 @@ the plan's layer ranges, otherwise the whole ``configure_pipeline()``
 Sequential is one stage.
 
 How it measures, with hooks on the user's own layers (so any engine works) and,
-under pipeckpt's engines, on each :class:`~pipeckpt.stage.Stage` module:
+under pipeckpt's engines, on each :class:`~pipeckpt.stages.stage.Stage` module:
 
 * Time, at the stage's boundary (why: hooks on every autograd node cost about
   30 us each, 5% of a CPU step at ~1,350 nodes; the boundary needs a few per
@@ -74,7 +74,7 @@ from torchgpipe import is_recomputing
 from pipeckpt._compat import TorchDispatchMode, tree_flatten
 
 if TYPE_CHECKING:
-    from pipeckpt.stage import Stage
+    from pipeckpt.stages.stage import Stage
 
 __all__ = ["StageReport", "StageStats", "format_table", "save_chart", "human_bytes"]
 

@@ -33,11 +33,11 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch, tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
-from pipeckpt.boundary import Flat, batch_size, first_tensor, gather, scatter, to_device
-from pipeckpt.layer_rng import LayerStreams
-from pipeckpt.planning import StagePlan, split
-from pipeckpt.side_inputs import Chain, Signatures, describe_call
-from pipeckpt.stage import (
+from pipeckpt.boundaries.pytrees import Flat, batch_size, first_tensor, gather, scatter, to_device
+from pipeckpt.boundaries.side_inputs import Chain, Signatures, describe_call
+from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.stages.partition import StagePlan, split
+from pipeckpt.stages.stage import (
     Stage,
     StepCasts,
     capture_caller_state,

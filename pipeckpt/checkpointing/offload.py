@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from pipeckpt.order import Op
+from pipeckpt.checkpointing.order import Op
 
 __all__ = [
     "Copies",
@@ -160,7 +160,7 @@ def copies_for(device: torch.device) -> Copies:
 
 def backward_microbatches(order: Sequence[Op], stage: int) -> List[int]:
     """The micro-batches in the order ``stage`` runs their backward, read off an op order
-    (:mod:`pipeckpt.order`)."""
+    (:mod:`pipeckpt.checkpointing.order`)."""
     return [op[2] for op in order if op[0] == stage and op[1] == "B"]
 
 

@@ -7,7 +7,7 @@ cheap, and for seeing how balance moves layers between stages.
 
 from torch import nn
 
-from pipeckpt.models._classifier import Classifier
+from pipeckpt.app.models._classifier import Classifier
 
 __all__ = ["MLP", "mlp_layers"]
 

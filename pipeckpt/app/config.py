@@ -33,8 +33,8 @@ __all__ = ["TrainConfig", "register"]
 
 @dataclass
 class GPTConfig:
-    _target_: str = "pipeckpt.models.GPT"
-    size: str = MISSING  # a key of pipeckpt.models.SIZES: tiny, mini, small
+    _target_: str = "pipeckpt.app.models.GPT"
+    size: str = MISSING  # a key of pipeckpt.app.models.SIZES: tiny, mini, small
     vocab_size: int = MISSING
     seq_len: int = MISSING  # also the data's window length
     dropout: float = MISSING
@@ -48,7 +48,7 @@ class GPTConfig:
 
 @dataclass
 class MLPConfig:
-    _target_: str = "pipeckpt.models.MLP"
+    _target_: str = "pipeckpt.app.models.MLP"
     in_features: int = MISSING
     hidden: int = MISSING
     depth: int = MISSING  # hidden Linear+ReLU pairs
@@ -59,7 +59,7 @@ class MLPConfig:
 
 @dataclass
 class ConvNetConfig:
-    _target_: str = "pipeckpt.models.ConvNet"
+    _target_: str = "pipeckpt.app.models.ConvNet"
     in_channels: int = MISSING
     width: int = MISSING  # channels of the first conv; doubled twice
     num_classes: int = MISSING
@@ -72,7 +72,7 @@ class ConvNetConfig:
 
 @dataclass
 class TextDataConfig:
-    _target_: str = "pipeckpt.data.TextDataModule"
+    _target_: str = "pipeckpt.app.data.TextDataModule"
     path: Optional[str] = MISSING  # None: the Python standard library's sources
     pattern: str = MISSING  # file-name glob inside a directory
     seq_len: int = MISSING
@@ -94,7 +94,7 @@ class _SyntheticConfig:
 
 @dataclass
 class SyntheticTokensConfig(_SyntheticConfig):
-    _target_: str = "pipeckpt.data.SyntheticTokens"
+    _target_: str = "pipeckpt.app.data.SyntheticTokens"
     seq_len: int = MISSING
     vocab_size: int = MISSING
     steps: int = MISSING
@@ -102,14 +102,14 @@ class SyntheticTokensConfig(_SyntheticConfig):
 
 @dataclass
 class SyntheticVectorsConfig(_SyntheticConfig):
-    _target_: str = "pipeckpt.data.SyntheticVectors"
+    _target_: str = "pipeckpt.app.data.SyntheticVectors"
     in_features: int = MISSING
     num_classes: int = MISSING
 
 
 @dataclass
 class SyntheticImagesConfig(_SyntheticConfig):
-    _target_: str = "pipeckpt.data.SyntheticImages"
+    _target_: str = "pipeckpt.app.data.SyntheticImages"
     in_channels: int = MISSING
     image_size: int = MISSING
     num_classes: int = MISSING

@@ -32,7 +32,17 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from pipeckpt._errors import config_error
-from pipeckpt.memory import (
+from pipeckpt.checkpointing.modes import (
+    ALWAYS,
+    EXCEPT_LAST,
+    NEVER,
+    SELECTIVE,
+    CheckpointMode,
+    parse_mode,
+    parse_modes,
+)
+from pipeckpt.checkpointing.order import kept as kept_microbatches
+from pipeckpt.memory.model import (
     ModelProfile,
     Prediction,
     StageMemory,
@@ -41,10 +51,8 @@ from pipeckpt.memory import (
     predict,
     with_balance,
 )
-from pipeckpt.modes import ALWAYS, EXCEPT_LAST, NEVER, SELECTIVE, CheckpointMode, parse_mode, parse_modes
-from pipeckpt.order import kept as kept_microbatches
-from pipeckpt.planning import StagePlan
 from pipeckpt.sizes import human, parse_bytes
+from pipeckpt.stages.partition import StagePlan
 
 __all__ = ["Choice", "choose", "parse_bytes", "process_peak", "DEFAULT_MODES", "TERMS", "MAX_COMBINATIONS"]
 
@@ -109,11 +117,11 @@ def choose(
     """The per-stage modes (and chunks and balance among the candidates) with the least predicted
     step time whose every stage's predicted peak is at most ``budget_bytes``.
 
-    ``profiles``: one :class:`~pipeckpt.memory.ModelProfile` (``chunks`` a single count), or a
+    ``profiles``: one :class:`~pipeckpt.memory.model.ModelProfile` (``chunks`` a single count), or a
     mapping from each candidate chunk count to the profile of its micro-batch (batch / chunks).
     ``balance``: the stages' layer counts; ``balances``: candidate balances to search instead.
     ``modes``: the candidate modes per stage. The other arguments are
-    :func:`~pipeckpt.memory.predict`'s. Raises a config error stating the smallest feasible
+    :func:`~pipeckpt.memory.model.predict`'s. Raises a config error stating the smallest feasible
     budget, and the stage that decides it, when nothing fits.
     """
     chunk_options = [chunks] if isinstance(chunks, int) else list(chunks)
@@ -296,7 +304,7 @@ def _combinations(fits: Sequence[Sequence[CheckpointMode]]) -> List[Tuple[Checkp
     return list(itertools.product(*fits))
 
 
-#: The parts of a stage's peak, as :class:`~pipeckpt.memory.StageMemory` names them.
+#: The parts of a stage's peak, as :class:`~pipeckpt.memory.model.StageMemory` names them.
 TERMS = ("params", "grads", "optimizer", "activations", "boundary", "working")
 
 

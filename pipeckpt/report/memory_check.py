@@ -1,6 +1,6 @@
 """Measured against predicted per-stage peak memory, during training.
 
-Why: the memory model (:mod:`pipeckpt.memory`) decides what ``checkpoint='auto'`` runs and what
+Why: the memory model (:mod:`pipeckpt.memory.model`) decides what ``checkpoint='auto'`` runs and what
 ``python -m pipeckpt.plan`` promises; a model that drifts from what the run holds would let a
 plan that "fits" run out of memory. This callback measures one training step per stage and logs
 both figures, and warns when a stage holds more than predicted by more than ``tolerance``.
@@ -9,7 +9,7 @@ What is measured: on CUDA with one device per stage, ``torch.cuda.max_memory_all
 stage's device over the step (the whole device's peak, as predicted). Elsewhere (CPU, or stages
 sharing a device) a device peak cannot be split by stage, so the figure is a lower bound of the
 stage's peak: its parameters, gradients and optimizer state (the tensors themselves) plus the
-peak of what its forwards and recomputes allocated (the probe of :mod:`pipeckpt.report`).
+peak of what its forwards and recomputes allocated (the probe of :mod:`pipeckpt.report.stage_report`).
 A lower bound cannot raise a false alarm, and still catches a model that underestimates them.
 
 The prediction: the plan ``checkpoint='auto'`` chose (its own prediction), or else one made from
@@ -24,9 +24,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from pipeckpt._errors import PipeckptWarning
-from pipeckpt.budget import first_microbatch
-from pipeckpt.memory import predict, profile
-from pipeckpt.report import _pipeline_layers, _Probe
+from pipeckpt.memory.budget import first_microbatch
+from pipeckpt.memory.model import predict, profile
+from pipeckpt.report.stage_report import _pipeline_layers, _Probe
 
 __all__ = ["MemoryCheck"]
 

@@ -1,9 +1,9 @@
-"""The local engine for a module with its own ``forward`` (``pipeckpt.split.pipeline_of``).
+"""The local engine for a module with its own ``forward`` (``pipeckpt.boundaries.pipeline_of.pipeline_of``).
 
 The module's ``forward`` runs unchanged once per micro-batch, in micro-batch order, so
 every value it computes (masks, positions, an encoder output used by each decoder
 layer) is that micro-batch's own; each call of a named layer is routed to its
-:class:`~pipeckpt.stage.Stage`, which moves the call's tensors to its device and runs it
+:class:`~pipeckpt.stages.stage.Stage`, which moves the call's tensors to its device and runs it
 under its mode. Micro-batches are issued depth first (micro-batch 0 through every stage,
 then 1, ...), not in GPipe's diagonals, because the module's Python code between layers
 cannot be paused; on one device the order makes no difference to the result, and on
@@ -16,12 +16,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from pipeckpt.boundary import gather, scatter, to_device
-from pipeckpt.layer_rng import LayerStreams
-from pipeckpt.planning import StagePlan
-from pipeckpt.side_inputs import describe_call
-from pipeckpt.split import ModulePipeline
-from pipeckpt.stage import Stage, StepCasts, capture_caller_state, mark_shared_parameters, release_cast_cache
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.pytrees import gather, scatter, to_device
+from pipeckpt.boundaries.side_inputs import describe_call
+from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.stages.partition import StagePlan
+from pipeckpt.stages.stage import (
+    Stage,
+    StepCasts,
+    capture_caller_state,
+    mark_shared_parameters,
+    release_cast_cache,
+)
 
 __all__ = ["ModuleRunner"]
 

@@ -14,8 +14,8 @@ from torch import nn
 from torchgpipe.balance import balance_by_size, balance_by_time
 
 from pipeckpt._errors import config_error
-from pipeckpt.gradients import gradients_set_aside
-from pipeckpt.modes import CheckpointMode, ModeSpec, parse_modes
+from pipeckpt.checkpointing.modes import CheckpointMode, ModeSpec, parse_modes
+from pipeckpt.stages.gradients import gradients_set_aside
 
 __all__ = ["StagePlan", "module_name", "plan", "split"]
 
@@ -207,7 +207,7 @@ def plan(
     names: Optional[Sequence[str]] = None,
 ) -> StagePlan:
     """Validates every setting that needs the module (``sequential``, the module's own, as
-    :func:`pipeckpt.contract.pipelined_sequential` returns it) and builds the plan. Settings
+    :func:`pipeckpt.boundaries.contract.pipelined_sequential` returns it) and builds the plan. Settings
     that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`. ``names``: the
     user's name of each layer (``"layers.3"``), for messages."""
     layers = len(sequential)

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from pipeckpt._errors import PipeckptConfigError, config_error
-from pipeckpt.checkpoint_io import atomic_write, fsync_dir, hidden_sibling_prefix
+from pipeckpt.state.files import atomic_write, fsync_dir, hidden_sibling_prefix
 
 __all__ = [
     "META_FILE",
@@ -123,7 +123,7 @@ def _tensors_to_write(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
             raise config_error(
                 f"optimizer_states[{number}]['state'] keys {by_index[:5]}",
                 "sharded checkpoints key optimizer state by parameter name, not position",
-                "convert with pipeckpt.sharded.optimizer_state_by_name(optimizer.state_dict(), names)",
+                "convert with pipeckpt.state.sharded.optimizer_state_by_name(optimizer.state_dict(), names)",
             )
         optimizers[str(number)] = dict(optimizer["state"])
     return {_MODEL: model, _OPTIM: optimizers}
@@ -232,7 +232,7 @@ def _require_sharded(path: str | os.PathLike) -> Path:
         raise config_error(
             f"checkpoint path {str(path)!r}",
             f"is not a sharded checkpoint directory (one holding {_DCP_METADATA} and {META_FILE})",
-            "pass a directory written by pipeckpt.sharded.save (torch.load reads single-file checkpoints)",
+            "pass a directory written by pipeckpt's sharded save (torch.load reads single-file checkpoints)",
         )
     return Path(path)
 
@@ -327,7 +327,7 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
 
 
 # -- atomic directory replacement ----------------------------------------------------------------
-# Single files go through pipeckpt.checkpoint_io.atomic_write. A directory is swapped here rather
+# Single files go through pipeckpt.state.files.atomic_write. A directory is swapped here rather
 # than by checkpoint_io.atomic_replace_dir because this swap is one step where Linux allows it.
 
 

@@ -3,7 +3,7 @@
 A user's module defines ``configure_pipeline()`` and returns one of its own
 ``nn.Sequential`` submodules, the way ``configure_optimizers()`` returns its
 optimizers; or, for a model with its own ``forward``,
-``pipeckpt.pipeline_of(self.model, "transformer.h")`` (see ``pipeckpt.split``).
+``pipeckpt.pipeline_of(self.model, "transformer.h")`` (see ``pipeckpt.boundaries.pipeline_of``).
 Nothing is discovered by attribute name, and because the returned part stays
 where the user put it, ``state_dict`` keys never change.
 """
@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from pipeckpt._errors import config_error
-from pipeckpt.split import ModulePipeline
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
 
 __all__: List[str] = []
 

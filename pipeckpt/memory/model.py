@@ -50,13 +50,13 @@ from pipeckpt._compat import (
     tree_flatten,
 )
 from pipeckpt._errors import config_error
-from pipeckpt.gradients import gradients_set_aside
-from pipeckpt.modes import CheckpointMode
-from pipeckpt.order import kept as kept_microbatches
-from pipeckpt.planning import StagePlan
-from pipeckpt.selective import run_selective
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.checkpointing.order import kept as kept_microbatches
+from pipeckpt.checkpointing.selective import run_selective
 from pipeckpt.sizes import OPTIMIZERS
-from pipeckpt.stage import side_effect_free
+from pipeckpt.stages.gradients import gradients_set_aside
+from pipeckpt.stages.partition import StagePlan
+from pipeckpt.stages.stage import side_effect_free
 
 __all__ = [
     "LayerProfile",
@@ -100,7 +100,7 @@ class LayerProfile:
     backward_peak: int  # peak bytes of its backward above what was live before it
     forward_s: float
     backward_s: float
-    # Selective checkpointing (torch's SAC, pipeckpt/selective.py): the storages of the outputs of
+    # Selective checkpointing (torch's SAC, checkpointing/selective.py): the storages of the outputs of
     # the ops its policy keeps, and the forward seconds those ops take (a selective recompute skips them).
     sac_kept: Tuple[int, ...] = ()
     sac_s: float = 0.0
@@ -267,7 +267,7 @@ def _memory_pass(
 def _held_backward_peaks(probe: "_Probe", x: Any) -> List[int]:
     """Each layer's backward peak above what was live before it, with the gradient that arrived
     for its output held through its backward. Plain autograd frees that gradient once the layer's
-    first node has used it; the stage's Function (pipeckpt/stage.py ``_Recompute``) holds it through
+    first node has used it; the stage's Function (pipeckpt/stages/stage.py ``_Recompute``) holds it through
     the whole backward run inside it, and a layer ending a segment runs there. Every such gradient is
     held until the pass ends: one freed during a later layer's backward would lower that layer's
     peak below what was live before it. Measured, not added: where a layer's peak comes before its
@@ -365,7 +365,7 @@ def _timing_pass(
 def _selective_pass(layers: List[nn.Module], x: Any, rounds: int) -> List[Optional[float]]:
     """Per layer, the median seconds selective checkpointing adds to its forward + backward over
     ``rounds`` (after one warm-up): each layer alone on the input it gets, plain and under
-    :func:`pipeckpt.selective.run_selective`, interleaved."""
+    :func:`pipeckpt.checkpointing.selective.run_selective`, interleaved."""
     inputs, h = [], x
     with torch.no_grad():
         for m in layers:
@@ -709,7 +709,7 @@ class _StageModel:
 
     def segments(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """The layer ranges (absolute) a micro-batch is checkpointed in: one segment of the whole
-        stage, or runs of ``mode.every`` layers when it is recomputed granularly (pipeckpt/stage.py
+        stage, or runs of ``mode.every`` layers when it is recomputed granularly (pipeckpt/stages/stage.py
         ``_granular``: ``:k``, and ``+selective`` with or without ``:k``)."""
         if not recompute or (mode.every is None and not mode.selective):
             return [(self.start, self.stop)]
@@ -721,7 +721,7 @@ class _StageModel:
 
     def _kept_through(self, mode: CheckpointMode, segments: Sequence[Tuple[int, int]]) -> Set[int]:
         """What the checkpointed ``segments`` keep from forward to backward: each one's input and,
-        selective, the outputs of the ops SAC keeps (pipeckpt/selective.py)."""
+        selective, the outputs of the ops SAC keeps (pipeckpt/checkpointing/selective.py)."""
         held: Set[int] = set(self.inputs)
         for a, b in segments:
             held |= self._segment_input(a)
@@ -821,7 +821,7 @@ class _StageModel:
                     held |= set(layer.saved)
             # Nothing holds the segment's output through its backward unless a layer saved it: the
             # stage's Function starts the backward inside from the output's gradient edge and drops
-            # the output first (pipeckpt/stage.py ``_Recompute._roots``); without the Function (one
+            # the output first (pipeckpt/stages/stage.py ``_Recompute._roots``); without the Function (one
             # kept micro-batch) autograd walks the graph itself.
             for k in reversed(range(a, b)):
                 layer = p.layers[k]
@@ -921,7 +921,7 @@ def predict_device(
     buffers, their micro-batches in flight) and what their sends still reference: measured on
     gloo, every output and input gradient a looped schedule sends (in batches that mix sends and
     receives) stays alive until the step ends, as under GPipe. ``except_last`` keeps what
-    :func:`pipeckpt.order.kept` reads off the device's order, as the stages do."""
+    :func:`pipeckpt.checkpointing.order.kept` reads off the device's order, as the stages do."""
     if sum(plan.balance) != len(profile.layers):
         raise config_error(
             f"balance {list(plan.balance)} (sum {sum(plan.balance)})",
@@ -1010,7 +1010,7 @@ def _predict_stage(
     sends: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> StageMemory:
     """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
-    ``except_last`` keeps under this schedule (:func:`pipeckpt.order.kept` of the stage's order);
+    ``except_last`` keeps under this schedule (``checkpointing.order.kept`` of the stage's order);
     ``sends``: per op, the outputs and input gradients sends still hold (:func:`sends_held`)."""
     walk = _StageWalk(s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating)
     for n, (kind, i) in enumerate(ops):
@@ -1045,7 +1045,7 @@ class _StageWalk:
         # activations (not on the first stage) and gradients (not on the last), and each
         # micro-batch's output until its backward.
         self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
-        # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stage.py).
+        # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stages/stage.py).
         self.function = {r: r or m > 1 for r in (False, True)}
         self.kept_ids_of = {
             r: s.kept_ids(mode, r, function=self.function[r], output=not local) for r in (False, True)
@@ -1176,7 +1176,7 @@ class _StageWalk:
                 continue
             _, k, saved, own, work, after, last_segment, segment_end, _ = event
             g = grads if self.grads_done else after
-            # Each micro-batch adds its gradients into .grad in place (pipeckpt/stage.py), so
+            # Each micro-batch adds its gradients into .grad in place (pipeckpt/stages/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
                 self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))

@@ -3,8 +3,8 @@
 Why here and not in an engine: the choice needs the model, one batch and the settings, and
 nothing an engine builds; once made it is ordinary settings (a mode per stage, chunks, a
 balance), so every engine builds what it would have built from the same settings written by
-hand. The choice itself is :func:`pipeckpt.auto.choose` over profiles of one micro-batch
-(:func:`pipeckpt.memory.profile`) for each candidate chunk count.
+hand. The choice itself is :func:`pipeckpt.memory.auto.choose` over profiles of one micro-batch
+(:func:`pipeckpt.memory.model.profile`) for each candidate chunk count.
 
 Where the batch comes from: the module's ``example_input_array`` (the pipeline's input), else
 the first batch of the trainer's datamodule, whose first element is taken as the pipeline's
@@ -23,10 +23,10 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
-from pipeckpt.auto import DEFAULT_MODES, Choice, choose, parse_bytes
-from pipeckpt.memory import ModelProfile, profile
-from pipeckpt.planning import plan as make_plan
+from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
+from pipeckpt.memory.model import ModelProfile, profile
 from pipeckpt.settings import PipeSettings
+from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = [
     "AutoPlan",

@@ -29,7 +29,7 @@ torch's random modules (:data:`RANDOM_MODULES`), so a model without dropout pays
 nothing measurable (ratio 0.997 on the proxy). A layer that draws in its own code
 without such a module (``torch.rand`` in ``forward``) needs ``all``;
 ``off`` keeps the caller's generator, in schedule order (the masks then depend on
-the layout; recompute still replays them, see ``pipeckpt.stage``). Layers run
+the layout; recompute still replays them, see ``pipeckpt.stages.stage``). Layers run
 outside training mode are never seeded.
 
 Alternatives weighed:
@@ -56,9 +56,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from pipeckpt.settings import check_layer_rng
+from pipeckpt._errors import config_error
 
-__all__ = ["RANDOM_MODULES", "LayerStreams", "draws_random"]
+__all__ = ["LAYER_RNG", "RANDOM_MODULES", "LayerStreams", "check_layer_rng", "draws_random"]
+
+LAYER_RNG = ("auto", "all", "off")
+
+
+def check_layer_rng(layer_rng: Any) -> None:
+    if layer_rng not in LAYER_RNG:
+        raise config_error(
+            f"layer_rng={layer_rng!r}",
+            f"must be one of {LAYER_RNG}",
+            "use 'auto' (layers holding dropout draw from streams of their own), 'all' (every layer), "
+            "or 'off' (the caller's generator, in schedule order)",
+        )
+
 
 #: torch's modules that draw random numbers in training mode; ``auto`` seeds layers holding one.
 RANDOM_MODULES: Tuple[type, ...] = (
@@ -117,7 +130,7 @@ class LayerStreams:
 
     The engine calls :meth:`start` when it builds, :meth:`attach` on the pipelined layers,
     :meth:`next_call` at each training call of the pipeline, and :meth:`detach` at teardown;
-    a :class:`~pipeckpt.stage.Stage` runs each micro-batch inside :meth:`microbatch`.
+    a :class:`~pipeckpt.stages.stage.Stage` runs each micro-batch inside :meth:`microbatch`.
     """
 
     def __init__(self, scope: str = "auto") -> None:

@@ -9,7 +9,7 @@ the micro-batches and update them once per mini-batch, as without a pipeline.
 
 from torch import nn
 
-from pipeckpt.models._classifier import Classifier
+from pipeckpt.app.models._classifier import Classifier
 
 __all__ = ["ConvNet", "convnet_layers"]
 

@@ -1,0 +1,2 @@
+"""The application around the library: Hydra config schemas, the bundled models and data that
+``train.py`` trains."""
