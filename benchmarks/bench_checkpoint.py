@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 import torchgpipe
 import torchgpipe.worker
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from harness.machine import machine
 from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import Tensor, nn
 from torch.distributed._tools.common_utils import get_untyped_storages

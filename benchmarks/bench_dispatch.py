@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torchgpipe
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from harness.machine import machine
 from torch import Tensor, nn
 
 from pipeckpt.engines.local.pipeline import LocalPipeline

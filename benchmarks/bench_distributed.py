@@ -45,8 +45,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _machine import machine
-from _ranks import run_ranks  # benchmarks/ is on sys.path when a script runs
+from harness.machine import machine
+from harness.ranks import run_ranks
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset

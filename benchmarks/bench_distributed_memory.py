@@ -19,7 +19,7 @@ Measured, per rank, in the second training step (the first builds the schedule a
   (seen at every forward of the rank's stages, by weak references): 0 since the engine drops
   them at the first batch of an accumulation window.
   Parameters, optimizer state and the data loader's batch are outside the windows, so they are
-  not counted. Counted as ``tests/stage_memory.py`` counts the local engine (a dispatch mode, one
+  not counted. Counted as ``benchmarks/harness/stage_memory.py`` counts the local engine (a dispatch mode, one
   "stage" here because a rank is one device).
 - recomputes: runs of a stage's layers in the step beyond its one forward per micro-batch, summed
   over the rank's stages (``Stage.forward_calls``): what the code did, whatever the mode promises.
@@ -44,20 +44,17 @@ import os
 import sys
 import time
 import weakref
-from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _machine import machine
-from _ranks import run_ranks  # benchmarks/ is on sys.path when a script runs
+from harness.machine import machine
+from harness.ranks import run_ranks
+from harness.stage_memory import StageTracker
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from stage_memory import StageTracker
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import GPT, MLP

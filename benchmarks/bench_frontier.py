@@ -38,10 +38,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint_sequential
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine
 from bench_checkpoint import (
     CPU,
     FULL,
@@ -56,6 +52,8 @@ from bench_checkpoint import (
     measure_time,
     whole_batch,
 )
+from harness.machine import machine
+from torch.utils.checkpoint import checkpoint_sequential
 
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.engines.local.pipeline import LocalPipeline

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import lightning as L
 import torch
 import torch.nn.functional as F
-from _machine import machine  # benchmarks/ is on sys.path when a script runs
+from harness.machine import machine
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset

@@ -2,7 +2,7 @@
 
 A GPT-shaped Sequential (6 blocks, d 256, 4 heads, seq 128, vocab 8192, batch 8, dropout 0.1)
 in 2 stages x 4 micro-batches, fp32, one thread. Peak per stage: its parameters plus every
-storage created during one forward and backward, attributed as tests/stage_memory.py does
+storage created during one forward and backward, attributed as benchmarks/harness/stage_memory.py does
 (torch's MemTracker refuses modules called once per micro-batch). Time: median of 5
 interleaved rounds, as a ratio to `never`.
 
@@ -25,19 +25,15 @@ per-layer segments keep the head's input beside them, so only stage 0 gains from
 """
 
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import torch
+from harness.stage_memory import measure_local_step
 
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.stages.partition import plan
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from stage_memory import measure_local_step
 
 CPU = [torch.device("cpu")]
 BALANCE = [4, 5]

@@ -1,19 +1,16 @@
 """Predicted vs measured per-stage peak memory of the local engine on CPU, as a Markdown table.
 
-The same models, plans and measurement as tests/test_memory.py (3 stages; never, except_last,
+The same models, plans and measurement as tests/memory/test_memory.py (3 stages; never, except_last,
 always, always:1, always:2, except_last:1, selective; 1-4 chunks), printed::
 
     python benchmarks/bench_memory_model.py > /tmp/memory_model.md     # about ten seconds
 """
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from stage_memory import measure_local_step
-from test_memory import MODELS, _model, _profile
+from harness.memory_models import MODELS
+from harness.memory_models import model_of as _model
+from harness.memory_models import profile_of as _profile
+from harness.stage_memory import measure_local_step
 
 from pipeckpt.memory.model import predict
 from pipeckpt.stages.partition import plan

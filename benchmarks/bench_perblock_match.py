@@ -13,15 +13,12 @@ rounds, medians::
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine
 from bench_checkpoint import FULL, LR, build_methods, make_batch, measure_memory, measure_time
 from bench_frontier import per_block_shaped, pipeckpt_method
+from harness.machine import machine
 
 PLANS = [
     (("never", "always:1", "always:1", "never"), 1, (1, 6, 6, 2)),

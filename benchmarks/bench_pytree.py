@@ -40,7 +40,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-from _machine import machine
+from harness.machine import machine
 from torch import Tensor, nn
 
 from pipeckpt.app.models.gpt import gpt_layers

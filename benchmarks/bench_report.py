@@ -14,16 +14,12 @@ the local engine's forward and backward of a GPT-shaped Sequential, with the eng
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine
+from harness.machine import machine
 
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import ToyModule, fit, max_relative_difference, params, toy_layers
+from support.toy import ToyModule, fit, max_relative_difference, params, toy_layers
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models.gpt import gpt_layers

@@ -6,8 +6,16 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from support.toy import (
+    DtypeProbe,
+    ToyModule,
+    assert_bitwise_equal,
+    fit,
+    max_relative_difference,
+    params,
+    toy_loader,
+)
 from torch import nn
-from toy import DtypeProbe, ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 

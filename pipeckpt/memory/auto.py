@@ -21,7 +21,7 @@ are then sums of per-stage, per-mode terms, so every combination is scored witho
 afresh. Measured against ``benchmarks/bench_frontier.py``'s whole-process peaks (GPT d 64 x 4,
 4 stages, chunks 1, 2, 4, every uniform mode): within 4 %, except ``always`` at 4 chunks (14 %
 under: the drain's overlap is approximated).
-tests/test_auto.py checks the result against brute force over every combination.
+tests/memory/test_auto.py checks the result against brute force over every combination.
 """
 
 import functools

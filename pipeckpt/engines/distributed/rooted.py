@@ -29,7 +29,8 @@ generator as it found it, and a shape-inference pass leaves it untouched
 pass of ``m`` draws as long as the model's own code draws before the point where each rank's
 lowest stage hands off (always so for draws before the first named layer, as in GPT-2 and the
 demo); a draw further on is made only by the passes that reach it, and its masks follow the
-layout (``tests/test_rooted_generators.py``, ``tests/test_distributed_equivalence.py``).
+layout (``tests/engines/distributed/test_rooted_generators.py``,
+``tests/engines/distributed/test_distributed_equivalence.py``).
 
 Under a zero-bubble schedule (split backward: an input pass, then a weight pass) each stage
 computes all its gradients in the input pass, as 1F1B does, and its weight pass is empty

@@ -1,0 +1,80 @@
+"""``python -m pipeckpt.plan``: composes the configs, profiles, prints a row per stage, draws the PNG."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _plan(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeckpt.plan", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_the_plan_command_prints_one_row_per_stage_and_writes_the_png(tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    result = _plan(
+        "model=mlp",
+        "strategy.stages=3",
+        "ckpt=always",
+        "+memory.budget=1MiB",
+        f"memory.png={png}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["stage", "layers", "mode"])
+    rows = [line.split() for line in lines[header + 1 : header + 4]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert all(row[2] == "always" and row[-1] == "fits" for row in rows)
+    assert any(line.startswith("auto under 1.0 MiB: checkpoint=") for line in lines)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bad_budget_is_a_configuration_error(tmp_path: Path) -> None:
+    result = _plan("model=mlp", "+memory.budget=lots", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Configuration error: memory budget 'lots'" in result.stderr
+
+
+def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_batch() -> None:
+    import torch
+
+    from pipeckpt.boundaries.contract import pipelined_sequential
+    from pipeckpt.memory.model import predict, profile
+    from pipeckpt.plan import COLUMNS, _loss, format_prediction, run
+    from pipeckpt.stages.partition import plan
+
+    torch.set_num_threads(1)
+    overrides = ["model=mlp", "strategy.stages=3", "ckpt=always", "memory.optimizer=adam"]
+    prediction, _, _ = run(overrides)
+    # Independently: the same model (seed 0), batch and plan, through memory.py directly.
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from pipeckpt.plan import CONF, _batch
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    inputs, targets = _batch(cfg)
+    torch.manual_seed(cfg.seed)
+    seq = pipelined_sequential(instantiate(cfg.model))
+    stage_plan = plan(seq, devices=[torch.device("cpu")], stages=3, checkpoint="always", chunks=4)
+    chunks = cfg.strategy.chunks
+    fitted = profile(seq, inputs.chunk(chunks)[0], loss_fn=_loss, target=targets.chunk(chunks)[0], rounds=1)
+    expected = predict(fitted, stage_plan, chunks=chunks, optimizer="adam", schedule="local")
+    for got, want in zip(prediction.stages, expected.stages, strict=True):
+        assert [getattr(got, c) for c in (*COLUMNS, "peak")] == [getattr(want, c) for c in (*COLUMNS, "peak")]
+    rows = [line.split() for line in format_prediction(prediction).splitlines()[2:5]]
+    for row, want in zip(rows, expected.stages, strict=True):
+        assert row[3:9] == [f"{getattr(want, c) / 2**20:.2f}" for c in COLUMNS]

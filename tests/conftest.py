@@ -1,0 +1,41 @@
+"""Fixtures every test folder shares: a quiet Trainer, fixed seeds, and real rank processes that
+never outlive their test. The helpers behind them live in ``tests/support``."""
+
+import random
+import subprocess
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+import torch
+from support import ranks
+from support.trainers import quiet_trainer as _quiet_trainer
+
+
+@pytest.fixture
+def quiet_trainer() -> Callable[..., Any]:
+    """``quiet_trainer(strategy, devices=1, **options)``: a CPU Trainer that runs and says nothing."""
+    return _quiet_trainer
+
+
+@pytest.fixture
+def seeded() -> int:
+    """Seeds Python's and torch's generators with 0, and returns the seed."""
+    random.seed(0)
+    torch.manual_seed(0)
+    return 0
+
+
+@pytest.fixture
+def start_ranks() -> Iterator[Callable[[Path, int, List[Dict[str, Any]], Path], List[subprocess.Popen]]]:
+    """``start_ranks(worker, world, runs, out)`` starts real worker processes (gloo on CPU, one per
+    rank, see :func:`support.ranks.start`); every one still alive is killed when the test ends."""
+    started: List[subprocess.Popen] = []
+
+    def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
+        procs = ranks.start(worker, world, runs, out)
+        started.extend(procs)
+        return procs
+
+    yield start
+    ranks.stop(started)

@@ -1,0 +1,1 @@
+"""What the tests share: the toy and real models they train, and the real worker processes."""
