@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from stage_memory import measure_local_step
 from test_memory import MODELS, _model, _profile
 
-from pipeckpt.memory.model import predict
+from pipeckpt.memory.predict import predict
 from pipeckpt.stages.partition import plan
 
 MiB = 2**20
