@@ -101,7 +101,8 @@ def _predict_stage(
 ) -> StageMemory:
     """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
     ``except_last`` keeps under this schedule (``checkpointing.order.kept`` of the stage's order);
-    ``sends``: per op, the outputs and input gradients sends still hold (:func:`sends_held`)."""
+    ``sends``: per op, the outputs and input gradients sends still hold
+    (:func:`~pipeckpt.memory.schedule.sends_held`)."""
     walk = _StageWalk(s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating)
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
@@ -187,7 +188,8 @@ class _StageWalk:
         around: int = 0,
     ) -> None:
         """One op, ``("F" | "B", micro-batch)``. ``sent``: the outputs and input gradients of
-        finished micro-batches the schedule's sends still hold (:func:`sends_held`)."""
+        finished micro-batches the schedule's sends still hold
+        (:func:`~pipeckpt.memory.schedule.sends_held`)."""
         s, mode, m, local, loss = self.s, self.mode, self.m, self.s.local, self.loss
         self.device, self.around = device, around
         static, recv, grads, cells, peak_see = self.static, self.recv, self.grads, self.cells, self._see
