@@ -1,6 +1,6 @@
 """Per-rank memory and recomputes of the distributed engine, for each schedule and checkpoint mode.
 
-Why: the memory model (``pipeckpt.memory.model``) predicts per-stage peaks under torch's GPipe and 1F1B,
+Why: the memory model (``pipeckpt.memory``) predicts per-stage peaks under torch's GPipe and 1F1B,
 and the modes claim to trade memory for recomputation, but until this benchmark nothing measured
 what a rank of ``engine="distributed"`` actually holds. Two gloo processes on CPU (one torch thread
 each) train a GPT-like model (``pipeckpt.app.models.GPT``) and an MLP (``pipeckpt.app.models.MLP``)
@@ -23,8 +23,8 @@ Measured, per rank, in the second training step (the first builds the schedule a
   "stage" here because a rank is one device).
 - recomputes: runs of a stage's layers in the step beyond its one forward per micro-batch, summed
   over the rank's stages (``Stage.forward_calls``): what the code did, whatever the mode promises.
-- predicted MiB, error %: ``pipeckpt.memory.model.predict``'s per-stage peak (GPipe, 1F1B) or
-  ``pipeckpt.memory.model.predict_device``'s per-rank peak under the op order the rank ran (the looped
+- predicted MiB, error %: ``pipeckpt.memory.predict.predict``'s per-stage peak (GPipe, 1F1B) or
+  ``pipeckpt.memory.predict.predict_device``'s per-rank peak under the op order the rank ran (the looped
   schedules), less parameters and optimizer state (the same quantity), from a profile of one
   micro-batch in the launching process; error = (predicted - measured) / measured. The
   zero-bubble schedules split backward, which the model does not cover.
@@ -59,7 +59,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import GPT, MLP
 from pipeckpt.checkpointing.modes import parse_modes
-from pipeckpt.memory.model import predict, predict_device, profile
+from pipeckpt.memory.predict import predict, predict_device
+from pipeckpt.memory.profile import profile
 from pipeckpt.stages.partition import StagePlan
 
 MiB = 2**20
@@ -76,8 +77,8 @@ SCHEDULES: Dict[str, int] = {
 }
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble")
 MODES = ("never", "except_last", "always", "offload")
-PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.model.predict: one stage per device
-LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.model.predict_device, the rank's own op order
+PREDICTED = ("gpipe", "1f1b")  # pipeckpt.memory.predict.predict: one stage per device
+LOOPED = ("interleaved_1f1b", "looped_bfs")  # pipeckpt.memory.predict.predict_device, the rank's own op order
 
 MODELS: Dict[str, Dict[str, Any]] = {
     # GPT-2-shaped, small enough for two processes on two shared cores: 9 layers to balance.
@@ -341,7 +342,7 @@ def report(results: List[Dict[str, Any]], elapsed: float, command: str) -> str:
         "zeroes `.grad`, so at the first batch of an accumulation window (every batch here) it "
         "drops them before the schedule. Own peak = peak less those. "
         "Recomputes = runs of the rank's stages beyond one forward per micro-batch. "
-        "Predicted = `pipeckpt.memory.model.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
+        "Predicted = `pipeckpt.memory.predict.predict` (GPipe, 1F1B) or `predict_device` with the rank's "
         "own op order (interleaved, looped BFS; zero-bubble split backward is not modelled) less "
         "parameters and optimizer state, against own peak; error = (predicted - own) / own. "
         "`offload` runs as `always` on CPU.",

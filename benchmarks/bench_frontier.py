@@ -59,7 +59,8 @@ from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import DEFAULT_MODES, choose, process_peak
 from pipeckpt.memory.budget import balance_candidates, chunk_candidates
-from pipeckpt.memory.model import ModelProfile, predict, profile
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.stages.partition import plan
 
 MiB = 2**20

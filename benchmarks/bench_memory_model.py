@@ -12,7 +12,7 @@ from harness.memory_models import model_of as _model
 from harness.memory_models import profile_of as _profile
 from harness.stage_memory import measure_local_step
 
-from pipeckpt.memory.model import predict
+from pipeckpt.memory.predict import predict
 from pipeckpt.stages.partition import plan
 
 MiB = 2**20

@@ -2,7 +2,7 @@
 
 Builds pipeckpt's GPT (80 blocks, d 8192, 64 heads, seq 4096, vocab 32000, dropout 0.1) in bf16
 on fake tensors (nothing allocated), profiles one micro-batch of one sequence with
-:func:`pipeckpt.memory.model.profile`, and predicts each of 8 pipeline stages (8-way data parallelism
+:func:`pipeckpt.memory.profile.profile`, and predicts each of 8 pipeline stages (8-way data parallelism
 does not change a stage's memory without sharding) under torch's 1F1B and GPipe, without
 recompute and with full recompute. Prints the Markdown tables of docs/MEMORY.md::
 
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.checkpointing.modes import ALWAYS, NEVER
-from pipeckpt.memory.model import fake_mode, predict, profile
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.stages.partition import StagePlan
 
 S, H, A, L, V = 4096, 8192, 64, 80, 32000  # sequence, hidden, heads, layers, vocabulary

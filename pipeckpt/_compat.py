@@ -87,7 +87,7 @@ def set_module_device(module: Any, device: torch.device) -> None:
     module._device = device
 
 
-# -- memory model (pipeckpt.memory.model) ---------------------------------------------------
+# -- memory model (pipeckpt.memory) ---------------------------------------------------
 
 # Running a model without allocating its memory (a model larger than the machine): fake tensors
 # exist only under torch._subclasses; torch has no public FakeTensorMode.

@@ -3,7 +3,7 @@
 Why a separate command: whether a plan fits is the first question of a run and the slowest to
 answer by trying. This composes ``conf/`` exactly as ``train.py`` does (the same overrides),
 builds the model and one batch of its data, profiles one micro-batch
-(:func:`pipeckpt.memory.model.profile`) and prints the model's prediction per stage. Its own options are
+(:func:`pipeckpt.memory.profile.profile`) and prints the model's prediction per stage. Its own options are
 ``memory.*`` overrides, taken out before Hydra sees them::
 
     python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
@@ -37,8 +37,10 @@ from pipeckpt.app.config import register
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
-from pipeckpt.memory.model import OPTIMIZERS, Prediction, fake_mode, predict, profile
+from pipeckpt.memory.predict import Prediction, predict
+from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.settings import PipeSettings
+from pipeckpt.sizes import OPTIMIZERS
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]

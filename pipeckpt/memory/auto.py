@@ -42,15 +42,11 @@ from pipeckpt.checkpointing.modes import (
     parse_modes,
 )
 from pipeckpt.checkpointing.order import kept as kept_microbatches
-from pipeckpt.memory.model import (
-    ModelProfile,
-    Prediction,
-    StageMemory,
-    _StageModel,
-    op_order,
-    predict,
-    with_balance,
-)
+from pipeckpt.memory.predict import Prediction, predict, with_balance
+from pipeckpt.memory.profile import ModelProfile
+from pipeckpt.memory.schedule import op_order
+from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.walk import StageMemory
 from pipeckpt.sizes import human, parse_bytes
 from pipeckpt.stages.partition import StagePlan
 
@@ -117,11 +113,11 @@ def choose(
     """The per-stage modes (and chunks and balance among the candidates) with the least predicted
     step time whose every stage's predicted peak is at most ``budget_bytes``.
 
-    ``profiles``: one :class:`~pipeckpt.memory.model.ModelProfile` (``chunks`` a single count), or a
+    ``profiles``: one :class:`~pipeckpt.memory.profile.ModelProfile` (``chunks`` a single count), or a
     mapping from each candidate chunk count to the profile of its micro-batch (batch / chunks).
     ``balance``: the stages' layer counts; ``balances``: candidate balances to search instead.
     ``modes``: the candidate modes per stage. The other arguments are
-    :func:`~pipeckpt.memory.model.predict`'s. Raises a config error stating the smallest feasible
+    :func:`~pipeckpt.memory.predict.predict`'s. Raises a config error stating the smallest feasible
     budget, and the stage that decides it, when nothing fits.
     """
     chunk_options = [chunks] if isinstance(chunks, int) else list(chunks)
@@ -304,7 +300,7 @@ def _combinations(fits: Sequence[Sequence[CheckpointMode]]) -> List[Tuple[Checkp
     return list(itertools.product(*fits))
 
 
-#: The parts of a stage's peak, as :class:`~pipeckpt.memory.model.StageMemory` names them.
+#: The parts of a stage's peak, as :class:`~pipeckpt.memory.walk.StageMemory` names them.
 TERMS = ("params", "grads", "optimizer", "activations", "boundary", "working")
 
 

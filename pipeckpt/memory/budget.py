@@ -4,7 +4,7 @@ Why here and not in an engine: the choice needs the model, one batch and the set
 nothing an engine builds; once made it is ordinary settings (a mode per stage, chunks, a
 balance), so every engine builds what it would have built from the same settings written by
 hand. The choice itself is :func:`pipeckpt.memory.auto.choose` over profiles of one micro-batch
-(:func:`pipeckpt.memory.model.profile`) for each candidate chunk count.
+(:func:`pipeckpt.memory.profile.profile`) for each candidate chunk count.
 
 Where the batch comes from: the module's ``example_input_array`` (the pipeline's input), else
 the first batch of the trainer's datamodule, whose first element is taken as the pipeline's
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
-from pipeckpt.memory.model import ModelProfile, profile
+from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
 

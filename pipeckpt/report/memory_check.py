@@ -1,6 +1,6 @@
 """Measured against predicted per-stage peak memory, during training.
 
-Why: the memory model (:mod:`pipeckpt.memory.model`) decides what ``checkpoint='auto'`` runs and what
+Why: the memory model (:mod:`pipeckpt.memory.predict`) decides what ``checkpoint='auto'`` runs and what
 ``python -m pipeckpt.plan`` promises; a model that drifts from what the run holds would let a
 plan that "fits" run out of memory. This callback measures one training step per stage and logs
 both figures, and warns when a stage holds more than predicted by more than ``tolerance``.
@@ -25,7 +25,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from pipeckpt._errors import PipeckptWarning
 from pipeckpt.memory.budget import first_microbatch
-from pipeckpt.memory.model import predict, profile
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import profile
 from pipeckpt.report.stage_report import _pipeline_layers, _Probe
 
 __all__ = ["MemoryCheck"]

@@ -51,7 +51,8 @@ def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_b
     import torch
 
     from pipeckpt.boundaries.contract import pipelined_sequential
-    from pipeckpt.memory.model import predict, profile
+    from pipeckpt.memory.predict import predict
+    from pipeckpt.memory.profile import profile
     from pipeckpt.plan import COLUMNS, _loss, format_prediction, run
     from pipeckpt.stages.partition import plan
 

@@ -88,7 +88,7 @@ def test_report_has_a_row_per_mode_and_rank_with_a_prediction(run: Dict[str, Any
 
 @pytest.mark.slow
 def test_predicted_peaks_are_within_ten_percent_of_the_measured(run: Dict[str, Any]) -> None:
-    # The acceptance: pipeckpt.memory.model.predict per rank, against the peak the rank measured.
+    # The acceptance: pipeckpt.memory.predict.predict per rank, against the peak the rank measured.
     rows = [line for line in run["text"].splitlines() if line.startswith("| gpt | gpipe |")]
     errors = [float(line.strip("|").split("|")[9]) for line in rows]
     assert len(errors) == 4 and all(abs(e) <= 10.0 for e in errors), rows

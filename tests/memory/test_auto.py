@@ -12,7 +12,8 @@ from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.app.models.mlp import mlp_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import DEFAULT_MODES, choose, parse_bytes, process_peak, with_balance_modes
-from pipeckpt.memory.model import predict, profile, with_balance
+from pipeckpt.memory.predict import predict, with_balance
+from pipeckpt.memory.profile import profile
 from pipeckpt.stages.partition import StagePlan, plan
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ from pipeckpt.app.data import SyntheticVectors
 from pipeckpt.app.models import MLP
 from pipeckpt.memory.auto import choose
 from pipeckpt.memory.budget import balance_candidates, chunk_candidates, first_microbatch
-from pipeckpt.memory.model import profile
+from pipeckpt.memory.profile import profile
 from pipeckpt.settings import PipeSettings
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -1,4 +1,4 @@
-"""The memory model (pipeckpt.memory.model) against measurement, and its parts against their rules.
+"""The memory model (pipeckpt.memory) against measurement, and its parts against their rules.
 
 Measured: one forward and backward of the local engine on CPU, each storage attributed to the stage
 that created it, stage inputs and incoming gradients copied as between devices
@@ -22,13 +22,10 @@ from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models.convnet import convnet_layers
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
-from pipeckpt.memory.model import (
-    fake_mode,
-    op_order,
-    optimizer_state_bytes,
-    predict,
-    profile,
-)
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import fake_mode, profile
+from pipeckpt.memory.schedule import op_order
+from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.partition import StagePlan, plan
 
@@ -381,7 +378,7 @@ def test_profile_times_with_process_cpu_time_on_a_one_thread_cpu(monkeypatch) ->
     # A machine shared with other jobs inflates the wall clock by every wait for a core.
     import time
 
-    import pipeckpt.memory.model as memory
+    import pipeckpt.memory.timing as memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -391,7 +388,7 @@ def test_profile_times_with_process_cpu_time_on_a_one_thread_cpu(monkeypatch) ->
 def test_profile_times_with_the_wall_clock_when_threads_overlap(monkeypatch) -> None:
     import time
 
-    import pipeckpt.memory.model as memory
+    import pipeckpt.memory.timing as memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)

@@ -16,7 +16,10 @@ from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models.mlp import mlp_layers
 from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.checkpointing.order import gpipe_order
-from pipeckpt.memory.model import _StageModel, op_order, predict, predict_device, profile, sends_held
+from pipeckpt.memory.predict import predict, predict_device
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.schedule import op_order, sends_held
+from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.stages.partition import StagePlan
 
 

@@ -26,7 +26,7 @@ from pipeckpt.settings import PipeSettings
 __all__ = ["AUTO_SCHEDULES", "same_on_every_rank", "check_auto", "model_schedule", "usable_chunks", "adopt"]
 
 #: The distributed schedules ``checkpoint="auto"`` plans, by torch's class name, with the name the
-#: memory model (:data:`pipeckpt.memory.model.SCHEDULES`) knows each by.
+#: memory model (:data:`pipeckpt.memory.schedule.SCHEDULES`) knows each by.
 AUTO_SCHEDULES: Dict[str, str] = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 
 

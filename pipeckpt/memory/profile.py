@@ -1,0 +1,356 @@
+"""Profiling one micro-batch, layer by layer: what each layer saves, its peaks and its times.
+
+Why a profile and not a formula: what a layer saves for backward depends on its kernels (an
+attention's math path saves its scores, a fused one does not), and storages shared between layers
+(a tensor one layer returns and the next saves) count once. A saved-tensor hook names every
+storage each layer saves; torch's ``MemTracker`` gives each layer's forward and backward peak
+above what was live before it. Under ``fake=True`` the same runs on fake tensors (nothing
+allocated). docs/MEMORY.md, "memory/profile.py", says more.
+"""
+
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from pipeckpt._compat import (
+    FakeTensorMode,
+    MemTracker,
+    TorchDispatchMode,
+    module_memory,
+    sac_saved_ops,
+    tree_flatten,
+)
+from pipeckpt.memory.timing import _flop_pass, _selective_pass, _timing_pass
+from pipeckpt.stages.gradients import gradients_set_aside
+
+__all__ = ["Loss", "LayerProfile", "ModelProfile", "profile", "fake_mode"]
+
+Loss = Callable[[Tensor, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer of the Sequential, for one micro-batch. Storages are named by integer ids that
+    are unique within one :class:`ModelProfile`; their sizes are in ``ModelProfile.storage_bytes``."""
+
+    name: str
+    param_bytes: int
+    param_tensors: int
+    largest_param: int  # bytes of its largest parameter (the gradient summed out of place)
+    inputs: Tuple[int, ...]  # storages of the layer's input tensors
+    outputs: Tuple[int, ...]  # storages of its output tensors
+    saved: Tuple[int, ...]  # storages it saves for backward (parameters excluded)
+    forward_peak: int  # peak bytes allocated by its forward above what was live before it
+    backward_peak: int  # peak bytes of its backward above what was live before it
+    forward_s: float
+    backward_s: float
+    # Selective checkpointing (torch's SAC, checkpointing/selective.py): the storages of the outputs of
+    # the ops its policy keeps, and the forward seconds those ops take (a selective recompute skips them).
+    sac_kept: Tuple[int, ...] = ()
+    sac_s: float = 0.0
+    # Seconds selective checkpointing adds to this layer's forward + backward, as measured (None:
+    # not measured, fake tensors): on a dispatch-bound layer SAC's per-op dispatch mode and the
+    # checkpoint's hooks cost more than the recompute SAC saves.
+    sac_extra_s: Optional[float] = None
+    # The same with the gradient that arrives for its output held until its backward is over, as
+    # a Function's backward holds it while the layer that ends its segment runs inside (None: as
+    # ``backward_peak``, not measured).
+    backward_held_peak: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer of one micro-batch's forward and backward, and the loss after the last layer."""
+
+    layers: Tuple[LayerProfile, ...]
+    storage_bytes: Dict[int, int]
+    microbatch_size: int
+    batch_inputs: Tuple[int, ...]  # the micro-batch's own storages (the data's, never counted)
+    loss: Optional[LayerProfile] = None
+    fake: bool = False
+
+    def bytes_of(self, ids: Set[int]) -> int:
+        return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
+
+    def saved_union(self, start: int, stop: int) -> Set[int]:
+        out: Set[int] = set()
+        for layer in self.layers[start:stop]:
+            out.update(layer.saved)
+        return out
+
+
+class _Storages:
+    """Names every storage it is shown with a small integer, remembering its size."""
+
+    def __init__(self, exclude: Sequence[Tensor]) -> None:
+        self._ids: Dict[int, int] = {}
+        self._keep: List[Any] = []  # the storages, alive for as long as the profile runs
+        self.bytes: Dict[int, int] = {}
+        self._excluded = {id(t.untyped_storage()) for t in exclude}
+        self._keep.extend(t.untyped_storage() for t in exclude)
+
+    def ids(self, value: Any) -> Tuple[int, ...]:
+        out = []
+        for t in tree_flatten(value)[0]:
+            if not isinstance(t, Tensor):
+                continue
+            st = t.untyped_storage()
+            if id(st) in self._excluded:
+                continue
+            if id(st) not in self._ids:
+                self._ids[id(st)] = len(self._ids)
+                self._keep.append(st)
+                self.bytes[self._ids[id(st)]] = st.nbytes()
+            out.append(self._ids[id(st)])
+        return tuple(dict.fromkeys(out))
+
+
+class _LossLayer(nn.Module):
+    """The loss as a module, so that MemTracker snapshots it like a layer."""
+
+    def __init__(self, loss_fn: Loss, target: Any) -> None:
+        super().__init__()
+        self.loss_fn, self.target = loss_fn, target
+
+    def forward(self, output: Tensor) -> Tensor:
+        return self.loss_fn(output, self.target)
+
+
+def _param_bytes(module: nn.Module) -> Tuple[int, int, int]:
+    sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+    return sum(sizes), len(sizes), max(sizes, default=0)
+
+
+@contextmanager
+def _state_kept(sequential: nn.Module) -> Iterator[None]:
+    """The profile leaves no trace: buffers (BatchNorm statistics), RNG and gradients as they were."""
+    buffers = {k: b.clone() for k, b in sequential.named_buffers()}
+    with torch.random.fork_rng(), gradients_set_aside(sequential.parameters()):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, b in sequential.named_buffers():
+                    b.copy_(buffers[k])
+
+
+class _LayerRecorder(nn.Module):
+    """The layers (and loss) under one root, so that MemTracker names each by its own path
+    (``layers.3``) even where several layers share a class; ``forward`` notes what each layer
+    takes, returns and saves."""
+
+    def __init__(self, layers: List[nn.Module], loss: Optional[_LossLayer], storages: _Storages) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([*layers, *([loss] if loss is not None else [])])
+        self.storages = storages
+        self.records: List[Dict[str, Any]] = []
+
+    def pack(self, t: Tensor) -> Tensor:
+        if self.records and "outputs" not in self.records[-1]:
+            self.records[-1]["saved"].update(self.storages.ids(t))
+        return t
+
+    def forward(self, x: Any) -> Any:
+        h = x
+        for layer in self.layers:
+            record: Dict[str, Any] = {"inputs": self.storages.ids(h), "saved": set(), "sac": set()}
+            self.records.append(record)
+            h = layer(h)
+            record["outputs"] = self.storages.ids(h)
+        return h
+
+
+class _SacOutputs(TorchDispatchMode):
+    """Notes, for the layer the probe is running, the storages of the outputs of the ops that
+    selective checkpointing's policy keeps, and times every op (the ops SAC keeps apart)."""
+
+    def __init__(self, probe: _LayerRecorder) -> None:
+        super().__init__()
+        self.probe = probe
+        self.saved_ops = frozenset(sac_saved_ops())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        took = time.perf_counter() - t0
+        records = self.probe.records
+        if records and "outputs" not in records[-1]:
+            record = records[-1]
+            kept = getattr(func, "overloadpacket", func) in self.saved_ops
+            record["op_s"] = record.get("op_s", 0.0) + took
+            if kept:
+                record["sac"].update(self.probe.storages.ids(out))
+                record["sac_op_s"] = record.get("sac_op_s", 0.0) + took
+        return out
+
+
+def _memory_pass(
+    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], storages: _Storages
+) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
+    """Two forward and backward passes: one with a saved-tensor hook naming every storage each
+    layer saves (and a dispatch mode naming what selective checkpointing would keep), one under
+    MemTracker for each layer's peaks (apart: a hook that keeps the saved tensor changes when
+    autograd frees it)."""
+    batch_inputs = storages.ids(x)
+    probe = _LayerRecorder(layers, loss, storages)
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack), _SacOutputs(probe):
+        _forward_backward(probe, x)
+    records, probe.records = probe.records, []
+    tracker = MemTracker()
+    with tracker:
+        _forward_backward(probe, x)
+    for module, record in zip(probe.layers, records):
+        snap = module_memory(tracker, module)
+        record["forward_peak"] = snap.get("Peak-Forward", 0) - snap.get("Pre-Forward", 0)
+        record["backward_peak"] = snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0)
+    for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
+        record["backward_held_peak"] = held_peak
+    return records, batch_inputs
+
+
+def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:
+    """Each layer's backward peak above what was live before it, with the gradient that arrived
+    for its output held through its backward. Plain autograd frees that gradient once the layer's
+    first node has used it; the stage's Function (pipeckpt/stages/stage.py ``_Recompute``) holds it through
+    the whole backward run inside it, and a layer ending a segment runs there. Every such gradient is
+    held until the pass ends: one freed during a later layer's backward would lower that layer's
+    peak below what was live before it. Measured, not added: where a layer's peak comes before its
+    first node is done, holding the gradient changes nothing."""
+    held: List[Tensor] = []
+    handles = [m.register_forward_hook(_hold_output_gradient(held.append)) for m in probe.layers]
+    tracker = MemTracker()
+    try:
+        with tracker:
+            _forward_backward(probe, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+        held.clear()
+    out = []
+    for module in probe.layers:
+        snap = module_memory(tracker, module)
+        out.append(snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0))
+    return out
+
+
+def _hold_output_gradient(hold: Callable[[Tensor], None]) -> Callable[..., None]:
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(hold)
+
+    return hook
+
+
+def _forward_backward(module: nn.Module, x: Any) -> None:
+    h = module(x)
+    outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
+    del h
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def profile(
+    sequential: nn.Sequential,
+    microbatch: Any,
+    *,
+    loss_fn: Optional[Loss] = None,
+    target: Any = None,
+    rounds: int = 3,
+    fake: bool = False,
+    flops_per_s: float = 100e12,
+) -> ModelProfile:
+    """Profiles one micro-batch through ``sequential``, layer by layer, in training mode. Module
+    state, RNG and gradients are left as they were.
+
+    Args:
+        sequential: the layers the pipeline cuts into stages.
+        microbatch: the input of ``sequential``, already cut to one micro-batch.
+        loss_fn: ``loss_fn(output, target)``, the loss after the last layer (its memory sits on the
+            last stage); without it, backward starts from a gradient of ones.
+        target: the loss's second argument.
+        rounds: timing rounds per layer (after one warm-up); the median is kept.
+        fake: ``sequential`` and ``microbatch`` were built under :func:`fake_mode` (a model larger
+            than the machine): nothing is allocated and times come from FLOP counts.
+        flops_per_s: the rate FLOP counts are divided by under ``fake``.
+    """
+    layers = list(sequential)
+    loss = _LossLayer(loss_fn, target) if loss_fn is not None else None
+    first = tree_flatten(microbatch)[0]
+    size = int(first[0].shape[0]) if first and isinstance(first[0], Tensor) and first[0].dim() else 1
+    exclude = [*sequential.parameters(), *sequential.buffers()]
+    storages = _Storages(exclude)
+    was_training = sequential.training
+    sequential.train()
+    try:
+        with _state_kept(sequential):
+            records, batch_inputs = _memory_pass(layers, microbatch, loss, storages)
+        with _state_kept(sequential):
+            if fake:
+                times = _flop_pass(layers, microbatch, loss, flops_per_s)
+            else:
+                with warnings.catch_warnings():
+                    # A first layer whose input needs no gradient (token ids): its backward mark
+                    # fires with its output's gradient, which is what the timing wants.
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    times = _timing_pass(layers, microbatch, loss, rounds)
+                    sac_extra = _selective_pass(layers, microbatch, rounds)
+    finally:
+        sequential.train(was_training)
+    profiles = []
+    for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
+        module = loss if loss is not None and i == len(layers) else layers[i]
+        pbytes, ptensors, largest = _param_bytes(module) if module is not None else (0, 0, 0)
+        profiles.append(
+            LayerProfile(
+                name=type(module).__name__ if i < len(layers) else "loss",
+                param_bytes=pbytes,
+                param_tensors=ptensors,
+                largest_param=largest,
+                inputs=record["inputs"],
+                outputs=record["outputs"],
+                saved=tuple(sorted(record["saved"])),
+                forward_peak=max(0, record["forward_peak"]),
+                backward_peak=max(0, record["backward_peak"]),
+                backward_held_peak=max(0, record["backward_held_peak"]),
+                forward_s=fwd,
+                backward_s=bwd,
+                sac_kept=tuple(sorted(record["sac"])),
+                sac_s=fwd * _sac_share(record, fake),
+                sac_extra_s=None if fake or i >= len(layers) else sac_extra[i],
+            )
+        )
+    return ModelProfile(
+        layers=tuple(profiles[: len(layers)]),
+        storage_bytes=dict(storages.bytes),
+        microbatch_size=size,
+        batch_inputs=batch_inputs,
+        loss=profiles[len(layers)] if loss is not None else None,
+        fake=fake,
+    )
+
+
+def _sac_share(record: Dict[str, Any], fake: bool) -> float:
+    """The share of a layer's forward time spent in the ops SAC keeps. Fake tensors run no kernels:
+    there the times come from FLOPs, which the kept ops (matrix products, attention) carry."""
+    if fake:
+        return 1.0 if record["sac"] else 0.0
+    total = record.get("op_s", 0.0)
+    return min(1.0, record.get("sac_op_s", 0.0) / total) if total > 0 else 0.0
+
+
+@contextmanager
+def fake_mode() -> Iterator[Any]:
+    """Build a model and its micro-batch inside this to profile them without allocating them
+    (:func:`profile` with ``fake=True``)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode

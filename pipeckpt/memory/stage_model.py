@@ -1,0 +1,190 @@
+"""One stage's numbers per micro-batch, read off the profile: what a micro-batch keeps from its
+forward to its backward under a checkpoint mode, what is live while each layer runs forward, and
+the events of its backward (recompute, then each layer's backward, segment by segment).
+
+The walk (:mod:`pipeckpt.memory.walk`) puts these together op by op; :mod:`pipeckpt.memory.auto`
+reads :meth:`_StageModel.kept` for the process peak. docs/MEMORY.md, "memory/stage_model.py", says
+what each segment, Function and gradient holds.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Set, Tuple
+
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.memory.profile import ModelProfile
+
+__all__: List[str] = []
+
+
+@dataclass
+class _StageModel:
+    """The per-micro-batch numbers of one stage, from the profile. Under the distributed engine
+    the stage input lives in torch's receive buffer (counted apart), so it is left out here."""
+
+    profile: ModelProfile
+    start: int
+    stop: int
+    first: bool
+    last: bool
+    local: bool
+
+    def __post_init__(self) -> None:
+        p = self.profile
+        self.layers = p.layers[self.start : self.stop]
+        self.inputs: Set[int] = set() if self.first else set(self.layers[0].inputs)
+        self.input_bytes = p.bytes_of(self.inputs)
+        self.outputs: Set[int] = set(self.layers[-1].outputs)
+        self.output_bytes = p.bytes_of(self.outputs)
+        self.param_bytes = sum(layer.param_bytes for layer in self.layers)
+        self.param_tensors = sum(layer.param_tensors for layer in self.layers)
+        self.forward_s = sum(layer.forward_s for layer in self.layers)
+        self.backward_s = sum(layer.backward_s for layer in self.layers)
+
+    def bytes(self, ids: Set[int]) -> int:
+        return self.profile.bytes_of(ids if self.local else ids - self.inputs)
+
+    def segments(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
+        """The layer ranges (absolute) a micro-batch is checkpointed in: one segment of the whole
+        stage, or runs of ``mode.every`` layers when it is recomputed granularly (pipeckpt/stages/stage.py
+        ``_granular``: ``:k``, and ``+selective`` with or without ``:k``)."""
+        if not recompute or (mode.every is None and not mode.selective):
+            return [(self.start, self.stop)]
+        every = mode.every or (self.stop - self.start)
+        return [(a, min(a + every, self.stop)) for a in range(self.start, self.stop, every)]
+
+    def _segment_input(self, a: int) -> Set[int]:
+        return set(self.inputs) if a == self.start else set(self.profile.layers[a].inputs)
+
+    def _kept_through(self, mode: CheckpointMode, segments: Sequence[Tuple[int, int]]) -> Set[int]:
+        """What the checkpointed ``segments`` keep from forward to backward: each one's input and,
+        selective, the outputs of the ops SAC keeps (pipeckpt/checkpointing/selective.py)."""
+        held: Set[int] = set(self.inputs)
+        for a, b in segments:
+            held |= self._segment_input(a)
+            if mode.selective:
+                # SAC runs inside the stage's Function, which keeps the segment's input and output.
+                held |= set(self.profile.layers[b - 1].outputs)
+                for layer in self.profile.layers[a:b]:
+                    held |= set(layer.sac_kept)
+        return held
+
+    def kept(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> int:
+        """Bytes one micro-batch holds from its forward to its backward (without the stage's
+        Function, its output only where a layer saved it). ``output``: the stage's output is held
+        besides (torch's PipelineStage keeps each micro-batch's output until its backward); a
+        storage a layer also saves counts once."""
+        return self.bytes(self.kept_ids(mode, recompute, function=function, output=output))
+
+    def kept_ids(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> Set[int]:
+        """The storages :meth:`kept` counts."""
+        if not recompute:
+            ids = self.profile.saved_union(self.start, self.stop)
+            if function:
+                ids |= self.outputs | self.inputs
+        else:
+            ids = self._kept_through(mode, self.segments(mode, recompute))
+        return ids | self.outputs if output else ids
+
+    def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
+        """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
+        a kept micro-batch keeps what each layer saved; a recomputed one its segments' inputs (and
+        selective, the outputs SAC keeps) so far."""
+        out = []
+        held: Set[int] = set(self.inputs)
+        for a, b in self.segments(mode, recompute):
+            held |= self._segment_input(a)
+            for layer in self.profile.layers[a:b]:
+                out.append((self.bytes(held | set(layer.inputs)), layer.forward_peak))
+                if not recompute:
+                    held |= set(layer.saved)
+                elif mode.selective:
+                    held |= set(layer.sac_kept)
+            if recompute and mode.selective:
+                held |= set(self.profile.layers[b - 1].outputs)
+        return out
+
+    def backward_events(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
+    ) -> List[Tuple[Any, ...]]:
+        """One micro-batch's backward, segment by segment from the last: a recomputed segment first
+        runs forward again, ``("R", layer, held, forward peak)``, keeping what its layers save; then
+        each layer's backward, last first, ``("B", layer, held, arriving, backward peak, grads of
+        the stage's layers after it, last segment?, segment's last layer?)``. While a segment runs
+        backward, the earlier segments still keep what they kept, and the segment's output and the
+        gradient that arrived for it stay held: its Function's backward holds both while autograd
+        runs inside it (whole stage: the stage's output and its incoming gradient). ``output``: the
+        stage's output from the forward is held throughout besides (torch's PipelineStage): counted
+        once with what holds it already, and apart from the new output a recompute makes."""
+        p = self.profile
+        segments = self.segments(mode, recompute)
+        outs: Set[int] = set()  # held from the forward: counted once with the rest
+        extra = 0  # held from the forward beside a recompute's own copy
+        if output and recompute:
+            extra = self.bytes(self.outputs - self._kept_through(mode, segments))
+        elif output:
+            outs = set(self.outputs)
+        out: List[Tuple[Any, ...]] = []
+        for n in reversed(range(len(segments))):
+            a, b = segments[n]
+            if recompute:
+                before = self._kept_through(mode, segments[: n + 1])
+            else:  # the Function holds the stage's input; plain autograd only what a layer saved
+                before = set(self.inputs) if function else set()
+            if recompute:
+                held = set(before)
+                if mode.selective:
+                    # SAC's cache hands each kept output to the recompute as its op runs again (and
+                    # drops it there): the recompute keeps only what autograd saves, so an output
+                    # still held is one of a layer not yet run again. The segment's output has gone
+                    # before the recompute starts (the Function drops it) unless such a layer's op
+                    # made it; its gradient is held instead (the walk adds it).
+                    before = self._kept_through(mode, segments[:n]) | self._segment_input(a)
+                    held = set(before)
+                for k in range(a, b):
+                    layer = p.layers[k]
+                    work = layer.forward_peak
+                    pending: Set[int] = set()  # SAC's kept outputs of this layer and the ones after it
+                    if mode.selective:  # SAC hands back the outputs it kept instead of computing them
+                        work = max(0, work - p.bytes_of(set(layer.sac_kept)))
+                        pending = set().union(*(set(x.sac_kept) for x in p.layers[k:b]))
+                    last_segment, seg_out = n == len(segments) - 1, p.bytes_of(set(p.layers[b - 1].outputs))
+                    now = held | pending | set(layer.inputs)
+                    out.append(("R", k, self.bytes(now) + extra, work, last_segment, seg_out))
+                    held |= set(layer.saved)
+            # Nothing holds the segment's output through its backward unless a layer saved it: the
+            # stage's Function starts the backward inside from the output's gradient edge and drops
+            # the output first (pipeckpt/stages/stage.py ``_Recompute._roots``); without the Function (one
+            # kept micro-batch) autograd walks the graph itself.
+            for k in reversed(range(a, b)):
+                layer = p.layers[k]
+                held = before | p.saved_union(a, k + 1)
+                after = sum(x.param_bytes for x in p.layers[k + 1 : self.stop])
+                own = p.bytes_of(set(layer.outputs))
+                out.append(
+                    (
+                        "B",
+                        k,
+                        self.bytes(held | outs) + extra,
+                        own,
+                        layer.backward_peak,
+                        after,
+                        n == len(segments) - 1,
+                        k == b - 1,
+                        layer.largest_param,
+                    )
+                )
+        return out
+
+    def recompute_s(self, mode: CheckpointMode) -> float:
+        """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
+        selective all but the ops SAC kept."""
+        if mode.selective:
+            return sum(
+                max(0.0, layer.forward_s - layer.sac_s) if layer.sac_extra_s is None else layer.sac_extra_s
+                for layer in self.layers
+            )
+        return self.forward_s

@@ -1,0 +1,330 @@
+"""The walk over one stage's ops that finds its peak: what it holds between ops, and the totals
+while each op runs, layer by layer.
+
+Why a walk and not a formula: which micro-batches are in flight, which recompute, and which
+gradients and sends are alive all change op by op with the schedule, and the peak can fall in any
+layer of any op. :mod:`pipeckpt.memory.predict` runs one walk per stage (or, on a device with
+several stages, all of them interleaved). docs/MEMORY.md, "memory/walk.py", says what each op holds.
+"""
+
+from dataclasses import dataclass
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.sizes import OPTIMIZERS
+
+__all__ = ["StageMemory", "optimizer_state_bytes"]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's predicted memory (bytes) and time (seconds) per training step."""
+
+    stage: int
+    layers: Tuple[int, int]  # (start, stop) in the Sequential
+    mode: str
+    params: int
+    grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
+    optimizer: int
+    activations: int  # held for backward by the micro-batches in flight, at the peak
+    boundary: int  # stage inputs, received gradients and loss buffers, at the peak
+    working: int  # recompute and the running layer's own working set, at the peak
+    peak: int  # params + grads + optimizer + the rest at the peak moment
+    in_flight: int  # most micro-batches held at once
+    recomputed: int  # micro-batches recomputed per step
+    time_s: float  # the stage's own compute per step, recompute included
+    peak_at: str  # the op at which the peak falls, e.g. "B3 layer 5"
+
+
+def optimizer_state_bytes(
+    optimizer: Union[str, torch.optim.Optimizer, type], param_bytes: int, tensors: int
+) -> int:
+    """State an optimizer keeps for ``tensors`` parameter tensors of ``param_bytes`` in all:
+    SGD none, SGD with momentum one buffer, Adam(W) two moments and a 4-byte step per tensor.
+
+    Args:
+        optimizer: a name of :data:`pipeckpt.sizes.OPTIMIZERS`, an optimizer, or its class.
+        param_bytes: the parameters' bytes.
+        tensors: how many parameter tensors they are.
+    """
+    name = _optimizer_name(optimizer)
+    extra = 4 * tensors if name in ("adam", "adamw") else 0
+    return int(OPTIMIZERS[name] * param_bytes) + extra
+
+
+def _optimizer_name(optimizer: Union[str, torch.optim.Optimizer, type]) -> str:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.SGD):
+            return "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+        optimizer = type(optimizer)
+    if isinstance(optimizer, type):
+        optimizer = optimizer.__name__
+    name = str(optimizer).lower()
+    if name not in OPTIMIZERS:
+        raise config_error(
+            f"optimizer {optimizer!r}",
+            f"the memory model knows the state of {list(OPTIMIZERS)}",
+            "name one of those (or pass the optimizer object)",
+        )
+    return name
+
+
+@dataclass
+class _Peak:
+    """The largest total seen so far, its parts and the op it fell in."""
+
+    value: int = -1
+    parts: Tuple[int, int, int] = (0, 0, 0)  # activations, boundary, working
+    at: str = ""
+    in_flight: int = 0
+
+    def see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
+        if value > self.value:
+            self.value, self.parts, self.at = value, parts, at
+
+
+def _predict_stage(
+    s: _StageModel,
+    j: int,
+    mode: CheckpointMode,
+    ops: List[Tuple[str, int]],
+    *,
+    chunks: int,
+    keep: AbstractSet[int],
+    optimizer: Union[str, torch.optim.Optimizer, type],
+    accumulating: bool,
+    sends: Optional[Sequence[Tuple[int, int]]] = None,
+) -> StageMemory:
+    """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
+    ``except_last`` keeps under this schedule (``checkpointing.order.kept`` of the stage's order);
+    ``sends``: per op, the outputs and input gradients sends still hold
+    (:func:`~pipeckpt.memory.schedule.sends_held`)."""
+    walk = _StageWalk(s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating)
+    for n, (kind, i) in enumerate(ops):
+        walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
+    return walk.result()
+
+
+class _StageWalk:
+    """One stage's memory, op by op: what it holds between ops (:meth:`resting`) and the totals
+    while one of its ops runs (:meth:`run`), seen by its own peak and, where several stages share
+    a device, by the device's (``around``: what the device's other stages hold meanwhile)."""
+
+    def __init__(
+        self,
+        s: _StageModel,
+        j: int,
+        mode: CheckpointMode,
+        *,
+        chunks: int,
+        keep: AbstractSet[int],
+        optimizer: Union[str, torch.optim.Optimizer, type],
+        accumulating: bool,
+    ) -> None:
+        self.s, self.j, self.mode, self.m, self.keep = s, j, mode, chunks, keep
+        m, local = chunks, s.local
+        self.grads = s.param_bytes
+        self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
+        self.static = s.param_bytes + self.opt
+        self.loss = s.profile.loss if s.last else None
+        self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
+        # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
+        # activations (not on the first stage) and gradients (not on the last), and each
+        # micro-batch's output until its backward.
+        self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
+        # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stages/stage.py).
+        self.function = {r: r or m > 1 for r in (False, True)}
+        self.kept_ids_of = {
+            r: s.kept_ids(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        }
+        self.kept_of = {r: s.bytes(ids) for r, ids in self.kept_ids_of.items()}
+        self.forward = {r: s.forward_live(mode, r) for r in (False, True)}
+        self.backward = {
+            r: s.backward_events(mode, r, function=self.function[r], output=not local) for r in (False, True)
+        }
+        # The gradient arriving for the stage's output: the receive buffer (distributed, counted in
+        # recv), a view of the gathered batch's (local, last stage: the tail, freed with the last
+        # micro-batch's view); else a copy of its own. It stays held while the stage's last
+        # segment runs backward; an earlier segment holds the gradient the segment after it made.
+        self.stage_incoming = 0 if s.last == local else s.output_bytes
+        self.cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
+        self.peak, self.most = _Peak(), 0
+        self.grads_done = accumulating
+        self.tail = 0  # local engine, last stage: the gathered batch's output gradient
+        self.device: Optional[_Peak] = None
+        self.around = 0
+        self.backwards = 0  # micro-batches whose backward is over
+        self.hold_sends = False  # every send lives until the step ends (a looped schedule's)
+
+    def resting(self) -> int:
+        """Bytes the stage holds while another stage of its device runs."""
+        g_now = self.grads if self.grads_done else 0
+        resting = self.static + g_now + self.recv + sum(self.cells.values()) + self.tail
+        return resting + self._sent_bytes(self._held_sends())
+
+    def _held_sends(self) -> Tuple[int, int]:
+        return (self.backwards, self.backwards) if self.hold_sends else (0, 0)
+
+    def _sent_bytes(self, sent: Tuple[int, int]) -> int:
+        outputs, gradients = sent
+        return outputs * (0 if self.s.last else self.s.output_bytes) + gradients * self.s.input_bytes
+
+    def _see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
+        self.peak.see(value, parts, at)
+        if self.device is not None:
+            self.device.see(value + self.around, parts, f"stage {self.j} {at}")
+
+    def run(
+        self,
+        kind: str,
+        i: int,
+        *,
+        sent: Tuple[int, int] = (0, 0),
+        device: Optional[_Peak] = None,
+        around: int = 0,
+    ) -> None:
+        """One op, ``("F" | "B", micro-batch)``. ``sent``: the outputs and input gradients of
+        finished micro-batches the schedule's sends still hold
+        (:func:`~pipeckpt.memory.schedule.sends_held`)."""
+        s, mode, m, local, loss = self.s, self.mode, self.m, self.s.local, self.loss
+        self.device, self.around = device, around
+        static, recv, grads, cells, peak_see = self.static, self.recv, self.grads, self.cells, self._see
+        recompute = mode.recomputes(i, m, keep=self.keep)
+        g_now = grads if self.grads_done else 0
+        others = sum(cells.values())
+        if self.hold_sends:
+            sent = self._held_sends()
+        recv_now = recv + self._sent_bytes(sent)  # the receive buffers, and what earlier sends still hold
+        base = static + g_now + recv_now + others
+        if kind == "F":
+            # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
+            # after this stage's forward of micro-batch i; the last stage's wait for the gather.
+            waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
+            for k, (mine, work) in enumerate(self.forward[recompute]):
+                parts = (others + mine, recv_now + waiting, work)
+                peak_see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
+            cells[i] = self.kept_of[recompute]
+            if loss is not None and not local:  # torch computes each micro-batch's loss at once
+                peak_see(
+                    base + cells[i] + loss.forward_peak,
+                    (others + cells[i], recv_now, loss.forward_peak),
+                    f"F{i} loss",
+                )
+                cells[i] += self.loss_saved
+            self.most = max(self.most, len(cells))
+            if local and s.last and len(cells) == m:
+                # The whole batch at once: gathered outputs, loss forward and backward.
+                acts, gathered = sum(cells.values()), m * s.output_bytes
+                total = static + g_now + acts
+                # One micro-batch is handed back as it is, no copy (LocalPipeline._gather): the
+                # output, and what the loss saves of it, count once with what the micro-batch holds.
+                held = self.kept_ids_of[recompute] if m == 1 else set()
+                joined = s.bytes(s.outputs - held) if m == 1 else 2 * gathered
+                peak_see(total + joined, (acts, joined, 0), "gather")
+                if loss is not None:
+                    joined = s.bytes(s.outputs - held) if m == 1 else gathered
+                    work = m * loss.forward_peak
+                    peak_see(total + joined + work, (acts, joined, work), "loss forward")
+                    work = m * loss.backward_peak
+                    ls = s.profile.bytes_of(set(loss.saved) - held) if m == 1 else m * self.loss_saved
+                    peak_see(total + ls + work, (acts, ls, work), "loss backward")
+                self.tail = gathered
+            return
+        kept = cells.pop(i)
+        base -= kept
+        if local and self.backwards:
+            # The input gradient the previous backward (micro-batch i + 1) made waits in autograd's
+            # buffer for the stage before until this backward is over: on one autograd pass, the
+            # engine runs the nodes made later first, and this stage's forward of micro-batch i
+            # came after the previous stage's of micro-batch i + 1 (torchgpipe's clock).
+            recv_now += s.input_bytes
+            base += s.input_bytes
+        others = sum(cells.values())
+        if loss is not None and not local:
+            peak_see(
+                base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
+            )
+        done = 0  # layers of this micro-batch backwarded so far
+        function = self.function[recompute]
+        for event in self.backward[recompute]:
+            # The tail goes with the last micro-batch's view of it: under the stage's Function, when
+            # the last segment's backward returns (autograd's engine holds the gradient it hands a
+            # Function until then); in plain autograd, once the last layer's node has used it.
+            if not cells and (not event[4 if event[0] == "R" else 6] if function else done == 1):
+                self.tail = 0
+            if event[0] == "R":
+                # The gradient for the segment's output has arrived before its recompute starts.
+                _, k, mine, work, last_segment, seg_out = event
+                incoming = self.stage_incoming if last_segment else seg_out
+                peak_see(
+                    base + self.tail + incoming + mine + work,
+                    (others + mine, recv_now + self.tail + incoming, work),
+                    f"B{i} recompute layer {k}",
+                )
+                continue
+            _, k, saved, own, work, after, last_segment, segment_end, _ = event
+            g = grads if self.grads_done else after
+            # Each micro-batch adds its gradients into .grad in place (pipeckpt/stages/stage.py), so
+            # no sum over micro-batches waits beside .grad.
+            incoming = (
+                self.stage_incoming if last_segment else s.profile.bytes_of(set(s.profile.layers[k].outputs))
+            )
+            if not function:  # each gradient goes once its node has used it
+                # The stage's last layer gets the stage's incoming gradient (the tail's view, which
+                # the tail counts, on the local engine's last stage).
+                arriving = incoming if last_segment and segment_end else own
+            elif segment_end:
+                arriving = incoming
+            else:
+                arriving = own + incoming
+            if function and segment_end:
+                # The Function holds the gradient for the segment's output through the whole
+                # backward inside it, beyond the layer's first node (plain autograd frees it there).
+                held_peak = s.profile.layers[k].backward_held_peak
+                work = work if held_peak is None else held_peak
+            total = static + recv_now + others + g + saved + self.tail + arriving + work
+            parts = (others + saved, recv_now + self.tail + arriving, work)
+            peak_see(total, parts, f"B{i} layer {k}")
+            done += 1
+        self.grads_done = True
+        self.backwards += 1
+
+    def result(self) -> StageMemory:
+        s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak
+        acts, boundary, working = peak.parts
+        held_grads = peak.value - self.static - acts - boundary - working  # the rest of every total
+        recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
+        time_s = sum(_op_times(s, mode, m, keep).values())
+        return StageMemory(
+            stage=self.j,
+            layers=(s.start, s.stop),
+            mode=mode.name,
+            params=s.param_bytes,
+            grads=held_grads,
+            optimizer=self.opt,
+            activations=acts,
+            boundary=boundary,
+            working=working,
+            peak=peak.value,
+            in_flight=self.most,
+            recomputed=recomputed,
+            time_s=time_s,
+            peak_at=peak.at,
+        )
+
+
+def _op_times(
+    s: _StageModel, mode: CheckpointMode, m: int, keep: AbstractSet[int]
+) -> Dict[Tuple[str, int], float]:
+    loss = s.profile.loss if s.last else None
+    lf = loss.forward_s if loss is not None else 0.0
+    lb = loss.backward_s if loss is not None else 0.0
+    out = {}
+    for i in range(m):
+        out[("F", i)] = s.forward_s + lf
+        out[("B", i)] = s.backward_s + lb + (s.recompute_s(mode) if mode.recomputes(i, m, keep=keep) else 0.0)
+    return out
