@@ -12,7 +12,7 @@ from harness.stage_memory import split_batch
 from pipeckpt.app.models.convnet import convnet_layers
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.app.models.mlp import mlp_layers
-from pipeckpt.memory.model import profile
+from pipeckpt.memory.profile import profile
 
 
 def lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
