@@ -1,19 +1,11 @@
 """The op order a stage runs in one step, and which micro-batches ``except_last`` keeps.
 
-Why from the order and not from the micro-batch index: ``except_last`` exists to skip the
-recompute that buys no memory, and which recompute that is depends on the schedule. The
-local engine drains backward from the last micro-batch (torchgpipe's order); torch's GPipe
-and 1F1B run it from micro-batch 0; on the last stage of 1F1B every backward follows its
-own forward at once. So an engine hands each stage its op order for the step, and
-:func:`kept` reads the rule off it:
-
-a micro-batch is kept (not recomputed) when its backward is the stage's first backward (its
-activations are the ones backward needs first, so keeping them replaces a recompute that
-would hold as much), or when nothing runs on the stage's device between its forward and its
-backward (its activations never coexist with another micro-batch's work).
-
-An order is a list of ``(stage, kind, micro-batch)`` with ``kind`` ``"F"`` or ``"B"``: one
-device's ops, so a looped schedule's rank lists the ops of all its stages.
+Why from the order and not from the micro-batch index: which recompute buys no memory depends on the
+schedule (the local engine drains backward from the last micro-batch, torch's GPipe and 1F1B from
+micro-batch 0). A micro-batch is kept when its backward is the stage's first backward, or when
+nothing runs on the stage's device between its forward and its backward. An order is a list of
+``(stage, kind, micro-batch)``, ``kind`` ``"F"`` or ``"B"``: one device's ops (docs/DESIGN.md,
+checkpointing/order).
 """
 
 from itertools import pairwise
