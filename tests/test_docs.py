@@ -241,13 +241,28 @@ def test_the_settings_table_lists_every_field_of_pipe_settings():
         assert f"| `{f.name}` |" in table and f.metadata["help"] in table, f.name
 
 
-def test_every_relative_link_between_the_pages_points_at_a_file():
+def _anchors(page: Path) -> List[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.MULTILINE)
+    return [re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings]
+
+
+def test_every_relative_link_between_the_pages_points_at_a_file_and_heading():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"^[a-z]+:", target):
                 continue
-            path = (page.parent / target.split("#", 1)[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
             assert path.exists(), f"{page.relative_to(ROOT)}: the link {target} points at nothing"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{page.relative_to(ROOT)}: no heading #{anchor} in {file}"
+
+
+def test_the_pages_cite_no_issue_numbers():
+    for page in PAGES:
+        found = re.findall(r"(?i)\bissue \d+|(?<![\w&/])#\d{1,3}\b", page.read_text())
+        assert not found, f"{page.relative_to(ROOT)}: {found} (a reader cannot look these up)"
 
 
 def test_the_readme_is_a_front_door():
