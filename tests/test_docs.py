@@ -270,3 +270,16 @@ def test_the_readme_is_a_front_door():
     assert len(lines) <= 210, len(lines)
     assert "bash scripts/setup.sh --test && python -m pytest" in lines
     assert "bash scripts/setup.sh && python train.py" in lines
+
+
+def test_what_the_code_points_to_in_the_docs_exists():
+    """A docstring's ``docs/DESIGN.md, <folder>/<module>`` names a section of that page, and every
+    ``docs/*.md`` or ``benchmarks/RESULTS*.md`` it names is a file."""
+    sections = set(re.findall(r"^## (\S+)$", (ROOT / "docs" / "DESIGN.md").read_text(), flags=re.MULTILINE))
+    for source in sorted((ROOT / "pipeckpt").rglob("*.py")):
+        text = source.read_text()
+        where = source.relative_to(ROOT)
+        for section in re.findall(r"docs/DESIGN\.md,\s+([\w/]+)", text):
+            assert section in sections, f"{where}: docs/DESIGN.md has no section {section}"
+        for name in re.findall(r"\b((?:docs/\w+|benchmarks/RESULTS\w*)\.md)\b", text):
+            assert (ROOT / name).exists(), f"{where}: {name} does not exist"
