@@ -54,7 +54,7 @@ def draws_random(layer: nn.Module) -> bool:
 
 def _mix(x: int) -> int:
     """SplitMix64's output function: 64 well-mixed bits from any 64. Hand-written because it is three
-    lines, and library hashes cost microseconds per call (numpy's SeedSequence: ~10 us)."""
+    lines, and library hashes (numpy's SeedSequence) cost microseconds per call."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
