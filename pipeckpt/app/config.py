@@ -1,19 +1,10 @@
 """The schema of the app's Hydra configs (``conf/``), as dataclasses.
 
-YAML alone accepts any key and any value, so ``chunk: 4`` (for ``chunks``)
-or ``max_steps: ten`` would surface late, or never. Registered in Hydra's
-ConfigStore and named at the top of each config's ``defaults``, these
-dataclasses make such mistakes fail when the config is composed, before any
-model is built. They check names and types only. Whether the values make
-sense together (a checkpoint-mode list as long as the number of stages, a
-balance summing to the number of layers) is pipeckpt's own validation, which
-raises :class:`pipeckpt.PipeckptConfigError` from the strategy.
-
-The app's defaults live in the YAML files, where users read them; fields here are
-``MISSING`` so that a config file which forgets one fails loudly. The pipe
-strategy's schema is the exception: it is generated from
-:class:`pipeckpt.settings.PipeSettings`, whose defaults it carries, so a setting
-is named, typed, defaulted and checked in one place.
+Why not YAML alone: it accepts any key and value, so ``chunk: 4`` or ``max_steps: ten`` would surface
+late or never; registered in Hydra's ConfigStore, these dataclasses make them fail when the config is
+composed. They check names and types only; pipeckpt's own validation checks values together. The
+app's defaults live in the YAML files (fields here are ``MISSING``), except the pipe strategy's
+schema, generated from :class:`pipeckpt.settings.PipeSettings` with its defaults.
 """
 
 from dataclasses import dataclass, field, fields, make_dataclass

@@ -1,22 +1,11 @@
 """Pipelining a module that has its own ``forward`` (not an ``nn.Sequential``).
 
-``configure_pipeline()`` returns ``pipeline_of(self.model, "transformer.h")``: the module
-whose ``forward`` is pipelined, and the names of its layers (a ``ModuleList`` or Sequential
-names all its children; any other submodule is one layer). The layers, in that order,
-are what ``stages``/``balance`` cut into stages, exactly as the layers of a Sequential.
-
-Why layers by name rather than a traced graph (``torch.distributed.pipelining``'s
-``pipeline(split_spec=...)``): the model's own ``forward`` keeps running as written,
-Python control flow, masks built on the fly, ``ModelOutput`` and all, so nothing is
-traced, nothing is rewritten and nothing is re-registered: ``state_dict`` keys stay
-the model's own and a checkpoint loads ``strict=True`` into the unmodified model. A value
-that one layer makes and a later stage uses (an encoder output read by every decoder
-layer, a skip connection) needs no declaration: it is an ordinary argument of the later
-layer's call. The engine runs the module's ``forward`` once per micro-batch; each call of
-a named layer runs on its stage's device, under its stage's checkpoint mode (a
-checkpointed layer keeps its inputs and recomputes itself in backward); what runs
-outside the layers (embeddings, the final norm and head) runs on the last stage's device
-and is never recomputed.
+``pipeline_of(self.model, "transformer.h")`` names the module whose ``forward`` is pipelined and its
+layers, which ``stages``/``balance`` cut into stages as the layers of a Sequential. Why layers by name
+and not a traced graph (``torch.distributed.pipelining``'s ``pipeline(split_spec=...)``): the model's
+own ``forward`` keeps running as written (control flow, masks, ``ModelOutput``), nothing is
+re-registered, so ``state_dict`` keys stay the model's own, and a value one layer makes and a later
+stage uses is an ordinary argument. What runs where: docs/DESIGN.md, boundaries/pipeline_of.
 """
 
 from typing import List, Sequence, Tuple
@@ -61,8 +50,24 @@ def _layer(module: nn.Module, name: str) -> nn.Module:
 
 
 def pipeline_of(module: nn.Module, *layers: str) -> ModulePipeline:
-    """The pipeline of ``module`` (called by your ``training_step`` as ``self.model(...)``)
-    over the layers named in ``layers`` (``"transformer.h"``: all its children)."""
+    """The pipeline of ``module`` over the layers named in ``layers``: what ``configure_pipeline()``
+    returns for a model with its own ``forward``.
+
+    Args:
+        module: the model whose ``forward`` is pipelined; your ``training_step`` calls it as usual
+            (``self.model(ids, ...)``), with the batch's tensors in its first argument, which the
+            pipeline cuts into micro-batches along dimension 0.
+        *layers: names of submodules of ``module`` as in ``module.named_modules()``, in the order
+            they run; a ``ModuleList`` or Sequential (``"transformer.h"``) stands for all its
+            children, any other submodule is one layer. ``stages`` and ``balance`` cut these layers.
+
+    Returns:
+        A :class:`ModulePipeline` of your own layer objects; it adds no key to any ``state_dict``.
+
+    Raises:
+        PipeckptConfigError: ``module`` is not a module, no layer is named, a name is not a
+            submodule, or a layer is named twice.
+    """
     if not isinstance(module, nn.Module):
         raise config_error(
             f"pipeline_of({type(module).__name__}, ...)",

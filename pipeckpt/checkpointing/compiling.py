@@ -1,22 +1,10 @@
 """Opt-in regional ``torch.compile`` (the ``compile`` setting): each pipelined layer alone.
 
-Why per layer: a stage whose kernels are small is bound by the host's launches, and
-fusing a layer's element-wise work cuts them; compiling per layer (as torchtitan does
-per transformer block) keeps graphs small, lets identical layers share one graph, and
-leaves the engine's own work (micro-batch split, stage boundaries, the checkpoint's
-autograd Function) in eager mode, where it runs unchanged for every mode.
-
-Why the layer's ``forward`` and not the module: compiling the bound ``forward`` into an
-instance attribute keeps the module tree, so parameter names, ``state_dict`` keys and
-checkpoints are the same as without compile (no ``_orig_mod.`` prefix), and a module
-pipeline (``pipeline_of``) routes the compiled forward through its stage like any other.
-The engine's teardown puts each layer's own forward back.
-
-What stays exact: a recompute replays the RNG state of its forward, so under a backend
-whose random ops draw from torch's generators (``aot_eager``, ``eager``), every checkpoint
-mode gives bitwise the same gradients, dropout included (tested). Inductor generates its
-own kernels: results match eager within floating-point tolerance, and its random ops
-follow its own RNG scheme, so compare modes with dropout off there.
+Why not ``torch.compile`` on the whole model: per layer (as torchtitan compiles per block) graphs stay
+small, identical layers share one, and the engine's own work (micro-batch split, stage boundaries,
+the checkpoint's autograd Function) stays eager. Why the layer's ``forward`` and not the module: the
+module tree, parameter names and ``state_dict`` keys stay as without compile (no ``_orig_mod.``
+prefix). What stays exact under each backend: docs/DESIGN.md, checkpointing/compiling.
 """
 
 import weakref

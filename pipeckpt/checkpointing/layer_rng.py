@@ -1,53 +1,12 @@
 """Per-layer random streams: dropout masks that do not depend on the pipeline's layout.
 
-Why: without this, a layer draws its dropout mask from whatever generator is current
-when it runs. The local engine runs the stages in GPipe's clock-cycle order on one
-generator, the distributed engine on each rank's own, so the masks change with the
-stage count, the engine and the schedule, and a checkpoint resumed under another
-layout does not continue the run it came from.
-
-What: during a training call of the pipeline, layer ``k`` (a top-level child of the
-pipelined Sequential, or a layer named by ``pipeline_of``: the unit ``balance``
-counts) runs micro-batch ``m`` of training call ``c`` with the generator of its
-device seeded from ``(seed, c, m, k)``; the caller's state of that generator is
-saved before the layer and put back after it, so the caller's stream (data
-sampling, a step's own code, the module's code between ``pipeline_of`` layers)
-never sees the layers' draws. The masks are thus the same under every stage count,
-engine, schedule and checkpoint mode (a recompute seeds the layer again, so it
-redraws the same mask by construction), and a resume continues them exactly:
-``seed`` and ``c`` travel in the checkpoint (:meth:`LayerStreams.state_dict`).
-They still depend on ``seed``, on ``chunks`` (which samples form micro-batch
-``m``) and on the layer's position. ``seed`` is ``torch.initial_seed()`` when the
-engine is built (``seed_everything`` sets it), rank 0's under the distributed engine.
-
-Which layers (the ``layer_rng`` setting), and the cost: a seeded layer call costs
-about 6 us on a 2-core CPU (save the generator's state, seed it, put the state
-back; ``benchmarks/RESULTS_layer_rng.md``): 8 % of a step of
-``benchmarks/bench_dispatch.py``'s 48 tiny layers if every layer is seeded, 0.3 %
-of the GPT config's. ``auto`` (the default) seeds only layers holding one of
-torch's random modules (:data:`RANDOM_MODULES`), so a model without dropout pays
-nothing measurable (ratio 0.997 on the proxy). A layer that draws in its own code
-without such a module (``torch.rand`` in ``forward``) needs ``all``;
-``off`` keeps the caller's generator, in schedule order (the masks then depend on
-the layout; recompute still replays them, see ``pipeckpt.stages.stage``). Layers run
-outside training mode are never seeded.
-
-Alternatives weighed:
-
-- one state saved around a whole stage task, layers seeded inside it: one state
-  save fewer per layer, but the module's own code between ``pipeline_of`` layers
-  would draw from the last layer's stream, which depends on the layout;
-- ``torch.random.fork_rng`` per layer: the same effect, but it saves the state of
-  every device of the process and costs several times more per call;
-- a ``torch.Generator`` per layer handed to the random modules: ``nn.Dropout``
-  and ``F.scaled_dot_product_attention`` take no generator;
-- deriving ``c`` from Lightning's step counters: a module may call its pipeline
-  more than once per step (each call needs masks of its own), so the engines
-  count calls and the checkpoint keeps the count.
-
-On CUDA a layer's stream is its device's generator only: autograd runs each
-device's backward (and so its recomputes) on a thread of its own, and those
-threads would race on the one CPU generator.
+Layer ``k`` runs micro-batch ``m`` of training call ``c`` with its device's generator seeded from
+``(seed, c, m, k)``, and the caller's state is put back after it, so the masks are the same under every
+stage count, engine, schedule and mode, and a resume continues them (``seed`` and ``c`` travel in the
+checkpoint). Why not the current generator: its draws follow the schedule's order, which changes with
+the layout. Why not ``torch.random.fork_rng`` per layer: it saves every device's state, several times
+the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design and the alternatives weighed:
+docs/DESIGN.md, checkpointing/layer_rng.
 """
 
 import threading
@@ -95,7 +54,7 @@ def draws_random(layer: nn.Module) -> bool:
 
 def _mix(x: int) -> int:
     """SplitMix64's output function: 64 well-mixed bits from any 64. Hand-written because it is three
-    lines, and library hashes cost microseconds per call (numpy's SeedSequence: ~10 us)."""
+    lines, and library hashes (numpy's SeedSequence) cost microseconds per call."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK

@@ -1,25 +1,10 @@
-"""Activation checkpoint modes, as objects.
+"""Activation checkpoint modes, as objects: engines ask the mode; no code compares mode strings.
 
-A mode answers, for one stage: does micro-batch ``i`` drop its activations and recompute
-them in backward, in segments of how many layers, keeping which tensors, and are the kept
-inputs moved to host memory? Engines ask the mode; no code compares mode strings.
-torchgpipe has one global mode at whole-stage granularity and no offload, so per-stage
-modes, granularity, selective checkpointing and offload live here, independent of any engine.
-
-A mode is written ``<base>[+selective][:<k>]``:
-
-- ``base``: ``never``, ``except_last``, ``always``, ``offload``, or ``selective`` (short for
-  ``always+selective``);
-- ``:k``: checkpoint every ``k`` layers of the stage as one segment (``:1``: each layer)
-  instead of the whole stage at once; the backward peak then holds one segment's recompute,
-  not the whole stage's;
-- ``+selective``: torch's selective activation checkpointing (SAC): the outputs of the
-  matrix multiplications and attention kernels are kept from the forward, everything else
-  (activations, norms, dropout, ...) is recomputed.
-
-Refused, each with an error naming the value: ``never`` with ``:k`` or ``+selective`` (nothing
-is recomputed), ``offload+selective`` (offload moves a stage's kept *inputs* to the host, SAC
-keeps matmul *outputs* on the device: the two do not compose into one saving).
+A mode is written ``<base>[+selective][:<k>]``: ``base`` is ``never``, ``except_last``, ``always``,
+``offload`` or ``selective`` (``always+selective``); ``:k`` checkpoints every ``k`` layers as one
+segment; ``+selective`` keeps matmul and attention outputs (torch's SAC). Why not torchgpipe's
+``checkpoint`` argument: one global mode at whole-stage granularity, and no offload. Refused by name:
+``never`` with ``:k`` or ``+selective``, and ``offload+selective`` (docs/DESIGN.md, checkpointing/modes).
 """
 
 import re
@@ -45,8 +30,16 @@ class CheckpointMode:
     and on the last stage of 1F1B every micro-batch. ``always`` recomputes every micro-batch
     whatever the order.
 
-    ``every``: layers per checkpointed segment (None: the whole stage as one). ``selective``:
-    keep the matmul outputs (torch's SAC) instead of only the segment inputs.
+    Build one with :func:`parse_modes` or use the constants (``NEVER``, ``EXCEPT_LAST``,
+    ``ALWAYS``, ``OFFLOAD``, ``SELECTIVE``); a setting takes the mode's name (``"always:1"``).
+
+    Args:
+        name: the mode as written, e.g. ``"except_last+selective:2"``.
+        checkpoints: whether the stage drops activations and recomputes them at all.
+        recompute_last: False only for ``except_last``: the micro-batches above are kept.
+        offloads: whether the kept inputs wait in host memory (``offload``).
+        every: layers per checkpointed segment (None: the whole stage as one).
+        selective: keep the matmul outputs (torch's SAC) instead of only the segment inputs.
     """
 
     name: str

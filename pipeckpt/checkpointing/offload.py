@@ -1,32 +1,12 @@
 """Offload: the inputs a stage keeps for its recomputes wait in host memory, and come back
 before its backward needs them.
 
-Why not torch's ``save_on_cpu``: it moves every saved tensor, on the compute stream, with no
-prefetch (3.2x a step on an H100, issue 12). Why not a saved-tensor hook as in torchtune's or
-Megatron's activation offloading: under a checkpoint mode a stage saves no activations; the
-``_Recompute`` node holds only its (segments') inputs, so the pipeline knows exactly which
-tensors wait and, from the schedule's op order, in which order backward will want them back,
-which a hook that sees tensors one at a time does not.
-
-Two layers, so that the logic runs on CPU and the CUDA specifics stay thin:
-
-- the copy layer (:class:`Copies`): issue a copy to the host, issue the copy back, make the
-  compute stream wait for a copy back before use. :class:`CudaCopies` copies on two side
-  streams of the stage's GPU (one each way, so that a prefetch never queues behind the
-  forward's copies out), each ordered after the compute stream by events; the source's memory
-  is kept from reuse by ``record_stream`` until the copy has read it. :class:`HostCopies` is
-  the same calls done at once on the current stream: what a CPU stage (or a test) gets. A
-  test can hand a stage any object with these three methods (:attr:`Stage.offloader`).
-- the :class:`Offloader`, one per stage: parks each checkpointed call's inputs in forward
-  order, tagged with the micro-batch; when backward asks for one entry it first issues the
-  copy back of the next entries backward will ask for (the stage's op order gives the order of
-  micro-batches; within a micro-batch, segments come back last first), then waits for its own.
-  So the copy back of micro-batch ``m - 1`` (local engine) runs while ``m`` recomputes and
-  backpropagates. A wrong guess costs only overlap: an entry not yet on its way is copied back
-  when asked for, as without prefetch.
-
-At most ``ahead + 1`` entries of a stage are on the device at once in backward (default 2).
-One thread at a time: the engines never run one stage's forward and backward concurrently.
+Why not torch's ``save_on_cpu``: it moves every saved tensor, on the compute stream, with no prefetch.
+Why not a saved-tensor hook (torchtune's, Megatron's offloading): under a checkpoint mode the stage
+knows which inputs wait and, from the schedule's op order, in which order backward wants them back.
+Two layers: the copies (:class:`CudaCopies` on two side streams; :class:`HostCopies`, at once, for CPU
+stages and tests) and the :class:`Offloader`, which issues the next entry's copy back while the
+current one recomputes (docs/DESIGN.md, checkpointing/offload).
 """
 
 import threading

@@ -1,11 +1,12 @@
 """The op order a stage runs in one step under each schedule, and which micro-batches
 ``except_last`` keeps: the one source of op orders, for the engines and the memory model.
 
-Why from the order and not from the micro-batch index: which recompute buys no memory depends on
-the schedule (the local engine drains backward from the last micro-batch, torch's GPipe and 1F1B
-from micro-batch 0). An order is a list of ``(stage, kind, micro-batch)``, ``kind`` ``"F"`` or
-``"B"``: one device's ops, so a looped schedule's rank lists the ops of all its stages.
-docs/MEMORY.md, "Which micro-batches `except_last` recomputes", gives the rule and a table.
+Why from the order and not from the micro-batch index: which recompute buys no memory depends on the
+schedule (the local engine drains backward from the last micro-batch, torch's GPipe and 1F1B from
+micro-batch 0). A micro-batch is kept when its backward is the stage's first backward, or when
+nothing runs on the stage's device between its forward and its backward. An order is a list of
+``(stage, kind, micro-batch)``, ``kind`` ``"F"`` or ``"B"``: one device's ops (docs/DESIGN.md,
+checkpointing/order).
 """
 
 from itertools import pairwise

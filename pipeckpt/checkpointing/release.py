@@ -1,19 +1,11 @@
 """A recompute's saved tensors, each let go when its backward node takes it, not after the node.
 
-Autograd frees a node's saved tensors once the node has run. A node's formula often ends after its
-last use of one: an ``addmm``'s backward uses its saved input for the weight's gradient, then sums
-the bias's gradient, and the input is held through that sum. torch's non-reentrant checkpoint hands
-each recomputed tensor to its node and drops its own reference, so the tensor goes with the node's
-last use of it. A recompute under :class:`ReleasedAtUnpack` does the same, and peaks no higher than
-that checkpoint at the same place (the bytes are few: a summed bias, say; but at a step's peak, the
-end of backward, every byte is on top of all the gradients).
-
-Why hand-written: torch keeps a saved tensor inside its node, with no public switch to drop it at
-unpack; ``saved_tensors_hooks`` is the public way to hold it instead. It costs a Python call per
-saved tensor, pack and unpack: 7% of an ``always:1`` step on the dispatch-bound CPU proxy of
-``benchmarks/bench_dispatch.py`` (48 x Linear(64, 64) + GELU), within noise on the GPT-2-small config
-(0.8%, 7 interleaved rounds, range -3.5% to +1.9%). So a stage uses it only where it recomputes
-layer by layer (``<mode>:k``), the modes chosen to use the least memory.
+Autograd frees a node's saved tensors once the node has run, so an ``addmm``'s saved input outlives
+its last use through the bias-gradient sum. torch's non-reentrant checkpoint hands each tensor over
+at unpack; :class:`ReleasedAtUnpack` does the same through ``saved_tensors_hooks``, since torch has no
+public switch to drop a saved tensor at unpack. It costs a Python call per saved tensor
+(``benchmarks/RESULTS.md``, "Costs quoted in the design notes"), so only ``<mode>:k`` stages use it
+(docs/DESIGN.md, checkpointing/release).
 """
 
 from types import TracebackType

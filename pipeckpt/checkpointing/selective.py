@@ -1,16 +1,10 @@
 """Selective activation checkpointing (SAC) on torch's own ``create_selective_checkpoint_contexts``.
 
-The policy keeps what is costly to recompute and cheap to hold relative to its cost, the
-outputs of matrix products and fused attention kernels, and recomputes the rest
-(activations, norms, dropout, reshapes), as torch's SAC documentation suggests.
-
-Why torch's non-reentrant ``checkpoint`` here and not the stage's own ``_Recompute``: SAC
-hands the recompute the tensors the forward kept instead of recomputing them, and those
-come back without autograd history. torch's non-reentrant checkpoint recomputes only to
-refill the saved tensors of the forward's own graph, so it needs no history; ``_Recompute``
-rebuilds a graph and differentiates through it, which a kept output would cut. The forward's
-graph staying in place also keeps gradients bitwise equal to ``never``: the same nodes
-accumulate the same values in the same order; the RNG state is replayed by the checkpoint.
+The policy keeps the outputs of matrix products and fused attention kernels, and recomputes the rest.
+Why torch's non-reentrant ``checkpoint`` here and not the stage's own ``_Recompute``: SAC hands back
+kept outputs without autograd history, which would cut the graph ``_Recompute`` rebuilds; torch's
+checkpoint only refills the forward graph's saved tensors, so gradients stay bitwise equal to
+``never`` (docs/DESIGN.md, checkpointing/selective).
 """
 
 from contextlib import ExitStack, contextmanager

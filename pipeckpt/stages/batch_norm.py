@@ -1,4 +1,9 @@
-"""Batch statistics over the whole mini-batch, not each micro-batch (``deferred_batch_norm``)."""
+"""Batch statistics over the whole mini-batch, not each micro-batch (``deferred_batch_norm``).
+
+Why not plain BatchNorm: under micro-batching it would update its running statistics once per
+micro-batch. torchgpipe's DeferredBatchNorm (reached through :mod:`pipeckpt._compat`) accumulates
+them over the micro-batches and commits them once per mini-batch.
+"""
 
 from typing import List
 

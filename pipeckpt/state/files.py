@@ -1,23 +1,11 @@
-"""Checkpoint files that are either the old complete file or the new complete file,
-never a half-written one, whatever moment a kill -9 or a power cut lands on.
+"""Checkpoint files that are the old complete file or the new one, never a half-written one.
 
-Lightning's ``TorchCheckpointIO`` serialises the whole checkpoint into a BytesIO
-and hands it to an fsspec transaction, whose temporary file sits in ``$TMPDIR``
-(node-local on clusters); committing it is then a copy onto the output
-filesystem, and a kill during that copy leaves a truncated ``last.ckpt`` in
-place of the good one. It also holds the checkpoint twice in memory (the
-buffer and its ``getvalue()`` copy).
-
-Here the bytes stream from ``torch.save`` straight into a temporary file in the
-*target's own directory*, which is flushed and fsynced, then renamed onto the
-target with ``os.replace`` (atomic within one filesystem), and the directory is
-fsynced so that the rename itself survives a power cut. A directory written
-aside (a sharded checkpoint) is swapped in with one rename the same way
-(:func:`atomic_replace_dir`).
-
-What a kill can leave behind is a hidden ``.pipeckpt-<digest>.<random>.tmp`` file (or
-directory) next to the target; it never has the target's name, so nothing
-loads it by mistake.
+Why not Lightning's ``TorchCheckpointIO``: its fsspec transaction writes a temporary in ``$TMPDIR`` and
+commits by copying it onto the output filesystem, so a kill during that copy leaves a truncated
+``last.ckpt``; it also holds the checkpoint twice in memory. Here ``torch.save`` streams into a
+temporary file in the target's own directory, fsynced, renamed over the target, and the directory
+fsynced; a directory is swapped in the same way (:func:`atomic_replace_dir`). A kill leaves at most a
+hidden ``.pipeckpt-<digest>.<random>.tmp`` beside the target (docs/DESIGN.md, state/files).
 """
 
 import contextlib

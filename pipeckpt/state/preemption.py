@@ -1,23 +1,11 @@
 """SLURM's preemption warning answered at a step boundary, never inside the step.
 
-Lightning's own handler (``_SignalConnector``) saves the hpc checkpoint inside the signal handler,
-that is in the middle of whatever the main thread was doing. Under the distributed engine a step has
-point-to-point and collective operations in flight, and a save started from there (itself a
-collective) deadlocks or crashes; even under one process, logging from a handler that interrupted a
-write to the same stream raises "reentrant call". So for the ``pipe`` strategy:
-
-1. the handler only records the request (:class:`PreemptionCallback` installs it before Lightning
-   registers its handlers; Lightning leaves a signal that already has a handler alone);
-2. after each optimizer step (``on_train_batch_end``, the point where ``ModelCheckpoint`` saves) the
-   ranks agree on the request, an all-reduce of the flag over the world, so that every rank saves
-   the same step even when the signal reached them at different moments or only one of them;
-3. every rank saves Lightning's ``hpc_ckpt_N.ckpt`` in the Trainer's root directory (the name
-   Lightning resumes from under SLURM), rank 0 runs ``scontrol requeue``, and every rank leaves
-   ``fit`` by raising :class:`Preempted`, a ``SystemExit`` with code 0 (1 if the requeue failed);
-4. the requeued job resumes from the newest hpc checkpoint through Lightning's own resume path.
-
-Once the checkpoint is written SIGTERM is ignored: the requeue makes SLURM send it to every task,
-and Lightning's SIGTERM handler would start a broadcast inside the handler while the ranks leave.
+Why not Lightning's handler (``_SignalConnector``): it saves inside the signal handler, in the middle
+of whatever ran; under the distributed engine that deadlocks on in-flight collectives. Here the
+handler only records the request; after each optimizer step the ranks agree on it (an all-reduce),
+every rank saves ``hpc_ckpt_N.ckpt``, rank 0 runs ``scontrol requeue``, and every rank leaves ``fit``
+with :class:`Preempted` (exit code 0); the requeued job resumes through Lightning's own path
+(docs/DESIGN.md, state/preemption).
 """
 
 import logging

@@ -1,15 +1,11 @@
 """Sharded checkpoint directories for the distributed engine, written with torch.distributed.checkpoint.
 
-Why: gathering the whole model and optimizer state on one rank to ``torch.save`` it cannot scale past
-one host's memory. Here every rank writes only the tensors it holds, through DCP (whose planner writes a
-tensor that data-parallel replicas share once), and global rank 0 adds the small rest of Lightning's
-checkpoint (loops, callbacks, schedulers, param groups, RNG states) as one ``torch.save`` file, the way
-Lightning's FSDP strategy does. Keys stay the unpipelined module's, and optimizer state is keyed by
-parameter name, so a checkpoint resumes under any stage count, and :func:`to_torch_save` turns it into
-the single file that Lightning writes without pipeckpt.
-
-A directory holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` shard files plus :data:`META_FILE`.
-It is written aside and appears at its path in one rename, never half-written.
+Why not ``torch.save`` on one rank: gathering the whole model and optimizer state cannot scale past
+one host's memory. Every rank writes its own tensors through DCP, and global rank 0 adds the small rest
+of Lightning's checkpoint as one file (:data:`META_FILE`), as Lightning's FSDP strategy does. Keys are
+the unpipelined module's and optimizer state is keyed by parameter name, so a checkpoint resumes
+under any layout; :func:`to_torch_save` makes it one file. A directory is written aside and appears
+at its path in one rename.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A GPT-2 style language model written as a flat ``nn.Sequential``.
 
-Pipeline parallelism cuts a model between two children of one ``nn.Sequential``
-and hands a single tensor across each cut. So every element here takes one
-tensor and returns one tensor: the embedding folds token and position together,
-each transformer block keeps its residual stream inside itself, and the final
-LayerNorm and the output head are separate elements so that the planner can
-balance them like any other layer.
-
-The LightningModule around it is ordinary single-device Lightning code. The
-only addition is ``configure_pipeline``, which tells the pipe strategy which
-submodule to partition.
+Every element takes one tensor and returns one (the embedding folds token and position, each block
+keeps its residual stream inside itself, the final LayerNorm and the head are elements of their own),
+so the planner can cut and balance between any two. Why not Hugging Face's GPT-2: the app needs no
+extra package, and shows the plain Sequential path (``pipeline_of`` is docs/REAL_MODELS.md's). The
+LightningModule is single-device Lightning code plus ``configure_pipeline``.
 """
 
 import math

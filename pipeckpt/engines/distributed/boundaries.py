@@ -1,21 +1,11 @@
 """What crosses a process boundary: any pytree, sent as its tensors with its structure sent once.
 
-``torch.distributed.pipelining`` sends a stage's output to the next process as a tensor
-or a tuple of tensors, and learns their shapes by running every stage once before the
-first micro-batch of a schedule (shape inference), passing each stage's output shapes
-on with ``send_object_list``. A stage here may return any pytree (a dict, a tuple with
-``None``, a Hugging Face ``ModelOutput``, ints and strings among tensors). So:
-
-- a single tensor goes as it is (the fast path, and what it always was);
-- any other output is flattened (:class:`pipeckpt.boundaries.pytrees.Structure`): its tensor leaves
-  are the stage's tuple output, and its tree and non-tensor leaves, recorded during
-  shape inference, ride along with torch's shape metadata to the next stage
-  (:class:`~pipeckpt.engines.distributed.wiring.LiveStage`), which rebuilds the value
-  around the tensors it receives for every micro-batch.
-
-Nothing is declared by the user. A structure belongs to one schedule (one input shape);
-a micro-batch whose output has another tree or other non-tensor values than the one
-inferred is refused by the stage that made it, since the next stage could not rebuild it.
+Why not torch's own sends alone: ``torch.distributed.pipelining`` sends a tensor or a tuple of tensors,
+and learns their shapes once per schedule (shape inference). So a single tensor goes as it is; any
+other output is flattened (:class:`pipeckpt.boundaries.pytrees.Structure`): its tensors travel, and its
+tree and non-tensor leaves, recorded during shape inference, ride with torch's shape metadata to the
+next stage, which rebuilds the value. A micro-batch whose structure differs from the inferred one is
+refused by the stage that made it (docs/DESIGN.md, engines/distributed/boundaries).
 """
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union

@@ -1,26 +1,11 @@
-"""Who failed, and how, when a pipeline rank stops: by structure, not by the words of an error.
+"""Who failed, and how, when a pipeline rank stops: by facts in the rendezvous store, not by error text.
 
-When one process of a pipeline fails, its neighbours see only a transport
-error ("Connection closed by peer") or a timeout, and ranks further down fail
-because their neighbour exited. Facts kept in the rendezvous store tell the
-survivors what happened, each read with an explicit deadline:
-
-- a rank whose own code raised (the user's step or layers: :func:`user_code`
-  marks such exceptions where they are raised) publishes its error's type,
-  message and traceback before it unwinds (:meth:`Liveness.report`), and every
-  survivor quotes it, naming the rank;
-- every rank publishes where it runs (node, PID namespace, PID and the process's
-  start time) when it starts: a survivor on the same node asks the kernel whether
-  that process still exists, and knows at once whether it was lost or is alive;
-- every rank beats a counter from a daemon thread: a rank on another node whose
-  counter moves is alive, and one that stays silent for ``within`` seconds and
-  left no word was lost (killed, out of memory, a node gone);
-- a rank that is alive while a collective failed is stuck: the survivors'
-  collectives ran out of the ``timeout`` they were given.
-
-:meth:`Liveness.diagnose` returns as soon as every other rank is accounted for,
-and never later than its deadline. Counters rather than timestamps, so that
-clocks of different nodes never meet.
+Why not the transport's error: the neighbours of a failed process see only "Connection closed by
+peer" or a timeout. So each rank publishes where it runs (node, PID, start time) and beats a counter
+from a daemon thread, and a rank whose own code raised publishes its error first;
+:meth:`Liveness.diagnose` then names a raising, lost or hung rank within its deadline. Counters rather
+than timestamps, so that the clocks of different nodes never meet (docs/DESIGN.md,
+engines/distributed/liveness).
 """
 
 import json

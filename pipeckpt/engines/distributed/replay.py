@@ -1,23 +1,11 @@
 """Running a user's unmodified step inside a ``torch.distributed.pipelining`` schedule.
 
-A schedule drives forward and backward of every micro-batch itself and asks
-the last stage for a ``loss_fn(output, target)``; a LightningModule computes its
-loss in ``training_step``, around its own call of the pipelined Sequential.
-This module bridges the two without changing the step:
-
-- first stage: the step runs on one micro-batch of the batch until it calls the
-  Sequential; the call is aborted there and its input becomes the micro-batch's
-  pipeline input (:func:`capture_call`); a stage elsewhere whose layers take side
-  inputs (keywords of that call) captures the same call on its own rank, which holds
-  the same batch, so side inputs never travel through the pipeline;
-- last stage: the step runs again on the micro-batch with the Sequential
-  answering the schedule's output for it (:func:`answering`); its loss is the
-  micro-batch loss;
-- ``self.log`` calls are recorded (:mod:`~pipeckpt.engines.distributed.logs`)
-  while the last stage runs the step.
-
-A micro-batch is the same slice of every tensor in the batch (dim 0), cut by
-the same ``tensor_split`` as the schedule cuts the pipeline input.
+A schedule drives every micro-batch's forward and backward and asks the last stage for a
+``loss_fn(output, target)``; a LightningModule computes its loss in ``training_step``. Without
+changing the step: the first stage runs it until it calls the Sequential and takes that call's input
+(:func:`capture_call`); the last stage runs it again with the Sequential answering the schedule's
+output (:func:`answering`); side inputs are captured on each rank, which holds the same batch
+(docs/DESIGN.md, engines/distributed/replay).
 """
 
 from contextlib import contextmanager

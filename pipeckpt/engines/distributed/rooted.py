@@ -1,55 +1,11 @@
 """``pipeline_of`` under the distributed engine: every stage runs the model's own ``forward``.
 
-A model pipelined with :func:`pipeckpt.pipeline_of` is driven by its own ``forward``
-(masks built on the fly, an encoder output read by every decoder layer, a tied LM head),
-which no process can pause in the middle and hand to the next. So each stage, on its
-own process, runs the whole ``forward`` for each micro-batch (on the same captured call
-of the user's step, since every rank of a pipeline holds the same batch), and the
-calls of the named layers decide what runs where:
-
-- a layer of an earlier stage is not run: its call returns the output that stage made
-  for this micro-batch, received with the stage's input, in call order;
-- a layer of this stage runs through this stage's :class:`~pipeckpt.stages.stage.Stage`, under
-  its checkpoint mode (one checkpoint per layer call, as under the local engine);
-- the first call of a layer of a later stage ends the pass (:class:`_Handoff`): what
-  crosses to the next stage is the output of every layer call so far, with the layer's
-  index, as one pytree whose structure rides with torch's shape metadata
-  (:mod:`.boundaries`). The next stage recomputes everything outside the layers from
-  those outputs, so a value made outside the layers from an earlier stage's output (the
-  encoder's final norm, a skip sum) needs no declaration.
-
-Random numbers drawn by the model's own code outside the layers (GPT-2's embedding dropout,
-the demo's positional-encoding dropout) come from the caller's generator, as under the local
-engine, which runs ``forward`` once per micro-batch in micro-batch order. Here a rank may run
-several passes of one micro-batch (a looped schedule puts several stages on it) and shape
-inference runs one more, so each rank keeps the generator's state at the start of its first
-pass of each micro-batch: a later pass of that micro-batch starts from it again and leaves the
-generator as it found it, and a shape-inference pass leaves it untouched
-(:class:`_Generators`). Every pass of micro-batch ``m`` therefore draws what the local engine's
-pass of ``m`` draws as long as the model's own code draws before the point where each rank's
-lowest stage hands off (always so for draws before the first named layer, as in GPT-2 and the
-demo); a draw further on is made only by the passes that reach it, and its masks follow the
-layout (``tests/engines/distributed/test_rooted_generators.py``,
-``tests/engines/distributed/test_distributed_equivalence.py``).
-
-Under a zero-bubble schedule (split backward: an input pass, then a weight pass) each stage
-computes all its gradients in the input pass, as 1F1B does, and its weight pass is empty
-(``whole_backward``, :class:`~.wiring.LiveStage`): a parameter outside the layers whose use
-feeds a layer (the demo's target embedding, read by every decoder layer) would need that
-layer's checkpoint Function to run backward a second time in the weight pass, which it
-cannot (it adds its parameters' gradients in place, once). The results are exact; what is
-lost is only the overlap the weight passes were to fill the bubbles with.
-
-Why every earlier output crosses rather than only those a later stage reads: which outputs
-the code outside the layers reads is not visible without tracing it, and a trace is what
-this design avoids. The cost is traffic, not correctness (see the engine's limits).
-
-Parameters outside the layers (embeddings, final norm, head) live on every rank; each
-rank's gradient for them comes from the part of ``forward`` whose outputs reach its loss or
-its sent tensors, and the copies are summed before the optimizer step by the tie machinery
-(:mod:`.ties`), so a checkpoint holds each key once, as the unmodified model does. With data-parallel
-replicas (``dp > 1``) every tensor a rank holds starts as replica 0's, and its gradients are averaged
-over the replicas (:class:`.ties.Replicas`) as well as summed over the ties.
+Why not cut ``forward`` into per-rank pieces: no process can pause Python code in the middle. So each
+rank runs the whole ``forward`` per micro-batch: a layer of an earlier stage returns what that stage
+sent, a layer of this stage runs under its mode, and the first call of a later stage's layer ends the
+pass and sends every layer output so far (knowing which ones are read would need a trace, which this
+design avoids). Random draws outside the layers, zero-bubble schedules, parameters outside the layers
+and data-parallel replicas: docs/DESIGN.md, engines/distributed/rooted.
 """
 
 from dataclasses import dataclass, field

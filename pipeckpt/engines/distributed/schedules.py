@@ -1,15 +1,10 @@
 """The schedules of the installed ``torch.distributed.pipelining``, looked up by torch's own name table.
 
-A user names a schedule as torch does, in any case, with or without
-underscores (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``LoopedBFS``,
-``zbv_zero_bubble``, ...); :func:`torch.distributed.pipelining.schedules.get_schedule_class`
-resolves it, so a torch release that adds a schedule adds it here. What pipeckpt
-must know of a schedule beyond its class, which stages a process holds and
-whether it splits backward into input and weight passes, is in :data:`_TRAITS`;
-a schedule that pipeckpt has not been proven with is refused, naming why.
-
-A schedule is built for one micro-batch count and one input shape (its receive
-buffers have fixed sizes), so :class:`Schedules` keeps a few.
+Names resolve through :func:`torch.distributed.pipelining.schedules.get_schedule_class` (any case,
+underscores ignored), so a torch release that adds a schedule adds it here; what pipeckpt must know
+beyond the class (stages per process, a split backward) is in :data:`_TRAITS`, and a schedule not
+proven with pipeckpt is refused, naming why. A schedule is built for one micro-batch count and one
+input shape (fixed receive buffers), so :class:`Schedules` keeps a few.
 """
 
 from collections import OrderedDict

@@ -1,14 +1,10 @@
 """State I/O of the distributed engine: sharded checkpoints under the module's own keys.
 
-Each process holds only its stages' tensors (the rest of the module is on the
-meta device), and no process ever holds the whole model: every rank writes its
-own stages into one ``torch.distributed.checkpoint`` directory
-(:mod:`pipeckpt.state.sharded`), keyed by the unpipelined module's state-dict keys and
-its parameter names, and a resume reads back only the keys of the stages it
-holds now. So a checkpoint moves freely between engines, stage counts and world
-sizes; ``python -m pipeckpt.convert`` turns one into a single ``torch.save`` file.
-Restoring happens after the stages are built (the strategy's
-``restore_checkpoint_after_setup``), when each rank knows its keys.
+Why not Lightning's ``torch.save`` on rank 0: no process holds the whole model (the other stages are
+on the meta device). Every rank writes its own stages into one ``torch.distributed.checkpoint``
+directory (:mod:`pipeckpt.state.sharded`) under the unpipelined module's keys, and a resume reads only
+the keys of the stages it holds now, once they are built; so a checkpoint moves between engines,
+stage counts and world sizes (``python -m pipeckpt.convert`` makes it one file).
 """
 
 from typing import Any, Dict, List

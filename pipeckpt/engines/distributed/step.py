@@ -8,10 +8,6 @@
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
       broadcast from the last stage  mean loss and reduced self.log calls, replayed on every rank
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
-
-At the first batch of an accumulation window the previous step's ``.grad`` is dropped before the
-schedule runs (Lightning would zero it before the backward anyway), so no rank holds two copies of
-the gradients during the schedule.
 """
 
 from dataclasses import dataclass, field

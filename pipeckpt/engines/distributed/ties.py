@@ -1,26 +1,11 @@
 """Weights tied across processes: one logical parameter held by several pipeline ranks.
 
-A tied input embedding and LM head put one ``Parameter`` into the first and the last
-stage. Under the distributed engine those stages run in different processes, so each
-of them holds a copy (:func:`~pipeckpt.engines.distributed.wiring.build_stages` keeps a
-tensor that one of its stages shares off the meta device). As Megatron's embedding group
-does, the copies are kept one parameter:
-
-- the ranks of one pipeline that hold a tie get a process group of their own (one per tie
-  and data-parallel replica, made on every rank in the same order, as ``new_group`` needs);
-- the copies start equal: the lowest such rank broadcasts its copy when the stages are built;
-- each step, before the gradients join ``.grad``, the copies' gradients of that step are summed
-  over the group (the step's only, so that accumulation over several batches stays exact); the
-  optimizer then makes the same update on every copy;
-- clipping by norm counts a tie once (on its lowest rank), and a checkpoint holds its one key
-  (every copy writes it, and the sharded writer keeps one).
-
-Data-parallel replicas of a module pipeline (``pipeline_of`` with ``dp > 1``) are the same idea
-one axis over (:class:`Replicas`): a rank's every tensor has a copy on the rank of the same
-pipeline position in each other replica. Those copies start as replica 0's, and each step's
-gradients are averaged over them. DDP does this for an ``nn.Sequential``'s stages, but a module
-pipeline's rank also holds parameters outside its stage modules (the embeddings and head that
-every stage's replay of ``forward`` uses), which DDP, wrapping a stage module, would not see.
+A tied embedding and LM head put one ``Parameter`` into the first and the last stage, two processes.
+As Megatron's embedding group does, the copies stay one parameter: a process group per tie, a
+broadcast when the stages are built, each step's gradients summed over the group, clipping and the
+checkpoint counting it once. :class:`Replicas` is the same one axis over, for ``pipeline_of`` with
+``dp > 1``; why not DDP there: a rank also holds parameters outside its stage modules, which DDP
+wrapping a stage would not see (docs/DESIGN.md, engines/distributed/ties).
 """
 
 from dataclasses import dataclass

@@ -1,21 +1,11 @@
 """Stage wiring: this process's stages, as ``torch.distributed.pipelining`` runs them.
 
-The layers of stages held elsewhere move to the meta device: the module keeps
-its structure and every parameter keeps its place in the optimizer, so model
-and optimizer state keep the unpipelined module's keys and indices.
-
-A schedule calls its stage modules in two ways: once per micro-batch, and once
-before the first micro-batch of a new shape to infer the shapes it must send
-and receive (on real data on the first stage, on uninitialised tensors after
-it; on the last stage it also calls the loss function; in training it then runs
-a backward through that forward to infer the gradients' shapes). The second call
-must not count as a micro-batch of the :class:`~pipeckpt.stages.stage.Stage` (whose
-mode depends on the micro-batch index), change BatchNorm statistics, or run the
-user's step. BatchNorm layers run it with ``track_running_stats`` off, so they
-neither update their statistics nor keep them for that backward (restoring them
-afterwards would bump their version under the inference's graph).
-:class:`LiveStage` marks its module live while a micro-batch runs and remembers
-the output, by which the loss function tells the two apart.
+The layers of stages held elsewhere move to the meta device, so model and optimizer state keep the
+unpipelined module's keys and indices. A schedule calls its stage modules once per micro-batch and
+once per new input shape, to infer shapes; that second call must not count as a micro-batch, change
+BatchNorm statistics or run the user's step. :class:`LiveStage` marks its module live while a
+micro-batch runs, by which the loss function tells the two apart (docs/DESIGN.md,
+engines/distributed/wiring).
 """
 
 from contextlib import contextmanager

@@ -1,15 +1,10 @@
-"""The local engine for a module with its own ``forward`` (``pipeckpt.boundaries.pipeline_of.pipeline_of``).
+"""The local engine for a module with its own ``forward`` (:func:`pipeckpt.pipeline_of`).
 
-The module's ``forward`` runs unchanged once per micro-batch, in micro-batch order, so
-every value it computes (masks, positions, an encoder output used by each decoder
-layer) is that micro-batch's own; each call of a named layer is routed to its
-:class:`~pipeckpt.stages.stage.Stage`, which moves the call's tensors to its device and runs it
-under its mode. Micro-batches are issued depth first (micro-batch 0 through every stage,
-then 1, ...), not in GPipe's diagonals, because the module's Python code between layers
-cannot be paused; on one device the order makes no difference to the result, and on
-several GPUs kernel launches are asynchronous, so stage ``j`` of micro-batch ``i + 1``
-still overlaps stage ``j + 1`` of micro-batch ``i``. Backward runs the last micro-batch
-first, as ``except_last`` assumes.
+The module's ``forward`` runs unchanged once per micro-batch, and each call of a named layer is routed
+to its :class:`~pipeckpt.stages.stage.Stage`, which runs it on its device under its mode. Why depth
+first (micro-batch 0 through every stage, then 1, ...) and not GPipe's diagonals: the module's Python
+code between layers cannot be paused; on several GPUs asynchronous kernel launches still overlap the
+stages. Backward runs the last micro-batch first, as ``except_last`` assumes.
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple

@@ -1,28 +1,11 @@
 """The local engine's pipeline: GPipe's clock-cycle schedule, run by the calling thread.
 
-Why no worker threads (torchgpipe's ``Pipeline`` ran one per device): on one
-device they buy no parallelism, and each stage and micro-batch paid two queue
-hand-offs, thread wake-ups and the re-entry of the caller's autocast and
-dispatch modes (thread-local) in the worker; on a CPU proxy that overhead was
-several times the compute (``benchmarks/bench_dispatch.py``). Kernel launches
-are asynchronous, so on several GPUs one host thread issuing the clock cycles in
-order keeps them busy as long as issuing is cheaper than computing, which is
-what this engine is built for. Every stage runs on its device's current stream;
-PyTorch orders a cross-device copy against both devices' streams itself.
-
-Guarantees kept from torchgpipe:
-
-- backward order: on one device the autograd engine runs ready nodes newest
-  first, so backward replays the forward schedule in reverse (each stage sees
-  the last micro-batch's backward first, which ``except_last`` relies on). With
-  several devices each device has its own autograd thread, so torchgpipe's
-  fork/join phony edges make micro-batch ``i``'s backward of a stage wait for
-  micro-batch ``i + 1``'s, as in torchgpipe;
-- deferred BatchNorm: stages see their micro-batches in order, once each, and
-  recomputes say so (``is_recomputing``).
-
-Not kept: torchgpipe's ``@skippable`` skip connections (they are refused with a
-clear error; return the skipped tensor as part of a tuple output instead).
+Why no worker threads (torchgpipe's ``Pipeline`` ran one per device): on one device they buy no
+parallelism and cost queue hand-offs and wake-ups per stage and micro-batch, several times the compute
+on a dispatch-bound CPU proxy (``benchmarks/RESULTS_dispatch.md``); kernel launches are asynchronous,
+so one host thread keeps several GPUs busy. Kept from torchgpipe: backward in reverse schedule order
+(fork/join phony edges across devices) and deferred BatchNorm. Not kept: ``@skippable`` (refused;
+return the skipped tensor in a tuple). docs/DESIGN.md, engines/local/pipeline.
 """
 
 import warnings
