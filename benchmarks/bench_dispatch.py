@@ -1,4 +1,4 @@
-"""Host-side cost of the local engine on a dispatch-bound CPU proxy (issue 12).
+"""Host-side cost of the local engine on a dispatch-bound CPU proxy.
 
 The proxy: 48 x (``Linear(64, 64)`` + GELU), batch 16, one torch thread, 4 stages
 of 12 blocks. Its kernels are so small that a step's time is mostly Python and

@@ -1,4 +1,4 @@
-"""Issue 12's two GPU tables, through Lightning: step time and peak memory on one GPU.
+"""The two GPU tables, through Lightning: step time and peak memory on one GPU.
 
 GPT-2 small (12 layers, d 768, vocab 8192), seq 1024, batch 8, in fp32 and
 ``bf16-mixed``; and the GPT-2 medium shape (24 layers, d 1024, 16 heads), seq 1024,
@@ -247,7 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plans = [(SMALL, "32-true"), (SMALL, "bf16-mixed"), (MEDIUM, "bf16-mixed")]
         rounds, steps, warmup = args.rounds, args.steps, args.warmup
     lines = [
-        "# One-host engine on one GPU (issue 12)",
+        "# One-host engine on one GPU",
         "",
         f"Device: {torch.cuda.get_device_name(0)}. Host: {machine()}.",
         "",

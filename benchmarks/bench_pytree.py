@@ -1,10 +1,10 @@
-"""What pytree boundaries and side inputs cost the local engine (issue 9), on two configs
+"""What pytree boundaries and side inputs cost the local engine, on two configs
 (``--config``), one torch thread:
 
 - ``proxy``: ``bench_dispatch``'s dispatch-bound CPU proxy (48 x Linear(64, 64) + GELU,
   batch 16, 4 stages, 4 micro-batches), where any per-stage, per-micro-batch Python work
   shows in full;
-- ``gpt2``: issue 9's "benchmark config in benchmarks/", ``bench_checkpoint``'s FULL
+- ``gpt2``: the benchmark config, ``bench_checkpoint``'s FULL
   GPT-2-small-shaped decoder (12 blocks, d 768, vocab 8192, seq 128, batch 4, 4 stages x
   4 micro-batches, balance [4, 4, 4, 3]). Every layer is wrapped alike in all three
   variants (same module depth): ``tensor`` passes the hidden state, ``tree`` a dict

@@ -1,5 +1,5 @@
-"""The local engine against the unpipelined module with dropout on (issue 9 acceptance, items 1-4 and
-the ``pipeline_of`` clients): pytrees and side inputs (1, 2), skip connections across stages (3), a
+"""The local engine against the unpipelined module with dropout on (and the
+``pipeline_of`` clients): pytrees and side inputs (1, 2), skip connections across stages (3), a
 weight shared by the first and last stage (4), and Hugging Face GPT-2 / Lightning's demo Transformer.
 
 Two references, both the plain module's own code with no pipeline, stage or checkpoint:

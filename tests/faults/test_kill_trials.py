@@ -1,4 +1,4 @@
-"""kill -9 at random points of a local-engine training run (issue 11, item 2).
+"""kill -9 at random points of a local-engine training run.
 
 28 trials, 4 per kill point (forward, backward, optimizer step pre/post, and three moments of a
 checkpoint write: mid-bytes, before the rename, after it). Each trial trains the toy module

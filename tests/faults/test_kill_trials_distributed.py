@@ -1,4 +1,4 @@
-"""kill -9 at random points of a distributed-engine training run (issue 11, items 2 and 3).
+"""kill -9 at random points of a distributed-engine training run.
 
 12 seeded trials of 2 gloo processes x 1 stage (the toy module, 2 micro-batches, dropout 0.3,
 checkpoint "always", a sharded checkpoint directory saved every step). Each SIGKILLs rank 0,

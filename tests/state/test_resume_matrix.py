@@ -1,4 +1,4 @@
-"""The resume matrix (issue 11, item 7): one run with dropout on, resumed through four layouts.
+"""The resume matrix: one run with dropout on, resumed through four layouts.
 
 local 4 stages -> local 2 stages -> distributed, 2 processes x 1 stage -> local 1 stage, one epoch
 (4 steps) each, every leg resuming the checkpoint the previous one wrote at its epoch's end (where

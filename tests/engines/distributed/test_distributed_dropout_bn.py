@@ -1,4 +1,4 @@
-"""The distributed engine with dropout and BatchNorm (issue 11, item 4): two real processes (gloo,
+"""The distributed engine with dropout and BatchNorm: two real processes (gloo,
 CPU) train the toy module, and each run is held against the local engine or an uninterrupted run.
 
 With per-layer random streams (``layer_rng``, the default) a dropout mask depends on the seed, the

@@ -1,4 +1,4 @@
-"""The distributed engine against the unpipelined module, dropout on (issue 9 acceptance, items 1-6):
+"""The distributed engine against the unpipelined module, dropout on:
 pytrees with side inputs, a weight tied across processes, skip connections across stages (a stage 0
 output read on stage 3) and the two real clients pipelined with ``pipeline_of``; and forward-only steps
 (validation, predict) of a pytree model and of a ``pipeline_of`` model.

@@ -1,4 +1,4 @@
-"""Pytrees, side inputs and tied weights under the distributed engine (issue 9, items 1, 2 and 4).
+"""Pytrees, side inputs and tied weights under the distributed engine.
 
 Slow tests start 2 real processes (gloo on CPU, tests/engines/distributed/distributed_pytree_worker.py) once
 for many

@@ -1,4 +1,4 @@
-"""pipeline_of under the distributed engine (issue 9, items 4-6): Hugging Face GPT2LMHeadModel (random
+"""pipeline_of under the distributed engine: Hugging Face GPT2LMHeadModel (random
 init, tied input embedding / LM head, a padding mask) and lightning.pytorch.demos.Transformer (encoder
 output read by every decoder layer), unmodified, pipelined into 2 processes.
 

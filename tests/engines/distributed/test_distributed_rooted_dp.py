@@ -1,4 +1,4 @@
-"""``pipeline_of`` under the distributed engine with data-parallel replicas (issue 9 item 5, dp > 1).
+"""``pipeline_of`` under the distributed engine with data-parallel replicas (dp > 1).
 
 One launch of 4 real processes (2 pipeline stages x 2 replicas, gloo on CPU,
 tests/engines/distributed/distributed_rooted_dp_worker.py) trains Hugging Face GPT-2 twice (once plain, once
