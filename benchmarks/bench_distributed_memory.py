@@ -63,9 +63,9 @@ from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import GPT, MLP
 from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.memory.model import predict, predict_device, profile
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import StagePlan
 
-MiB = 2**20
 RANKS = 2
 CHUNKS = 4
 #: Schedule -> stages per rank. The zero-bubble ones split backward, so run only with "never".

@@ -62,9 +62,9 @@ from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import DEFAULT_MODES, choose, process_peak
 from pipeckpt.memory.budget import balance_candidates, chunk_candidates
 from pipeckpt.memory.model import ModelProfile, predict, profile
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan
 
-MiB = 2**20
 PEERS = ("per-block", "ckpt-seq-4", "torchgpipe-never", "torchgpipe-except_last", "torchgpipe-always")
 
 

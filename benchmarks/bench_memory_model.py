@@ -16,9 +16,9 @@ from stage_memory import measure_local_step
 from test_memory import MODELS, _model, _profile
 
 from pipeckpt.memory.model import predict
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan
 
-MiB = 2**20
 MODES = ("never", "except_last", "always", "always:1", "always:2", "except_last:1", "selective")
 
 

@@ -39,12 +39,12 @@ from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.model import OPTIMIZERS, Prediction, fake_mode, predict, profile
 from pipeckpt.settings import PipeSettings
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-MiB = 2**20
 
 
 @dataclass(frozen=True)

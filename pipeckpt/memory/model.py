@@ -55,8 +55,8 @@ from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.checkpointing.selective import run_selective
 from pipeckpt.sizes import OPTIMIZERS
 from pipeckpt.stages.gradients import gradients_set_aside
+from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.partition import StagePlan
-from pipeckpt.stages.stage import side_effect_free
 
 __all__ = [
     "LayerProfile",

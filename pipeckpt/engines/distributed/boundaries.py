@@ -24,7 +24,7 @@ from torch import Tensor
 
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
-from pipeckpt.boundaries.pytrees import Structure
+from pipeckpt.boundaries.calls import Structure
 
 __all__ = ["Boundaries"]
 
