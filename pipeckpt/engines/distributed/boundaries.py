@@ -7,7 +7,7 @@ on with ``send_object_list``. A stage here may return any pytree (a dict, a tupl
 ``None``, a Hugging Face ``ModelOutput``, ints and strings among tensors). So:
 
 - a single tensor goes as it is (the fast path, and what it always was);
-- any other output is flattened (:class:`pipeckpt.boundaries.pytrees.Structure`): its tensor leaves
+- any other output is flattened (:class:`pipeckpt.boundaries.calls.Structure`): its tensor leaves
   are the stage's tuple output, and its tree and non-tensor leaves, recorded during
   shape inference, ride along with torch's shape metadata to the next stage
   (:class:`~pipeckpt.engines.distributed.wiring.LiveStage`), which rebuilds the value
