@@ -39,7 +39,9 @@ from omegaconf import DictConfig
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt.app.config import register
-from pipeckpt.report.stage_report import StageReport, format_table, human_bytes
+from pipeckpt.report.render import format_table
+from pipeckpt.report.stage_report import StageReport
+from pipeckpt.sizes import human
 
 register()
 
@@ -89,7 +91,7 @@ def _summary_line(summary: dict[str, Any]) -> str:
         parts.append(f"val_loss {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f}")
     parts.append(f"{summary['global_step']} steps in {summary['fit_s']:.1f} s")
     if "stages" in summary:
-        peaks = ", ".join(human_bytes(s.peak_activation_bytes) for s in summary["stages"])
+        peaks = ", ".join(human(s.peak_activation_bytes) for s in summary["stages"])
         parts.append(f"peak activations per stage [{peaks}]")
     parts.append(f"-> {summary['output_dir']}")
     return ", ".join(parts)

@@ -59,9 +59,9 @@ from torch.utils.checkpoint import checkpoint
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan
 
-MiB = 2**20
 CPU = torch.device("cpu")
 # Plain SGD: the optimizer step is inside the timed region but stays small and
 # state-free, so the ratios speak about forward and backward.

@@ -53,9 +53,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import MLP
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan, split
 
-MiB = 2**20
 MICROBATCHES = (2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -61,9 +61,9 @@ from pipeckpt.app.models import GPT, MLP
 from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.memory.predict import predict, predict_device
 from pipeckpt.memory.profile import profile
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import StagePlan
 
-MiB = 2**20
 RANKS = 2
 CHUNKS = 4
 #: Schedule -> stages per rank. The zero-bubble ones split backward, so run only with "never".

@@ -61,9 +61,9 @@ from pipeckpt.memory.auto import DEFAULT_MODES, choose, process_peak
 from pipeckpt.memory.budget import balance_candidates, chunk_candidates
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan
 
-MiB = 2**20
 PEERS = ("per-block", "ckpt-seq-4", "torchgpipe-never", "torchgpipe-except_last", "torchgpipe-always")
 
 

@@ -13,9 +13,9 @@ from harness.memory_models import profile_of as _profile
 from harness.stage_memory import measure_local_step
 
 from pipeckpt.memory.predict import predict
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan
 
-MiB = 2**20
 MODES = ("never", "except_last", "always", "always:1", "always:2", "except_last:1", "selective")
 
 

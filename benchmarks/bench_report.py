@@ -23,7 +23,7 @@ from harness.machine import machine
 
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
-from pipeckpt.report import stage_report as report
+from pipeckpt.report.probe import StageProbe
 from pipeckpt.stages.partition import plan
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     def step(probe: bool, stages: bool = True) -> Tuple[float, float, int]:
         """Wall seconds, process CPU seconds (steadier on a shared machine), hooks registered."""
         p = (
-            report._Probe(
+            StageProbe(
                 seq,
                 list(stage_plan.ranges),
                 list(stage_plan.devices),
@@ -83,7 +83,7 @@ def main() -> None:
         F.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
         hooks = 0
         if p is not None:
-            hooks = len(p._handles)
+            hooks = p.hooks
             p.remove()
             p.resolve()
         _sync(device)

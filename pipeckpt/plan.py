@@ -40,13 +40,12 @@ from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.settings import PipeSettings
-from pipeckpt.sizes import OPTIMIZERS
+from pipeckpt.sizes import OPTIMIZERS, MiB
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-MiB = 2**20
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,32 @@
-"""Memory sizes as users write them (``20GiB``), and the per-optimizer state factor.
+"""Memory sizes as users write them (``20GiB``) and as pipeckpt prints them, and the
+per-optimizer state factor.
 
-Both are read by the settings' model-free checks and by the memory model above
-them, so they live below both; neither needs torch."""
+Read by the settings' model-free checks, the memory model and the reports above them, so they
+live below all of them; none needs torch."""
 
 import re
 from typing import Dict, List, Union
 
 from pipeckpt._errors import config_error
 
-__all__: List[str] = ["OPTIMIZERS", "human", "parse_bytes"]
+__all__: List[str] = ["MiB", "OPTIMIZERS", "human", "parse_bytes"]
 
 #: Optimizer state per parameter, in units of the parameter's bytes (Adam's step counters aside).
 OPTIMIZERS: Dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+#: Bytes in a mebibyte, the unit of pipeckpt's logged and charted figures.
+MiB = 2**20
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30})
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
-    """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes."""
+    """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes.
+
+    Args:
+        value: the size, a number of bytes or a string with a unit.
+    """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number, unit = float(value), ""
     else:
@@ -34,7 +42,11 @@ def parse_bytes(value: Union[int, float, str]) -> int:
 
 
 def human(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at or above 1."""
+    """``n`` bytes in the largest binary unit that keeps it at or above 1: ``1536`` -> ``1.5 KiB``.
+
+    Args:
+        n: a number of bytes.
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

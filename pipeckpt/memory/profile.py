@@ -216,7 +216,7 @@ def _memory_pass(
 def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:
     """Each layer's backward peak above what was live before it, with the gradient that arrived
     for its output held through its backward. Plain autograd frees that gradient once the layer's
-    first node has used it; the stage's Function (pipeckpt/stages/stage.py ``_Recompute``) holds it through
+    first node has used it; the stage's Function (stages/recompute.py ``_Recompute``) holds it through
     the whole backward run inside it, and a layer ending a segment runs there. Every such gradient is
     held until the pass ends: one freed during a later layer's backward would lower that layer's
     peak below what was live before it. Measured, not added: where a layer's peak comes before its

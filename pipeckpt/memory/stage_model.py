@@ -157,7 +157,7 @@ class _StageModel:
                     held |= set(layer.saved)
             # Nothing holds the segment's output through its backward unless a layer saved it: the
             # stage's Function starts the backward inside from the output's gradient edge and drops
-            # the output first (pipeckpt/stages/stage.py ``_Recompute._roots``); without the Function (one
+            # the output first (stages/recompute.py ``_Recompute._roots``); without the Function (one
             # kept micro-batch) autograd walks the graph itself.
             for k in reversed(range(a, b)):
                 layer = p.layers[k]

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeckpt._compat import DeferredBatchNorm, tree_flatten
 from pipeckpt.checkpointing.selective import run_selective
-from pipeckpt.stages.stage import side_effect_free
+from pipeckpt.stages.guards import side_effect_free
 
 __all__: List[str] = []
 

@@ -136,7 +136,7 @@ class _StageWalk:
         # activations (not on the first stage) and gradients (not on the last), and each
         # micro-batch's output until its backward.
         self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
-        # One micro-batch that is not recomputed runs without the stage's Function (pipeckpt/stages/stage.py).
+        # One micro-batch that is not recomputed runs without the stage's Function (stages/recompute.py).
         self.function = {r: r or m > 1 for r in (False, True)}
         self.kept_ids_of = {
             r: s.kept_ids(mode, r, function=self.function[r], output=not local) for r in (False, True)

@@ -9,7 +9,7 @@ What is measured: on CUDA with one device per stage, ``torch.cuda.max_memory_all
 stage's device over the step (the whole device's peak, as predicted). Elsewhere (CPU, or stages
 sharing a device) a device peak cannot be split by stage, so the figure is a lower bound of the
 stage's peak: its parameters, gradients and optimizer state (the tensors themselves) plus the
-peak of what its forwards and recomputes allocated (the probe of :mod:`pipeckpt.report.stage_report`).
+peak of what its forwards and recomputes allocated (:class:`~pipeckpt.report.probe.StageProbe`).
 A lower bound cannot raise a false alarm, and still catches a model that underestimates them.
 
 The prediction: the plan ``checkpoint='auto'`` chose (its own prediction), or else one made from
@@ -27,11 +27,10 @@ from pipeckpt._errors import PipeckptWarning
 from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.report.stage_report import _pipeline_layers, _Probe
+from pipeckpt.report.probe import StageProbe, pipeline_layers
+from pipeckpt.sizes import MiB
 
 __all__ = ["MemoryCheck"]
-
-MiB = 2**20
 
 
 class MemoryCheck(L.Callback):
@@ -60,7 +59,7 @@ class MemoryCheck(L.Callback):
         self.measured: List[int] = []
         self.source = ""
         self._batches = 0
-        self._probe: Optional[_Probe] = None
+        self._probe: Optional[StageProbe] = None
 
     # -- the prediction ------------------------------------------------------------------
 
@@ -83,7 +82,7 @@ class MemoryCheck(L.Callback):
         loss_fn = getattr(pl_module, "pipeline_loss", None)
         inputs, target = batch[0], batch[1] if len(batch) > 1 and callable(loss_fn) else None
         chunks = settings.chunks
-        layers = _pipeline_layers(pl_module)
+        layers = pipeline_layers(pl_module)
         fitted = profile(
             layers,
             first_microbatch(inputs, chunks),
@@ -128,8 +127,8 @@ class MemoryCheck(L.Callback):
             self.source = "cuda max_memory_allocated"
         else:
             plan = trainer.strategy.plan  # type: ignore[attr-defined]
-            self._probe = _Probe(
-                _pipeline_layers(pl_module), list(plan.ranges), list(plan.devices), memory=True
+            self._probe = StageProbe(
+                pipeline_layers(pl_module), list(plan.ranges), list(plan.devices), memory=True
             )
             self.source = "lower bound: params, grads, optimizer state, forward and recompute allocations"
 
@@ -147,7 +146,7 @@ class MemoryCheck(L.Callback):
             probe, self._probe = self._probe, None
             assert probe is not None
             probe.remove()
-            layers = list(_pipeline_layers(pl_module))
+            layers = list(pipeline_layers(pl_module))
             state = _optimizer_state_bytes(trainer)
             self.measured = []
             for j, (a, b) in enumerate(plan.ranges):

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt._compat import tree_flatten
-from pipeckpt.boundaries.pytrees import Flat, flatten, gather, scatter, unflatten
+from pipeckpt.boundaries.microbatch import gather, scatter
+from pipeckpt.boundaries.pytrees import Flat, flatten, unflatten
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.stages.partition import plan
 

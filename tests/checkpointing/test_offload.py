@@ -28,6 +28,7 @@ from pipeckpt.checkpointing.order import gpipe_order
 from pipeckpt.engines.distributed.wiring import build_stages
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.stages.partition import plan
+from pipeckpt.stages.recompute import Recomputable
 from pipeckpt.stages.stage import Stage
 
 CPU = torch.device("cpu")
@@ -88,7 +89,7 @@ class Rig:
     def __init__(
         self, monkeypatch: pytest.MonkeyPatch, mode: Any = OFFLOAD, *, pin_memory: bool = True, depth: int = 2
     ) -> None:
-        monkeypatch.setattr(Stage, "offloads", property(lambda stage: stage.mode.offloads))
+        monkeypatch.setattr(Recomputable, "offloads", property(lambda stage: stage.mode.offloads))
         self.log: List[Event] = []
         self.seen: List[Tensor] = []
         torch.manual_seed(0)

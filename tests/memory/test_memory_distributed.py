@@ -98,7 +98,7 @@ def test_a_kept_micro_batchs_backward_counts_the_held_output_once_and_to_the_end
     plain = stage.backward_events(never, False)
     held = stage.backward_events(never, False, output=True)
     # Backward runs the last ReLU first, which saved the output: counted once there. After it, the
-    # stage's Function no longer holds the output (pipeckpt/stages/stage.py drops it before the backward
+    # stage's Function no longer holds the output (pipeckpt/stages/recompute.py drops it before the backward
     # inside), but torch's PipelineStage does, until the micro-batch's backward ends.
     assert [e[1] for e in held] == [3, 2, 1, 0]
     assert [h[2] - p[2] for p, h in zip(plain, held)] == [0] + [stage.output_bytes] * 3

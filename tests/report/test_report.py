@@ -13,7 +13,9 @@ import torch
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.data import SyntheticTokens
 from pipeckpt.app.models import GPT
-from pipeckpt.report.stage_report import StageReport, format_table, human_bytes
+from pipeckpt.report.render import format_table
+from pipeckpt.report.stage_report import StageReport
+from pipeckpt.sizes import human as human_bytes
 
 CHUNKS = 4
 
@@ -386,7 +388,7 @@ def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mod
     # from the layers. Recomputes are counted by the Stage modules themselves or by every layer.
     # Every way, both stages rerun once per micro-batch and spend backward time.
     from pipeckpt.engines.local.pipeline import LocalPipeline
-    from pipeckpt.report.stage_report import _Probe
+    from pipeckpt.report.probe import StageProbe
     from pipeckpt.stages.partition import plan
 
     layers = Designed().layers
@@ -395,7 +397,7 @@ def test_the_probe_counts_and_times_recomputes_with_or_without_stage_modules(mod
     stages = engine.stages if boundary.startswith("stage modules") else ()
     own = boundary == "stage modules, own counts"
     ranges, devices = list(stage_plan.ranges), list(stage_plan.devices)
-    probe = _Probe(layers, ranges, devices, memory=False, stages=stages, count_layers=not own)
+    probe = StageProbe(layers, ranges, devices, memory=False, stages=stages, count_layers=not own)
     engine.forward(torch.randn(8, 8)).pow(2).mean().backward()
     probe.remove()
     probe.resolve()

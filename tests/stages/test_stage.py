@@ -10,10 +10,12 @@ from support.toy import Counter, toy_layers
 from torch import nn
 
 from pipeckpt import ALWAYS, NEVER, OFFLOAD
+from pipeckpt.boundaries.pytrees import is_tensor_or_tensors as _tensor_or_tensors
 from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.stages.caller import CallerState, StepCasts, capture_caller_state
 from pipeckpt.stages.partition import plan
-from pipeckpt.stages.stage import CallerState, Stage, StepCasts, _tensor_or_tensors, capture_caller_state
+from pipeckpt.stages.stage import Stage
 
 CPU = [torch.device("cpu")]
 MIXES = ["never", "except_last", "always", "offload", ["always", "never", "except_last"]]
@@ -238,7 +240,7 @@ def test_the_caller_state_is_applied_only_on_another_thread_and_only_if_there_is
 
 
 def test_a_stage_run_on_another_thread_runs_under_the_callers_autocast():
-    from pipeckpt.stages.stage import capture_caller_state
+    from pipeckpt.stages.caller import capture_caller_state
 
     stage = lone_stage(NEVER, nn.Linear(8, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -2,7 +2,7 @@
 
 Why not torch's own sends alone: ``torch.distributed.pipelining`` sends a tensor or a tuple of tensors,
 and learns their shapes once per schedule (shape inference). So a single tensor goes as it is; any
-other output is flattened (:class:`pipeckpt.boundaries.pytrees.Structure`): its tensors travel, and its
+other output is flattened (:class:`pipeckpt.boundaries.calls.Structure`): its tensors travel, and its
 tree and non-tensor leaves, recorded during shape inference, ride with torch's shape metadata to the
 next stage, which rebuilds the value. A micro-batch whose structure differs from the inferred one is
 refused by the stage that made it (docs/DESIGN.md, engines/distributed/boundaries).
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
-from pipeckpt.boundaries.pytrees import Structure
+from pipeckpt.boundaries.calls import Structure
 
 __all__ = ["Boundaries"]
 

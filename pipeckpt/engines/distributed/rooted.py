@@ -20,7 +20,8 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.replay import Call
 from pipeckpt.engines.distributed.wiring import StageModule, _usable
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stages.stage import Stage, side_effect_free
+from pipeckpt.stages.guards import side_effect_free
+from pipeckpt.stages.stage import Stage
 
 __all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "outside_parameters"]
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_map
 from pipeckpt._errors import PipeckptWarning
-from pipeckpt.boundaries.pytrees import gather
+from pipeckpt.boundaries.microbatch import gather
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
@@ -30,8 +30,8 @@ from pipeckpt.engines.distributed.schedules import Schedules
 from pipeckpt.engines.distributed.ties import Ties
 from pipeckpt.engines.distributed.topology import microbatches_for
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
+from pipeckpt.stages.caller import capture_caller_state
 from pipeckpt.stages.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
-from pipeckpt.stages.stage import capture_caller_state
 
 __all__: List[str] = []
 

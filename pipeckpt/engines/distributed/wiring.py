@@ -23,8 +23,9 @@ from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_fla
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
+from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.partition import StagePlan, split
-from pipeckpt.stages.stage import Stage, mark_shared_parameters, side_effect_free
+from pipeckpt.stages.stage import Stage, mark_shared_parameters
 
 __all__: List[str] = []
 

@@ -11,18 +11,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
+from pipeckpt.boundaries.microbatch import gather, scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.boundaries.pytrees import gather, scatter, to_device
+from pipeckpt.boundaries.pytrees import to_device
 from pipeckpt.boundaries.side_inputs import describe_call
 from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.stages.caller import StepCasts, capture_caller_state, release_cast_cache
 from pipeckpt.stages.partition import StagePlan
-from pipeckpt.stages.stage import (
-    Stage,
-    StepCasts,
-    capture_caller_state,
-    mark_shared_parameters,
-    release_cast_cache,
-)
+from pipeckpt.stages.stage import Stage, mark_shared_parameters
 
 __all__ = ["ModuleRunner"]
 

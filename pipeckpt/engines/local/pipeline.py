@@ -9,29 +9,22 @@ return the skipped tensor in a tuple). docs/DESIGN.md, engines/local/pipeline.
 """
 
 import warnings
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependency, microbatch, tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
-from pipeckpt.boundaries.pytrees import Flat, batch_size, first_tensor, gather, scatter, to_device
+from pipeckpt.boundaries.microbatch import batch_size, gather, scatter
+from pipeckpt.boundaries.pytrees import Flat, TensorOrTensors, first_tensor, to_device
 from pipeckpt.boundaries.side_inputs import Chain, Signatures, describe_call
 from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.stages.caller import StepCasts, capture_caller_state, release_cast_cache
 from pipeckpt.stages.partition import StagePlan, split
-from pipeckpt.stages.stage import (
-    Stage,
-    StepCasts,
-    capture_caller_state,
-    mark_shared_parameters,
-    release_cast_cache,
-    stage_modules,
-)
+from pipeckpt.stages.stage import Stage, mark_shared_parameters, stage_modules
 
 __all__: List[str] = []
-
-TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
 
 def clock_cycles(m: int, n: int) -> List[List[Tuple[int, int]]]:

@@ -28,10 +28,10 @@ from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.settings import PipeSettings
+from pipeckpt.sizes import MiB
 
 WORKER = Path(__file__).resolve().parent / "distributed_auto_worker.py"
 START_S = 240  # processes started on a loaded 2-core machine (the run itself takes ~15 s)
-MiB = 2**20
 
 #: 1F1B on two ranks. Stage 0 holds two micro-batches at its peak (20.7 MiB predicted under
 #: "never"), stage 1 one (14.6 MiB): 17 MiB makes stage 0 checkpoint and lets stage 1 keep

@@ -1,0 +1,132 @@
+"""A call cut into micro-batches and their outputs joined back.
+
+The batch size ``B`` is ``size(0)`` of the first tensor leaf (with a dimension) of the call's
+first argument; a tensor leaf with ``size(0) == B`` is cut with ``Tensor.chunk``, every other leaf
+goes to every micro-batch unchanged; a keyword tensor must have the batch dimension. Joining
+concatenates along dimension 0 (docs/ARCHITECTURE.md, "boundaries/microbatch.py", has every rule).
+Why not torchgpipe's ``scatter``/``gather``: they take only tensors or tuples of tensors.
+"""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pytrees import TENSOR, Args, Flat, Kwargs, flatten, flatten_into, unflatten, value
+
+__all__ = ["batch_size", "gather", "scatter"]
+
+
+def _batch_of(tensors: Sequence[Tensor], *, call: str) -> int:
+    for x in tensors:
+        if x.dim() > 0:
+            return x.size(0)
+    raise config_error(
+        f"{call} with no tensor in its first argument",
+        "the pipeline cuts the batch along dimension 0 of the first argument's tensors",
+        "pass the batch (a tensor, or a tuple/dict holding tensors) as the first argument",
+    )
+
+
+def batch_size(args: Args, *, call: str) -> int:
+    """``B``: ``size(0)`` of the first tensor leaf of the first positional argument.
+
+    Args:
+        args: the call's positional arguments.
+        call: the call's name, for the error when there is no tensor.
+    """
+    return _batch_of(flatten(args[0])[0] if args else [], call=call)
+
+
+def _check_side_inputs(kwargs: Kwargs, batch: int, *, call: str) -> None:
+    for key, x in kwargs.items():
+        if isinstance(x, Tensor) and x.dim() > 0 and x.size(0) != batch:
+            raise config_error(
+                f"side input {key}= of {call} (size(0) {x.size(0)}, batch {batch})",
+                "keyword tensors are cut into micro-batches like the first argument, so they need "
+                "its batch size along dimension 0",
+                f"pass {key} with one row per sample, or compute it inside the layer that uses it",
+            )
+
+
+def scatter(
+    args: Args,
+    kwargs: Kwargs,
+    chunks: int,
+    *,
+    call: str,
+    device: Optional[torch.device] = None,
+    flat_first: bool = False,
+) -> List[Tuple[Args, Kwargs]]:
+    """The call's ``(args, kwargs)`` cut into at most ``chunks`` micro-batches, its tensors moved
+    to ``device`` (when given) on the way; ``flat_first``: each piece's first argument as a
+    :class:`Flat` (for the local engine's first stage).
+
+    Args:
+        args: the call's positional arguments; the first one holds the batch.
+        kwargs: the call's keyword arguments (side inputs).
+        chunks: the most micro-batches to cut.
+        call: the call's name, for errors.
+        device: where the tensors go, when given.
+        flat_first: whether each piece's first argument stays flat.
+    """
+    tensors, first_spec = flatten(args[0]) if args else ([], TENSOR)
+    batch = _batch_of(tensors, call=call)
+    _check_side_inputs(kwargs, batch, call=call)
+    n = len(tensors)
+    more = len(args) > 1
+    rest_spec = flatten_into((args[1:], kwargs) if more else kwargs, tensors) if more or kwargs else None
+    if device is not None:
+        for t in tensors:
+            if t.device != device:
+                tensors = [t.to(device, non_blocking=True) for t in tensors]
+                break
+        else:
+            device = None  # all there already
+    if chunks == 1 and device is None and not flat_first:
+        return [(args, kwargs)]
+    chunks = min(chunks, max(1, batch))  # no more pieces than samples (torch.chunk takes an int64)
+    size = -(-batch // chunks)  # torch.chunk's pieces: ceil-sized, so maybe fewer than chunks
+    count = -(-batch // size) if batch else 1
+    columns = [x.chunk(chunks) if x.dim() > 0 and x.size(0) == batch else (x,) * count for x in tensors]
+    flat = flat_first and first_spec is not TENSOR
+    out: List[Tuple[Args, Kwargs]] = []
+    for piece in zip(*columns):
+        head = Flat(piece[:n], first_spec) if flat else unflatten(first_spec, piece[:n])
+        if rest_spec is None:
+            out.append(((head,), {}))
+        elif not more:
+            out.append(((head,), unflatten(rest_spec, piece[n:])))
+        else:
+            more_args, more_kwargs = unflatten(rest_spec, piece[n:])
+            out.append(((head, *more_args), more_kwargs))
+    return out
+
+
+def gather(outputs: Sequence[Any], *, call: str) -> Any:
+    """The micro-batches' outputs joined back into one value of the same structure.
+
+    Args:
+        outputs: each micro-batch's output, in order.
+        call: the call's name, for errors.
+    """
+    if len(outputs) == 1:
+        return value(outputs[0])
+    tensors0, spec = flatten(outputs[0])
+    columns = zip(tensors0, *(flatten(o)[0] for o in outputs[1:]))
+    joined = []
+    for index, column in enumerate(columns):
+        first = column[0]
+        if all(x is first for x in column):
+            joined.append(first)
+        elif first.dim() == 0:
+            raise config_error(
+                f"output tensor {index} of {call} (a 0-dim tensor, e.g. a loss)",
+                "it is computed once per micro-batch and has no batch dimension to join along",
+                "return per-sample values (logits) from the pipelined call and compute the loss from "
+                "the joined output",
+            )
+        else:
+            joined.append(torch.cat(column))
+    return unflatten(spec, joined)
