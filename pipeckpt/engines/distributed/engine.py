@@ -15,6 +15,8 @@ the same under both engines. This class only composes the parts, one job each:
 - :mod:`.liveness`: naming a lost rank when a collective fails.
 """
 
+from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,11 +31,16 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
 from pipeckpt.checkpointing.compiling import compile_layers
-from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.base import Engine, World
-from pipeckpt.engines.distributed.auto_plan import adopt, check_auto
+from pipeckpt.engines.distributed.auto_plan import (
+    adopt,
+    check_auto,
+    model_schedule,
+    same_on_every_rank,
+    usable_chunks,
+)
 from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
-from pipeckpt.engines.distributed.processes import ProcessGroups
+from pipeckpt.engines.distributed.processes import SETTINGS, ProcessGroups, check_process_settings
 from pipeckpt.engines.distributed.rooted import (
     RootRouting,
     RootStageModule,
@@ -68,9 +75,12 @@ class DistributedEngine(Engine):
     is_distributed = True
     backward_in_step = True
     restore_after_setup = True
+    own_settings = SETTINGS
+    foreign_settings = ("each process runs its stages on its own device", "drop `placement`")
+    holds_every_layer = False  # the other ranks' layers are on the meta device
 
     def __init__(self, settings: PipeSettings) -> None:
-        super().__init__(settings.resolved())
+        super().__init__(settings)
         self.kind = lookup(self.settings.schedule or "")
         self.processes = ProcessGroups(self.settings, self.kind)
         self.state = StateIO(self.processes)
@@ -84,15 +94,34 @@ class DistributedEngine(Engine):
 
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
-        s = settings.resolved()
+        super().check_settings(settings)
+        check_process_settings(settings)
+        s = cls.resolve(settings)
         assert s.schedule is not None and s.virtual_stages is not None
         kind = lookup(s.schedule)
         check_kind(kind, s.virtual_stages)
         check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
-        if s.checkpoint == "auto":
-            return  # the modes are chosen at set-up (pipeckpt.memory.budget), then checked by adopt()
-        names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
-        check_modes(kind, parse_modes(names, len(names)))
+        if not isinstance(s.modes, str):  # 'auto': chosen at set-up, then checked by adopt()
+            check_modes(kind, s.modes)
+
+    def adopt(self, settings: PipeSettings) -> None:
+        self.settings = adopt(self.resolve(settings), self.processes.topology)
+
+    @classmethod
+    def memory_schedule(cls, settings: PipeSettings) -> str:
+        return model_schedule(cls.resolve(settings))
+
+    @classmethod
+    def auto_chunks(cls, settings: PipeSettings, candidates: Sequence[int]) -> List[int]:
+        return usable_chunks(cls.resolve(settings), candidates)
+
+    @classmethod
+    def shares_device(cls, plan: StagePlan) -> bool:
+        return False  # a device per process: the budget bounds each stage on its own
+
+    @classmethod
+    def planning(cls) -> AbstractContextManager[None]:
+        return same_on_every_rank()
 
     @property
     def topology(self) -> Topology:
@@ -274,18 +303,11 @@ class DistributedEngine(Engine):
         names: Optional[Sequence[str]] = None,
     ) -> StagePlan:
         s = self.settings
-        module_pipeline = isinstance(sequential, ModulePipeline)
-        return plan(
-            sequential,
-            devices=[device],
-            stages=self.topology.stages,
-            balance=balance,
-            balance_by=s.balance_by,
-            checkpoint=s.checkpoint,
-            sample=None if module_pipeline else getattr(module, "example_input_array", None),
-            chunks=s.chunks,
-            names=names,
-        )
+        s = replace(s, stages=None, balance=list(balance)) if balance is not None else s
+        s = replace(s, stages=self.topology.stages) if balance is None else s
+        example = getattr(module, "example_input_array", None)
+        sample = None if isinstance(sequential, ModulePipeline) else example
+        return plan(sequential, s, [device], sample=sample, names=names)
 
     @property
     def stages(self) -> List[Stage]:
