@@ -24,9 +24,10 @@ from pipeckpt._compat import (
 )
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import World
+from pipeckpt.engines.distributed.auto_plan import check_auto
 from pipeckpt.engines.distributed.liveness import Liveness
-from pipeckpt.engines.distributed.schedules import ScheduleKind
-from pipeckpt.engines.distributed.topology import Topology, resolve
+from pipeckpt.engines.distributed.schedules import ScheduleKind, check_modes, lookup
+from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
@@ -36,7 +37,8 @@ SETTINGS: Dict[str, Any] = {"schedule": "gpipe", "dp": None, "virtual_stages": 1
 
 
 def check_process_settings(s: PipeSettings) -> None:
-    """``dp``, ``virtual_stages`` and ``timeout``: counts and a time limit, before any process."""
+    """This engine's settings (resolved), before any process: counts and a time limit, a schedule
+    that exists, fits ``virtual_stages`` and runs the modes (``checkpoint='auto'``: can plan)."""
     if s.dp is not None and not _is_count(s.dp):
         raise config_error(
             f"dp={s.dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
@@ -56,6 +58,12 @@ def check_process_settings(s: PipeSettings) -> None:
             "a collective needs a positive, finite time limit",
             "set timeout in seconds, e.g. 60",
         )
+    assert s.schedule is not None and s.virtual_stages is not None
+    kind = lookup(s.schedule)
+    check_kind(kind, s.virtual_stages)
+    check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
+    if not isinstance(s.modes, str):  # 'auto': chosen at set-up, then checked by auto_plan.adopt
+        check_modes(kind, s.modes)
 
 
 def _is_count(value: Any) -> bool:
