@@ -214,6 +214,9 @@ from lightning.fabric.utilities.distributed import (  # noqa: E402
 # DDPStrategy uses these for the same jobs; Lightning keeps them private.
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
 
+# What a checkpoint path may be (str or Path), as Lightning's strategies type their hooks.
+from lightning.fabric.utilities.types import _PATH as LightningPath  # noqa: E402
+
 # The launcher that starts one process per device on this node when no launcher
 # (torchrun, srun) did; Lightning's own strategies import it the same way.
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
@@ -264,6 +267,7 @@ __all__ = [
     "BatchNormBase",
     "DeferredBatchNorm",
     "FakeTensorMode",
+    "LightningPath",
     "MODULE_STATES",
     "MemTracker",
     "SubprocessScriptLauncher",

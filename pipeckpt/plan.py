@@ -1,24 +1,10 @@
 """``python -m pipeckpt.plan <hydra overrides>``: each stage's memory and time, before any training.
 
-Why a separate command: whether a plan fits is the first question of a run and the slowest to
-answer by trying. This composes ``conf/`` exactly as ``train.py`` does (the same overrides),
-builds the model and one batch of its data, profiles one micro-batch
-(:func:`pipeckpt.memory.profile.profile`) and prints the model's prediction per stage. Its own options are
-``memory.*`` overrides, taken out before Hydra sees them::
-
-    python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
-    python -m pipeckpt.plan strategy.chunks=8 memory.budget=2GiB            # + PNG, + auto choice
-    python -m pipeckpt.plan ckpt=auto memory.budget=200MiB memory.search=[modes,chunks]
-    python -m pipeckpt.plan model.size=small memory.fake=true memory.dtype=bfloat16
-
-``memory.budget``, ``memory.search`` and ``memory.optimizer`` are the configs' own (``conf/train.yaml``,
-what ``ckpt=auto`` plans to). With a budget the table marks each stage against it, prints the plan
-:func:`pipeckpt.memory.auto.choose` picks under it and writes the PNG (stacked bars per stage, the budget
-as a line) to ``memory.png`` (default ``memory_plan.png``); under ``ckpt=auto`` the table is the
-chosen plan's, as ``train.py`` would run it. The command's own options: ``memory.schedule``:
-default ``local``, or the strategy's torch schedule under ``strategy.engine=distributed``;
-``memory.fake``: build the model on fake tensors (a model larger than this machine; times from
-FLOPs); ``memory.dtype``: the parameters' dtype; ``memory.png``: where the PNG goes.
+Why a command: whether a plan fits is the first question of a run and the slowest to answer by
+trying. It composes ``conf/`` as ``train.py`` does (the same overrides), builds the strategy's
+:class:`~pipeckpt.settings.PipeSettings`, the model and one batch, profiles one micro-batch
+(:func:`pipeckpt.memory.profile.profile`) and prints the memory model's prediction per stage
+(:data:`USAGE`: its own ``memory.*`` options, and examples).
 """
 
 import sys
@@ -35,17 +21,36 @@ from omegaconf import DictConfig, OmegaConf
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.app.config import register
 from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.engines import engine_class
 from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
-from pipeckpt.settings import PipeSettings
-from pipeckpt.sizes import OPTIMIZERS, MiB
+from pipeckpt.settings import PipeSettings, check_names
+from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw"]
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+
+USAGE = """usage: python -m pipeckpt.plan [HYDRA OVERRIDES ...] [memory.OPTION=VALUE ...]
+
+Composes conf/ as train.py does and prints each stage's predicted memory and time.
+
+  python -m pipeckpt.plan model=mlp strategy.stages=3 ckpt=always
+  python -m pipeckpt.plan strategy.chunks=8 memory.budget=2GiB            # + PNG, + auto choice
+  python -m pipeckpt.plan ckpt=auto memory.budget=200MiB memory.search=[modes,chunks]
+  python -m pipeckpt.plan model.size=small memory.fake=true memory.dtype=bfloat16
+
+The configs' memory.budget, memory.search and memory.optimizer are the strategy's memory_*
+settings: with a budget the table marks each stage against it, prints the plan auto picks under
+it and writes a PNG; under ckpt=auto the table is the chosen plan's. The command's own options:
+  memory.schedule=NAME  the op order to predict (default: the engine's)
+  memory.fake=true      build the model on fake tensors (times from FLOPs)
+  memory.dtype=NAME     the parameters' dtype, e.g. bfloat16
+  memory.png=PATH       where the PNG goes (default memory_plan.png)
+"""
 
 
 @dataclass(frozen=True)
@@ -113,26 +118,11 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
-    optimizer = str(cfg.memory.optimizer).lower()
-    if optimizer not in OPTIMIZERS:
-        raise config_error(f"memory.optimizer={optimizer}", f"must be one of {list(OPTIMIZERS)}", "pick one")
-    budget = parse_bytes(cfg.memory.budget) if cfg.memory.budget is not None else None
-    options = replace(options, budget=budget, optimizer=optimizer)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    container = OmegaConf.to_container(cfg.strategy, resolve=True)
-    assert isinstance(container, dict)
-    strategy: Dict[str, Any] = {str(k): v for k, v in container.items()}
-    if strategy.get("checkpoint") != "auto":  # a budget here only marks the stages against it
-        strategy.update(memory_budget=None, memory_search=None)
-    if "_target_" not in strategy:
-        raise config_error(
-            f"strategy={strategy.get('name')!r}",
-            "the plan command models the pipe strategy",
-            "use strategy=pipe",
-        )
-    chunks = int(strategy.get("chunks") or 1)
+    settings, budget = _settings(cfg)
+    options = replace(options, budget=budget, optimizer=settings.memory_optimizer)
     inputs, targets = _batch(cfg)
     dtype = getattr(torch, options.dtype) if options.dtype else None
     default_dtype = torch.get_default_dtype()
@@ -143,43 +133,50 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
             with fake_mode():
                 module = instantiate(cfg.model)
                 sequential = pipelined_sequential(module)
-                prediction, choice = _predict(sequential, inputs, targets, strategy, chunks, options)
+                prediction, choice = _predict(sequential, inputs, targets, settings, options)
         else:
             module = instantiate(cfg.model)
             sequential = pipelined_sequential(module)
-            prediction, choice = _predict(sequential, inputs, targets, strategy, chunks, options)
+            prediction, choice = _predict(sequential, inputs, targets, settings, options)
     finally:
         torch.set_default_dtype(default_dtype)
     return prediction, options, choice
+
+
+def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
+    """The strategy's settings as ``train.py`` builds them, and the budget to mark the stages against."""
+    container = OmegaConf.to_container(cfg.strategy, resolve=True)
+    assert isinstance(container, dict)
+    given: Dict[str, Any] = {str(k): v for k, v in container.items()}
+    if given.pop("_target_", None) is None:
+        raise config_error(
+            f"strategy={given.get('name')!r}",
+            "the plan command models the pipe strategy",
+            "use strategy=pipe",
+        )
+    budget = given.get("memory_budget")
+    if given.get("checkpoint") != "auto":  # a budget here only marks the stages against it
+        given.update(memory_budget=None, memory_search=None)
+    check_names(given, "strategy")
+    settings = PipeSettings(**given)
+    engine_class(settings.engine).check_settings(settings)
+    return settings, parse_bytes(budget) if budget is not None else None
 
 
 def _predict(
     sequential: torch.nn.Sequential,
     inputs: Any,
     targets: Any,
-    strategy: Dict[str, Any],
-    chunks: int,
+    settings: PipeSettings,
     options: MemoryOptions,
 ) -> Tuple[Prediction, Optional[str]]:
-    if strategy.get("checkpoint") == "auto":
-        settings = PipeSettings(**{k: v for k, v in strategy.items() if k != "_target_"})
-        auto = resolve_auto(
-            settings, sequential, devices=[torch.device("cpu")], batch=inputs, target=targets, loss_fn=_loss
-        )
+    cpu = [torch.device("cpu")]
+    if settings.modes == "auto":
+        auto = resolve_auto(settings, sequential, devices=cpu, batch=inputs, target=targets, loss_fn=_loss)
         return auto.choice.prediction, auto.describe()
-    stage_plan = make_plan(
-        sequential,
-        devices=[torch.device("cpu")],
-        stages=strategy.get("stages"),
-        balance=strategy.get("balance"),
-        balance_by=strategy.get("balance_by") or "params",
-        checkpoint=strategy.get("checkpoint") or "except_last",
-        sample=inputs,
-        chunks=chunks,
-    )
-    schedule = options.schedule or (
-        (strategy.get("schedule") or "gpipe") if strategy.get("engine") == "distributed" else "local"
-    )
+    stage_plan = make_plan(sequential, settings, cpu, sample=inputs)
+    schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
+    chunks = settings.chunks
     micro_inputs, micro_targets = inputs.chunk(chunks)[0], targets.chunk(chunks)[0]
     fitted = profile(sequential, micro_inputs, loss_fn=_loss, target=micro_targets, fake=options.fake)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)
@@ -262,6 +259,9 @@ def draw(prediction: Prediction, path: str, budget: Optional[int] = None) -> Non
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, end="", flush=True)
+        return 0
     try:
         prediction, options, choice = run(argv)
     except PipeckptConfigError as error:

@@ -1,19 +1,17 @@
 """Every setting of the ``pipe`` strategy, in one typed object.
 
-:class:`PipeSettings` is the single source of a setting's name, type, default,
-meaning and model-free check. ``PipelineStrategy(**settings)`` takes its
-keyword arguments from it, the Hydra schema of ``conf/strategy/pipe.yaml`` is
-generated from it (:mod:`pipeckpt.app.config`), and the README's table lists its
-fields. Checks run in ``__post_init__``, so the same bad value fails with the
-same message from Python, from a Hydra config and from the command line, before
-any model, process or device is touched. Checks that need the model (a balance
-summing to the layer count) live in :mod:`pipeckpt.stages.partition`; checks that need
-the world size live with the engine that runs it.
+:class:`PipeSettings` is the single source of a setting's name, type, default, meaning and
+model-free check: ``PipelineStrategy(**settings)`` takes its keyword arguments from it, and the
+app's Hydra schemas (:mod:`pipeckpt.app.config`) are generated from its fields. Checks run in
+``__post_init__``, so a bad value fails with the same message from Python, a config or the
+command line, before any work. Checks that need the model live in :mod:`pipeckpt.stages.partition`;
+the engine-specific settings are each engine's own (:meth:`pipeckpt.engines.base.Engine.check_settings`).
 """
 
-from dataclasses import MISSING, dataclass, field, fields
-from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import difflib
+import inspect
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.compiling import check_compile
@@ -21,20 +19,42 @@ from pipeckpt.checkpointing.layer_rng import LAYER_RNG, check_layer_rng
 from pipeckpt.checkpointing.modes import CheckpointMode, parse_modes
 from pipeckpt.sizes import OPTIMIZERS, parse_bytes
 
-__all__ = ["PipeSettings", "BALANCE_BY", "LAYER_RNG", "MEMORY_SEARCH", "check_balance_by", "check_layer_rng"]
+__all__ = [
+    "PipeSettings",
+    "PipeSettingsArgs",
+    "Modes",
+    "BALANCE_BY",
+    "LAYER_RNG",
+    "MEMORY_SEARCH",
+    "check_balance_by",
+    "check_layer_rng",
+    "check_names",
+]
 
 BALANCE_BY = ("params", "time", "memory")
+MEMORY_SEARCH = ("modes", "chunks", "balance")
 
-_DISTRIBUTED = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
+#: The checkpoint setting, parsed: ``"auto"`` or the modes as given (one for every stage, or one each).
+Modes = Union[str, Tuple[CheckpointMode, ...]]
 
 
-def _help(text: str) -> Dict[str, str]:
+def _help(text: str) -> Dict[str, Any]:
     return {"help": text}
+
+
+def _engine_help(text: str) -> Dict[str, Any]:
+    """A setting only some engines run: unset (None) it takes the engine's default, and an engine
+    that does not run it refuses it (:attr:`pipeckpt.engines.base.Engine.own_settings`)."""
+    return {"help": text, "per_engine": True}
 
 
 @dataclass(frozen=True)
 class PipeSettings:
-    """The settings of the ``pipe`` strategy. Each field's ``help`` says what it does."""
+    """The settings of the ``pipe`` strategy. Each field's ``help`` says what it does.
+
+    ``checkpoint`` keeps the spelling given (a mode's name, ``'auto'``, or a list of names; modes
+    given as objects are kept by name); :attr:`modes` is the same parsed once.
+    """
 
     stages: Optional[int] = field(
         default=None, metadata=_help("number of stages; default one per device (all on one device on CPU)")
@@ -71,7 +91,7 @@ class PipeSettings:
     )
     placement: Optional[List[int]] = field(
         default=None,
-        metadata=_help("device index of each stage, to put several stages on one device (local)"),
+        metadata=_engine_help("device index of each stage, to put several stages on one device (local)"),
     )
     deferred_batch_norm: bool = field(
         default=False, metadata=_help("BatchNorm statistics per batch, not per micro-batch")
@@ -102,17 +122,18 @@ class PipeSettings:
         default="local", metadata=_help("'local' (one process) or 'distributed' (one process per stage)")
     )
     schedule: Optional[str] = field(
-        default=None, metadata=_help("distributed: a schedule of torch.distributed.pipelining; default gpipe")
+        default=None,
+        metadata=_engine_help("distributed: a schedule of torch.distributed.pipelining; default gpipe"),
     )
     dp: Optional[int] = field(
         default=None,
-        metadata=_help("distributed: replicas of the whole pipeline; default from the world size"),
+        metadata=_engine_help("distributed: replicas of the whole pipeline; default from the world size"),
     )
     virtual_stages: Optional[int] = field(
-        default=None, metadata=_help("distributed: stages per process (looped schedules); default 1")
+        default=None, metadata=_engine_help("distributed: stages per process (looped schedules); default 1")
     )
     timeout: Optional[float] = field(
-        default=None, metadata=_help("distributed: seconds a rank may wait for another; default 60")
+        default=None, metadata=_engine_help("distributed: seconds a rank may wait for another; default 60")
     )
 
     def __post_init__(self) -> None:
@@ -121,37 +142,24 @@ class PipeSettings:
         check_balance_by(self.balance_by)
         check_layer_rng(self.layer_rng)
         check_compile(self.compile)
-        names = [self.checkpoint] if isinstance(self.checkpoint, (str, CheckpointMode)) else self.checkpoint
-        if not isinstance(names, (list, tuple)):
-            raise config_error(
-                f"checkpoint={self.checkpoint!r}",
-                "must be a mode name or a list of mode names, one per stage",
-                "set checkpoint to a mode name (never, except_last, always, offload, selective, each "
-                "optionally with :k or +selective) or a list such as ['always:1', 'never']",
-            )
-        if self.checkpoint != "auto":
-            parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
+        object.__setattr__(self, "_modes", _parse_checkpoint(self))
         _check_memory_settings(self)
         if self.balance is not None:
             object.__setattr__(self, "balance", [int(b) for b in self.balance])
         if self.placement is not None:
             object.__setattr__(self, "placement", [int(p) for p in self.placement])
-        if not isinstance(self.checkpoint, (str, CheckpointMode)):
-            object.__setattr__(self, "checkpoint", list(self.checkpoint))
-        _check_engine_settings(self)
 
     @property
-    def given_distributed(self) -> List[str]:
-        """The distributed-only settings that were set (not left at None)."""
-        return [name for name in _DISTRIBUTED if getattr(self, name) is not None]
+    def modes(self) -> Modes:
+        """``"auto"``, or the checkpoint modes: one for every stage, or one per stage."""
+        modes: Modes = self.__dict__["_modes"]
+        return modes
 
-    def resolved(self) -> "PipeSettings":
-        """The settings with the distributed defaults filled in (for the distributed engine)."""
-        values = {name: getattr(self, name) for name in _names()}
-        for name, default in _DISTRIBUTED.items():
-            if values[name] is None:
-                values[name] = default
-        return PipeSettings(**values)
+    def stage_modes(self, stages: int) -> Tuple[CheckpointMode, ...]:
+        """One mode per stage of a pipeline of ``stages`` (a per-stage list must have as many)."""
+        modes = self.modes
+        assert not isinstance(modes, str), "checkpoint='auto' is chosen before the stages are planned"
+        return parse_modes(modes[0] if _one_mode(self.checkpoint) else modes, stages)
 
     @property
     def stage_count(self) -> Optional[int]:
@@ -159,9 +167,66 @@ class PipeSettings:
         return len(self.balance) if self.balance is not None else self.stages
 
     @classmethod
+    def per_engine(cls) -> List[str]:
+        """The settings only some engines run (each engine lists its own, with their defaults)."""
+        return [f.name for f in fields(cls) if f.metadata.get("per_engine")]
+
+    @classmethod
+    def signature(cls) -> inspect.Signature:
+        """``(self, *, <every setting>=<its default>)``: a constructor's signature as tools read it."""
+        return inspect.Signature(
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+            + [
+                inspect.Parameter(
+                    f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+                )
+                for f in fields(cls)
+            ]
+        )
+
+    @classmethod
     def help(cls) -> List[Tuple[str, str, str]]:
         """``(name, default, meaning)`` of every setting, for docs and ``--help``."""
         return [(f.name, repr(f.default), f.metadata["help"]) for f in fields(cls)]
+
+
+class PipeSettingsArgs(TypedDict, total=False):
+    """:class:`PipeSettings`' fields as keyword arguments, for type checkers
+    (``PipelineStrategy(**settings)``); tests/test_settings.py keeps the two equal."""
+
+    stages: Optional[int]
+    balance: Optional[List[int]]
+    balance_by: str
+    chunks: int
+    checkpoint: Any
+    memory_budget: Optional[Any]
+    memory_search: Optional[Any]
+    memory_optimizer: str
+    placement: Optional[List[int]]
+    deferred_batch_norm: bool
+    layer_rng: str
+    pin_memory: bool
+    compile: Any
+    strict: bool
+    engine: str
+    schedule: Optional[str]
+    dp: Optional[int]
+    virtual_stages: Optional[int]
+    timeout: Optional[float]
+
+
+def check_names(given: Mapping[str, Any], what: str) -> None:
+    """A name in ``given`` that is not a setting (a typo: ``chunk=4``) is refused, naming the closest."""
+    names = [f.name for f in fields(PipeSettings)]
+    unknown = sorted(set(given) - set(names))
+    if not unknown:
+        return
+    close = [m for k in unknown for m in difflib.get_close_matches(k, names, n=1)]
+    raise config_error(
+        f"{what}({', '.join(f'{k}=...' for k in unknown)})",
+        f"not a setting of the pipe strategy; the settings are {names}",
+        (f"did you mean {', '.join(close)}? " if close else "") + "the README lists every setting",
+    )
 
 
 def check_balance_by(balance_by: str) -> None:
@@ -173,13 +238,26 @@ def check_balance_by(balance_by: str) -> None:
         )
 
 
-def _names() -> List[str]:
-    return [f.name for f in fields(PipeSettings)]
+def _one_mode(checkpoint: Any) -> bool:
+    return isinstance(checkpoint, (str, CheckpointMode))
 
 
-def defaults() -> Dict[str, Any]:
-    """Each setting's default value."""
-    return {f.name: f.default for f in fields(PipeSettings) if f.default is not MISSING}
+def _parse_checkpoint(s: PipeSettings) -> Modes:
+    """The checkpoint setting parsed, once; modes given as objects are kept by name in ``checkpoint``."""
+    names = [s.checkpoint] if _one_mode(s.checkpoint) else s.checkpoint
+    if not isinstance(names, (list, tuple)):
+        raise config_error(
+            f"checkpoint={s.checkpoint!r}",
+            "must be a mode name or a list of mode names, one per stage",
+            "set checkpoint to a mode name (never, except_last, always, offload, selective, each "
+            "optionally with :k or +selective) or a list such as ['always:1', 'never']",
+        )
+    if s.checkpoint == "auto":
+        return "auto"
+    modes = parse_modes(list(names), len(names))  # unknown names fail now; the length is checked per plan
+    spelled = [m.name if isinstance(n, CheckpointMode) else n for n, m in zip(names, modes)]
+    object.__setattr__(s, "checkpoint", spelled[0] if _one_mode(s.checkpoint) else spelled)
+    return modes
 
 
 def _check_types(s: PipeSettings) -> None:
@@ -230,46 +308,6 @@ def _check_int_list(name: str, value: Optional[Sequence[Any]], *, minimum: int, 
     ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value)
     if not ok:
         raise config_error(f"{name}={value!r}", f"must be a non-empty list of integers >= {minimum}", hint)
-
-
-def _check_engine_settings(s: PipeSettings) -> None:
-    """Settings that mean something to one engine only are refused by the other."""
-    if s.engine == "local" and s.given_distributed:
-        given = ", ".join(f"{n}={getattr(s, n)!r}" for n in s.given_distributed)
-        raise config_error(
-            f"{given} with engine='local'",
-            "these settings drive the distributed engine's processes; the local engine runs every "
-            "stage in this process",
-            "set engine='distributed' to use them, or drop them",
-        )
-    if s.engine == "distributed" and s.placement is not None:
-        raise config_error(
-            f"placement={s.placement} with engine='distributed'",
-            "each process runs its stages on its own device",
-            "drop `placement`",
-        )
-    if s.dp is not None and not _is_count(s.dp):
-        raise config_error(
-            f"dp={s.dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
-        )
-    if s.virtual_stages is not None and not _is_count(s.virtual_stages):
-        raise config_error(
-            f"virtual_stages={s.virtual_stages!r}",
-            "a pipeline rank holds an integer number >= 1 of stages",
-            "set virtual_stages >= 1",
-        )
-    timeout: Union[float, int, str, None] = s.timeout
-    if timeout is not None and (
-        isinstance(timeout, (bool, str)) or not 0 < timeout <= timedelta.max.total_seconds()
-    ):
-        raise config_error(
-            f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
-            "a collective needs a positive, finite time limit",
-            "set timeout in seconds, e.g. 60",
-        )
-
-
-MEMORY_SEARCH = ("modes", "chunks", "balance")
 
 
 def _check_memory_settings(s: PipeSettings) -> None:

@@ -1,51 +1,46 @@
 """The ``pipe`` Lightning strategy: the Lightning side of a pipeline, once, for every engine.
 
-What a pipeline changes in Lightning's assumptions, and where it is handled:
-
-- which code runs the stages, in which processes: an engine, chosen by name from
-  :data:`pipeckpt.engines.ENGINES` and driven through the protocol of
-  :mod:`pipeckpt.engines.base` (this class never branches on the engine);
-- placement: stages live on their own devices, so the module is never moved to
-  one device as a whole (:meth:`model_to_device`);
-- the root device is where the loss meets the pipeline's output (the last
-  stage's device under the local engine, this process's under the distributed);
-- optimizer state follows each parameter's device, also after a resume;
-- the user's Sequential keeps its place (its call is routed through the engine),
-  so checkpoints hold the unpipelined module's keys whatever the layout, plus
-  every rank's RNG state so that a resumed run draws the same dropout masks.
+An engine (:mod:`pipeckpt.engines`, chosen by name, driven through the protocol of
+:mod:`pipeckpt.engines.base`; this class never branches on it) runs the stages. What stays here
+is what a pipeline changes in Lightning's assumptions: the module is never moved to one device
+as a whole, the root device is where the loss meets the pipeline's output, optimizer state
+follows each parameter's device (also after a resume), and checkpoints hold the unpipelined
+module's keys plus every rank's RNG state, so a resumed run draws the same dropout masks.
 """
 
-import inspect
 import os
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from pipeckpt import _rng
 from pipeckpt._compat import (
+    LightningPath,
     checkpoint_io_unset,
     optimizers_to_device,
     sync_ddp_if_available,
     unwrap_optimizer,
 )
-from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
+from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine, World
-from pipeckpt.settings import PipeSettings
+from pipeckpt.settings import PipeSettings, PipeSettingsArgs, check_names
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 from pipeckpt.state import preemption
@@ -54,45 +49,38 @@ from pipeckpt.state.files import AtomicCheckpointIO
 __all__ = ["PipelineStrategy"]
 
 _CKPT_KEY = "pipeckpt"
-_LIGHTNING_ARGS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-)
 
 
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism with a checkpoint mode per stage.
 
-    Takes every field of :class:`pipeckpt.settings.PipeSettings` as a keyword argument
-    (``stages``, ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; see the README's
-    table), plus Lightning's own strategy arguments.
+    Args:
+        settings: every field of :class:`pipeckpt.settings.PipeSettings` by name (``stages``,
+            ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; the README's table lists them).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            Lightning's own strategy arguments.
     """
 
     strategy_name = "pipe"
 
-    def __init__(self, **kwargs: Any) -> None:
-        lightning = {k: kwargs.pop(k) for k in _LIGHTNING_ARGS if k in kwargs}
-        unknown = sorted(set(kwargs) - set(PipeSettings.__dataclass_fields__))
-        if unknown:
-            raise config_error(
-                f"PipelineStrategy({', '.join(f'{k}=...' for k in unknown)})",
-                "not a setting of the pipe strategy; the settings are "
-                f"{list(PipeSettings.__dataclass_fields__)}",
-                "check the spelling (the README lists every setting)",
-            )
-        settings = PipeSettings(**kwargs)
-        engine = engine_class(settings.engine)
-        engine.check_settings(settings)  # every check before any work
-        super().__init__(**lightning)
-        self.settings = settings
-        self.engine: Engine = engine(settings)
+    def __init__(
+        self,
+        *,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        **settings: Unpack[PipeSettingsArgs],
+    ) -> None:
+        check_names(settings, "PipelineStrategy")
+        self.settings = PipeSettings(**settings)
+        engine = engine_class(self.settings.engine)
+        engine.check_settings(self.settings)  # every check before any work
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self.engine: Engine = engine(self.settings)
         self.num_nodes = 1
-        self.auto_plan: Optional[Any] = (
-            None  # checkpoint='auto': pipeckpt.memory.budget.AutoPlan, once set up
-        )
+        self.auto_plan: Optional[Any] = None  # checkpoint='auto': pipeckpt.memory.budget.AutoPlan
 
     # -- topology ---------------------------------------------------------------
 
@@ -168,7 +156,7 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None
         self.engine.check_module(module, self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self.settings.checkpoint == "auto":
+        if self.settings.modes == "auto":
             self._choose_plan(trainer, module)
         self.engine.build(
             module, pipelined_sequential(module), self.parallel_devices or [torch.device("cpu")]
@@ -184,32 +172,23 @@ class PipelineStrategy(ParallelStrategy):
         self._route_gradient_clipping()
 
     def _choose_plan(self, trainer: Trainer, module: Any) -> None:
-        """``checkpoint='auto'``: the plan under ``memory_budget``, chosen once (on rank 0) and
-        written into the settings every engine builds from (:mod:`pipeckpt.memory.budget`)."""
-        from pipeckpt.memory.budget import resolve_auto, sample_batch
+        """``checkpoint='auto'``: the plan under ``memory_budget``, chosen once (on rank 0), which
+        the engine adopts before it builds (:mod:`pipeckpt.memory.budget`)."""
+        from pipeckpt.memory.budget import resolve_for
 
-        sequential = pipelined_sequential(module)
         chosen: List[Any] = [None]
         if self.global_rank == 0:
             try:
-                batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
-                chosen[0] = resolve_auto(
-                    self.settings,
-                    sequential,
-                    devices=self.parallel_devices or [torch.device("cpu")],
-                    batch=batch,
-                    target=target,
-                    loss_fn=loss_fn,
-                    accumulating=trainer.accumulate_grad_batches > 1,
-                )
+                chosen[0] = resolve_for(self.settings, module, trainer, self.parallel_devices)
             except PipeckptConfigError as error:  # every rank raises rank 0's error, none waits
                 chosen[0] = error
         plan = self.broadcast(chosen[0])
         if isinstance(plan, PipeckptConfigError):
             raise plan
         self.auto_plan = plan
-        self.settings = self.engine.settings = self.auto_plan.settings
-        rank_zero_info(self.auto_plan.describe())
+        self.settings = plan.settings
+        self.engine.adopt(plan.settings)
+        rank_zero_info(plan.describe())
 
     @override
     def model_to_device(self) -> None:
@@ -282,7 +261,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: Dict[str, Any], filepath: LightningPath, storage_options: Optional[Any] = None
     ) -> None:
         checkpoint[_CKPT_KEY] = {
             "rng_states": self.engine.rng_states(),  # one per rank
@@ -294,7 +273,9 @@ class PipelineStrategy(ParallelStrategy):
         )
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: LightningPath, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
         torch.cuda.empty_cache()
         checkpoint = self.engine.load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
         state = checkpoint.get(_CKPT_KEY)
@@ -375,14 +356,8 @@ class PipelineStrategy(ParallelStrategy):
         )
 
 
-# The signature users and tools see: the settings' fields, from the one source.
-PipelineStrategy.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    + [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for name, f in PipeSettings.__dataclass_fields__.items()
-    ]
-)
+# The signature tools read at run time (Hydra, help()): the settings' fields with their defaults.
+PipelineStrategy.__signature__ = PipeSettings.signature()  # type: ignore[attr-defined]
 
 
 def _optimizer_state_to_param_devices(optimizer: Optimizer) -> None:

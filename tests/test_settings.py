@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, get_type_hints
 
 import pytest
 import yaml
@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.app.config import PipeStrategyConfig, register
-from pipeckpt.settings import PipeSettings
+from pipeckpt.settings import PipeSettings, PipeSettingsArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,6 +108,10 @@ def test_the_strategy_signature_is_the_settings_fields():
     assert all(params[f.name].default == f.default for f in fields(PipeSettings))
 
 
+def test_the_keyword_arguments_type_checkers_see_are_the_settings_fields():
+    assert get_type_hints(PipeSettingsArgs) == get_type_hints(PipeSettings)
+
+
 def test_the_hydra_schema_is_the_settings_fields_with_their_defaults():
     schema = {f.name: f.default for f in fields(PipeStrategyConfig)}
     assert schema.pop("_target_") == "pipeckpt.PipelineStrategy"
@@ -123,7 +127,9 @@ def test_pipe_yaml_sets_only_what_the_app_chooses_differently():
 
 def test_distributed_defaults_fill_in_only_for_the_distributed_engine():
     assert PipeSettings().schedule is None
-    resolved = PipeSettings(engine="distributed").resolved()
+    from pipeckpt.engines.distributed import DistributedEngine
+
+    resolved = DistributedEngine.resolve(PipeSettings(engine="distributed"))
     assert (resolved.schedule, resolved.virtual_stages, resolved.timeout) == ("gpipe", 1, 60.0)
 
 

@@ -3,13 +3,14 @@
 Why not YAML alone: it accepts any key and value, so ``chunk: 4`` or ``max_steps: ten`` would surface
 late or never; registered in Hydra's ConfigStore, these dataclasses make them fail when the config is
 composed. They check names and types only; pipeckpt's own validation checks values together. The
-app's defaults live in the YAML files (fields here are ``MISSING``), except the pipe strategy's
-schema, generated from :class:`pipeckpt.settings.PipeSettings` with its defaults.
+app's defaults live in the YAML files (fields here are ``MISSING``), except the strategy's settings
+(``strategy``, ``ckpt``, ``memory``), generated from :class:`pipeckpt.settings.PipeSettings`
+(with its defaults).
 """
 
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -130,20 +131,23 @@ class NamedStrategyConfig:
     name: str = MISSING
 
 
-@dataclass
-class CkptConfig:
-    # never | except_last | always | offload | selective, each [+selective][:k]; or a list, one per stage
-    modes: Any = MISSING
-    pin_memory: bool = MISSING  # offload into pinned host memory (CUDA)
+def _settings_group(name: str, keys: Dict[str, str]) -> Any:
+    """A group whose keys are settings under the app's names (``ckpt.modes`` is ``checkpoint``),
+    with the settings' types and defaults; ``conf/strategy/pipe.yaml`` hands them to the strategy."""
+    by_name = {f.name: f for f in fields(PipeSettings)}
+    specs: List[Tuple[str, Any, Any]] = [
+        (key, by_name[s].type, field(default=by_name[s].default, metadata=by_name[s].metadata))
+        for key, s in keys.items()
+    ]
+    return make_dataclass(name, specs)
 
 
-@dataclass
-class MemoryConfig:
-    """``ckpt=auto``'s budget and search (the strategy's ``memory_*`` settings)."""
-
-    budget: Any = MISSING  # bytes per device: null, a number, or "20GiB" / "512MiB"
-    search: List[str] = MISSING  # what auto chooses: modes, chunks, balance
-    optimizer: str = MISSING  # whose state the memory model counts: sgd, momentum, adam, adamw
+#: ``ckpt=<option>``: the checkpoint modes (a name, or a list of one per stage) and pinned offload.
+CkptConfig = _settings_group("CkptConfig", {"modes": "checkpoint", "pin_memory": "pin_memory"})
+#: ``memory.*``: what ``ckpt=auto`` plans to (the strategy's ``memory_*`` settings).
+MemoryConfig = _settings_group(
+    "MemoryConfig", {"budget": "memory_budget", "search": "memory_search", "optimizer": "memory_optimizer"}
+)
 
 
 # -- trainer/, logger/, callbacks ------------------------------------------------------
@@ -180,8 +184,8 @@ class TrainConfig:
     model: Any = MISSING
     data: Any = MISSING
     strategy: Any = MISSING  # PipeStrategyConfig or NamedStrategyConfig
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    ckpt: Any = field(default_factory=CkptConfig)  # the generated schema (typed by its value)
+    memory: Any = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: Any = None  # a Lightning logger (_target_), or None for none
     callbacks: Any = None  # name -> callback (_target_)

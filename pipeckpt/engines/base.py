@@ -9,6 +9,7 @@ in which order. The strategy calls it in this order::
     engine.configure_world(world)          once the Trainer knows the world size (topology errors)
     engine.launcher(...)                   who starts the processes (None: nobody, one process)
     engine.connect(...)                    process groups (multi-process engines)
+    engine.adopt(settings)                 checkpoint='auto': the settings chosen at set-up
     engine.build(module, sequential, ...)  the StagePlan and this process's Stages
     engine.place(module, root_device)      parameters to their devices
     engine.run(hook, module, args, kwargs) one step over the micro-batches: forward, and backward if
@@ -19,13 +20,15 @@ in which order. The strategy calls it in this order::
     engine.teardown(module)                the module is an ordinary module again, on the CPU
 
 :class:`Engine` implements the one-process behaviour, so an engine overrides only
-what it changes. Adding an engine: a module with a subclass, and a row in
-:data:`pipeckpt.engines.ENGINES`.
+what it changes, including what it tells the planners (its settings, the memory model's
+schedule, what ``checkpoint='auto'`` may search). Adding an engine: a module with a subclass,
+and a row in :data:`pipeckpt.engines.ENGINES` (or :func:`pipeckpt.engines.register`).
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -36,6 +39,7 @@ from torch.optim import Optimizer
 
 from pipeckpt import _rng
 from pipeckpt._compat import apply_to_tensors, set_module_device
+from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.compiling import uncompile_layers
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.settings import PipeSettings
@@ -73,17 +77,65 @@ class Engine(ABC):
     restore_after_setup: bool = False  # restore checkpoints into the built stages, not the whole module
     backward_in_step: bool = False  # the schedule runs backward inside ``run`` (see take_step_gradients)
 
+    #: The per-engine settings (:meth:`PipeSettings.per_engine`) this engine runs, each with the
+    #: value it takes when left unset (None); the others are refused by :meth:`check_settings`.
+    own_settings: ClassVar[Mapping[str, Any]] = {}
+    #: Why the per-engine settings this engine does not run mean nothing here, and what to do.
+    foreign_settings: ClassVar[Tuple[str, str]] = ("this engine does not run them", "drop them")
+    #: Every layer of the model is in this process, so the memory model can profile them here.
+    holds_every_layer: ClassVar[bool] = True
+
     def __init__(self, settings: PipeSettings) -> None:
-        self.settings = settings
+        self.settings = self.resolve(settings)
         self.plan: Optional[StagePlan] = None
         self.sequential: Optional[nn.Sequential] = None
         self.module: Optional[LightningModule] = None  # set by build()
         # Per-layer random streams (checkpointing.layer_rng); their seed and call count are checkpointed.
         self.layer_rng = LayerStreams(self.settings.layer_rng)
 
+    # -- settings, and what the planners ask ---------------------------------------------
+
+    @classmethod
+    def resolve(cls, settings: PipeSettings) -> PipeSettings:
+        """``settings`` with this engine's defaults for the settings of its own left unset."""
+        unset = {k: v for k, v in cls.own_settings.items() if v is not None and getattr(settings, k) is None}
+        return replace(settings, **unset) if unset else settings
+
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
-        """Engine-specific checks that need neither model nor world; raise ``config_error``."""
+        """Engine-specific checks that need neither model nor world; raise ``config_error``.
+        Here: a per-engine setting this engine does not run is refused."""
+        given = [n for n in PipeSettings.per_engine() if n not in cls.own_settings]
+        given = [n for n in given if getattr(settings, n) is not None]
+        if given:
+            values = ", ".join(f"{n}={getattr(settings, n)!r}" for n in given)
+            rule, hint = cls.foreign_settings
+            raise config_error(f"{values} with engine={settings.engine!r}", rule, hint)
+
+    def adopt(self, settings: PipeSettings) -> None:
+        """Run ``settings`` instead of those given at construction (``checkpoint='auto'``: the plan
+        chosen at set-up, before :meth:`build`)."""
+        self.settings = self.resolve(settings)
+
+    @classmethod
+    def memory_schedule(cls, settings: PipeSettings) -> str:
+        """The op order the memory model walks for this engine (``memory.schedule.SCHEDULES``)."""
+        return "local"
+
+    @classmethod
+    def auto_chunks(cls, settings: PipeSettings, candidates: Sequence[int]) -> List[int]:
+        """``checkpoint='auto'``: the chunk counts among ``candidates`` this engine can run."""
+        return list(candidates)
+
+    @classmethod
+    def shares_device(cls, plan: StagePlan) -> bool:
+        """Whether the plan's stages share one device, whose budget then bounds them together."""
+        return len(set(plan.devices)) == 1 and plan.stages > 1
+
+    @classmethod
+    def planning(cls) -> AbstractContextManager[None]:
+        """Around ``checkpoint='auto'``'s choice (which runs on global rank 0 only)."""
+        return nullcontext()
 
     def seed_layers(self, sequential: nn.Sequential, plan: StagePlan, *, seed: Optional[int] = None) -> None:
         """Gives the plan's layers their random streams; :meth:`build` calls it before anything else

@@ -13,7 +13,6 @@ target of that loss (its memory sits on the last stage). Without a loss, backwar
 gradient of ones.
 """
 
-import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -23,6 +22,8 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.engines import engine_class
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.settings import PipeSettings
@@ -31,6 +32,7 @@ from pipeckpt.stages.partition import plan as make_plan
 __all__ = [
     "AutoPlan",
     "resolve_auto",
+    "resolve_for",
     "sample_batch",
     "chunk_candidates",
     "balance_candidates",
@@ -130,94 +132,54 @@ def resolve_auto(
 
     ``profiles``: the profile of one micro-batch for each candidate chunk count, to choose from
     instead of profiling (the same profiles give the same choice; :attr:`AutoPlan.profiles`
-    holds those a choice was made from). Under the distributed engine the budget is each
-    process's, the schedule is the engine's (gpipe or 1f1b) and only chunk counts that schedule
-    runs on the stages are candidates (:mod:`pipeckpt.engines.distributed.auto_plan`)."""
-    resolve = functools.partial(
-        _resolve,
-        settings,
-        sequential,
-        devices=devices,
-        batch=batch,
-        target=target,
-        loss_fn=loss_fn,
-        accumulating=accumulating,
-        profiles=profiles,
-    )
-    if settings.engine != "distributed":
-        return resolve()
-    # Imported here: only this engine's settings need its schedules (and torch.distributed).
-    from pipeckpt.engines.distributed.auto_plan import same_on_every_rank
-
-    with same_on_every_rank():
-        return resolve()
-
-
-def _resolve(
-    settings: PipeSettings,
-    sequential: nn.Sequential,
-    *,
-    devices: Sequence[torch.device],
-    batch: Any,
-    target: Any,
-    loss_fn: Optional[Callable[[Tensor, Any], Tensor]],
-    accumulating: bool,
-    profiles: Optional[Mapping[int, ModelProfile]],
-) -> AutoPlan:
+    holds those a choice was made from). The engine says which op order the memory model walks,
+    which chunk counts it runs and whether its stages share a device's budget
+    (:class:`~pipeckpt.engines.base.Engine`)."""
     assert settings.memory_budget is not None  # PipeSettings requires it with checkpoint="auto"
-    budget = parse_bytes(settings.memory_budget)
-    search = set(settings.memory_search or ["modes"])
-    distributed = settings.engine == "distributed"
-    schedule = "local"
-    if distributed:
-        from pipeckpt.engines.distributed import auto_plan
-
-        auto_plan.check_auto(settings)  # gpipe or 1f1b, the stage count fixed
-        schedule = auto_plan.model_schedule(settings)
-    base = make_plan(
-        sequential,
-        devices=devices,
-        stages=settings.stage_count,
-        balance=settings.balance,
-        balance_by="params",  # the starting balance; profiled balances need a device pass of their own
-        checkpoint="never",
-        placement=settings.placement,
-        chunks=settings.chunks,
-    )
-    size = _batch_size(batch)
-    chunk_options = chunk_candidates(size, settings.chunks) if "chunks" in search else [settings.chunks]
-    if distributed:
-        chunk_options = auto_plan.usable_chunks(settings, chunk_options)
-    given = dict(profiles or {})
-    profiled: Dict[int, ModelProfile] = {
-        c: given[c]
-        if c in given
-        else profile(
-            sequential,
-            first_microbatch(batch, c),
-            loss_fn=loss_fn,
-            target=first_microbatch(target, c) if target is not None else None,
-            rounds=2,
+    engine = engine_class(settings.engine)
+    with engine.planning():
+        engine.check_settings(settings)
+        budget = parse_bytes(settings.memory_budget)
+        search = set(settings.memory_search or ["modes"])
+        schedule = engine.memory_schedule(settings)
+        # The starting balance by parameters: profiled balances need a device pass of their own.
+        start = replace(
+            settings, checkpoint="never", balance_by="params", memory_budget=None, memory_search=None
         )
-        for c in chunk_options
-    }
-    balances = balance_candidates(len(sequential), base.stages, base.balance) if "balance" in search else None
-    shared = settings.engine == "local" and len(set(base.devices)) == 1 and base.stages > 1
-    choice = choose(
-        profiled,
-        budget,
-        balance=base.balance,
-        chunks=chunk_options,
-        optimizer=settings.memory_optimizer,
-        schedule=schedule,
-        modes=DEFAULT_MODES,
-        balances=balances,
-        accumulating=accumulating,
-        shared_device=shared,
-    )
+        base = make_plan(sequential, start, devices)
+        size = _batch_size(batch)
+        chunk_options = chunk_candidates(size, settings.chunks) if "chunks" in search else [settings.chunks]
+        chunk_options = engine.auto_chunks(settings, chunk_options)
+        given = dict(profiles or {})
+        profiled: Dict[int, ModelProfile] = {
+            c: given[c]
+            if c in given
+            else profile(
+                sequential,
+                first_microbatch(batch, c),
+                loss_fn=loss_fn,
+                target=first_microbatch(target, c) if target is not None else None,
+                rounds=2,
+            )
+            for c in chunk_options
+        }
+        layers = len(sequential)
+        balances = balance_candidates(layers, base.stages, base.balance) if "balance" in search else None
+        choice = choose(
+            profiled,
+            budget,
+            balance=base.balance,
+            chunks=chunk_options,
+            optimizer=settings.memory_optimizer,
+            schedule=schedule,
+            modes=DEFAULT_MODES,
+            balances=balances,
+            accumulating=accumulating,
+            shared_device=engine.shares_device(base),
+        )
     chosen = replace(
         settings,
-        checkpoint=[m.name for m in choice.modes],
+        checkpoint=choice.modes,  # kept by name; PipeSettings.modes holds these objects
         chunks=choice.chunks,
         balance=list(choice.balance),
         stages=None,
@@ -225,6 +187,22 @@ def _resolve(
         memory_search=None,
     )
     return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled)
+
+
+def resolve_for(
+    settings: PipeSettings, module: Any, trainer: Any, devices: Optional[Sequence[torch.device]]
+) -> AutoPlan:
+    """:func:`resolve_auto` for the module a Trainer fits, on a batch of :func:`sample_batch`."""
+    batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
+    return resolve_auto(
+        settings,
+        pipelined_sequential(module),
+        devices=devices or [torch.device("cpu")],
+        batch=batch,
+        target=target,
+        loss_fn=loss_fn,
+        accumulating=trainer.accumulate_grad_batches > 1,
+    )
 
 
 def sample_batch(module: Any, datamodule: Any) -> Tuple[Any, Any, Optional[Callable[[Tensor, Any], Tensor]]]:

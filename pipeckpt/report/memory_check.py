@@ -68,17 +68,18 @@ class MemoryCheck(L.Callback):
         auto = getattr(strategy, "auto_plan", None)
         if auto is not None:
             return [s.peak for s in auto.choice.prediction.stages]
-        plan, settings = getattr(strategy, "plan", None), getattr(strategy, "settings", None)
-        if plan is None or settings is None or not isinstance(batch, (tuple, list)):
+        plan, engine = getattr(strategy, "plan", None), getattr(strategy, "engine", None)
+        if plan is None or engine is None or not isinstance(batch, (tuple, list)):
             return None
-        if settings.engine != "local":
-            # Profiling runs every layer of the model, and a distributed rank holds only its own
-            # stages' (the others are on the meta device): predict there with python -m pipeckpt.plan.
+        settings = engine.settings
+        if not engine.holds_every_layer:
+            # Profiling runs every layer of the model, and this process holds only its own
+            # stages' (the others are on the meta device): predict with python -m pipeckpt.plan.
             rank_zero_info(
-                "MemoryCheck: no prediction under engine='distributed' (use python -m pipeckpt.plan)"
+                f"MemoryCheck: no prediction under engine={settings.engine!r} (use python -m pipeckpt.plan)"
             )
             return None
-        schedule = "local"
+        schedule = engine.memory_schedule(settings)
         loss_fn = getattr(pl_module, "pipeline_loss", None)
         inputs, target = batch[0], batch[1] if len(batch) > 1 and callable(loss_fn) else None
         chunks = settings.chunks

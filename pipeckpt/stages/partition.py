@@ -6,7 +6,7 @@ modes are decided once, validated once, and mean the same under the local
 Profiled balance (time, memory) reuses torchgpipe's profilers.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,7 +14,8 @@ from torch import nn
 from torchgpipe.balance import balance_by_size, balance_by_time
 
 from pipeckpt._errors import config_error
-from pipeckpt.checkpointing.modes import CheckpointMode, ModeSpec, parse_modes
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import gradients_set_aside
 
 __all__ = ["StagePlan", "module_name", "plan", "split"]
@@ -68,13 +69,8 @@ def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequenti
 
 
 def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
-    balance = tuple(int(b) for b in balance)
-    if not balance or any(b < 1 for b in balance):
-        raise config_error(
-            f"balance {list(balance)}",
-            "every stage needs at least one layer",
-            "give positive layer counts, one per stage",
-        )
+    """The one check of a balance that needs the model (its values were checked by the settings)."""
+    balance = tuple(balance)
     if sum(balance) != layers:
         raise config_error(
             f"balance {list(balance)} (sum {sum(balance)})",
@@ -195,35 +191,44 @@ def _place(
 
 def plan(
     sequential: nn.Sequential,
+    settings: Optional[PipeSettings] = None,
+    devices: Sequence[torch.device] = (),
     *,
-    devices: Sequence[torch.device],
-    stages: Optional[int] = None,
-    balance: Optional[Sequence[int]] = None,
-    balance_by: str = "params",
-    checkpoint: ModeSpec = "except_last",
-    placement: Optional[Sequence[int]] = None,
     sample: Optional[Any] = None,
-    chunks: int = 1,
     names: Optional[Sequence[str]] = None,
+    **given: Any,
 ) -> StagePlan:
-    """Validates every setting that needs the module (``sequential``, the module's own, as
-    :func:`pipeckpt.boundaries.contract.pipelined_sequential` returns it) and builds the plan. Settings
-    that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`. ``names``: the
-    user's name of each layer (``"layers.3"``), for messages."""
+    """Validates every setting that needs the module and builds the plan.
+
+    Settings that need no module were checked by :class:`~pipeckpt.settings.PipeSettings`.
+
+    Args:
+        sequential: the module's own layers, as
+            :func:`pipeckpt.boundaries.contract.pipelined_sequential` returns them.
+        settings: the strategy's settings (default: ``PipeSettings()``); the plan reads
+            ``stages``, ``balance``, ``balance_by``, ``checkpoint``, ``placement`` and ``chunks``.
+        devices: the devices the stages may run on.
+        sample: an example input, for ``balance_by='time'`` or ``'memory'``.
+        names: the user's name of each layer (``"layers.3"``), for messages.
+        given: settings by name, over ``settings`` (``plan(seq, devices=cpu, balance=[2, 2])``).
+    """
+    s = replace(settings, **given) if settings is not None else PipeSettings(**given)
+    if not devices:
+        raise ValueError("plan() needs the devices the stages may run on")
     layers = len(sequential)
-    if balance is not None:
-        balance = _check_balance(balance, layers)
-        stages = len(balance)
-    stages = stages if stages is not None else max(1, min(len(devices), layers))
+    balance: Optional[Tuple[int, ...]] = None
+    if s.balance is not None:
+        balance = _check_balance(s.balance, layers)
+    stages = len(balance) if balance is not None else s.stages or max(1, min(len(devices), layers))
     if stages > layers:
         raise config_error(
             f"stages={stages}",
             f"cannot exceed the number of layers ({layers})",
             f"set stages <= {layers}, or split your Sequential into more layers",
         )
-    modes = parse_modes(checkpoint, stages)
-    placed = _place(stages, devices, placement)
+    modes = s.stage_modes(stages)
+    placed = _place(stages, devices, s.placement)
     if balance is None:
-        balance = _auto_balance(sequential, stages, balance_by, sample, chunks, placed[0])
+        balance = _auto_balance(sequential, stages, s.balance_by, sample, s.chunks, placed[0])
     _check_shared_parameters(sequential, balance, placed, names)
     return StagePlan(balance=tuple(balance), devices=placed, modes=modes)

@@ -1,23 +1,17 @@
 """``checkpoint="auto"`` under the distributed engine: what a budgeted plan must respect here.
 
-Why a module of its own: the choice is engine-free (:func:`pipeckpt.memory.budget.resolve_auto`), made
-once, on global rank 0, and broadcast to every rank before any stage is built, because profiled
-times differ between processes and ranks that each chose for themselves could build different
-pipelines. What only this engine knows lives here: which of its schedules the memory model
-covers, that the stage count must be fixed by the settings (the choice is made per stage, and
-this engine's stages are its processes), which micro-batch counts the schedule accepts on the
-topology, and how the engine takes in the chosen settings (resolved, and checked against the
-topology it resolved from the configured ones before the plan existed).
-
-The budget is per device, and here a device is a process: each stage's predicted peak is
-compared with it on its own (``shared_device=False``).
+The choice itself is engine-free (:func:`pipeckpt.memory.budget.resolve_auto`), made once on
+global rank 0 and broadcast before any stage is built (profiled times differ between processes).
+What only this engine knows lives here: the schedules the memory model covers, that the stage
+count must be fixed by the settings, the micro-batch counts a schedule accepts, and the check of
+the chosen settings against the topology. Every function takes settings the engine resolved.
+The budget is per process: each stage's predicted peak is compared with it on its own.
 """
 
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from pipeckpt._errors import config_error
-from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.schedules import check_modes, lookup, microbatch_rule
 from pipeckpt.engines.distributed.topology import Topology, check_chunks
@@ -41,11 +35,12 @@ def same_on_every_rank() -> Iterator[None]:
         yield
 
 
-def model_schedule(settings: PipeSettings) -> str:
-    """The memory model's name of the settings' schedule; a config error when it has none."""
-    s = settings.resolved()
+def model_schedule(s: PipeSettings) -> str:
+    """The memory model's name of the (resolved) settings' schedule; a config error when it has none."""
     kind = lookup(s.schedule or "")
     name = AUTO_SCHEDULES.get(kind.cls.__name__)
+    if name is None and s.modes != "auto":
+        return str(s.schedule)  # modes given: the memory model names the schedules it knows
     if name is None:
         raise config_error(
             f"checkpoint='auto' with schedule={s.schedule!r}",
@@ -57,8 +52,8 @@ def model_schedule(settings: PipeSettings) -> str:
 
 
 def check_auto(settings: PipeSettings) -> None:
-    """Checks of ``checkpoint="auto"`` that need neither model nor world (when the strategy is built)."""
-    if settings.checkpoint != "auto":
+    """Checks of ``checkpoint="auto"`` (resolved settings) that need neither model nor world."""
+    if settings.modes != "auto":
         return
     model_schedule(settings)
     if settings.stage_count is None:
@@ -69,9 +64,8 @@ def check_auto(settings: PipeSettings) -> None:
         )
 
 
-def usable_chunks(settings: PipeSettings, candidates: Sequence[int]) -> List[int]:
-    """The chunk counts among ``candidates`` that the settings' schedule runs on their stages."""
-    s = settings.resolved()
+def usable_chunks(s: PipeSettings, candidates: Sequence[int]) -> List[int]:
+    """The chunk counts among ``candidates`` that the (resolved) settings' schedule runs on their stages."""
     assert s.stage_count is not None and s.virtual_stages is not None  # check_auto
     kind = lookup(s.schedule or "")
     stages = s.stage_count
@@ -86,11 +80,9 @@ def usable_chunks(settings: PipeSettings, candidates: Sequence[int]) -> List[int
     return fit
 
 
-def adopt(settings: PipeSettings, topology: Optional[Topology]) -> PipeSettings:
-    """``settings`` resolved, and, once the topology is known, checked against it: what the
-    strategy writes into the engine after choosing (rank 0's plan) must run on the processes
-    the topology already gave out stages to."""
-    s = settings.resolved()
+def adopt(s: PipeSettings, topology: Optional[Topology]) -> PipeSettings:
+    """``s`` (resolved) checked, once the topology is known, against it: the plan chosen at set-up
+    must run on the processes the topology already gave out stages to."""
     if topology is None:
         return s
     if s.stage_count is not None and s.stage_count != topology.stages:
@@ -100,7 +92,6 @@ def adopt(settings: PipeSettings, topology: Optional[Topology]) -> PipeSettings:
             "set stages (or balance) to the pipeline's stage count",
         )
     check_chunks(topology.kind, s.chunks, pp=topology.pp, stages=topology.stages)
-    if s.checkpoint != "auto":
-        names = [s.checkpoint] if isinstance(s.checkpoint, str) else list(s.checkpoint)
-        check_modes(topology.kind, parse_modes(names, len(names)))
+    if not isinstance(s.modes, str):
+        check_modes(topology.kind, s.modes)
     return s

@@ -1,20 +1,15 @@
 """The ``distributed`` engine: one process per pipeline rank, on ``torch.distributed.pipelining``.
 
-A pipeline rank holds one stage (or ``virtual_stages`` under a looped schedule)
-of the same :class:`~pipeckpt.stages.partition.StagePlan` the local engine builds, each
-wrapped in the same :class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means
-the same under both engines. This class only composes the parts, one job each:
-
-- :mod:`.processes`: world, topology, launcher, process groups, liveness;
-- :mod:`.schedules`: torch's schedules by name, what each needs;
-- :mod:`.wiring`: this process's stages (others' layers on the meta device), DDP over replicas;
-- :mod:`.step` and :mod:`.replay`: the user's unchanged step, per micro-batch, through the schedule;
-- :mod:`.boundaries`: any pytree between stages, its structure learnt at shape inference;
-- :mod:`.ties`: weights tied across ranks, one parameter with copies kept equal;
-- :mod:`.state`: model, optimizer and RNG state under the module's own keys;
-- :mod:`.liveness`: naming a lost rank when a collective fails.
+A rank holds one stage (or ``virtual_stages`` under a looped schedule) of the same
+:class:`~pipeckpt.stages.partition.StagePlan` the local engine builds, each wrapped in the same
+:class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means the same under both engines.
+This class composes the parts, one job each: :mod:`.processes` (world, topology, groups),
+:mod:`.schedules`, :mod:`.wiring` and :mod:`.rooted` (this rank's stages), :mod:`.step` and
+:mod:`.replay` (the user's step per micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state`,
+:mod:`.liveness` (naming a lost rank) and :mod:`.auto_plan` (``checkpoint='auto'``).
 """
 
+from contextlib import AbstractContextManager
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,38 +20,33 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
-from pipeckpt.checkpointing.compiling import compile_layers
-from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.base import Engine, World
-from pipeckpt.engines.distributed.auto_plan import adopt, check_auto
-from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
-from pipeckpt.engines.distributed.processes import ProcessGroups
-from pipeckpt.engines.distributed.rooted import (
-    RootRouting,
-    RootStageModule,
-    check_module_pipeline,
-    outside_parameters,
+from pipeckpt.engines.distributed.auto_plan import (
+    adopt,
+    model_schedule,
+    same_on_every_rank,
+    usable_chunks,
 )
-from pipeckpt.engines.distributed.schedules import Schedules, check_modes, lookup
+from pipeckpt.engines.distributed.processes import SETTINGS, ProcessGroups, check_process_settings
+from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
+from pipeckpt.engines.distributed.schedules import Schedules, lookup
 from pipeckpt.engines.distributed.state import StateIO
-from pipeckpt.engines.distributed.step import PipelinedStep
-from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_every_rank
-from pipeckpt.engines.distributed.topology import Topology, check_kind
+from pipeckpt.engines.distributed.step import PipelinedStep, check_backward_in_step
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
+from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
+    agreed_plan,
     build_stages,
     called_outside_a_step,
     check_all_parameters_pipelined,
     data_parallel,
 )
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
-from pipeckpt.stages.partition import StagePlan, module_name, plan
+from pipeckpt.stages.partition import StagePlan, module_name
 from pipeckpt.stages.stage import Stage
-from pipeckpt.state import sharded
 
 __all__ = ["DistributedEngine"]
 
@@ -68,9 +58,12 @@ class DistributedEngine(Engine):
     is_distributed = True
     backward_in_step = True
     restore_after_setup = True
+    own_settings = SETTINGS
+    foreign_settings = ("each process runs its stages on its own device", "drop `placement`")
+    holds_every_layer = False  # the other ranks' layers are on the meta device
 
     def __init__(self, settings: PipeSettings) -> None:
-        super().__init__(settings.resolved())
+        super().__init__(settings)
         self.kind = lookup(self.settings.schedule or "")
         self.processes = ProcessGroups(self.settings, self.kind)
         self.state = StateIO(self.processes)
@@ -84,15 +77,27 @@ class DistributedEngine(Engine):
 
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
-        s = settings.resolved()
-        assert s.schedule is not None and s.virtual_stages is not None
-        kind = lookup(s.schedule)
-        check_kind(kind, s.virtual_stages)
-        check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
-        if s.checkpoint == "auto":
-            return  # the modes are chosen at set-up (pipeckpt.memory.budget), then checked by adopt()
-        names = [s.checkpoint] if isinstance(s.checkpoint, str) else s.checkpoint
-        check_modes(kind, parse_modes(names, len(names)))
+        super().check_settings(settings)  # placement
+        check_process_settings(cls.resolve(settings))
+
+    def adopt(self, settings: PipeSettings) -> None:
+        self.settings = adopt(self.resolve(settings), self.processes.topology)
+
+    @classmethod
+    def memory_schedule(cls, settings: PipeSettings) -> str:
+        return model_schedule(cls.resolve(settings))
+
+    @classmethod
+    def auto_chunks(cls, settings: PipeSettings, candidates: Sequence[int]) -> List[int]:
+        return usable_chunks(cls.resolve(settings), candidates)
+
+    @classmethod
+    def shares_device(cls, plan: StagePlan) -> bool:
+        return False  # a device per process: the budget bounds each stage on its own
+
+    @classmethod
+    def planning(cls) -> AbstractContextManager[None]:
+        return same_on_every_rank()
 
     @property
     def topology(self) -> Topology:
@@ -120,25 +125,13 @@ class DistributedEngine(Engine):
         return {"num_replicas": self.topology.dp, "rank": global_rank // self.topology.pp}
 
     def check_module(self, module: LightningModule, precision: Any) -> None:
-        if not module.automatic_optimization:
-            raise config_error(
-                f"{type(module).__name__} uses manual optimization",
-                "the distributed engine's schedule runs backward itself, inside training_step",
-                "use automatic optimization, or engine='local'",
-            )
-        if getattr(precision, "scaler", None) is not None:
-            raise config_error(
-                "precision='16-mixed' (a gradient scaler)",
-                "the schedule runs backward inside training_step, where the scaler cannot scale it",
-                "use precision='bf16-mixed' or '32-true' with the distributed engine",
-            )
+        check_backward_in_step(module, precision)
 
     # -- building -------------------------------------------------------------------
 
     def build(
         self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
     ) -> None:
-        self.settings = adopt(self.settings, self.topology)  # checkpoint='auto': rank 0's chosen plan
         if isinstance(sequential, ModulePipeline):
             self._build_module_pipeline(module, sequential)
             return
@@ -167,69 +160,29 @@ class DistributedEngine(Engine):
         self._finish(module, sequential, step, ties, trained=trained, routed=sequential)
 
     def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
-        """``pipeline_of``: every stage runs the model's forward (:mod:`.rooted`); the parameters
-        outside the layers live on every rank, one tie each. Replicas (``dp > 1``) average every
-        gradient this rank holds (:class:`.ties.Replicas`), not through DDP: a stage module does not
-        hold the parameters outside the layers, which its replay of ``forward`` trains too."""
-        s, topology = self.settings, self.topology
+        """``pipeline_of``: every stage runs the model's forward (:func:`.rooted.build_rooted`)."""
+        s = self.settings
         name = module_name(module, spec.root)
         check_module_pipeline(name, s)
         check_all_parameters_pipelined(module, spec.root)
-        device = self._device
         names = [f"{name}.{n}" for n in spec.names]
         stage_plan = self._prepare(module, spec, names=names)  # before the routing takes the layers' forward
-        step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=device)  # type: ignore[arg-type]
-        outside = outside_parameters(spec, module)
-        assert self.processes.pp_group is not None
-        rank = self.processes.rank
-        src = self.processes.replica * topology.pp
-        ties = find_ties(module, spec, stage_plan, topology, rank)
-        everywhere = {id(p) for _, p in outside}
-        ties = Ties([t for t in ties.ties if id(t.param) not in everywhere]) + held_by_every_rank(
-            outside, stages=stage_plan.stages, group=self.processes.pp_group, src=src, primary=rank == src
+        step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=self._device)  # type: ignore[arg-type]
+        self.modules, self.routing, self.replicas, ties = build_rooted(
+            module, spec, stage_plan, step, names=names, processes=self.processes, pin_memory=s.pin_memory
         )
-        routing = RootRouting(spec, stage_plan.ranges, names)
-        self.modules = build_stages(
-            spec,
-            stage_plan,
-            topology.stages_of(rank),
-            device=device,
-            pin_memory=s.pin_memory,
-            names=names,
-            keep=everywhere,
-            make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
-        )
-        routing.stages = {m.stage.index: m.stage for m in self.modules}
-        self.routing = routing
-        step.modules = self.modules
-        step.outside = [p for _, p in outside]
-        if topology.dp > 1:
-            assert self.processes.dp_group is not None
-            self.replicas = Replicas(
-                module, group=self.processes.dp_group, src=self.processes.pipeline_rank, size=topology.dp
-            )
-            self.replicas.broadcast()  # before the ties: each replica's copies then start from replica 0's
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
         self.root = spec.root
 
     def _prepare(
         self, module: LightningModule, layers: nn.Sequential, names: Optional[Sequence[str]] = None
     ) -> StagePlan:
-        """The plan every process agrees on, and the layers made ready for it: deferred BatchNorm,
-        compiled, each with its random stream (rank 0's seed; a resume restores its own later)."""
-        s = self.settings
-        stage_plan = self._plan(module, layers, self._device, s.balance, names=names)
-        # A profiled balance may differ between processes, and so may torch.initial_seed().
-        agreed: List[Any] = [list(stage_plan.balance), torch.initial_seed()]
-        dist.broadcast_object_list(agreed, src=0)
-        if tuple(agreed[0]) != stage_plan.balance:
-            stage_plan = self._plan(module, layers, self._device, agreed[0], names=names)
-        self.plan = stage_plan
-        if s.deferred_batch_norm:
-            convert_deferred_batch_norm(layers, s.chunks)
-        compile_layers(layers, s.compile)
-        self.seed_layers(layers, stage_plan, seed=agreed[1])
-        return stage_plan
+        """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
+        each with its random stream (rank 0's seed; a resume restores its own later)."""
+        s, stages = self.settings, self.topology.stages
+        self.plan, seed = agreed_plan(module, layers, s, stages=stages, device=self._device, names=names)
+        self.seed_layers(layers, self.plan, seed=seed)
+        return self.plan
 
     def _finish(
         self,
@@ -264,28 +217,6 @@ class DistributedEngine(Engine):
         self.module = module
         routed.forward = called_outside_a_step
         self.sequential = sequential
-
-    def _plan(
-        self,
-        module: LightningModule,
-        sequential: nn.Sequential,
-        device: torch.device,
-        balance: Any,
-        names: Optional[Sequence[str]] = None,
-    ) -> StagePlan:
-        s = self.settings
-        module_pipeline = isinstance(sequential, ModulePipeline)
-        return plan(
-            sequential,
-            devices=[device],
-            stages=self.topology.stages,
-            balance=balance,
-            balance_by=s.balance_by,
-            checkpoint=s.checkpoint,
-            sample=None if module_pipeline else getattr(module, "example_input_array", None),
-            chunks=s.chunks,
-            names=names,
-        )
 
     @property
     def stages(self) -> List[Stage]:
@@ -336,15 +267,10 @@ class DistributedEngine(Engine):
         storage_options: Optional[Any],
         is_zero: bool,
     ) -> None:
-        if self.replicas is not None and self.processes.replica > 0:
-            checkpoint = _without_tensors(checkpoint)  # replica 0's copies are written, once
-        sharded.save(checkpoint, path)  # every rank writes its own stages
+        self.state.save(checkpoint, path, written_by_another=self.replicas is not None)
 
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
-        if sharded.is_sharded(path):
-            assert self.module is not None, "restored after build (restore_after_setup)"
-            return self.state.load_sharded(path, self.module, weights_only)
-        return io.load_checkpoint(path, weights_only=weights_only)  # a single file, the local engine's
+        return self.state.load(path, self.module, io, weights_only)
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
         self.state.load_module_state(module, state, strict)
@@ -355,21 +281,13 @@ class DistributedEngine(Engine):
     # -- failures and the end -----------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
-        liveness = self.processes.liveness
-        if liveness is None:
+        if self.processes.liveness is None:
             return
-        liveness.report(exception)
-        if raised_here(exception):
-            return  # this rank's own error: it propagates as raised, and the others quote it
         timeout = float(self.settings.timeout or 0)
-        found = liveness.diagnose(within=min(timeout, liveness.silence_s))
-        describe = self.topology.describe
-        if found.errors:
-            message = error_message(me=self.processes.rank, errors=found.errors, describe=describe)
-        else:
-            message = lost_message(
-                me=self.processes.rank, lost=found.lost, describe=describe, timeout=timeout
-            )
+        rank, describe = self.processes.rank, self.topology.describe
+        message = self.processes.liveness.explain(exception, me=rank, describe=describe, timeout=timeout)
+        if message is None:
+            return
         print(message, flush=True)  # at once: a launcher may kill this process before it unwinds
         exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 
@@ -382,12 +300,3 @@ class DistributedEngine(Engine):
         if self.step is not None:
             self.step.clear()
         super().teardown(module)
-
-
-def _without_tensors(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-    """``checkpoint`` with no model or optimizer tensors: what a replica whose copies another writes
-    hands to the (collective) sharded writer."""
-    out = dict(checkpoint, state_dict={})
-    if "optimizer_states" in out:
-        out["optimizer_states"] = [dict(o, state={}) for o in out["optimizer_states"]]
-    return out

@@ -127,6 +127,19 @@ class Liveness:
             return Diagnosis(errors=errors, elapsed_s=time.monotonic() - begun)
         return Diagnosis(lost=sorted(lost + list(pending)), elapsed_s=time.monotonic() - begun)
 
+    def explain(
+        self, error: BaseException, *, me: int, describe: Callable[[int], str], timeout: float
+    ) -> Optional[str]:
+        """Reports ``error`` to the others and says which rank raised or was lost; None when this
+        rank's own code raised it (it propagates as raised, and the others quote it)."""
+        self.report(error)
+        if raised_here(error):
+            return None
+        found = self.diagnose(within=min(timeout, self.silence_s))
+        if found.errors:
+            return error_message(me=me, errors=found.errors, describe=describe)
+        return lost_message(me=me, lost=found.lost, describe=describe, timeout=timeout)
+
     def _others(self) -> List[int]:
         return [r for r in range(self.world_size) if r != self.rank]
 

@@ -9,7 +9,7 @@ starts the liveness beat that names a lost rank.
 
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,12 +24,50 @@ from pipeckpt._compat import (
 )
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import World
+from pipeckpt.engines.distributed.auto_plan import check_auto
 from pipeckpt.engines.distributed.liveness import Liveness
-from pipeckpt.engines.distributed.schedules import ScheduleKind
-from pipeckpt.engines.distributed.topology import Topology, resolve
+from pipeckpt.engines.distributed.schedules import ScheduleKind, check_modes, lookup
+from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
+
+#: The settings only this engine runs, with the value each takes when left unset.
+SETTINGS: Dict[str, Any] = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
+
+
+def check_process_settings(s: PipeSettings) -> None:
+    """This engine's settings (resolved), before any process: counts and a time limit, a schedule
+    that exists, fits ``virtual_stages`` and runs the modes (``checkpoint='auto'``: can plan)."""
+    if s.dp is not None and not _is_count(s.dp):
+        raise config_error(
+            f"dp={s.dp!r}", "the data-parallel size is an integer >= 1", "set dp >= 1, or leave it unset"
+        )
+    if s.virtual_stages is not None and not _is_count(s.virtual_stages):
+        raise config_error(
+            f"virtual_stages={s.virtual_stages!r}",
+            "a pipeline rank holds an integer number >= 1 of stages",
+            "set virtual_stages >= 1",
+        )
+    timeout: Union[float, int, str, None] = s.timeout
+    if timeout is not None and (
+        isinstance(timeout, (bool, str)) or not 0 < timeout <= timedelta.max.total_seconds()
+    ):
+        raise config_error(
+            f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
+            "a collective needs a positive, finite time limit",
+            "set timeout in seconds, e.g. 60",
+        )
+    assert s.schedule is not None and s.virtual_stages is not None
+    kind = lookup(s.schedule)
+    check_kind(kind, s.virtual_stages)
+    check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
+    if not isinstance(s.modes, str):  # 'auto': chosen at set-up, then checked by auto_plan.adopt
+        check_modes(kind, s.modes)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class ProcessGroups:

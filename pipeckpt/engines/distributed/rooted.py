@@ -17,13 +17,18 @@ from torch import Tensor, nn
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
-from pipeckpt.engines.distributed.wiring import StageModule, _usable
+from pipeckpt.engines.distributed.step import PipelinedStep
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_every_rank
+from pipeckpt.engines.distributed.topology import Topology
+from pipeckpt.engines.distributed.wiring import StageModule, _usable, build_stages
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.guards import side_effect_free
+from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 
-__all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "outside_parameters"]
+__all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "outside_parameters", "build_rooted"]
 
 Produced = List[Tuple[int, Any]]  # (layer index, the output of its call), in call order
 
@@ -217,3 +222,62 @@ def check_module_pipeline(name: str, settings: PipeSettings) -> None:
             "profiling runs the layers as a chain, which a module with its own forward is not",
             "use balance_by='params' or an explicit balance",
         )
+
+
+def _rooted_ties(
+    module: nn.Module,
+    spec: ModulePipeline,
+    stage_plan: StagePlan,
+    outside: Sequence[Tuple[str, nn.Parameter]],
+    *,
+    topology: Topology,
+    processes: ProcessGroups,
+) -> Ties:
+    """A module pipeline's ties: the parameters outside the layers (``outside``) live on every
+    rank of the pipeline, one tie each, and those tied between layers as under a Sequential."""
+    assert processes.pp_group is not None
+    rank, src = processes.rank, processes.replica * topology.pp
+    everywhere = {id(p) for _, p in outside}
+    ties = find_ties(module, spec, stage_plan, topology, rank)
+    return Ties([t for t in ties.ties if id(t.param) not in everywhere]) + held_by_every_rank(
+        outside, stages=stage_plan.stages, group=processes.pp_group, src=src, primary=rank == src
+    )
+
+
+def build_rooted(
+    module: nn.Module,
+    spec: ModulePipeline,
+    stage_plan: StagePlan,
+    step: PipelinedStep,
+    *,
+    names: Sequence[str],
+    processes: ProcessGroups,
+    pin_memory: bool,
+) -> Tuple[List[StageModule], RootRouting, Optional[Replicas], Ties]:
+    """This rank's stages of a module pipeline, each running the model's forward, the routing
+    between them, the replicas (``dp > 1``: averaged by :class:`.ties.Replicas`, not DDP, since a
+    stage module lacks the parameters outside the layers its replay trains) and the ties."""
+    topology = processes.topology
+    assert topology is not None
+    outside = outside_parameters(spec, module)
+    ties = _rooted_ties(module, spec, stage_plan, outside, topology=topology, processes=processes)
+    routing = RootRouting(spec, stage_plan.ranges, names)
+    modules = build_stages(
+        spec,
+        stage_plan,
+        topology.stages_of(processes.rank),
+        device=step.device,
+        pin_memory=pin_memory,
+        names=names,
+        keep={id(p) for _, p in outside},
+        make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
+    )
+    routing.stages = {m.stage.index: m.stage for m in modules}
+    step.modules = modules
+    step.outside = [p for _, p in outside]
+    replicas = None
+    if topology.dp > 1:
+        assert processes.dp_group is not None
+        replicas = Replicas(module, group=processes.dp_group, src=processes.pipeline_rank, size=topology.dp)
+        replicas.broadcast()  # before the ties: each replica's copies then start from replica 0's
+    return modules, routing, replicas, ties

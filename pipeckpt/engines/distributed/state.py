@@ -7,8 +7,9 @@ the keys of the stages it holds now, once they are built; so a checkpoint moves 
 stage counts and world sizes (``python -m pipeckpt.convert`` makes it one file).
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.optim import Optimizer
@@ -20,6 +21,15 @@ from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.state import sharded
 
 __all__: List[str] = []
+
+
+def _without_tensors(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """``checkpoint`` with no model or optimizer tensors: what a replica whose copies another writes
+    hands to the (collective) sharded writer."""
+    out = dict(checkpoint, state_dict={})
+    if "optimizer_states" in out:
+        out["optimizer_states"] = [dict(o, state={}) for o in out["optimizer_states"]]
+    return out
 
 
 def _held(value: Any) -> bool:
@@ -56,6 +66,23 @@ class StateIO:
         """This rank's entry on the same world; global rank 0's when the world changed."""
         same_world = len(by_rank) == self.processes.world.size
         return by_rank[self.processes.rank] if same_world else by_rank[0]
+
+    def save(self, checkpoint: Dict[str, Any], path: Any, *, written_by_another: bool) -> None:
+        """Every rank writes its own stages; ``written_by_another``: replicas hold copies that
+        replica 0 writes, once (the others still join the collective writer)."""
+        if written_by_another and self.processes.replica > 0:
+            checkpoint = _without_tensors(checkpoint)
+        sharded.save(checkpoint, path)
+
+    @staticmethod
+    def load(
+        path: Any, module: Optional[LightningModule], io: CheckpointIO, weights_only: Optional[bool]
+    ) -> Dict[str, Any]:
+        """A sharded checkpoint (this process's keys), or a single file (the local engine's)."""
+        if sharded.is_sharded(path):
+            assert module is not None, "restored after build (restore_after_setup)"
+            return StateIO.load_sharded(path, module, weights_only)
+        return io.load_checkpoint(path, weights_only=weights_only)
 
     @staticmethod
     def load_sharded(path: Any, module: LightningModule, weights_only: Any) -> Dict[str, Any]:

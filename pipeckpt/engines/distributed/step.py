@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from pipeckpt._compat import tree_map
-from pipeckpt._errors import PipeckptWarning
+from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.boundaries.microbatch import gather
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
 from pipeckpt.engines.distributed.liveness import user_code
@@ -257,3 +257,19 @@ class PipelinedStep:
 
 def to_cpu(obj: Any) -> Any:
     return tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, obj)
+
+
+def check_backward_in_step(module: LightningModule, precision: Any) -> None:
+    """Refuses what a schedule that runs backward inside ``training_step`` cannot serve."""
+    if not module.automatic_optimization:
+        raise config_error(
+            f"{type(module).__name__} uses manual optimization",
+            "the distributed engine's schedule runs backward itself, inside training_step",
+            "use automatic optimization, or engine='local'",
+        )
+    if getattr(precision, "scaler", None) is not None:
+        raise config_error(
+            "precision='16-mixed' (a gradient scaler)",
+            "the schedule runs backward inside training_step, where the scaler cannot scale it",
+            "use precision='bf16-mixed' or '32-true' with the distributed engine",
+        )

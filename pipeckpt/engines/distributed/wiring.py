@@ -9,6 +9,7 @@ engines/distributed/wiring).
 """
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -21,10 +22,14 @@ from typing_extensions import override
 
 from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.checkpointing.compiling import compile_layers
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.liveness import user_code
+from pipeckpt.settings import PipeSettings
+from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.guards import side_effect_free
-from pipeckpt.stages.partition import StagePlan, split
+from pipeckpt.stages.partition import StagePlan, plan, split
 from pipeckpt.stages.stage import Stage, mark_shared_parameters
 
 __all__: List[str] = []
@@ -273,3 +278,34 @@ def called_outside_a_step(*args: Any, **kwargs: Any) -> Any:
         "runs only inside a step, through the schedule",
         "call it from a step, or use engine='local'",
     )
+
+
+def agreed_plan(
+    module: LightningModule,
+    layers: nn.Sequential,
+    settings: PipeSettings,
+    *,
+    stages: int,
+    device: torch.device,
+    names: Optional[Sequence[str]] = None,
+) -> Tuple[StagePlan, int]:
+    """The plan of ``stages`` stages every process agrees on (rank 0's: a profiled balance may
+    differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
+    layers made ready for it: deferred BatchNorm, compiled."""
+
+    def planned(balance: Optional[Sequence[int]]) -> StagePlan:
+        s = replace(settings, stages=None, balance=list(balance)) if balance is not None else settings
+        s = replace(s, stages=stages) if balance is None else s
+        example = getattr(module, "example_input_array", None)
+        sample = None if isinstance(layers, ModulePipeline) else example
+        return plan(layers, s, [device], sample=sample, names=names)
+
+    stage_plan = planned(settings.balance)
+    agreed: List[Any] = [list(stage_plan.balance), torch.initial_seed()]
+    dist.broadcast_object_list(agreed, src=0)
+    if tuple(agreed[0]) != stage_plan.balance:
+        stage_plan = planned(agreed[0])
+    if settings.deferred_batch_norm:
+        convert_deferred_batch_norm(layers, settings.chunks)
+    compile_layers(layers, settings.compile)
+    return stage_plan, int(agreed[1])

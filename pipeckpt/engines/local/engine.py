@@ -31,6 +31,12 @@ class LocalEngine(Engine):
     """One process drives every stage (torchgpipe's schedule; see ``local_pipeline``)."""
 
     name = "local"
+    own_settings = {"placement": None}
+    foreign_settings = (
+        "these settings drive the distributed engine's processes; the local engine runs every "
+        "stage in this process",
+        "set engine='distributed' to use them, or drop them",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,18 +62,8 @@ class LocalEngine(Engine):
                 )
         else:
             names = [f"{name}.{i}" for i in range(len(sequential))]
-        self.plan = plan(
-            sequential,
-            devices=devices,
-            stages=s.stages,
-            balance=s.balance,
-            balance_by=s.balance_by,
-            checkpoint=s.checkpoint,
-            placement=s.placement,
-            sample=None if is_module else getattr(module, "example_input_array", None),
-            chunks=s.chunks,
-            names=names,
-        )
+        sample = None if is_module else getattr(module, "example_input_array", None)
+        self.plan = plan(sequential, s, devices, sample=sample, names=names)
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
         compile_layers(sequential, s.compile)

@@ -23,6 +23,7 @@ from distributed_auto_worker import build
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models import MLP
+from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.engines.distributed.auto_plan import adopt
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.engines.distributed.topology import Topology
@@ -183,7 +184,7 @@ def test_the_engine_refuses_a_chosen_chunk_count_its_schedule_cannot_run() -> No
 def test_the_engine_adopts_chosen_settings_resolved() -> None:
     topology = Topology(pp=2, dp=1, virtual_stages=1, kind=lookup("gpipe"))
     chosen = PipeSettings(engine="distributed", balance=[2, 2], chunks=4, checkpoint=["always", "never"])
-    adopted = adopt(chosen, topology)
+    adopted = adopt(DistributedEngine.resolve(chosen), topology)
     assert (adopted.schedule, adopted.timeout, adopted.virtual_stages) == ("gpipe", 60.0, 1)
     assert adopted.checkpoint == ["always", "never"] and adopted.balance == [2, 2]
 
