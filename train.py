@@ -1,6 +1,6 @@
 """Train a model with pipeline parallelism and per-stage activation checkpointing.
 
-The configuration is composed by Hydra from conf/ (the README's config reference);
+The configuration is composed by Hydra from conf/ (docs/SETTINGS.md, "The app's config groups");
 each command-line override names a config option (``ckpt=always``) or a value
 (``strategy.chunks=8``). Outputs go to outputs/<run>/: logs, checkpoints, and
 the per-stage report (stage_report.png, stage_report.json).

@@ -225,7 +225,7 @@ def check_names(given: Mapping[str, Any], what: str) -> None:
     raise config_error(
         f"{what}({', '.join(f'{k}=...' for k in unknown)})",
         f"not a setting of the pipe strategy; the settings are {names}",
-        (f"did you mean {', '.join(close)}? " if close else "") + "the README lists every setting",
+        (f"did you mean {', '.join(close)}? " if close else "") + "docs/SETTINGS.md lists every setting",
     )
 
 

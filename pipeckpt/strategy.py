@@ -56,7 +56,7 @@ class PipelineStrategy(ParallelStrategy):
 
     Args:
         settings: every field of :class:`pipeckpt.settings.PipeSettings` by name (``stages``,
-            ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; the README's table lists them).
+            ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; docs/SETTINGS.md lists them).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Lightning's own strategy arguments.
     """

@@ -1,28 +1,9 @@
 """The engine protocol: what :class:`~pipeckpt.strategy.PipelineStrategy` asks of the code that runs stages.
 
-The strategy owns everything Lightning sees (set-up, the optimizer step,
-accumulation, checkpoint hooks, logging, collectives) once, for every engine.
-An engine owns how a plan's stages run: in which processes, on which devices,
-in which order. The strategy calls it in this order::
-
-    Engine.check_settings(settings)        when the strategy is built, before any work
-    engine.configure_world(world)          once the Trainer knows the world size (topology errors)
-    engine.launcher(...)                   who starts the processes (None: nobody, one process)
-    engine.connect(...)                    process groups (multi-process engines)
-    engine.adopt(settings)                 checkpoint='auto': the settings chosen at set-up
-    engine.build(module, sequential, ...)  the StagePlan and this process's Stages
-    engine.place(module, root_device)      parameters to their devices
-    engine.run(hook, module, args, kwargs) one step over the micro-batches: forward, and backward if
-                                           the engine's schedule runs it (``backward_in_step``)
-    engine.take_step_gradients()           then hands those gradients over inside strategy.backward
-    engine.module_state_dict / optimizer_state / save / load   state, under the module's own keys
-    engine.on_exception(error)             a failing step, before Lightning unwinds
-    engine.teardown(module)                the module is an ordinary module again, on the CPU
-
-:class:`Engine` implements the one-process behaviour, so an engine overrides only
-what it changes, including what it tells the planners (its settings, the memory model's
-schedule, what ``checkpoint='auto'`` may search). Adding an engine: a module with a subclass,
-and a row in :data:`pipeckpt.engines.ENGINES` (or :func:`pipeckpt.engines.register`).
+The strategy owns everything Lightning sees, once for every engine; an engine owns how a plan's
+stages run (in which processes, on which devices, in which order) and what it tells the planners.
+:class:`Engine` implements the one-process behaviour, so an engine overrides only what it changes.
+The call order and the members are in docs/ARCHITECTURE.md, "The engine protocol".
 """
 
 from abc import ABC, abstractmethod

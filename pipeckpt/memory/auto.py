@@ -1,27 +1,10 @@
 """Choosing each stage's checkpoint mode (and, if asked, chunks and balance) under a memory budget.
 
-Why this is exact without trying every combination: in the memory model a stage's memory depends
-on its own mode only (its layers, the chunks and the schedule fixed), so the feasible plans are a
-product of per-stage feasible sets. When the candidate modes' recomputed micro-batches nest (never
-within except_last within always = offload), moving any stage to a mode that recomputes less never
-lengthens an op, and the step time, the longest path through the schedule's ops, never grows: the
-fastest plan under the budget is, per stage, the feasible mode that recomputes least. Modes that
-do not nest (granularity inside a stage, selective recompute) trade differently, so then every
-combination of the per-stage feasible sets is predicted (a prediction takes well under a
-millisecond). Chunks and balances, when given as candidates, are tried one by one.
-
-One device for every stage (``shared_device``, the local engine on CPU): the budget is that
-device's, so what must fit is the whole process's peak, not any one stage's. Stages peak at
-different moments, so neither the largest per-stage peak nor their sum is it; :func:`process_peak`
-composes it from the per-stage predictions in the local engine's order (forward through every
-stage, then backward from the last): while stage j peaks in its backward, the stages before it
-still hold every micro-batch they kept, the stages after it hold all their gradients and the
-micro-batches their drain has not reached yet. Both that peak and the step time (the stages' sum)
-are then sums of per-stage, per-mode terms, so every combination is scored without predicting it
-afresh. Measured against ``benchmarks/bench_frontier.py``'s whole-process peaks (GPT d 64 x 4,
-4 stages, chunks 1, 2, 4, every uniform mode): within 4 %, except ``always`` at 4 chunks (14 %
-under: the drain's overlap is approximated).
-tests/memory/test_auto.py checks the result against brute force over every combination.
+Exact without trying every combination: a stage's memory depends on its own mode only, so the
+feasible plans are a product of per-stage sets, and where the modes' recomputes nest the fastest
+plan is, per stage, the feasible mode that recomputes least; otherwise every combination is scored
+(a prediction costs well under a millisecond). The reasoning, and the one-device process peak, are
+in docs/DESIGN.md, memory/auto; tests/memory/test_auto.py checks it against brute force.
 """
 
 import functools

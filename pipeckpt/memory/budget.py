@@ -1,16 +1,8 @@
 """``checkpoint="auto"`` under ``memory_budget``: the plan chosen before the stages are built.
 
-Why here and not in an engine: the choice needs the model, one batch and the settings, and
-nothing an engine builds; once made it is ordinary settings (a mode per stage, chunks, a
-balance), so every engine builds what it would have built from the same settings written by
-hand. The choice itself is :func:`pipeckpt.memory.auto.choose` over profiles of one micro-batch
-(:func:`pipeckpt.memory.profile.profile`) for each candidate chunk count.
-
-Where the batch comes from: the module's ``example_input_array`` (the pipeline's input), else
-the first batch of the trainer's datamodule, whose first element is taken as the pipeline's
-input and whose second, if the module has a ``pipeline_loss(output, target)`` method, as the
-target of that loss (its memory sits on the last stage). Without a loss, backward starts from a
-gradient of ones.
+Why not in an engine: the choice needs the model, one batch and the settings, nothing an engine
+builds, and once made it is ordinary settings, so every engine builds what it would have built
+from the same settings written by hand. Where the batch comes from: docs/DESIGN.md, memory/budget.
 """
 
 import itertools

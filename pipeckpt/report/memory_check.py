@@ -1,19 +1,9 @@
-"""Measured against predicted per-stage peak memory, during training.
+"""Measured against predicted per-stage peak memory, during training (the ``MemoryCheck`` callback).
 
-Why: the memory model (:mod:`pipeckpt.memory.predict`) decides what ``checkpoint='auto'`` runs and what
-``python -m pipeckpt.plan`` promises; a model that drifts from what the run holds would let a
-plan that "fits" run out of memory. This callback measures one training step per stage and logs
-both figures, and warns when a stage holds more than predicted by more than ``tolerance``.
-
-What is measured: on CUDA with one device per stage, ``torch.cuda.max_memory_allocated`` of each
-stage's device over the step (the whole device's peak, as predicted). Elsewhere (CPU, or stages
-sharing a device) a device peak cannot be split by stage, so the figure is a lower bound of the
-stage's peak: its parameters, gradients and optimizer state (the tensors themselves) plus the
-peak of what its forwards and recomputes allocated (:class:`~pipeckpt.report.probe.StageProbe`).
-A lower bound cannot raise a false alarm, and still catches a model that underestimates them.
-
-The prediction: the plan ``checkpoint='auto'`` chose (its own prediction), or else one made from
-the first training batch (``pipeline_loss`` of the module, when it has one, as the loss).
+Why: a memory model that drifts from what the run holds would let a plan that "fits" run out of
+memory. This measures one training step per stage, logs both figures, and warns when a stage holds
+more than predicted by more than ``tolerance``. What is measured on CUDA and elsewhere (a lower
+bound that cannot raise a false alarm): docs/DESIGN.md, report/memory_check.
 """
 
 import warnings
