@@ -37,7 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from pipeckpt import PipeckptConfigError
+from pipeckpt import PipeckptCheckpointError, PipeckptConfigError
 from pipeckpt.config import register
 from pipeckpt.report import StageReport, format_table, human_bytes
 
@@ -114,7 +114,8 @@ def main(cfg: DictConfig) -> None:
         if mistake is None:
             raise
         # A configuration mistake is the user's to fix: the message says how; a traceback would bury it.
-        print(f"Configuration error: {mistake}", file=sys.stderr, flush=True)
+        kind = "Checkpoint error" if isinstance(mistake, PipeckptCheckpointError) else "Configuration error"
+        print(f"{kind}: {mistake}", file=sys.stderr, flush=True)
         sys.exit(1)
     if summary["is_global_zero"]:
         print(_summary_line(summary), flush=True)

@@ -49,6 +49,7 @@ from pipeckpt.engines.base import Engine, World
 from pipeckpt.planning import StagePlan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stage import Stage
+from pipeckpt.state_fit import check_fits
 
 __all__ = ["PipelineStrategy"]
 
@@ -90,6 +91,7 @@ class PipelineStrategy(ParallelStrategy):
         self.engine: Engine = engine(settings)
         self.num_nodes = 1
         self.auto_plan: Optional[Any] = None  # checkpoint='auto': pipeckpt.budget.AutoPlan, once set up
+        self._loaded_from: Optional[str] = None  # the checkpoint being restored, named in its errors
 
     # -- topology ---------------------------------------------------------------
 
@@ -293,6 +295,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         torch.cuda.empty_cache()
+        self._loaded_from = str(checkpoint_path)
         checkpoint = self.engine.load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
         state = checkpoint.get(_CKPT_KEY)
         if state is not None:
@@ -305,6 +308,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        expected = self.engine.module_state_dict(self.lightning_module)
+        check_fits(self.lightning_module, expected, checkpoint, strict=strict, source=self._loaded_from)
         self.engine.load_module_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override

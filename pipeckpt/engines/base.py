@@ -23,6 +23,7 @@ what it changes. Adding an engine: a module with a subclass, and a row in
 :data:`pipeckpt.engines.ENGINES`.
 """
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -34,7 +35,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt import _rng, sharded
+from pipeckpt import _rng, safe_load, sharded
 from pipeckpt._compat import apply_to_tensors, set_module_device
 from pipeckpt.compiling import uncompile_layers
 from pipeckpt.layer_rng import LayerStreams
@@ -197,9 +198,9 @@ class Engine(ABC):
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
         """A single file (either engine's ``torch.save``) or a sharded directory (the distributed
         engine's): both hold the unpipelined module's keys."""
-        if sharded.is_sharded(path):
+        if sharded.is_sharded(path) or os.path.isdir(path):  # an incomplete one is named by sharded.load
             return sharded.load(path, weights_only=weights_only)
-        return io.load_checkpoint(path, weights_only=weights_only)
+        return safe_load.load_with(io, path, weights_only)
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
         module.load_state_dict(state, strict=strict)

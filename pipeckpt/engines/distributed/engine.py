@@ -15,6 +15,7 @@ the same under both engines. This class only composes the parts, one job each:
 - :mod:`.liveness`: naming a lost rank when a collective fails.
 """
 
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipeckpt import sharded
+from pipeckpt import safe_load, sharded
 from pipeckpt._errors import config_error
 from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.compiling import compile_layers
@@ -341,10 +342,10 @@ class DistributedEngine(Engine):
         sharded.save(checkpoint, path)  # every rank writes its own stages
 
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
-        if sharded.is_sharded(path):
+        if sharded.is_sharded(path) or os.path.isdir(path):  # an incomplete one is named by sharded.load
             assert self.module is not None, "restored after build (restore_after_setup)"
             return self.state.load_sharded(path, self.module, weights_only)
-        return io.load_checkpoint(path, weights_only=weights_only)  # a single file, the local engine's
+        return safe_load.load_with(io, path, weights_only)  # a single file, the local engine's
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
         self.state.load_module_state(module, state, strict)
