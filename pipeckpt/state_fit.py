@@ -21,16 +21,20 @@ def _shape(value: Any) -> str:
     return str(tuple(value.shape)) if isinstance(value, Tensor) else type(value).__name__
 
 
-def _differences(expected: Mapping[str, Any], found: Mapping[str, Any], *, strict: bool) -> List[str]:
+def _differences(
+    whole: Mapping[str, Any], held: Mapping[str, Any], found: Mapping[str, Any], *, strict: bool
+) -> List[str]:
+    """``whole``: the module's state dict (other ranks' entries on meta, shapes kept); ``held``:
+    the part this process loads, every key of which must be ``found`` when ``strict``."""
     out: List[str] = []
-    for key, value in expected.items():
+    for key, value in whole.items():
         if key not in found:
-            if strict:
+            if strict and key in held:
                 out.append(f"{key!r} is not in the checkpoint")
         elif isinstance(value, Tensor) and isinstance(found[key], Tensor) and value.shape != found[key].shape:
             out.append(f"{key!r} is {_shape(found[key])} in the checkpoint, {_shape(value)} in the model")
     if strict:
-        out += [f"{key!r} is in the checkpoint, not in the model" for key in found if key not in expected]
+        out += [f"{key!r} is in the checkpoint, not in the model" for key in found if key not in whole]
     return out
 
 
@@ -52,10 +56,10 @@ def check_fits(
     strict: bool,
     source: Optional[str],
 ) -> None:
-    """Raises ``PipeckptCheckpointError`` unless ``checkpoint["state_dict"]`` loads into ``expected``
-    (the module's state dict, or this process's part of it): the same shapes for shared keys, and
-    with ``strict`` the same keys."""
-    problems = _differences(expected, checkpoint["state_dict"], strict=strict)
+    """Raises ``PipeckptCheckpointError`` unless ``checkpoint["state_dict"]`` loads into ``module``:
+    the same shapes for shared keys, and with ``strict`` no key the module lacks and every key of
+    ``expected`` (the part of the module's state dict this process loads)."""
+    problems = _differences(module.state_dict(), expected, checkpoint["state_dict"], strict=strict)
     if not problems:
         return
     model = type(module).__name__

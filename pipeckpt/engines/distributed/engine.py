@@ -32,7 +32,7 @@ from pipeckpt.batch_norm import convert_deferred_batch_norm
 from pipeckpt.compiling import compile_layers
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.auto_plan import adopt, check_auto
-from pipeckpt.engines.distributed.liveness import error_message, lost_message, raised_here
+from pipeckpt.engines.distributed.liveness import error_message, lost_message, own_error
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.rooted import (
     RootRouting,
@@ -359,9 +359,10 @@ class DistributedEngine(Engine):
         liveness = self.processes.liveness
         if liveness is None:
             return
-        liveness.report(exception)
-        if raised_here(exception):
-            return  # this rank's own error: it propagates as raised, and the others quote it
+        own = own_error(exception)
+        liveness.report(exception, own=own)
+        if own or isinstance(exception, (SystemExit, KeyboardInterrupt)):
+            return  # this rank's own error (or an exit): it propagates as raised, the others quote it
         timeout = float(self.settings.timeout or 0)
         found = liveness.diagnose(within=min(timeout, liveness.silence_s))
         describe = self.topology.describe
