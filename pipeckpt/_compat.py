@@ -253,6 +253,12 @@ def hpc_checkpoint_path(trainer: Any) -> str:
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
 
 
+def saved_step(callback: Any) -> int:
+    """The global step a ``ModelCheckpoint`` saved last; it keeps it only privately, to skip saving
+    the same step twice."""
+    return int(getattr(callback, "_last_global_step_saved", -1))
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -316,6 +322,7 @@ __all__ = [
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
     "sac_saved_ops",
+    "saved_step",
     "saved_tensors_hooks_now",
     "schedule_op_order",
     "set_module_device",

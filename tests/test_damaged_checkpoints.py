@@ -62,7 +62,8 @@ def sharded_dir(plain, tmp_path) -> Path:
     checkpoint = torch.load(plain, weights_only=True)
     module = MLP(**MODEL)
     names = optimizer_param_names(module, module.configure_optimizers())
-    checkpoint["optimizer_states"] = [sharded.optimizer_state_by_name(checkpoint["optimizer_states"][0], names)]
+    state = sharded.optimizer_state_by_name(checkpoint["optimizer_states"][0], names)
+    checkpoint["optimizer_states"] = [state]
     sharded.save(checkpoint, tmp_path / "sharded")
     return tmp_path / "sharded"
 

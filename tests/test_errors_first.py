@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import ranks
 from toy import ToyModule, toy_loader
