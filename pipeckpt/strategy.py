@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from pipeckpt import _rng, preemption
+from pipeckpt import _rng, preemption, termination
 from pipeckpt._compat import (
     checkpoint_io_unset,
     optimizers_to_device,
@@ -175,6 +175,7 @@ class PipelineStrategy(ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             preemption.install(trainer, self.cluster_environment)  # SIGUSR1 answered at step boundaries
+            termination.install(trainer)  # SIGTERM too: a checkpoint, then a non-zero exit
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
