@@ -259,6 +259,12 @@ def saved_step(callback: Any) -> int:
     return int(getattr(callback, "_last_global_step_saved", -1))
 
 
+def set_saved_step(callback: Any, step: int) -> None:
+    """Tells a ``ModelCheckpoint`` that ``step`` is saved (a ``last.ckpt`` written for it from
+    outside), so that neither it nor a second final save writes the same step again."""
+    callback._last_global_step_saved = step
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -326,6 +332,7 @@ __all__ = [
     "saved_tensors_hooks_now",
     "schedule_op_order",
     "set_module_device",
+    "set_saved_step",
     "sync_ddp_if_available",
     "register_pytree_node",
     "tree_flatten",

@@ -13,7 +13,7 @@ from typing import List
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from pipeckpt._compat import saved_step
+from pipeckpt._compat import saved_step, set_saved_step
 
 __all__ = ["FinalCheckpoint", "save_final"]
 
@@ -30,6 +30,7 @@ def save_final(trainer: Trainer) -> List[str]:
         path = os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
         trainer.save_checkpoint(path)
         callback.last_model_path = path
+        set_saved_step(callback, trainer.global_step)
         written.append(path)
     return written
 

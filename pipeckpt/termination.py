@@ -64,10 +64,6 @@ class TerminationCallback(PreemptionCallback):
         for logger in trainer.loggers:
             logger.finalize("finished")
         trainer.save_checkpoint(path)
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and path == _target(trainer):
-                callback.last_model_path = path
-                break
         print(
             f"pipeckpt: rank {trainer.global_rank} terminated by SIGTERM: saved {path} at "
             f"global_step={trainer.global_step}; exiting with {EXIT_CODE}",

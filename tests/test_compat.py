@@ -360,13 +360,15 @@ def test_dcp_metadata_names_the_private_classes_dcp_pickles_and_the_extents_of_i
     assert _compat.dcp_file_extents(metadata, set()) == {}
 
 
-def test_saved_step_reads_the_step_model_checkpoint_saved_last(tmp_path):
+def test_saved_step_reads_and_sets_the_step_model_checkpoint_saved_last(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
     trainer = Trainer(max_steps=3, callbacks=[callback], logger=False, enable_progress_bar=False)
     trainer.fit(_Tiny())
     assert _compat.saved_step(callback) == 2
+    _compat.set_saved_step(callback, 3)
+    assert _compat.saved_step(callback) == 3
 
 
 class _Tiny(LightningModule):

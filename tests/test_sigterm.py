@@ -1,5 +1,6 @@
 """SIGTERM at a random moment of a train.py run: a checkpoint saved at the next step boundary
-(loadable, holding the step it names) and a non-zero exit, in three trials."""
+(loadable, holding the step it names) and a non-zero exit, in three trials, under the local engine
+and under the distributed engine (two processes; the signal reaches rank 0 only)."""
 
 import os
 import random
@@ -13,16 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeckpt import sharded
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["model=mlp", "model.hidden=16", "model.depth=2", "validate=false", "trainer.max_steps=100000"]
 RUN += ["trainer.val_check_interval=20", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]
 RUN += ["threads=1"]
 
 
-def trial(out: Path, delay_s: float) -> None:
+DISTRIBUTED = ["strategy.engine=distributed", "trainer.devices=2", "trainer.accelerator=cpu"]
+
+
+def trial(out: Path, delay_s: float, *extra: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PL_"))}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, "train.py", *RUN, f"hydra.run.dir={out}"]
+    command = [sys.executable, "train.py", *RUN, *extra, f"hydra.run.dir={out}"]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -39,11 +45,16 @@ def trial(out: Path, delay_s: float) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 143, output[-3000:]
-    saved = re.search(r"terminated by SIGTERM: saved (\S+) at global_step=(\d+); exiting with 143", output)
-    assert saved, output[-3000:]
-    assert Path(saved.group(1)) == out / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(saved.group(1), weights_only=True)
-    assert checkpoint["global_step"] == int(saved.group(2)) >= 20
+    saved = re.findall(
+        r"rank (\d+) terminated by SIGTERM: saved (\S+) at global_step=(\d+); exiting with 143", output
+    )
+    world = 2 if extra else 1
+    assert sorted(int(rank) for rank, _, _ in saved) == list(range(world)), output[-3000:]
+    assert len({(path, step) for _, path, step in saved}) == 1, output[-3000:]  # one step, one checkpoint
+    path, step = Path(saved[0][1]), int(saved[0][2])
+    assert path == out / "checkpoints" / "last.ckpt"
+    checkpoint = sharded.load(path) if extra else torch.load(path, weights_only=True)
+    assert checkpoint["global_step"] == step >= 20
     assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] > 0
 
 
@@ -52,3 +63,11 @@ def test_sigterm_saves_at_a_step_boundary_and_exits_non_zero(tmp_path, trial_num
     delay = random.Random().uniform(0.0, 1.5)
     print(f"SIGTERM {delay:.3f} s after the first checkpoint")
     trial(tmp_path, delay)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial_number", range(3))
+def test_sigterm_to_rank_zero_saves_every_ranks_part_at_one_step_and_exits_non_zero(tmp_path, trial_number):
+    delay = random.Random().uniform(0.0, 1.5)
+    print(f"SIGTERM {delay:.3f} s after the first checkpoint")
+    trial(tmp_path, delay, *DISTRIBUTED)
