@@ -26,6 +26,7 @@ SLURM (one process per GPU, the distributed engine):
         trainer.devices=4 hydra.launcher.tasks_per_node=4 hydra.launcher.gpus_per_node=4
 """
 
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -37,11 +38,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from pipeckpt import PipeckptConfigError
+from pipeckpt import PipeckptCheckpointError, PipeckptConfigError
 from pipeckpt.app.config import register
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
 from pipeckpt.sizes import human
+from pipeckpt.state.final_checkpoint import save_final
 
 register()
 
@@ -55,8 +57,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy.name
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values()]
+    this_run = _ThisRun()
     logger = instantiate(cfg.logger) if cfg.logger else False
-    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, strategy=strategy, logger=logger, callbacks=[*callbacks, this_run]
+    )
     say = print if trainer.is_global_zero else (lambda *args, **kwargs: None)
 
     def validate(ckpt_path: Optional[str] = None) -> float:
@@ -66,18 +71,45 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.validate:
         summary["val_loss_start"] = validate(cfg.ckpt_path)
         say(f"val_loss at start: {summary['val_loss_start']:.4f}", flush=True)
-    started = time.perf_counter()
     trainer.fit(model, datamodule, ckpt_path=cfg.ckpt_path)
-    summary["fit_s"] = time.perf_counter() - started
+    summary["fit_s"] = time.perf_counter() - this_run.started
     summary["global_step"] = trainer.global_step
+    summary["first_step"] = this_run.first_step
     if cfg.validate:
-        summary["val_loss_end"] = validate()
+        # On the final weights, from the checkpoint holding them: with no path, Lightning would
+        # validate a requeued SLURM job's preemption checkpoint instead.
+        summary["val_loss_end"] = validate(_final_checkpoint(trainer, cfg.output_dir))
         say(f"val_loss at end:   {summary['val_loss_end']:.4f}", flush=True)
     report = next((c for c in callbacks if isinstance(c, StageReport)), None)
     if report is not None and report.stats:
         summary["stages"] = report.stats
         say(format_table(report.stats), flush=True)
     return summary
+
+
+class _ThisRun(L.Callback):
+    """Where and when this run's training started (a resumed run counts from its checkpoint's step)."""
+
+    def __init__(self) -> None:
+        self.first_step = 0
+        self.started = time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.first_step = trainer.global_step
+        self.started = time.perf_counter()
+
+
+def _final_checkpoint(trainer: L.Trainer, output_dir: str) -> str:
+    """A checkpoint of the final weights: last.ckpt (pipeckpt.state.final_checkpoint keeps it at the final
+    step), or one written now when no ModelCheckpoint keeps one."""
+    written = save_final(trainer)
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") if callback is not None else ""
+    if written or last:
+        return written[0] if written else last
+    path = os.path.join(output_dir, "final.ckpt")
+    trainer.save_checkpoint(path)
+    return path
 
 
 def _summary_line(summary: dict[str, Any]) -> str:
@@ -89,7 +121,11 @@ def _summary_line(summary: dict[str, Any]) -> str:
     parts = [f"[{name}]"]
     if "val_loss_end" in summary:
         parts.append(f"val_loss {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f}")
-    parts.append(f"{summary['global_step']} steps in {summary['fit_s']:.1f} s")
+    steps = summary["global_step"] - summary["first_step"]
+    resumed = (
+        f" (from step {summary['first_step']} to {summary['global_step']})" if summary["first_step"] else ""
+    )
+    parts.append(f"{steps} steps{resumed} in {summary['fit_s']:.1f} s")
     if "stages" in summary:
         peaks = ", ".join(human(s.peak_activation_bytes) for s in summary["stages"])
         parts.append(f"peak activations per stage [{peaks}]")
@@ -116,7 +152,8 @@ def main(cfg: DictConfig) -> None:
         if mistake is None:
             raise
         # A configuration mistake is the user's to fix: the message says how; a traceback would bury it.
-        print(f"Configuration error: {mistake}", file=sys.stderr, flush=True)
+        kind = "Checkpoint error" if isinstance(mistake, PipeckptCheckpointError) else "Configuration error"
+        print(f"{kind}: {mistake}", file=sys.stderr, flush=True)
         sys.exit(1)
     if summary["is_global_zero"]:
         print(_summary_line(summary), flush=True)

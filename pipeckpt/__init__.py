@@ -4,7 +4,7 @@ Importing the package registers the ``"pipe"`` strategy, so
 ``Trainer(strategy="pipe")`` works.
 """
 
-from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
+from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, PipeckptWarning
 from pipeckpt.boundaries.pipeline_of import pipeline_of
 from pipeckpt.checkpointing.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.settings import PipeSettings
@@ -19,6 +19,7 @@ __all__ = [
     "EXCEPT_LAST",
     "ALWAYS",
     "OFFLOAD",
+    "PipeckptCheckpointError",
     "PipeckptConfigError",
     "PipeckptWarning",
 ]

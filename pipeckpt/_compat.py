@@ -172,6 +172,28 @@ def sac_saved_ops() -> List[Any]:
     return [getattr(torch.ops.aten, n) for n in SAC_SAVED_OP_NAMES if hasattr(torch.ops.aten, n)]
 
 
+# -- torch.distributed.checkpoint -----------------------------------------------------
+# DCP's ``.metadata`` is a plain pickle of its Metadata dataclass, and two of the classes inside
+# it (the per-item file extent, the memory-format enum) and the function that rebuilds a layout
+# are private; a loader that admits exactly these classes must name them.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMemoryFormat  # noqa: E402
+from torch.serialization import _get_layout as layout_by_name  # noqa: E402
+
+
+def dcp_file_extents(metadata: Any, keys: Any) -> Dict[str, int]:
+    """The bytes each shard file of a DCP checkpoint must hold at least (the furthest end of the
+    items of DCP's flat ``keys``), by file name relative to the checkpoint directory:
+    ``Metadata.storage_data`` maps every item to a private ``_StorageInfo`` (file, offset, length)."""
+    extents: Dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in keys:
+            continue
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(end, extents.get(info.relative_path, 0))
+    return extents
+
+
 # -- torch.distributed.pipelining -----------------------------------------------------
 
 # A schedule calls PipelineStage.forward_one_chunk for every micro-batch and runs the
@@ -234,6 +256,18 @@ def hpc_checkpoint_path(trainer: Any) -> str:
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
 
 
+def saved_step(callback: Any) -> int:
+    """The global step a ``ModelCheckpoint`` saved last; it keeps it only privately, to skip saving
+    the same step twice."""
+    return int(getattr(callback, "_last_global_step_saved", -1))
+
+
+def set_saved_step(callback: Any, step: int) -> None:
+    """Tells a ``ModelCheckpoint`` that ``step`` is saved (a ``last.ckpt`` written for it from
+    outside), so that neither it nor a second final save writes the same step again."""
+    callback._last_global_step_saved = step
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -265,6 +299,8 @@ __all__ = [
     "accumulate_gradients",
     "FORWARD_ONE_CHUNK",
     "BatchNormBase",
+    "DcpMemoryFormat",
+    "DcpStorageInfo",
     "DeferredBatchNorm",
     "FakeTensorMode",
     "LightningPath",
@@ -277,6 +313,7 @@ __all__ = [
     "apply_to_tensors",
     "checkpoint_io_unset",
     "default_process_group_backend",
+    "dcp_file_extents",
     "default_store",
     "dispatch_mode_stack",
     "fork_dependency",
@@ -286,6 +323,7 @@ __all__ = [
     "join_dependency",
     "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
+    "layout_by_name",
     "live_op_order",
     "microbatch",
     "module_memory",
@@ -294,9 +332,11 @@ __all__ = [
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
     "sac_saved_ops",
+    "saved_step",
     "saved_tensors_hooks_now",
     "schedule_op_order",
     "set_module_device",
+    "set_saved_step",
     "sync_ddp_if_available",
     "register_pytree_node",
     "tree_flatten",

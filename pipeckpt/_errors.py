@@ -15,6 +15,11 @@ class PipeckptConfigError(ValueError):
     """A setting of the pipeline breaks a rule; raised before any training step."""
 
 
+class PipeckptCheckpointError(PipeckptConfigError):
+    """A checkpoint cannot be used as given (damaged, incomplete, another model's, or holding
+    something that loading would run); raised before it is loaded into anything."""
+
+
 class PipeckptWarning(UserWarning):
     """A setting was accepted but adjusted, or an environment was ignored."""
 
@@ -22,3 +27,8 @@ class PipeckptWarning(UserWarning):
 def config_error(what: str, rule: str, hint: str) -> PipeckptConfigError:
     """Builds the uniform message: ``<what>: <rule>. HINT: <hint>``."""
     return PipeckptConfigError(f"{what}: {rule}. HINT: {hint}")
+
+
+def checkpoint_error(what: str, rule: str, hint: str) -> PipeckptCheckpointError:
+    """:func:`config_error`'s message, for a checkpoint that cannot be used."""
+    return PipeckptCheckpointError(f"{what}: {rule}. HINT: {hint}")

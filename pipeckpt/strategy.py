@@ -43,8 +43,9 @@ from pipeckpt.engines.base import Engine, World
 from pipeckpt.settings import PipeSettings, PipeSettingsArgs, check_names
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
-from pipeckpt.state import preemption
+from pipeckpt.state import preemption, termination
 from pipeckpt.state.files import AtomicCheckpointIO
+from pipeckpt.state.fit import check_fits
 
 __all__ = ["PipelineStrategy"]
 
@@ -81,6 +82,7 @@ class PipelineStrategy(ParallelStrategy):
         self.engine: Engine = engine(self.settings)
         self.num_nodes = 1
         self.auto_plan: Optional[Any] = None  # checkpoint='auto': pipeckpt.memory.budget.AutoPlan
+        self._loaded_from: Optional[str] = None  # the checkpoint being restored, named in its errors
 
     # -- topology ---------------------------------------------------------------
 
@@ -164,6 +166,7 @@ class PipelineStrategy(ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             preemption.install(trainer, self.cluster_environment)  # SIGUSR1 answered at step boundaries
+            termination.install(trainer)  # SIGTERM too: a checkpoint, then a non-zero exit
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -277,6 +280,7 @@ class PipelineStrategy(ParallelStrategy):
         self, checkpoint_path: LightningPath, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
         torch.cuda.empty_cache()
+        self._loaded_from = str(checkpoint_path)
         checkpoint = self.engine.load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
         state = checkpoint.get(_CKPT_KEY)
         if state is not None:
@@ -289,6 +293,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        expected = self.engine.module_state_dict(self.lightning_module)
+        check_fits(self.lightning_module, expected, checkpoint, strict=strict, source=self._loaded_from)
         self.engine.load_module_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override

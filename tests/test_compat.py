@@ -338,3 +338,49 @@ def test_live_op_order_reads_a_looped_schedules_pipeline_order():
         (0, "B", 1),
         (0, "B", 0),
     ]
+
+
+def test_dcp_metadata_names_the_private_classes_dcp_pickles_and_the_extents_of_its_files(tmp_path):
+    import pickletools
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3, 2), "note": 7}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    raw = (tmp_path / ".metadata").read_bytes()
+    strings = {arg for op, arg, _ in pickletools.genops(raw) if isinstance(arg, str)}
+    # The private names the safe metadata reader admits are the ones DCP writes.
+    assert {_compat.DcpStorageInfo.__name__, _compat.DcpMemoryFormat.__name__, "_get_layout"} <= strings
+    assert _compat.layout_by_name("torch.strided") is torch.strided
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    extents = _compat.dcp_file_extents(metadata, {"w", "note"})
+    assert (
+        list(extents) == ["__0_0.distcp"]
+        and extents["__0_0.distcp"] == (tmp_path / "__0_0.distcp").stat().st_size
+    )
+    assert _compat.dcp_file_extents(metadata, set()) == {}
+
+
+def test_saved_step_reads_and_sets_the_step_model_checkpoint_saved_last(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    trainer = Trainer(max_steps=3, callbacks=[callback], logger=False, enable_progress_bar=False)
+    trainer.fit(_Tiny())
+    assert _compat.saved_step(callback) == 2
+    _compat.set_saved_step(callback, 3)
+    assert _compat.saved_step(callback) == 3
+
+
+class _Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=2)

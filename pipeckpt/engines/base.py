@@ -6,6 +6,7 @@ stages run (in which processes, on which devices, in which order) and what it te
 The call order and the members are in docs/ARCHITECTURE.md, "The engine protocol".
 """
 
+import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
-from pipeckpt.state import sharded
+from pipeckpt.state import safe_load, sharded
 
 __all__ = ["Engine", "World", "optimizer_param_names"]
 
@@ -231,9 +232,9 @@ class Engine(ABC):
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
         """A single file (either engine's ``torch.save``) or a sharded directory (the distributed
         engine's): both hold the unpipelined module's keys."""
-        if sharded.is_sharded(path):
+        if sharded.is_sharded(path) or os.path.isdir(path):  # an incomplete one is named by sharded.load
             return sharded.load(path, weights_only=weights_only)
-        return io.load_checkpoint(path, weights_only=weights_only)
+        return safe_load.load_with(io, path, weights_only)
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
         module.load_state_dict(state, strict=strict)

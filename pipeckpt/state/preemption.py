@@ -189,7 +189,7 @@ def install(trainer: Trainer, environment: Optional[ClusterEnvironment]) -> Opti
         return None
     callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
     for existing in callbacks:
-        if isinstance(existing, PreemptionCallback):
+        if isinstance(existing, PreemptionCallback) and existing.signum == signum:
             existing.requested = False
             return existing if existing.install_handler() else None
     callback = PreemptionCallback(signum=int(signum))

@@ -27,7 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt._compat import dcp_file_extents
+from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, checkpoint_error, config_error
+from pipeckpt.state import safe_load
 from pipeckpt.state.files import atomic_write, fsync_dir, hidden_sibling_prefix
 
 __all__ = [
@@ -224,6 +226,18 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def _require_sharded(path: str | os.PathLike) -> Path:
+    root = Path(path)
+    missing = [name for name in (_DCP_METADATA, META_FILE) if not (root / name).is_file()]
+    if root.is_dir() and missing and (len(missing) == 1 or any(root.glob("*.distcp"))):
+        what = {_DCP_METADATA: "DCP's index of the shards", META_FILE: "rank 0's part: loops, callbacks, RNG"}
+        raise checkpoint_error(
+            f"sharded checkpoint directory {str(path)!r}",
+            "has no "
+            + " and no ".join(f"{name} ({what[name]})" for name in missing)
+            + ", so it is incomplete (a copy that left hidden files behind, or a file removed since)",
+            "copy the whole directory again (hidden files included, e.g. `cp -r` or `rsync -a`), "
+            "or resume from another checkpoint",
+        )
     if not is_sharded(path):
         raise config_error(
             f"checkpoint path {str(path)!r}",
@@ -269,8 +283,8 @@ def load(
     ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does.
     """
     root = _require_sharded(path)
-    checkpoint = torch.load(root / META_FILE, map_location="cpu", weights_only=weights_only)
-    metadata = dcp.FileSystemReader(root).read_metadata()
+    checkpoint = safe_load.load_torch_file(root / META_FILE, weights_only=weights_only)
+    metadata = safe_load.SafeReader(root).read_metadata()
     stored = metadata.state_dict_metadata
     paths: dict[str, tuple[str | int, ...]] = metadata.planner_data  # DCP's key -> our nested path
     if keys is not None:
@@ -292,6 +306,7 @@ def load(
         else:
             assert isinstance(item, BytesStorageMetadata)
             _set(wanted, nested, None)  # DCP puts the unpickled object here
+    _require_shards(root, metadata, {key for key, nested in paths.items() if _wanted(nested, keys)})
     if any(wanted.values()):
         _read(wanted, root)
     checkpoint[_MODEL] = wanted[_MODEL]
@@ -301,13 +316,36 @@ def load(
     return checkpoint
 
 
+def _require_shards(root: Path, metadata: Any, keys: Collection[str]) -> None:
+    """Refuses a directory whose shard files holding ``keys`` (DCP's) are missing or shorter
+    than its index says."""
+    for name, needed in sorted(dcp_file_extents(metadata, keys).items()):
+        shard = root / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < needed:
+            how = "is missing" if size is None else f"holds {size} bytes of the {needed} its index names"
+            raise checkpoint_error(
+                f"sharded checkpoint directory {str(root)!r}",
+                f"its shard file {name!r} {how}, so the checkpoint is incomplete",
+                "copy the whole directory again, or resume from another checkpoint",
+            )
+
+
 def _read(wanted: dict[str, Any], root: Path) -> None:
-    """Fills ``wanted`` from the shards, this process alone."""
+    """Fills ``wanted`` from the shards, this process alone; byte items weights-only."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+            dcp.load(
+                wanted,
+                storage_reader=safe_load.SafeReader(root),
+                planner=safe_load.SafeLoadPlanner(),
+                no_dist=True,
+            )
     except dcp.CheckpointException as error:  # a BaseException: `except Exception` misses it
+        for failure, _ in error.failures.values():
+            if isinstance(failure, PipeckptCheckpointError):
+                raise failure from None
         raise RuntimeError(f"the sharded checkpoint {str(root)!r} could not be read: {error}") from error
 
 
@@ -315,7 +353,7 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
     """Writes the sharded checkpoint at ``path`` as one ``torch.save`` file at ``out``: the checkpoint
     Lightning writes without pipeckpt (optimizer state keyed by position), whose ``state_dict`` loads
     ``strict=True`` into the unpipelined module. Holds the whole checkpoint in memory."""
-    checkpoint = load(path, weights_only=False)
+    checkpoint = load(path, weights_only=True)
     for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
         names = [name for group in optimizer["param_groups"] for name in group["params"]]
         checkpoint[_OPTIM][number] = optimizer_state_by_index(optimizer, names)

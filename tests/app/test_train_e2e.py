@@ -123,7 +123,7 @@ def test_resume_from_a_checkpoint_continues_where_it_stopped(tmp_path):
     )
     # The resumed run starts from the first run's final weights and makes only the 2 missing steps.
     assert val_losses(resumed.stdout)[0] == val_losses(first.stdout)[1]
-    assert "6 steps" in resumed.stdout.splitlines()[-1]
+    assert "2 steps (from step 4 to 6)" in resumed.stdout.splitlines()[-1]
 
 
 @pytest.mark.slow

@@ -68,10 +68,11 @@ class Liveness:
             except Exception:  # the store's host is gone; the main thread will find out
                 return
 
-    def report(self, error: BaseException) -> None:
-        """Tells the others that this rank stops, and why if its own code raised."""
+    def report(self, error: BaseException, *, own: Optional[bool] = None) -> None:
+        """Tells the others that this rank stops, and why if the error is its own (``own``; default:
+        its user code raised it)."""
         try:
-            if raised_here(error):
+            if raised_here(error) if own is None else own:
                 origin = _origin(error)
                 what = {
                     "type": type(origin).__name__,
@@ -131,9 +132,11 @@ class Liveness:
         self, error: BaseException, *, me: int, describe: Callable[[int], str], timeout: float
     ) -> Optional[str]:
         """Reports ``error`` to the others and says which rank raised or was lost; None when this
-        rank's own code raised it (it propagates as raised, and the others quote it)."""
-        self.report(error)
-        if raised_here(error):
+        rank's own code raised it, whatever the phase, or it is an exit (it propagates as raised,
+        and the others quote it)."""
+        own = own_error(error)
+        self.report(error, own=own)
+        if own or isinstance(error, (SystemExit, KeyboardInterrupt)):
             return None
         found = self.diagnose(within=min(timeout, self.silence_s))
         if found.errors:
@@ -222,6 +225,34 @@ def raised_here(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+_COMMUNICATION = os.path.dirname(os.path.abspath(dist.__file__))  # torch/distributed
+
+
+def _raised_in_communication(error: BaseException) -> bool:
+    """Whether ``error``'s innermost frame is in torch.distributed (a collective, a point-to-point
+    operation, the store): the only place where another rank's failure surfaces."""
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_COMMUNICATION)
+
+
+def own_error(error: BaseException) -> bool:
+    """Whether ``error`` is this rank's own, whatever the phase (set-up, a checkpoint load, a step):
+    its user code raised it, or nothing in its chain was raised inside communication. An exit
+    (``SystemExit``, ``KeyboardInterrupt``) is no error of the rank's to quote."""
+    if raised_here(error):
+        return True
+    if isinstance(error, (SystemExit, KeyboardInterrupt)):
+        return False
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if _raised_in_communication(seen):
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return True
 
 
 def error_message(*, me: int, errors: Dict[int, Dict[str, str]], describe: Callable[[int], str]) -> str:

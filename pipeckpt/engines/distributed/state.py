@@ -7,6 +7,7 @@ the keys of the stages it holds now, once they are built; so a checkpoint moves 
 stage counts and world sizes (``python -m pipeckpt.convert`` makes it one file).
 """
 
+import os
 from typing import Any, Dict, List, Optional
 
 from lightning.fabric.plugins import CheckpointIO
@@ -18,7 +19,7 @@ from pipeckpt import _rng
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import optimizer_param_names
 from pipeckpt.engines.distributed.processes import ProcessGroups
-from pipeckpt.state import sharded
+from pipeckpt.state import safe_load, sharded
 
 __all__: List[str] = []
 
@@ -79,10 +80,10 @@ class StateIO:
         path: Any, module: Optional[LightningModule], io: CheckpointIO, weights_only: Optional[bool]
     ) -> Dict[str, Any]:
         """A sharded checkpoint (this process's keys), or a single file (the local engine's)."""
-        if sharded.is_sharded(path):
+        if sharded.is_sharded(path) or os.path.isdir(path):  # an incomplete one is named by sharded.load
             assert module is not None, "restored after build (restore_after_setup)"
             return StateIO.load_sharded(path, module, weights_only)
-        return io.load_checkpoint(path, weights_only=weights_only)
+        return safe_load.load_with(io, path, weights_only)  # a single file, the local engine's
 
     @staticmethod
     def load_sharded(path: Any, module: LightningModule, weights_only: Any) -> Dict[str, Any]:

@@ -1,0 +1,88 @@
+"""SIGTERM answered like SLURM's preemption warning: a checkpoint at the next step boundary, then a
+non-zero exit.
+
+Why: Lightning's own SIGTERM handler raises ``SIGTERMException``, a ``SystemExit`` with no code, so
+an interrupted run exits 0 with no checkpoint, and under the distributed engine it starts a
+broadcast inside the handler. Here the handler only records the signal (as
+:class:`pipeckpt.state.preemption.PreemptionCallback` does), the ranks agree on it after each optimizer
+step, every rank saves (``last.ckpt`` of a ``save_last`` ModelCheckpoint, else Lightning's
+``hpc_ckpt_N.ckpt`` in the root directory), and the process exits with 143 (128 + SIGTERM). A SIGTERM
+after training ends is left to the handler that was there before (by default: the process dies of
+it), so the exit is non-zero whenever the signal came.
+"""
+
+import os
+import signal
+from typing import List, Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+
+from pipeckpt._compat import hpc_checkpoint_path
+from pipeckpt.state.preemption import Preempted, PreemptionCallback
+
+__all__ = ["EXIT_CODE", "Terminated", "TerminationCallback", "install"]
+
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Terminated(Preempted):
+    """Raised on every rank once the checkpoint is saved after a SIGTERM; ``code`` is 143."""
+
+    def __init__(self, *, step: int, path: str) -> None:
+        super().__init__(step=step, path=path, requeued=False)
+        self.code = EXIT_CODE
+
+
+def _target(trainer: Trainer) -> str:
+    """``last.ckpt`` of the first ``save_last`` ModelCheckpoint (what a user resumes from), else the
+    next ``hpc_ckpt_N.ckpt``."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath is not None:
+            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+    return hpc_checkpoint_path(trainer)
+
+
+class TerminationCallback(PreemptionCallback):
+    """Records SIGTERM in its handler and saves and exits at the next optimizer-step boundary."""
+
+    def __init__(self) -> None:
+        super().__init__(signum=signal.SIGTERM)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning wrapped its own SIGTERM handler around ours as the fit began; ours alone decides.
+        if self._installed:
+            signal.signal(self.signum, self._on_signal)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._agreed(trainer):  # the signal came after the last step's boundary
+            self._preempt(trainer)
+
+    def _preempt(self, trainer: Trainer) -> None:
+        path = trainer.strategy.broadcast(_target(trainer), src=0)  # one name on every rank
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save
+        for logger in trainer.loggers:
+            logger.finalize("finished")
+        trainer.save_checkpoint(path)
+        print(
+            f"pipeckpt: rank {trainer.global_rank} terminated by SIGTERM: saved {path} at "
+            f"global_step={trainer.global_step}; exiting with {EXIT_CODE}",
+            flush=True,
+        )
+        raise Terminated(step=trainer.global_step, path=str(path))
+
+
+def install(trainer: Trainer) -> Optional[TerminationCallback]:
+    """Answers SIGTERM at step boundaries in this ``fit``; called by the strategy. Leaves a SIGTERM
+    handler the user installed alone."""
+    callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    for existing in callbacks:
+        if isinstance(existing, TerminationCallback):
+            existing.requested = False
+            return existing if existing.install_handler() else None
+    callback = TerminationCallback()
+    if not callback.install_handler():
+        return None
+    first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+    callbacks.insert(first_checkpoint, callback)
+    return callback
