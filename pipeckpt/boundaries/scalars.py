@@ -38,7 +38,8 @@ def shifts_labels(module: nn.Module) -> bool:
     also covers GPT-2, whose ``loss_type`` is unset and whose loss is the causal one).
 
     Args:
-        module: the pipelined module (a :class:`~pipeckpt.ModulePipeline` stands for its root).
+        module: the pipelined module (a
+            :class:`~pipeckpt.boundaries.pipeline_of.ModulePipeline` stands for its root).
     """
     root = getattr(module, "root", module)
     try:
