@@ -94,7 +94,12 @@ class PipeSettings:
         metadata=_engine_help("device index of each stage, to put several stages on one device (local)"),
     )
     deferred_batch_norm: bool = field(
-        default=False, metadata=_help("BatchNorm statistics per batch, not per micro-batch")
+        default=False,
+        metadata=_help(
+            "BatchNorm running statistics over the whole batch, committed once per batch; training "
+            "still normalises each micro-batch by its own statistics (GPipe's rule), so a pipelined "
+            "BatchNorm model trains differently from the unpipelined one"
+        ),
     )
     layer_rng: str = field(
         default="auto",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import tree_map
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.boundaries.microbatch import gather
+from pipeckpt.boundaries.scalars import LossWeights, loss_weights, shifts_labels, step_weights, weigh
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
@@ -49,6 +50,8 @@ class _Run:
     recorder: LogRecorder = field(init=False)
     losses: List[Tensor] = field(default_factory=list)
     calls: Dict[int, Call] = field(default_factory=dict)  # micro-batch -> its captured call (side inputs)
+    weights: Optional[LossWeights] = None  # the losses' weights by the calls' labels (None: 1/m each)
+    weighed: bool = False
 
     def __post_init__(self) -> None:
         self.recorder = LogRecorder(self.hook)
@@ -124,7 +127,8 @@ class PipelinedStep:
                 schedule.step(*inputs, return_outputs=False)
                 if last is not None:  # forward only: the step sees the whole batch's output
                     outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
-                    output = gather(outputs, call=f"{self._name()}(...)")
+                    weights = lambda: loss_weights(self._calls(run), shift=shifts_labels(self.sequential))  # noqa: E731
+                    output = gather(outputs, call=f"{self._name()}(...)", weights=weights)
                     with user_code(), answering(module, self.sequential, output, hook, run.recorder):
                         result = getattr(module, hook)(batch, *rest, **kwargs)
         finally:
@@ -233,8 +237,19 @@ class PipelinedStep:
         with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
             returned = self.module.training_step(run.microbatches[int(target[0])], *run.rest, **run.kwargs)
         loss = step_loss(returned, run.hook)
-        run.losses.append(loss.detach().float())
-        return loss * run.scale
+        if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m
+            rooted = not isinstance(self.sequential, nn.Sequential)  # a pipeline_of model's root
+            run.weights = step_weights(self._calls(run), self.sequential) if rooted else None
+            run.weighed = True
+        if run.weights is None:
+            run.losses.append(loss.detach().float())
+            return loss * run.scale
+        weight = run.weights.weights[int(target[0])] * run.microbatches.count  # losses.mean() below
+        run.losses.append(weigh(loss.detach().float(), weight))
+        return weigh(loss, weight * run.scale)
+
+    def _calls(self, run: _Run) -> List[Call]:
+        return [self.call_of(i) for i in range(run.microbatches.count)]
 
     def _microbatches_for(self, size: int, train: bool) -> int:
         assert self.processes.topology is not None

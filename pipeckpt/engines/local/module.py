@@ -14,6 +14,7 @@ from torch import nn
 from pipeckpt.boundaries.microbatch import gather, scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.pytrees import to_device
+from pipeckpt.boundaries.scalars import loss_weights, shifts_labels
 from pipeckpt.boundaries.side_inputs import describe_call
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.stages.caller import StepCasts, capture_caller_state, release_cast_cache
@@ -56,6 +57,7 @@ class ModuleRunner:
                 layer.forward = self._route(layer, self.stages[j])
                 self._routed.append(layer)
         spec.root.forward = self.forward
+        self._shift = shifts_labels(spec)  # the model's loss drops each row's first label
 
     def _route(self, layer: nn.Module, stage: Stage) -> Callable[..., Any]:
         own = layer.forward  # the layer's bound method (or an earlier instance override)
@@ -96,7 +98,7 @@ class ModuleRunner:
                 outputs.append(self._root_forward(*a, **k))
         finally:
             self._microbatch = None
-        return gather(outputs, call=call)
+        return gather(outputs, call=call, weights=lambda: loss_weights(pieces, shift=self._shift))
 
     def restore(self) -> None:
         """Every routed module gets its own forward back."""

@@ -18,6 +18,7 @@ from pipeckpt._compat import fork_dependency, inspect_skip_layout, join_dependen
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.boundaries.microbatch import batch_size, gather, scatter
 from pipeckpt.boundaries.pytrees import Flat, TensorOrTensors, first_tensor, to_device
+from pipeckpt.boundaries.scalars import loss_weights
 from pipeckpt.boundaries.side_inputs import Chain, Signatures, describe_call
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.stages.caller import StepCasts, capture_caller_state, release_cast_cache
@@ -144,15 +145,18 @@ class LocalPipeline:
             self._warn_small(batch_size(args, call=call), len(pieces))
         return [(a[0], k) for a, k in pieces]
 
-    def _gather(self, outputs: Sequence[Any]) -> Any:
+    def _gather(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], sides: Optional[List[Dict[str, Any]]]
+    ) -> Any:
         first = outputs[0]
         if len(outputs) == 1:
             return first.value() if type(first) is Flat else first
-        if isinstance(first, Tensor):
+        if isinstance(first, Tensor) and first.dim():
             return torch.cat(outputs)  # type: ignore[arg-type]
-        if _tensors(first):
+        if _tensors(first) and all(t.dim() for t in first):
             return tuple(torch.cat(parts) for parts in zip(*outputs))
-        return gather(outputs, call=f"{self.name}(...)")
+        calls = [((x,), sides[i] if sides is not None else {}) for i, x in enumerate(inputs)]
+        return gather(outputs, call=f"{self.name}(...)", weights=lambda: loss_weights(calls, shift=False))
 
     def _stage_chains(
         self, args: Tuple[Any, ...], kwargs: Dict[str, Any]
@@ -194,6 +198,7 @@ class LocalPipeline:
                 for stage, (chain, _) in zip(stages, chains):
                     stage.chain = chain
         m = len(batches)
+        inputs = list(batches)  # each micro-batch's input, for the weights of a 0-dim output
         caller = capture_caller_state()
         step = StepCasts(sum(s.recomputes_per_step(m) for s in stages))
         for stage in stages:
@@ -218,7 +223,7 @@ class LocalPipeline:
                     if side and stages[j].device != self.plan.devices[0]:
                         side = _to(side, stages[j].device)
                     batches[i] = stages[j](x, side or None)
-        return self._gather(batches)
+        return self._gather(batches, inputs, sides)
 
 
 def _refuse_skip_connections(stages: List[Stage]) -> None:
