@@ -12,18 +12,16 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -33,26 +31,26 @@ from pipeckpt._compat import (
     LightningPath,
     checkpoint_io_unset,
     optimizers_to_device,
-    sync_ddp_if_available,
     unwrap_optimizer,
 )
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
-from pipeckpt.engines.base import Engine, World
+from pipeckpt.engines.base import Engine
 from pipeckpt.settings import PipeSettings, PipeSettingsArgs, check_names
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 from pipeckpt.state import preemption, termination
 from pipeckpt.state.files import AtomicCheckpointIO
 from pipeckpt.state.fit import check_fits
+from pipeckpt.strategy_processes import ProcessStrategy
 
 __all__ = ["PipelineStrategy"]
 
 _CKPT_KEY = "pipeckpt"
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(ProcessStrategy):
     """Pipeline parallelism with a checkpoint mode per stage.
 
     Args:
@@ -95,40 +93,6 @@ class PipelineStrategy(ParallelStrategy):
     def stages(self) -> List[Stage]:
         """This process's stages."""
         return self.engine.stages
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self.engine.root_device(self.parallel_devices or [torch.device("cpu")], self.local_rank)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return self.engine.restore_after_setup
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.engine.is_distributed
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return self.engine.sampler_kwargs(self.global_rank)
-
-    def _world(self) -> World:
-        return World(num_nodes=self.num_nodes, num_processes=self.num_processes, global_rank=self.global_rank)
-
-    def set_world_ranks(self) -> None:
-        if self.engine.is_distributed and self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        if self.num_processes:  # bad topologies fail when the Trainer is built
-            self.engine.configure_world(self._world())
 
     # -- set-up -----------------------------------------------------------------
 
@@ -302,38 +266,6 @@ class PipelineStrategy(ParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.engine.load_optimizer_state(optimizer, state)
             _optimizer_state_to_param_devices(optimizer)
-
-    # -- collectives: identities in one process --------------------------------------
-
-    def _collective(self) -> bool:
-        return self.engine.is_distributed and dist.is_available() and dist.is_initialized()
-
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
-    ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor) and self._collective():
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self._collective():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self._collective():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if not self._collective():
-            return tensor
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     # -- failures and the end ---------------------------------------------------------
 

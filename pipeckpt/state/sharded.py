@@ -10,12 +10,9 @@ at its path in one rename.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import itertools
 import os
 import shutil
-import uuid
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -30,7 +27,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from pipeckpt._compat import dcp_file_extents
 from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, checkpoint_error, config_error
 from pipeckpt.state import safe_load
-from pipeckpt.state.files import atomic_write, fsync_dir, hidden_sibling_prefix
+from pipeckpt.state.directories import swap_into_place, temporary_beside
+from pipeckpt.state.files import atomic_write
 
 __all__ = [
     "META_FILE",
@@ -157,7 +155,7 @@ def save(
         tensors = _tensors_to_write(checkpoint)
     except PipeckptConfigError as error:
         refusal, tensors = error, {}
-    tmp = _temporary_beside(target) if is_zero else None
+    tmp = temporary_beside(target) if is_zero else None
     if distributed:  # agree on the directory, and stop together when one rank's input is refused
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (tmp, None if refusal is None else str(refusal)), group=group)
@@ -202,7 +200,7 @@ def _write(
         try:
             # Rank 0's part; atomic_write also makes the directory's entries (DCP's files) durable.
             atomic_write(tmp / META_FILE, lambda file: torch.save(_metadata(checkpoint), file))
-            _swap_into_place(tmp, target)
+            swap_into_place(tmp, target)
         except BaseException as error:  # every rank must hear of it: broadcast, then raised
             shutil.rmtree(tmp, ignore_errors=True)
             if not distributed:
@@ -358,68 +356,3 @@ def to_torch_save(path: str | os.PathLike, out: str | os.PathLike) -> None:
         names = [name for group in optimizer["param_groups"] for name in group["params"]]
         checkpoint[_OPTIM][number] = optimizer_state_by_index(optimizer, names)
     atomic_write(out, lambda file: torch.save(checkpoint, file))
-
-
-# -- atomic directory replacement ----------------------------------------------------------------
-# Single files go through pipeckpt.state.files.atomic_write. A directory is swapped here rather
-# than by checkpoint_io.atomic_replace_dir because this swap is one step where Linux allows it.
-
-
-def _temporary_beside(target: Path) -> str:
-    """A fresh name in ``target``'s directory (a rename from it never crosses filesystems), after
-    removing what interrupted saves of ``target`` left there, if ``target`` itself is whole: then
-    none of that is the only copy of a checkpoint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.lexists(target):
-        prefix = hidden_sibling_prefix(target.name)
-        for pattern in (f"{prefix}sharded-*", f"{prefix}old-*"):
-            for leftover in target.parent.glob(pattern):
-                _remove(leftover)
-    return str(target.with_name(f"{hidden_sibling_prefix(target.name)}sharded-{uuid.uuid4().hex}"))
-
-
-_RENAME_EXCHANGE = 2  # linux/fs.h
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swaps two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the libc or
-    the filesystem cannot. Hand-written: ``os`` has no renameat2, and ctypes is less to trust than the
-    one small PyPI wrapper of it."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Puts the complete directory ``tmp`` at ``target``, then removes what was there.
-
-    A new ``target``: one rename. An existing one: swapped in one step where the filesystem can (a
-    reader finds the old checkpoint or the new one, whole); elsewhere moved aside first, so a reader
-    finds the old one, nothing, or the new one, and never a part of one.
-    """
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):
-        fsync_dir(target.parent)
-        _remove(tmp)  # the old checkpoint, now under the temporary name
-    else:
-        aside = target.with_name(f"{hidden_sibling_prefix(target.name)}old-{uuid.uuid4().hex}")
-        os.rename(target, aside)
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
-        _remove(aside)
-    fsync_dir(target.parent)

@@ -1,14 +1,12 @@
-"""SIGTERM answered like SLURM's preemption warning: a checkpoint at the next step boundary, then a
-non-zero exit.
+"""SIGTERM answered like SLURM's preemption warning: a checkpoint at the next step boundary, then exit 143.
 
-Why: Lightning's own SIGTERM handler raises ``SIGTERMException``, a ``SystemExit`` with no code, so
-an interrupted run exits 0 with no checkpoint, and under the distributed engine it starts a
-broadcast inside the handler. Here the handler only records the signal (as
-:class:`pipeckpt.state.preemption.PreemptionCallback` does), the ranks agree on it after each optimizer
-step, every rank saves (``last.ckpt`` of a ``save_last`` ModelCheckpoint, else Lightning's
-``hpc_ckpt_N.ckpt`` in the root directory), and the process exits with 143 (128 + SIGTERM). A SIGTERM
-after training ends is left to the handler that was there before (by default: the process dies of
-it), so the exit is non-zero whenever the signal came.
+Why: Lightning's own handler raises ``SIGTERMException``, a ``SystemExit`` with no code, so an
+interrupted run exits 0 with no checkpoint (and under the distributed engine starts a broadcast
+inside the handler). Here the handler only records the signal (as
+:class:`pipeckpt.state.preemption.PreemptionCallback` does), the ranks agree on it after each
+optimizer step, every rank saves (``last.ckpt`` of a ``save_last`` ModelCheckpoint, else Lightning's
+``hpc_ckpt_N.ckpt``), and the process exits with 143 (128 + SIGTERM). A SIGTERM after training
+ends is left to the handler that was there before, so the exit is non-zero whenever it came.
 """
 
 import os

@@ -51,7 +51,7 @@ REAL_TORCH_SAVE = torch.save  # bound before the probes wrap torch.save in a chi
 
 def install_write_probes(probe: Probe) -> None:
     """Wraps torch.save and the sharded save's final rename in this (disposable) child."""
-    real_save, real_swap = torch.save, sharded._swap_into_place
+    real_save, real_swap = torch.save, sharded.swap_into_place
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         kill = probe.event("write_bytes")
@@ -68,7 +68,7 @@ def install_write_probes(probe: Probe) -> None:
         real_swap(tmp, target)
         probe.maybe_kill("write_after_replace")
 
-    torch.save, sharded._swap_into_place = save, swap  # type: ignore[assignment]
+    torch.save, sharded.swap_into_place = save, swap  # type: ignore[assignment]
 
 
 def train(

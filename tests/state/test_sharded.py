@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError
-from pipeckpt.state import sharded
+from pipeckpt.state import directories, sharded
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "sharded_worker.py"
@@ -333,8 +333,8 @@ def test_a_sharded_checkpoint_replaces_a_single_file_of_the_same_name(small):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
 def test_a_replacing_save_swaps_the_directories_in_one_step_on_linux(small, monkeypatch):
     swaps: List[bool] = []
-    exchange = sharded._exchange
-    monkeypatch.setattr(sharded, "_exchange", lambda a, b: swaps.append(exchange(a, b)) or swaps[-1])
+    exchange = directories.exchange
+    monkeypatch.setattr(directories, "exchange", lambda a, b: swaps.append(exchange(a, b)) or swaps[-1])
     sharded.save(small["checkpoint"], small["path"])
     small["checkpoint"]["epoch"] = 2
     sharded.save(small["checkpoint"], small["path"])
@@ -344,7 +344,7 @@ def test_a_replacing_save_swaps_the_directories_in_one_step_on_linux(small, monk
 
 
 def test_where_the_filesystem_cannot_swap_the_older_one_is_moved_aside_then_removed(small, monkeypatch):
-    monkeypatch.setattr(sharded, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(directories, "exchange", lambda a, b: False)
     sharded.save(small["checkpoint"], small["path"])
     small["checkpoint"]["epoch"] = 2
     sharded.save(small["checkpoint"], small["path"])
