@@ -75,6 +75,7 @@ from pipeckpt._compat import (
 )
 from pipeckpt.boundaries.pytrees import Call, Layout, flat_output, value
 from pipeckpt.boundaries.side_inputs import Chain
+from pipeckpt.checkpointing.kv_caches import without_kv_caches
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import Copies, Offloader, backward_microbatches, copies_for
@@ -683,6 +684,7 @@ class Stage(nn.Module):
         kwargs: Dict[str, Any],
     ) -> Any:
         if torch.is_grad_enabled():
+            args, kwargs = without_kv_caches(fn, args, kwargs)  # in every mode: see checkpointing.kv_caches
             recompute = self.mode.recomputes(i, self._num_microbatches, keep=self._keep)
             if recompute and self.mode.selective:  # each layer call is its own checkpoint: mode.every is moot
 
