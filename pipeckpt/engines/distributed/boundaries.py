@@ -26,9 +26,23 @@ from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pytrees import Structure
 
-__all__ = ["Boundaries"]
+__all__ = ["Boundaries", "sendable"]
 
 Flat = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def _sendable(t: Tensor) -> Tensor:
+    # The default memory format, which the receiver's buffer has; a copy keeps autograd's graph.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def sendable(flat: Flat) -> Flat:
+    """``flat`` as tensors a process group sends: gloo (and NCCL) send only a dense, contiguous
+    tensor, so a view with strides of its own (a transpose, an expanded bias), a channels_last
+    tensor or a slice goes as a contiguous copy; what is contiguous already goes as it is."""
+    if isinstance(flat, Tensor):
+        return _sendable(flat)
+    return tuple(_sendable(t) for t in flat)
 
 
 class _TensorLeaf:
@@ -88,7 +102,7 @@ class Boundaries:
             self._by_stage[index] = structure
         elif index not in self._by_stage or not _same(self._by_stage[index], structure):
             self._changed(index, structure, names)
-        return flat
+        return sendable(flat)
 
     def _changed(self, index: int, now: Optional[Structure], names: Sequence[str]) -> None:
         layers = f" (layers {names[0]} to {names[-1]})" if names else ""
