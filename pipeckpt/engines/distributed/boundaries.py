@@ -20,6 +20,7 @@ inferred is refused by the stage that made it, since the next stage could not re
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from pipeckpt._compat import tree_flatten
@@ -45,6 +46,27 @@ def sendable(flat: Flat) -> Flat:
     return tuple(_sendable(t) for t in flat)
 
 
+def _needing_gradients(flat: Flat) -> Flat:
+    def one(t: Tensor) -> Tensor:
+        floating = t.is_floating_point() or t.is_complex()
+        return t.detach().requires_grad_() if floating and not t.requires_grad else t
+
+    return one(flat) if isinstance(flat, Tensor) else tuple(one(t) for t in flat)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous: a received tensor's gradient is sent back
+    (an input read through a transpose would otherwise get a transposed gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 class _TensorLeaf:
     def __repr__(self) -> str:
         return "<tensor>"
@@ -62,10 +84,16 @@ def _same(a: Optional[Structure], b: Optional[Structure]) -> bool:
         return a is b
     if a.slots != b.slots or a.spec != b.spec:
         return False
+    return all(_same_leaf(x, y) for x, y in zip(a.leaves, b.leaves))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if type(x).__eq__ is object.__eq__:  # state made per call (a KV cache): of the same kind will do
+        return type(x) is type(y)
     try:
-        return bool(a.leaves == b.leaves)
+        return bool(x == y)
     except Exception:  # a leaf whose == is not a bool (an array): compare by identity
-        return all(x is y for x, y in zip(a.leaves, b.leaves))
+        return x is y
 
 
 class Boundaries:
@@ -100,6 +128,9 @@ class Boundaries:
                 )
         if inferring:
             self._by_stage[index] = structure
+            # Every floating tensor announced as needing a gradient, as a training micro-batch's all
+            # do (a stage's checkpoint Function makes them): the next stage then sends one for each.
+            flat = _needing_gradients(flat)
         elif index not in self._by_stage or not _same(self._by_stage[index], structure):
             self._changed(index, structure, names)
         return sendable(flat)
@@ -116,7 +147,11 @@ class Boundaries:
         )
 
     def rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
-        """The value stage ``index`` returned, around the tensors that carry it."""
+        """The value stage ``index`` returned, around the tensors that carry it (received from its
+        process: their gradients go back to it, so they are made contiguous, see :func:`sendable`)."""
+        return self._rebuild(index, [_ContiguousGradient.apply(t) if t.requires_grad else t for t in tensors])
+
+    def _rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
         structure = self._by_stage.get(index)
         if structure is None:
             return tensors[0]
@@ -124,4 +159,4 @@ class Boundaries:
 
     def rebuild_output(self, index: int, flat: Any) -> Any:
         """The last stage's ``flat`` output (what its module returned) as the user's value."""
-        return self.rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)
+        return self._rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)
