@@ -27,7 +27,7 @@ from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pytrees import Structure
 
-__all__ = ["Boundaries", "sendable"]
+__all__ = ["Boundaries", "announced", "sendable"]
 
 Flat = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -46,7 +46,11 @@ def sendable(flat: Flat) -> Flat:
     return tuple(_sendable(t) for t in flat)
 
 
-def _needing_gradients(flat: Flat) -> Flat:
+def announced(flat: Flat) -> Flat:
+    """A stage's ``flat`` output in shape inference, each floating tensor needing a gradient as a
+    training micro-batch's all do (the stage's checkpoint Function makes them so), so that the
+    next stage sends a gradient back for each; one without would fail the micro-batch's backward."""
+
     def one(t: Tensor) -> Tensor:
         floating = t.is_floating_point() or t.is_complex()
         return t.detach().requires_grad_() if floating and not t.requires_grad else t
@@ -128,9 +132,6 @@ class Boundaries:
                 )
         if inferring:
             self._by_stage[index] = structure
-            # Every floating tensor announced as needing a gradient, as a training micro-batch's all
-            # do (a stage's checkpoint Function makes them): the next stage then sends one for each.
-            flat = _needing_gradients(flat)
         elif index not in self._by_stage or not _same(self._by_stage[index], structure):
             self._changed(index, structure, names)
         return sendable(flat)

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
-from pipeckpt.engines.distributed.boundaries import Boundaries
+from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.stages.partition import StagePlan, split
 from pipeckpt.stages.stage import Stage, mark_shared_parameters, side_effect_free
@@ -91,6 +91,7 @@ class StageModule(nn.Module):
             with _statistics_untouched(partition):
                 out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
         flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
+        flat = flat if self.live else announced(flat)
         if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
             if isinstance(flat, Tensor):
                 return flat.clone() if is_view(flat) else flat
