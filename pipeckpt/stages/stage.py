@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeckpt.boundaries.calls import Call
 from pipeckpt.boundaries.pytrees import is_tensor_or_tensors, value
+from pipeckpt.checkpointing.kv_caches import without_kv_caches
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import backward_microbatches
 from pipeckpt.checkpointing.order import Op, kept, local_order
@@ -205,6 +206,7 @@ class Stage(Recomputable):
         kwargs: Dict[str, Any],
     ) -> Any:
         if torch.is_grad_enabled():
+            args, kwargs = without_kv_caches(fn, args, kwargs)  # in every mode: see checkpointing.kv_caches
             recompute = self.mode.recomputes(i, self._num_microbatches, keep=self._keep)
             if recompute and self.mode.selective:  # each layer call is its own checkpoint: mode.every is moot
 

@@ -10,15 +10,55 @@ refused by the stage that made it (docs/DESIGN.md, engines/distributed/boundarie
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from pipeckpt._compat import tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.calls import Structure
 
-__all__ = ["Boundaries"]
+__all__ = ["Boundaries", "announced", "sendable"]
 
 Flat = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def _sendable(t: Tensor) -> Tensor:
+    # The default memory format, which the receiver's buffer has; a copy keeps autograd's graph.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def sendable(flat: Flat) -> Flat:
+    """``flat`` as tensors a process group sends: gloo (and NCCL) send only a dense, contiguous
+    tensor, so a view with strides of its own (a transpose, an expanded bias), a channels_last
+    tensor or a slice goes as a contiguous copy; what is contiguous already goes as it is."""
+    if isinstance(flat, Tensor):
+        return _sendable(flat)
+    return tuple(_sendable(t) for t in flat)
+
+
+def announced(flat: Flat) -> Flat:
+    """A stage's ``flat`` output in shape inference, each floating tensor needing a gradient as a
+    training micro-batch's all do (the stage's checkpoint Function makes them so), so that the
+    next stage sends a gradient back for each; one without would fail the micro-batch's backward."""
+
+    def one(t: Tensor) -> Tensor:
+        floating = t.is_floating_point() or t.is_complex()
+        return t.detach().requires_grad_() if floating and not t.requires_grad else t
+
+    return one(flat) if isinstance(flat, Tensor) else tuple(one(t) for t in flat)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous: a received tensor's gradient is sent back
+    (an input read through a transpose would otherwise get a transposed gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 class _TensorLeaf:
@@ -38,10 +78,16 @@ def _same(a: Optional[Structure], b: Optional[Structure]) -> bool:
         return a is b
     if a.slots != b.slots or a.spec != b.spec:
         return False
+    return all(_same_leaf(x, y) for x, y in zip(a.leaves, b.leaves))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if type(x).__eq__ is object.__eq__:  # state made per call (a KV cache): of the same kind will do
+        return type(x) is type(y)
     try:
-        return bool(a.leaves == b.leaves)
+        return bool(x == y)
     except Exception:  # a leaf whose == is not a bool (an array): compare by identity
-        return all(x is y for x, y in zip(a.leaves, b.leaves))
+        return x is y
 
 
 class Boundaries:
@@ -78,7 +124,7 @@ class Boundaries:
             self._by_stage[index] = structure
         elif index not in self._by_stage or not _same(self._by_stage[index], structure):
             self._changed(index, structure, names)
-        return flat
+        return sendable(flat)
 
     def _changed(self, index: int, now: Optional[Structure], names: Sequence[str]) -> None:
         layers = f" (layers {names[0]} to {names[-1]})" if names else ""
@@ -92,7 +138,11 @@ class Boundaries:
         )
 
     def rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
-        """The value stage ``index`` returned, around the tensors that carry it."""
+        """The value stage ``index`` returned, around the tensors that carry it (received from its
+        process: their gradients go back to it, so they are made contiguous, see :func:`sendable`)."""
+        return self._rebuild(index, [_ContiguousGradient.apply(t) if t.requires_grad else t for t in tensors])
+
+    def _rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
         structure = self._by_stage.get(index)
         if structure is None:
             return tensors[0]
@@ -100,4 +150,4 @@ class Boundaries:
 
     def rebuild_output(self, index: int, flat: Any) -> Any:
         """The last stage's ``flat`` output (what its module returned) as the user's value."""
-        return self.rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)
+        return self._rebuild(index, (flat,) if isinstance(flat, Tensor) else flat)

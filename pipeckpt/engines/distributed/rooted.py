@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines.distributed.boundaries import announced
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
 from pipeckpt.engines.distributed.step import PipelinedStep
@@ -198,6 +199,7 @@ class RootStageModule(StageModule):
             with side_effect_free(self.stage.partition):
                 out = self.routing.run(j, live=False, microbatch=0, call=call, received=received)
         flat = self.boundaries.flatten(j, out, inferring=not live, names=self.names)
+        flat = flat if live else announced(flat)
         if self.no_views:
             if isinstance(flat, Tensor):
                 return flat.clone() if is_view(flat) else flat

@@ -17,9 +17,10 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.data import BatchSampler
 
 from pipeckpt._compat import tree_map
-from pipeckpt._errors import PipeckptWarning, config_error
+from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
 from pipeckpt.boundaries.microbatch import gather
 from pipeckpt.boundaries.scalars import LossWeights, loss_weights, shifts_labels, step_weights, weigh
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
@@ -27,7 +28,7 @@ from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call, Microbatches, answering, capture_call, step_loss
-from pipeckpt.engines.distributed.schedules import Schedules
+from pipeckpt.engines.distributed.schedules import Schedules, microbatch_rule
 from pipeckpt.engines.distributed.ties import Ties
 from pipeckpt.engines.distributed.topology import microbatches_for
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
@@ -82,6 +83,7 @@ class PipelinedStep:
         self._chains: Dict[FrozenSet[str], bool] = {}
         self._run: Optional[_Run] = None
         self._warned = False
+        self._last_batch_checked = False
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -98,6 +100,8 @@ class PipelinedStep:
         module, schedules = self.module, self.schedules
         assert schedules is not None and args
         train = hook == "training_step"
+        if train and not self._last_batch_checked:
+            self._check_last_batch()
         batch, rest = args[0], args[1:]
         m = self._microbatches_for(Microbatches(batch, 1).size, train)
         microbatches = Microbatches(batch, m)
@@ -252,8 +256,19 @@ class PipelinedStep:
         return [self.call_of(i) for i in range(run.microbatches.count)]
 
     def _microbatches_for(self, size: int, train: bool) -> int:
-        assert self.processes.topology is not None
-        m = microbatches_for(size, chunks=self.chunks, topology=self.processes.topology, train=train)
+        topology = self.processes.topology
+        assert topology is not None
+        try:
+            m = microbatches_for(size, chunks=self.chunks, topology=topology, train=train)
+        except PipeckptConfigError:
+            # No count up to chunks fits (5 samples, chunks=4, 1F1B on 2 ranks): more, smaller
+            # micro-batches may, each still equal (5 of 1 sample); else the refusal stands.
+            def fits(m: int) -> bool:
+                return size % m == 0 and not microbatch_rule(topology.kind, m, topology.pp, topology.stages)
+
+            m = next(filter(fits, range(self.chunks + 1, size + 1)), 0)
+            if not m:
+                raise
         if m != self.chunks and not self._warned:
             self._warned = True
             rank_zero_warn(
@@ -263,6 +278,15 @@ class PipelinedStep:
                 category=PipeckptWarning,
             )
         return m
+
+    def _check_last_batch(self) -> None:
+        """The train loader's last, smaller batch, cut into micro-batches at the first step: one that
+        no count of equal micro-batches fits is refused before training, not at the epoch's end."""
+        self._last_batch_checked = True
+        trainer = getattr(self.module, "_trainer", None)
+        size = last_batch_size(trainer.train_dataloader) if trainer is not None else None
+        if size:
+            self._microbatches_for(size, True)
 
     def clear(self) -> None:
         if self.schedules is not None:
@@ -288,3 +312,16 @@ def check_backward_in_step(module: LightningModule, precision: Any) -> None:
             "the schedule runs backward inside training_step, where the scaler cannot scale it",
             "use precision='bf16-mixed' or '32-true' with the distributed engine",
         )
+
+
+def last_batch_size(loader: Any) -> Optional[int]:
+    """The size of ``loader``'s last batch where it is smaller than the others, or None (none
+    smaller, dropped, or a loader whose batches cannot be counted ahead)."""
+    batches = getattr(loader, "batch_sampler", None)
+    if not isinstance(batches, BatchSampler) or batches.drop_last or not isinstance(batches.batch_size, int):
+        return None
+    try:
+        samples = len(batches.sampler)  # type: ignore[arg-type]
+    except TypeError:  # a sampler without a length
+        return None
+    return samples % batches.batch_size or None

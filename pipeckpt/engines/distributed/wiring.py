@@ -24,7 +24,7 @@ from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_fla
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.checkpointing.compiling import compile_layers
-from pipeckpt.engines.distributed.boundaries import Boundaries
+from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
@@ -87,6 +87,7 @@ class StageModule(nn.Module):
             with _statistics_untouched(partition):
                 out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
         flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
+        flat = flat if self.live else announced(flat)
         if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
             if isinstance(flat, Tensor):
                 return flat.clone() if is_view(flat) else flat
