@@ -145,7 +145,7 @@ def train(
         plugins=[AtomicCheckpointIO()],
         devices=1,
         max_epochs=plan["epochs"],
-        **QUIET,
+        **dict(QUIET, enable_checkpointing=True),  # the trials save through ModelCheckpoint
         callbacks=[checkpoints, ProbeCallback(probe)],
     )
     # A resumed run must take its RNG state from the checkpoint, not from this seed.

@@ -101,7 +101,7 @@ def train(
         ),
         devices=WORLD,
         max_epochs=plan["epochs"],
-        **QUIET,
+        **dict(QUIET, enable_checkpointing=True),  # the trials save through ModelCheckpoint
         use_distributed_sampler=False,
         callbacks=[
             ModelCheckpoint(  # the resume's own directory: the kill's stays as the kill left it
