@@ -1,4 +1,4 @@
-"""One rank of a fault-injection run, started by tests/test_errors_first.py (see tests/support/ranks.py).
+"""One rank of a fault-injection run, started by test_errors_first.py beside it (see tests/support/ranks.py).
 
 The spec's run names a phase (``setup``, ``load`` or ``step``) and a rank: that rank raises a
 ValueError there (in the module's ``setup`` hook, its ``on_load_checkpoint`` hook, or a layer's
