@@ -15,6 +15,7 @@ from support.toy import (
     params,
     toy_loader,
 )
+from support.trainers import QUIET
 from torch import nn
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
@@ -204,14 +205,9 @@ def resumed_run(strategy: Any, path: Any, *, dropout: float = 0.0) -> L.Trainer:
     torch.manual_seed(999)  # the checkpoint's RNG state, not this seed, must decide dropout
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=1,
         max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET,
     )
     trainer.fit(ToyModule(dropout=dropout), toy_loader(), ckpt_path=path)
     assert trainer.global_step == 8

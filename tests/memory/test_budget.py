@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from support.trainers import QUIET
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
@@ -82,14 +83,9 @@ def _fit(strategy: PipelineStrategy, *, batch_size: int = 16) -> tuple[L.Trainer
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=1,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET,
     )
     model = MLP(in_features=32, hidden=256, depth=4, num_classes=10, lr=0.01, weight_decay=0.0)
     data = SyntheticVectors(

@@ -5,6 +5,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from support.trainers import QUIET
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptWarning
@@ -25,14 +26,9 @@ def _fit(callback: MemoryCheck, checkpoint="never") -> MLP:
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy=PipelineStrategy(stages=2, chunks=4, checkpoint=checkpoint),
-        accelerator="cpu",
         devices=1,
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET,
         callbacks=[callback],
     )
     model = MLP(in_features=32, hidden=256, depth=4, num_classes=10, lr=0.01, weight_decay=0.0)

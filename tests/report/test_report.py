@@ -9,6 +9,7 @@ from typing import Any, Callable
 import lightning as L
 import pytest
 import torch
+from support.trainers import QUIET
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.data import SyntheticTokens
@@ -51,14 +52,9 @@ def fit(out: Path, strategy: Any, steps: int = 3) -> tuple[StageReport, GPT]:
     callback.clock = clock  # type: ignore[attr-defined]
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET,
         callbacks=[callback, clock],
     )
     model = GPT(size="tiny", n_layers=2, seq_len=32, dropout=0.1)
@@ -256,14 +252,9 @@ def fit_designed(
     clock, reruns = WallClock(), RerunCount(model.layers)
     trainer = L.Trainer(
         strategy=PipelineStrategy(stages=2, chunks=CHUNKS, balance=[3, 3], checkpoint=mode),
-        accelerator="cpu",
         devices=1,
         max_steps=4,  # step 0 warm-up, 1 memory probe, 2 and 3 timed
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET,
         default_root_dir=str(out),
         callbacks=[report, clock, reruns],
     )
