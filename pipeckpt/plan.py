@@ -125,7 +125,9 @@ def _degree(values: Dict[str, str], key: str) -> Optional[int]:
     if key not in values:
         return None
     if not values[key].isdigit() or int(values[key]) < 1:
-        raise config_error(f"memory.{key}={values[key]}", "a degree is a whole number, 1 or more", f"set memory.{key}=4")
+        raise config_error(
+            f"memory.{key}={values[key]}", "a degree is a whole number, 1 or more", f"set memory.{key}=4"
+        )
     return int(values[key])
 
 
@@ -207,7 +209,9 @@ def _per_rank_run(
         precision=str(cfg.trainer.precision),
     )
     if settings.modes == "auto":
-        raise config_error("ckpt=auto with memory.fsdp/tp", "the per-rank table is for given modes", "name modes")
+        raise config_error(
+            "ckpt=auto with memory.fsdp/tp", "the per-rank table is for given modes", "name modes"
+        )
     extra = {"tensor_parallel": layout.tp} if layout.tp > 1 else {}
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(layout.compute_dtype)
@@ -220,7 +224,8 @@ def _per_rank_run(
                     raise error.__cause__ from None
                 raise config_error(
                     f"memory.tp={layout.tp} with model._target_={cfg.model._target_}",
-                    f"the model is built as one tensor-parallel rank's share by its tensor_parallel argument ({error})",
+                    "the model is built as one tensor-parallel rank's share by its tensor_parallel "
+                    f"argument ({error})",
                     "use a model that takes it (model=llama3) or drop memory.tp",
                 ) from None
             sequential = pipelined_sequential(module)
@@ -236,7 +241,9 @@ def _per_rank_run(
             )
             fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
             schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
-            prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)
+            prediction = predict(
+                fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule
+            )
             return rank_table(prediction, sequential, stage_plan.ranges, layout, options.optimizer)
     finally:
         torch.set_default_dtype(default_dtype)

@@ -62,10 +62,14 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):
             if getattr(self, name) < 1:
-                raise config_error(f"{name}={getattr(self, name)}", "a degree is at least 1", f"set {name}=1 or more")
+                raise config_error(
+                    f"{name}={getattr(self, name)}", "a degree is at least 1", f"set {name}=1 or more"
+                )
         if self.precision not in PRECISIONS:
             raise config_error(
-                f"precision {self.precision!r}", f"the memory model knows {list(PRECISIONS)}", "use one of those"
+                f"precision {self.precision!r}",
+                f"the memory model knows {list(PRECISIONS)}",
+                "use one of those",
             )
 
     @property
@@ -160,7 +164,7 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
         state: :func:`rank_state` of the stage's layers.
     """
     share = stage.grads / stage.params if stage.params else 0.0
-    grads = int(round(share * state.grads))
+    grads = round(share * state.grads)
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
     peak = rest + state.params + grads + state.optimizer + state.unsharded + state.collectives
     return RankMemory(
@@ -208,7 +212,8 @@ def rank_table(
     """
     layers = list(sequential)
     ranks = tuple(
-        per_rank(s, rank_state(layers[a:b], layout, optimizer)) for s, (a, b) in zip(prediction.stages, ranges)
+        per_rank(s, rank_state(layers[a:b], layout, optimizer))
+        for s, (a, b) in zip(prediction.stages, ranges)
     )
     return RankTable(ranks=ranks, layout=layout, schedule=prediction.schedule, chunks=prediction.chunks)
 
@@ -222,7 +227,8 @@ def format_ranks(table: RankTable) -> str:
     unit, name = (GiB, "GiB") if table.peak >= GiB else (MiB, "MiB")
     lines = [
         f"one rank per stage: fsdp {lay.fsdp}, tp {lay.tp}, reshard_after_forward "
-        f"{lay.reshard_after_forward}, {lay.precision}; schedule {table.schedule}, chunks {table.chunks}; {name}",
+        f"{lay.reshard_after_forward}, {lay.precision}; schedule {table.schedule}, "
+        f"chunks {table.chunks}; {name}",
         f"{'stage':>5} {'layers':>7} {'mode':>11} "
         + " ".join(f"{c:>11}" for c in (*COLUMNS, "activations", "boundary", "working", "peak"))
         + "  at",

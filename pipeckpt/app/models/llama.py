@@ -32,6 +32,11 @@ LLAMA_SIZES: Dict[str, Tuple[int, int, int, int, int, int]] = {
 }
 
 
+#: Torch's fused attention (no ``s x s`` scores kept), as torchtitan runs; HF's config takes it as a
+#: keyword its signature does not list.
+SDPA: Dict[str, Any] = {"attn_implementation": "sdpa"}
+
+
 def llama_config(size: str, *, seq_len: int, tensor_parallel: int = 1) -> transformers.LlamaConfig:
     """The ``LlamaConfig`` of one rank's share of ``size`` under ``tensor_parallel`` ranks.
 
@@ -60,11 +65,11 @@ def llama_config(size: str, *, seq_len: int, tensor_parallel: int = 1) -> transf
         num_key_value_heads=kv // tensor_parallel,
         head_dim=hidden // heads,
         max_position_embeddings=seq_len,
-        rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         rms_norm_eps=1e-5,
         attention_dropout=0.0,
         use_cache=False,
-        attn_implementation="sdpa",
+        **SDPA,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=0,
@@ -85,6 +90,9 @@ class Embed(nn.Module):
 
 class Block(nn.Module):
     """One ``LlamaDecoderLayer``, causal, with the shared rotary table (a buffer: no activation)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, config: transformers.LlamaConfig, index: int, rope: Tuple[torch.Tensor, torch.Tensor]):
         super().__init__()
