@@ -8,13 +8,15 @@ trying. It composes ``conf/`` as ``train.py`` does (the same overrides), builds 
 """
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,6 +28,8 @@ from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
+from pipeckpt.memory.repeated import repeat_layer, shortened
+from pipeckpt.memory.sharding import Layout, RankTable, format_ranks, rank_table
 from pipeckpt.settings import PipeSettings, check_names
 from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan as make_plan
@@ -42,6 +46,9 @@ Composes conf/ as train.py does and prints each stage's predicted memory and tim
   python -m pipeckpt.plan strategy.chunks=8 memory.budget=2GiB            # + PNG, + auto choice
   python -m pipeckpt.plan ckpt=auto memory.budget=200MiB memory.search=[modes,chunks]
   python -m pipeckpt.plan model.size=small memory.fake=true memory.dtype=bfloat16
+  python -m pipeckpt.plan model=llama3 model.size=8B model.seq_len=8192 strategy.stages=2 \
+      strategy.chunks=8 data.batch_size=8 ckpt=selective trainer.precision=bf16-mixed \
+      memory.fake=true memory.fsdp=4                                    # one rank's table
 
 The configs' memory.budget, memory.search and memory.optimizer are the strategy's memory_*
 settings: with a budget the table marks each stage against it, prints the plan auto picks under
@@ -50,6 +57,11 @@ it and writes a PNG; under ckpt=auto the table is the chosen plan's. The command
   memory.fake=true      build the model on fake tensors (times from FLOPs)
   memory.dtype=NAME     the parameters' dtype, e.g. bfloat16
   memory.png=PATH       where the PNG goes (default memory_plan.png)
+  memory.fsdp=N         FSDP2 shard degree in every stage: print one rank's table (trainer.precision
+                        sets compute and master dtypes)
+  memory.tp=N           tensor-parallel degree: the model is built as one rank's share (its
+                        tensor_parallel argument, e.g. model=llama3)
+  memory.reshard=BOOL   FSDP2 frees each block's gathered parameters after its forward (default false)
 """
 
 
@@ -61,6 +73,13 @@ class MemoryOptions:
     fake: bool = False
     dtype: Optional[str] = None
     png: Optional[str] = None
+    fsdp: Optional[int] = None
+    tp: Optional[int] = None
+    reshard: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.fsdp is not None or self.tp is not None
 
 
 #: ``memory.*`` keys the configs define (``conf/train.yaml``); the others are this command's own.
@@ -80,7 +99,7 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             rest.append(arg.lstrip("+"))  # the configs define it: a plain override
         else:
             rest.append(arg)
-    known = {"schedule", "fake", "dtype", "png", *CONFIG_KEYS}
+    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", *CONFIG_KEYS}
     unknown = sorted(set(values) - known)
     if unknown:
         raise config_error(
@@ -94,9 +113,22 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             fake=values.get("fake", "false").lower() in ("1", "true", "yes"),
             dtype=values.get("dtype"),
             png=values.get("png"),
+            fsdp=_degree(values, "fsdp"),
+            tp=_degree(values, "tp"),
+            reshard=values.get("reshard", "false").lower() in ("1", "true", "yes"),
         ),
         rest,
     )
+
+
+def _degree(values: Dict[str, str], key: str) -> Optional[int]:
+    if key not in values:
+        return None
+    if not values[key].isdigit() or int(values[key]) < 1:
+        raise config_error(
+            f"memory.{key}={values[key]}", "a degree is a whole number, 1 or more", f"set memory.{key}=4"
+        )
+    return int(values[key])
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -111,7 +143,7 @@ def _batch(cfg: DictConfig) -> Tuple[Any, Any]:
     return inputs, targets
 
 
-def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
+def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOptions, Optional[str]]:
     """Composes the config, profiles and predicts; returns the prediction, the options and the
     auto choice's line (when a budget is given)."""
     options, overrides = split_options(argv)
@@ -124,6 +156,8 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
     settings, budget = _settings(cfg)
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer)
     inputs, targets = _batch(cfg)
+    if options.sharded:
+        return _per_rank_run(cfg, settings, options, inputs, targets), options, None
     dtype = getattr(torch, options.dtype) if options.dtype else None
     default_dtype = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
@@ -161,6 +195,58 @@ def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
     settings = PipeSettings(**given)
     engine_class(settings.engine).check_settings(settings)
     return settings, parse_bytes(budget) if budget is not None else None
+
+
+def _per_rank_run(
+    cfg: DictConfig, settings: PipeSettings, options: MemoryOptions, inputs: Any, targets: Any
+) -> RankTable:
+    """One rank's table: the model built as one tensor-parallel rank's share in the compute dtype,
+    profiled (a run of identical blocks once, on fake tensors), its stages' state sharded."""
+    layout = Layout(
+        fsdp=options.fsdp or 1,
+        tp=options.tp or 1,
+        reshard_after_forward=options.reshard,
+        precision=str(cfg.trainer.precision),
+    )
+    if settings.modes == "auto":
+        raise config_error(
+            "ckpt=auto with memory.fsdp/tp", "the per-rank table is for given modes", "name modes"
+        )
+    extra = {"tensor_parallel": layout.tp} if layout.tp > 1 else {}
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(layout.compute_dtype)
+    try:
+        with fake_mode() if options.fake else nullcontext():
+            try:
+                module = instantiate(cfg.model, **extra)
+            except InstantiationException as error:
+                if isinstance(error.__cause__, PipeckptConfigError):
+                    raise error.__cause__ from None
+                raise config_error(
+                    f"memory.tp={layout.tp} with model._target_={cfg.model._target_}",
+                    "the model is built as one tensor-parallel rank's share by its tensor_parallel "
+                    f"argument ({error})",
+                    "use a model that takes it (model=llama3) or drop memory.tp",
+                ) from None
+            sequential = pipelined_sequential(module)
+            stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=inputs)
+            short, index, count = shortened(sequential) if options.fake else (sequential, 0, 1)
+            chunks = settings.chunks
+            fitted = profile(
+                short,
+                inputs.chunk(chunks)[0],
+                loss_fn=_loss,
+                target=targets.chunk(chunks)[0],
+                fake=options.fake,
+            )
+            fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
+            schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
+            prediction = predict(
+                fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule
+            )
+            return rank_table(prediction, sequential, stage_plan.ranges, layout, options.optimizer)
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def _predict(
@@ -267,6 +353,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PipeckptConfigError as error:
         print(f"Configuration error: {error}", file=sys.stderr, flush=True)
         return 1
+    if isinstance(prediction, RankTable):
+        print(format_ranks(prediction), flush=True)
+        return 0
     print(format_prediction(prediction, options.budget), flush=True)
     if choice is not None:
         print(choice, flush=True)

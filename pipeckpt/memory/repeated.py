@@ -1,0 +1,106 @@
+"""Identical layers profile alike: profile a run of them once, repeat it in the profile.
+
+Why: a decoder is the same block 32 to 126 times, and profiling on fake tensors costs seconds per
+layer whatever its size; three copies of the block (the first after the embedding, one in the
+middle, the last before the head) hold every storage pattern a block has, so the middle copy is
+repeated with fresh storage ids, each copy's input being the previous copy's output.
+"""
+
+from dataclasses import replace
+from typing import Dict, List, Tuple
+
+from torch import nn
+
+from pipeckpt._errors import config_error
+from pipeckpt.memory.profile import LayerProfile, ModelProfile
+
+__all__ = ["identical_run", "shortened", "repeat_layer"]
+
+
+def _signature(layer: nn.Module) -> Tuple[object, ...]:
+    return (type(layer), tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()))
+
+
+def identical_run(sequential: nn.Sequential) -> Tuple[int, int]:
+    """``(start, stop)`` of the longest run of consecutive layers of one class with parameters of the
+    same names, shapes and dtypes (``(0, 1)`` where there is none longer than one).
+
+    Args:
+        sequential: the layers the pipeline cuts.
+    """
+    layers = list(sequential)
+    best, start = (0, 1), 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or _signature(layers[i]) != _signature(layers[start]):
+            if i - start > best[1] - best[0]:
+                best = (start, i)
+            start = i
+    return best
+
+
+def shortened(sequential: nn.Sequential, keep: int = 3) -> Tuple[nn.Sequential, int, int]:
+    """``sequential`` with its longest identical run cut to ``keep`` layers (the same objects), the
+    index of the run's middle layer in it, and how many times that layer must stand in the full
+    profile (:func:`repeat_layer`).
+
+    Args:
+        sequential: the layers the pipeline cuts.
+        keep: layers of the run to profile (at least 3: first, middle, last).
+    """
+    start, stop = identical_run(sequential)
+    layers = list(sequential)
+    if stop - start <= keep:
+        return sequential, start, 1
+    short = nn.Sequential(*layers[: start + keep - 1], layers[stop - 1], *layers[stop:])
+    return short, start + 1, stop - start - keep + 1
+
+
+def repeat_layer(profile: ModelProfile, index: int, count: int) -> ModelProfile:
+    """``profile`` with layer ``index`` standing ``count`` times in a row: each copy takes the previous
+    copy's outputs as inputs and owns fresh storages of the same sizes for everything else it makes
+    and saves; the layer after the run reads the last copy's outputs.
+
+    Args:
+        profile: a profile whose layer ``index`` is followed by a layer that takes its outputs.
+        index: the layer to repeat (neither the first nor the last).
+        count: how many copies stand in the result (1 leaves the profile as it is).
+    """
+    layers = list(profile.layers)
+    if not 0 < index < len(layers) - 1 or count < 1:
+        raise config_error(
+            f"repeat layer {index} x {count} of {len(layers)}",
+            "only an inner layer repeats, at least once",
+            "pass the middle layer of an identical run",
+        )
+    if count == 1:
+        return profile
+    layer = layers[index]
+    sizes = dict(profile.storage_bytes)
+    fresh = max(sizes, default=-1) + 1
+    own = (set(layer.saved) | set(layer.outputs) | set(layer.sac_kept)) - set(layer.inputs)
+    copies: List[LayerProfile] = [layer]
+    previous: Dict[int, int] = {i: i for i in own}  # the last copy's ids of the layer's own storages
+    for _ in range(count - 1):
+        mapping: Dict[int, int] = {}
+        for i in sorted(own):
+            mapping[i], sizes[fresh] = fresh, sizes[i]
+            fresh += 1
+        mapping.update({i: previous[o] for i, o in zip(layer.inputs, layer.outputs) if o in previous})
+        copies.append(_renamed(layer, mapping))
+        previous = {i: mapping[i] for i in own}
+    after = _renamed(layers[index + 1], {o: previous[o] for o in layer.outputs if o in previous})
+    new = layers[:index] + copies + [after] + layers[index + 2 :]
+    return replace(profile, layers=tuple(new), storage_bytes=sizes)
+
+
+def _renamed(layer: LayerProfile, mapping: Dict[int, int]) -> LayerProfile:
+    def ids(values: Tuple[int, ...]) -> Tuple[int, ...]:
+        return tuple(mapping.get(i, i) for i in values)
+
+    return replace(
+        layer,
+        inputs=ids(layer.inputs),
+        outputs=ids(layer.outputs),
+        saved=tuple(sorted(ids(layer.saved))),
+        sac_kept=tuple(sorted(ids(layer.sac_kept))),
+    )

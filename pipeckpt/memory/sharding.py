@@ -1,0 +1,243 @@
+"""One rank's memory under FSDP2 and tensor parallelism: sharded state, gathered parameters, precision.
+
+Why a rule and not a profile: what FSDP2 keeps per rank follows from each parameter's shape alone
+(``fully_shard`` splits dim 0 into ``ceil(rows / degree)``-row shards, the last padded), while
+activations stay measured: a tensor-parallel rank's block is profiled as the narrower block it
+computes (``pipeckpt.app.models.llama``, ``tensor_parallel``). :func:`per_rank` puts the two together
+on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", states the rules.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from pipeckpt._errors import config_error
+from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.walk import StageMemory, optimizer_state_bytes
+
+__all__ = [
+    "Layout",
+    "RankState",
+    "RankMemory",
+    "RankTable",
+    "PRECISIONS",
+    "shard_numel",
+    "rank_state",
+    "per_rank",
+    "rank_table",
+    "format_ranks",
+]
+
+GiB, MiB = 2**30, 2**20
+
+#: Lightning's precision names: (compute dtype, master dtype of parameters, gradients and optimizer).
+PRECISIONS: Dict[str, Tuple[torch.dtype, torch.dtype]] = {
+    "32-true": (torch.float32, torch.float32),
+    "32": (torch.float32, torch.float32),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+    "bf16-true": (torch.bfloat16, torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one pipeline stage's parameters are spread over ranks.
+
+    Args:
+        fsdp: FSDP2's shard degree (1: no sharding, every rank holds the stage whole).
+        tp: tensor-parallel degree (the stage's layers must already be one rank's share).
+        reshard_after_forward: FSDP2 frees a block's gathered parameters after its forward (True) or
+            keeps the stage's for the whole step (False, torchtitan's default under PP).
+        precision: a key of :data:`PRECISIONS`.
+    """
+
+    fsdp: int = 1
+    tp: int = 1
+    reshard_after_forward: bool = False
+    precision: str = "32-true"
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tp"):
+            if getattr(self, name) < 1:
+                raise config_error(
+                    f"{name}={getattr(self, name)}", "a degree is at least 1", f"set {name}=1 or more"
+                )
+        if self.precision not in PRECISIONS:
+            raise config_error(
+                f"precision {self.precision!r}",
+                f"the memory model knows {list(PRECISIONS)}",
+                "use one of those",
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision][1]
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes of one rank's share of a stage's training state (rank 0: the largest shards)."""
+
+    params: int  # master parameters, sharded
+    grads: int  # their gradients, sharded, after the reduce-scatter
+    optimizer: int  # optimizer state of the sharded parameters
+    unsharded: int  # compute-dtype parameters gathered and held at the peak
+    collectives: int  # one block's unsharded gradient and its reduce-scatter input
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted memory (bytes) at its stage's peak."""
+
+    stage: int
+    layers: Tuple[int, int]
+    mode: str
+    state: RankState
+    activations: int
+    boundary: int
+    working: int
+    peak: int
+    peak_at: str
+
+
+def shard_numel(shape: Sequence[int], degree: int) -> int:
+    """Elements of rank 0's FSDP2 shard of a parameter of ``shape``: dim 0 cut in ``degree`` chunks
+    as ``torch.chunk`` cuts it, every shard padded to the first chunk's rows.
+
+    Args:
+        shape: the parameter's shape (one tensor-parallel rank's local shape).
+        degree: the shard degree.
+    """
+    if not shape:
+        return 1
+    rows = -(-int(shape[0]) // degree)
+    rest = 1
+    for d in shape[1:]:
+        rest *= int(d)
+    return rows * rest
+
+
+def rank_state(
+    units: Sequence[nn.Module], layout: Layout, optimizer: Union[str, torch.optim.Optimizer, type] = "adamw"
+) -> RankState:
+    """The training state one rank holds for a stage whose ``units`` are each wrapped by ``fully_shard``.
+
+    Args:
+        units: the stage's layers, one FSDP2 unit each (torchtitan wraps every block).
+        layout: degrees, reshard policy and precision.
+        optimizer: whose state to count (:func:`~pipeckpt.memory.walk.optimizer_state_bytes`).
+    """
+    master = torch.empty((), dtype=layout.master_dtype).element_size()
+    compute = torch.empty((), dtype=layout.compute_dtype).element_size()
+    params = [p for unit in units for p in unit.parameters() if p.requires_grad]
+    shards = sum(shard_numel(p.shape, layout.fsdp) for p in params)
+    sharded = shards * master
+    if layout.fsdp == 1:  # no FSDP: the master parameters are the ones computed with
+        return RankState(sharded, sharded, optimizer_state_bytes(optimizer, sharded, len(params)), 0, 0)
+    gathered = [sum(shard_numel(p.shape, layout.fsdp) * layout.fsdp for p in u.parameters()) for u in units]
+    largest = max(gathered, default=0)
+    held = 2 * largest if layout.reshard_after_forward else sum(gathered)  # running + prefetched
+    return RankState(
+        params=sharded,
+        grads=sharded,
+        optimizer=optimizer_state_bytes(optimizer, sharded, len(params)),
+        unsharded=held * compute,
+        collectives=largest * (compute + master),
+    )
+
+
+def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
+    """A stage's predicted peak on one of its ranks: the walk's activations, boundary and working set
+    (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
+    gradients and optimizer state replaced by the rank's sharded ones. The sharded gradients count in
+    the share the walk held at its peak (all, unless the peak falls in the first backward).
+
+    Args:
+        stage: the walk's prediction for the stage, parameters in the compute dtype.
+        state: :func:`rank_state` of the stage's layers.
+    """
+    share = stage.grads / stage.params if stage.params else 0.0
+    grads = round(share * state.grads)
+    rest = stage.peak - stage.params - stage.grads - stage.optimizer
+    peak = rest + state.params + grads + state.optimizer + state.unsharded + state.collectives
+    return RankMemory(
+        stage=stage.stage,
+        layers=stage.layers,
+        mode=stage.mode,
+        state=RankState(state.params, grads, state.optimizer, state.unsharded, state.collectives),
+        activations=stage.activations,
+        boundary=stage.boundary,
+        working=stage.working,
+        peak=peak,
+        peak_at=stage.peak_at,
+    )
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Every stage's memory on one of its ranks, under one layout and schedule."""
+
+    ranks: Tuple[RankMemory, ...]
+    layout: Layout
+    schedule: str
+    chunks: int
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+
+def rank_table(
+    prediction: Prediction,
+    sequential: nn.Sequential,
+    ranges: Sequence[Tuple[int, int]],
+    layout: Layout,
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adamw",
+) -> RankTable:
+    """:func:`per_rank` for every stage of ``prediction``, each layer of ``sequential`` an FSDP2 unit.
+
+    Args:
+        prediction: the walk's prediction on one tensor-parallel rank's layers, in the compute dtype.
+        sequential: those layers.
+        ranges: each stage's ``(start, stop)`` in ``sequential``.
+        layout: degrees, reshard policy and precision.
+        optimizer: whose state to count.
+    """
+    layers = list(sequential)
+    ranks = tuple(
+        per_rank(s, rank_state(layers[a:b], layout, optimizer))
+        for s, (a, b) in zip(prediction.stages, ranges)
+    )
+    return RankTable(ranks=ranks, layout=layout, schedule=prediction.schedule, chunks=prediction.chunks)
+
+
+COLUMNS = ("params", "grads", "optimizer", "unsharded", "collectives")
+
+
+def format_ranks(table: RankTable) -> str:
+    """One row per stage: one rank's memory at the stage's peak (GiB, or MiB below one GiB)."""
+    lay = table.layout
+    unit, name = (GiB, "GiB") if table.peak >= GiB else (MiB, "MiB")
+    lines = [
+        f"one rank per stage: fsdp {lay.fsdp}, tp {lay.tp}, reshard_after_forward "
+        f"{lay.reshard_after_forward}, {lay.precision}; schedule {table.schedule}, "
+        f"chunks {table.chunks}; {name}",
+        f"{'stage':>5} {'layers':>7} {'mode':>11} "
+        + " ".join(f"{c:>11}" for c in (*COLUMNS, "activations", "boundary", "working", "peak"))
+        + "  at",
+    ]
+    for r in table.ranks:
+        values = [getattr(r.state, c) for c in COLUMNS] + [r.activations, r.boundary, r.working, r.peak]
+        lines.append(
+            f"{r.stage:>5} {f'{r.layers[0]}-{r.layers[1] - 1}':>7} {r.mode:>11} "
+            + " ".join(f"{v / unit:>11.2f}" for v in values)
+            + f"  {r.peak_at}"
+        )
+    return "\n".join(lines)
