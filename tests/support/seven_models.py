@@ -8,16 +8,16 @@ from typing import Any, Dict, List, Tuple
 import lightning as L
 import torch
 import torch.nn.functional as F
-from support.hf_zoo import BUILDERS, VOCAB
-from support.real_models import client
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pipeckpt
 from pipeckpt.app.models.convnet import convnet_layers
+from support.hf_zoo import BUILDERS, VOCAB
+from support.real_models import client
 
 HF = ("gpt2", "llama", "qwen2", "bert", "t5")
-NAMES = HF + ("demo", "convnet")
+NAMES = (*HF, "demo", "convnet")
 LENGTH, BATCH, BATCHES = 8, 8, 2
 
 
