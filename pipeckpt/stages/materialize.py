@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 
 __all__: List[str] = []
@@ -31,16 +32,10 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def _own(module: nn.Module) -> List[Tuple[str, Tensor, bool]]:
-    """``module``'s own tensors (not its children's): name, tensor, is a parameter."""
-    params = [(n, p, True) for n, p in module._parameters.items() if p is not None]
-    return params + [(n, b, False) for n, b in module._buffers.items() if b is not None]
-
-
 def check_materializable(module: nn.Module, *, name: str = "self") -> None:
     """Refuses ``module`` if a layer holding meta tensors cannot initialise itself, naming the first."""
     for sub_name, sub in module.named_modules():
-        own = _own(sub)
+        own = own_tensors(sub)
         if any(t.is_meta for _, t, _ in own) and not callable(getattr(sub, "reset_parameters", None)):
             where = f"{name}.{sub_name}" if sub_name else name
             held = ", ".join(n for n, _, _ in own)
@@ -73,19 +68,29 @@ def _set_states(states: Tuple[Tensor, Optional[Tensor]], device: torch.device) -
         torch.cuda.set_rng_state(states[1], device)
 
 
+States = Tuple[Tensor, Optional[Tensor]]
+# Given this process's generator states after every draw (None when it stopped early), the states
+# after every draw, as a process that drew them all has them.
+Agree = Callable[[Optional[States]], States]
+
+
 @contextmanager
-def _drawing_as_built(device: torch.device) -> Iterator[None]:
-    """The generators where the meta build ended; afterwards they stay past the draws, as after an
-    eager build, unless something moved them since the build (a re-seed): then they go back."""
+def _drawing_as_built(device: torch.device) -> Iterator[List[States]]:
+    """The generators where the meta build ended; afterwards they stand past every draw (the last
+    state the caller puts in the yielded list), as after an eager build, unless something moved
+    them since the build (a re-seed): then they go back."""
     now = _states(device)
     built = _built_at.pop() if _built_at else now
     moved = not all(torch.equal(a, b) for a, b in zip(now, built) if a is not None and b is not None)
     _set_states(built, device)
+    end: List[States] = []
     try:
-        yield
+        yield end
     finally:
         if moved:
             _set_states(now, device)
+        elif end:
+            _set_states(end[-1], device)
 
 
 def materialize(
@@ -93,6 +98,7 @@ def materialize(
     device: torch.device,
     *,
     keep: Optional[Callable[[Tensor], bool]] = None,
+    agree: Optional[Agree] = None,
     name: str = "self",
 ) -> None:
     """``module``'s meta tensors made real on ``device`` (those ``keep`` accepts; all by default) and
@@ -107,15 +113,27 @@ def materialize(
         device: where the kept tensors are made real (scratch storage lives there too, so the
             generator that draws is the one an eager build on ``device`` draws from).
         keep: which meta tensors become real in this process; the others stay on meta.
+        agree: given, drawing stops after the last kept tensor, and ``agree`` gives the generators'
+            states past every draw (from a process that drew them all).
         name: ``module``'s name in messages.
     """
     check_materializable(module, name=name)
+    layers = [(n, m, own_tensors(m)) for n, m in module.named_modules()]
+    layers = [(n, m, own) for n, m, own in layers if any(t.is_meta for _, t, _ in own)]
+    last = len(layers)
+    if agree is not None:  # after the last layer with a tensor to keep, only the generators move
+        kept = [i for i, (_, _, own) in enumerate(layers) if any(_kept(t, keep) for _, t, _ in own)]
+        last = kept[-1] + 1 if kept else 0
     real: Dict[int, Tensor] = {}  # id of a meta tensor -> the real tensor that replaces it
-    with torch.no_grad(), _drawing_as_built(device):
-        for sub_name, sub in module.named_modules():
-            own = _own(sub)
-            if any(t.is_meta for _, t, _ in own):
-                _initialise(sub, own, device, real, keep, where=f"{name}.{sub_name}" if sub_name else name)
+    with torch.no_grad(), _drawing_as_built(device) as end:
+        for sub_name, sub, own in layers[:last]:
+            _initialise(sub, own, device, real, keep, where=f"{name}.{sub_name}" if sub_name else name)
+        if agree is not None:
+            end.append(agree(_states(device) if last == len(layers) else None))
+
+
+def _kept(t: Tensor, keep: Optional[Callable[[Tensor], bool]]) -> bool:
+    return not t.is_meta or keep is None or keep(t)
 
 
 def _initialise(
@@ -136,14 +154,14 @@ def _initialise(
         if fresh:
             real[id(t)] = nn.Parameter(empty, t.requires_grad) if is_param else empty
         after[slot] = real.get(id(t), t)
-        _put(layer, slot, real[id(t)] if fresh else _like(t, empty, is_param), is_param)
+        set_own_tensor(layer, slot, real[id(t)] if fresh else _like(t, empty, is_param), is_param)
     floating = [getattr(layer, slot) for slot, _, _ in own if getattr(layer, slot).is_floating_point()]
     for t in floating:
         t.fill_(float("nan"))  # what reset_parameters() leaves unset shows
     layer.reset_parameters()  # type: ignore[operator]
     unset = [slot for slot, _, _ in own if _has_nan(getattr(layer, slot))]
     for slot, _, is_param in own:
-        _put(layer, slot, after[slot], is_param)
+        set_own_tensor(layer, slot, after[slot], is_param)
     if unset:
         raise config_error(
             f"{where}.reset_parameters() ({type(layer).__name__}) left {', '.join(unset)} unset",
@@ -159,10 +177,3 @@ def _like(original: Tensor, storage: Tensor, is_param: bool) -> Tensor:
 
 def _has_nan(t: Tensor) -> bool:
     return bool(t.is_floating_point() and torch.isnan(t).any())
-
-
-def _put(layer: nn.Module, slot: str, t: Tensor, is_param: bool) -> None:
-    if is_param:
-        layer._parameters[slot] = t  # type: ignore[assignment]
-    else:
-        layer._buffers[slot] = t

@@ -5,7 +5,7 @@ initialise itself is refused by its own name before anything is drawn."""
 
 import pytest
 import torch
-from support.toy import ToyModule
+from support.toy import ToyModule, assert_bitwise_equal
 from torch import nn
 
 from pipeckpt._errors import PipeckptConfigError
@@ -43,6 +43,21 @@ def test_kept_layers_get_the_eager_builds_values_others_stay_on_meta_and_the_gen
             assert torch.equal(got, want), name
         else:
             assert got.is_meta, name
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_with_agree_drawing_stops_after_the_last_kept_layer_and_the_generator_takes_the_agreed_end():
+    eager, meta, after = _eager_and_meta()
+    kept = {id(t) for t in meta[1].parameters()}
+    told = []
+
+    def agree(mine):  # what a process that drew every layer (here: the eager build) tells the others
+        told.append(mine)
+        return (after, None)
+
+    materialize(meta, CPU, keep=lambda t: id(t) in kept, agree=agree)
+    assert told == [None]  # this process stopped early
+    assert_bitwise_equal(meta[1].state_dict(), eager[1].state_dict())
     assert torch.equal(torch.get_rng_state(), after)
 
 

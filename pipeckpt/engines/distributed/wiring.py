@@ -286,11 +286,20 @@ def materialize_mine(
     module: nn.Module, layers: nn.Sequential, stage_plan: StagePlan, mine: Sequence[int], device: torch.device
 ) -> None:
     """``module``'s meta tensors made real on ``device``, but for the layers of stages other than
-    ``mine`` (which stay on meta): every initial value as an eager build with the same seed draws it."""
+    ``mine`` (which stay on meta): every initial value as an eager build with the same seed draws it,
+    and no draw past this process's last layer."""
     parts = split(layers, stage_plan.balance)
     elsewhere = {id(t) for j, p in enumerate(parts) if j not in mine for t in (*p.parameters(), *p.buffers())}
     elsewhere -= {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
-    materialize(module, device, keep=lambda t: id(t) not in elsewhere)
+    materialize(module, device, keep=lambda t: id(t) not in elsewhere, agree=_past_every_draw)
+
+
+def _past_every_draw(mine: Optional[Any]) -> Any:
+    """The generators' states past every initial draw, from a process that drew them all (one that
+    holds the last layer): the others stop after their own last layer."""
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next(s for s in every if s is not None)
 
 
 def agreed_plan(
