@@ -5,8 +5,9 @@ An eager build draws every layer's initial values from one generator, in module 
 that keeps only some layers replays the same walk: each layer that owns tensors gets empty storage
 and its own ``reset_parameters()``; another process's layer gets scratch storage for that call and
 goes back to meta, so the generator advances by exactly its draws; past its own last layer it may
-stop and learn the end state elsewhere (docs/DISTRIBUTED.md, "Built on the meta device"). Lightning's ``_materialize_distributed_module`` makes every layer real at once,
-which is the whole model in one process, and unties shared parameters.
+stop and learn the end state elsewhere (docs/DISTRIBUTED.md, "Built on the meta device").
+Lightning's ``_materialize_distributed_module`` makes every layer real at once, which is the whole
+model in one process, and unties shared parameters.
 """
 
 from contextlib import contextmanager
