@@ -81,6 +81,23 @@ def keep_buffers_out_of_state_dict(module: nn.Module, names: List[str]) -> None:
     module._non_persistent_buffers_set.update(names)
 
 
+def own_tensors(module: nn.Module) -> List[Tuple[str, torch.Tensor, bool]]:
+    """``module``'s own parameters and buffers (not its children's), each with whether it is a
+    parameter, read from ``_parameters`` and ``_buffers``: ``named_parameters(recurse=False)``
+    drops a second name of a tensor the module holds twice."""
+    params = [(n, p, True) for n, p in module._parameters.items() if p is not None]
+    return params + [(n, b, False) for n, b in module._buffers.items() if b is not None]
+
+
+def set_own_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
+    """Puts ``tensor`` in ``module``'s slot ``name`` as it is: ``setattr`` would wrap or refuse it
+    (a non-Parameter in a parameter's slot), and a buffer keeps its persistence."""
+    if is_param:
+        module._parameters[name] = tensor  # type: ignore[assignment]
+    else:
+        module._buffers[name] = tensor
+
+
 def set_module_device(module: Any, device: torch.device) -> None:
     """``LightningModule.device`` reads ``_device``, which Lightning updates only
     through ``.to()``; a pipeline places its parts itself."""
@@ -328,6 +345,7 @@ __all__ = [
     "microbatch",
     "module_memory",
     "optimizers_to_device",
+    "own_tensors",
     "pop_dispatch_mode",
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
@@ -336,6 +354,7 @@ __all__ = [
     "saved_tensors_hooks_now",
     "schedule_op_order",
     "set_module_device",
+    "set_own_tensor",
     "set_saved_step",
     "sync_ddp_if_available",
     "register_pytree_node",

@@ -101,6 +101,18 @@ def test_existing_buffers_can_leave_the_state_dict():
     assert "running_mean" not in norm.state_dict() and hasattr(norm, "running_mean")
 
 
+def test_own_tensors_lists_a_modules_own_parameters_then_buffers_and_set_own_tensor_replaces_one():
+    norm = nn.Sequential(nn.BatchNorm1d(2))[0]
+    assert [(n, p) for n, _, p in _compat.own_tensors(norm)] == [
+        ("weight", True), ("bias", True), ("running_mean", False), ("running_var", False),
+        ("num_batches_tracked", False),
+    ]  # fmt: skip
+    weight = nn.Parameter(torch.zeros(2))
+    _compat.set_own_tensor(norm, "weight", weight, True)
+    _compat.set_own_tensor(norm, "running_mean", torch.ones(2), False)
+    assert norm.weight is weight and torch.equal(norm.state_dict()["running_mean"], torch.ones(2))
+
+
 def test_lightning_module_device_follows_set_module_device():
     module = LightningModule()
     _compat.set_module_device(module, torch.device("meta"))

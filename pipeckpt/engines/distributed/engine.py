@@ -184,7 +184,10 @@ class DistributedEngine(Engine):
         """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
         each with its random stream (rank 0's seed; a resume restores its own later)."""
         s, stages = self.settings, self.topology.stages
-        self.plan, seed = agreed_plan(module, layers, s, stages=stages, device=self._device, names=names)
+        mine = self.topology.stages_of(self.processes.rank)
+        self.plan, seed = agreed_plan(
+            module, layers, s, stages=stages, device=self._device, names=names, mine=mine
+        )
         self.seed_layers(layers, self.plan, seed=seed)
         return self.plan
 

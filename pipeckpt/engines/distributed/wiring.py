@@ -29,6 +29,7 @@ from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.guards import side_effect_free
+from pipeckpt.stages.materialize import materialize, on_meta
 from pipeckpt.stages.partition import StagePlan, plan, split
 from pipeckpt.stages.stage import Stage, mark_shared_parameters
 
@@ -281,6 +282,26 @@ def called_outside_a_step(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+def materialize_mine(
+    module: nn.Module, layers: nn.Sequential, stage_plan: StagePlan, mine: Sequence[int], device: torch.device
+) -> None:
+    """``module``'s meta tensors made real on ``device``, but for the layers of stages other than
+    ``mine`` (which stay on meta): every initial value as an eager build with the same seed draws it,
+    and no draw past this process's last layer."""
+    parts = split(layers, stage_plan.balance)
+    elsewhere = {id(t) for j, p in enumerate(parts) if j not in mine for t in (*p.parameters(), *p.buffers())}
+    elsewhere -= {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
+    materialize(module, device, keep=lambda t: id(t) not in elsewhere, agree=_past_every_draw)
+
+
+def _past_every_draw(mine: Optional[Any]) -> Any:
+    """The generators' states past every initial draw, from a process that drew them all (one that
+    holds the last layer): the others stop after their own last layer."""
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next(s for s in every if s is not None)
+
+
 def agreed_plan(
     module: LightningModule,
     layers: nn.Sequential,
@@ -289,10 +310,19 @@ def agreed_plan(
     stages: int,
     device: torch.device,
     names: Optional[Sequence[str]] = None,
+    mine: Sequence[int] = (),
 ) -> Tuple[StagePlan, int]:
     """The plan of ``stages`` stages every process agrees on (rank 0's: a profiled balance may
     differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
-    layers made ready for it: deferred BatchNorm, compiled."""
+    layers made ready for it: those of this process's stages ``mine`` made real when the module was
+    built on the meta device (:func:`materialize_mine`), deferred BatchNorm, compiled."""
+    built_on_meta = on_meta(module)
+    if built_on_meta and settings.balance is None and settings.balance_by != "params":
+        raise config_error(
+            f"balance_by={settings.balance_by!r} with a module built on the meta device",
+            "profiling runs the layers, which no process holds whole under this engine",
+            "use balance_by='params' or an explicit balance, or build the module eagerly",
+        )
 
     def planned(balance: Optional[Sequence[int]]) -> StagePlan:
         s = replace(settings, stages=None, balance=list(balance)) if balance is not None else settings
@@ -306,6 +336,8 @@ def agreed_plan(
     dist.broadcast_object_list(agreed, src=0)
     if tuple(agreed[0]) != stage_plan.balance:
         stage_plan = planned(agreed[0])
+    if built_on_meta:
+        materialize_mine(module, layers, stage_plan, mine, device)
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)
     compile_layers(layers, settings.compile)
