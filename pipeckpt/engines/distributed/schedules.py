@@ -9,6 +9,7 @@ stage's recompute Function splits its own backward (:mod:`pipeckpt.stages.weight
 stage's weight pass runs what its input pass left.
 """
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -162,10 +163,10 @@ class Schedules:
             LiveStage(m, s, j, self._num_stages, self._device, self._group, boundaries)
             for j, m, s in zip(self._indices, self._modules, submodules)
         ]
-        self._point(stages)
         if train and self.kind.traits.split_backward:
             for stage, submodule in zip(stages, submodules):
                 _split(stage, wrapped=submodule is not stage.stage_module)
+        self._point(stages)
         options: Dict[str, Any] = dict(
             n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
         )
@@ -185,6 +186,7 @@ class Schedules:
         """The stage modules (shared by every schedule) flatten and rebuild as ``stages``' schedule does."""
         for stage in stages:
             stage.stage_module.boundaries = stage.boundaries
+            stage.stage_module.stage.weight_passes = _WEIGHT_PASSES.get(id(stage))
 
     def orders(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
         """For each of this process's stages, the ops its device runs in one training step, in
@@ -206,17 +208,22 @@ class Schedules:
         self._cache.clear()
 
 
+# A split schedule's stage -> where its Stage leaves the weight passes while that schedule runs (by
+# id: torch's PipelineStage is not hashable by value); Schedules._point hands the list to the Stage.
+_WEIGHT_PASSES: Dict[int, List[Callable[[], None]]] = {}
+
+
 def _split(stage: LiveStage, *, wrapped: bool) -> None:
     """Each micro-batch's input pass on ``stage`` leaves its weight gradients to the weight pass the
     schedule runs later. Not under selective checkpointing (torch's checkpoint gives up the outputs
     it kept at its one recompute, so no second backward can cross the region) nor a data-parallel
     wrapper (DDP reduces the gradients that the last micro-batch's backward makes): their stages make
     every gradient in the input pass."""
-    own = stage.stage_module.stage
-    if wrapped or own.mode.selective:
+    if wrapped or stage.stage_module.stage.mode.selective:
         return
     passes: List[Callable[[], None]] = []
-    own.weight_passes = passes
+    _WEIGHT_PASSES[id(stage)] = passes
+    weakref.finalize(stage, _WEIGHT_PASSES.pop, id(stage), None)
 
     def weight_pass() -> Callable[[], None]:  # torch calls it after each input pass (its dw_builder)
         ready = list(passes)

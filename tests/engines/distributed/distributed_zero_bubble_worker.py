@@ -6,11 +6,11 @@ lists trainings run one after the other in the same processes:
 
     python tests/engines/distributed/distributed_zero_bubble_worker.py SPEC.json
 
-Each run trains ``model`` ("tensor": tests/support/toy.py's ToyModule; "pytree":
-tests/support/pytree_models.py's PytreeModule, a side input; "rooted": Lightning's demo Transformer
-through ``pipeline_of``) and writes `<name>.rank<R>.pt`: the parameters this rank holds (not on the
-meta device), each of its stages' ``forward_calls`` and how many parameter gradients were added to
-``.grad`` inside the schedule's weight passes and outside them.
+Each run trains ``model`` ("tensor": tests/support/toy.py's ToyModule, on ``samples`` samples;
+"pytree": tests/support/pytree_models.py's PytreeModule, a side input; "rooted": Lightning's demo
+Transformer through ``pipeline_of``) and writes `<name>.rank<R>.pt`: the parameters this rank holds
+(not on the meta device), each of its stages' ``forward_calls`` and how many parameter gradients
+were added to ``.grad`` inside the schedule's weight passes and outside them.
 """
 
 import os
@@ -42,16 +42,18 @@ def _marking(self: LiveStage, *args: Any, **kwargs: Any) -> Any:
 LiveStage.backward_weight_one_chunk = _marking  # type: ignore[method-assign]
 
 
-def build(model: str) -> Tuple[L.LightningModule, DataLoader]:
+def build(model: str, samples: int = 64) -> Tuple[L.LightningModule, DataLoader]:
+    """``samples``: the tensor model's data (batches of 16; the last one shorter where 16 does not
+    divide it)."""
     if model == "tensor":
-        return ToyModule(), toy_loader()
+        return ToyModule(), toy_loader(n=samples)
     if model == "pytree":
         return PytreeModule(), pytree_loader()
     return client("demo")
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
-    module, loader = build(spec["model"])
+    module, loader = build(spec["model"], spec.get("samples", 64))
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], limit_val_batches=0)
     added = {"weight": 0, "input": 0}

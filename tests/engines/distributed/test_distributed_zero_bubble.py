@@ -23,7 +23,7 @@ from support.toy import max_relative_difference, params
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from pipeckpt import PipelineStrategy
+from pipeckpt import PipeckptWarning, PipelineStrategy
 from pipeckpt.stages.weight_pass import input_pass
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +48,8 @@ SCHEDULES = {  # schedule -> stages per process
 ZERO_BUBBLE = ["interleaved_zero_bubble", "zbv_zero_bubble", "dual_pipe_v"]
 MODES = ["never", "always", "selective", "always:1"]
 CASES = list(itertools.product(MODELS, SCHEDULES, MODES))
+SHORT = 21  # batches of 16 and 5: 5 samples run as 1 or 5 micro-batches, then the batch of 16 again
+SHORT_STEPS = 3
 
 
 def _name(model: str, schedule: str, mode: str) -> str:
@@ -95,6 +97,12 @@ def test_an_input_pass_without_an_input_to_differentiate_defers_the_whole_backwa
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> Iterator[Path]:
     runs = [dict(name=_name(*case), model=case[0], strategy=_strategy(*case), steps=STEPS) for case in CASES]
+    runs += [
+        dict(name=f"short-{s}", model="tensor", strategy=_strategy("tensor", s, "always"), steps=SHORT_STEPS)
+        for s in ZERO_BUBBLE
+    ]
+    for run in runs[-len(ZERO_BUBBLE) :]:
+        run["samples"] = SHORT
     yield ranks.launch(WORKER, 2, runs, tmp_path_factory.mktemp("zero_bubble"), within_s=START_S)
 
 
@@ -109,6 +117,16 @@ def local() -> Dict[str, Dict[str, torch.Tensor]]:
         ranks.quiet_trainer(strategy, 1, max_steps=STEPS, limit_val_batches=0).fit(module, loader)
         out[model] = params(module)
     return out
+
+
+@pytest.fixture(scope="module")
+def local_short() -> Dict[str, torch.Tensor]:
+    module, loader = build("tensor", SHORT)
+    torch.manual_seed(123)
+    strategy = PipelineStrategy(stages=1, chunks=4)
+    with pytest.warns(PipeckptWarning, match="a batch of 5 samples"):
+        ranks.quiet_trainer(strategy, 1, max_steps=SHORT_STEPS, limit_val_batches=0).fit(module, loader)
+    return params(module)
 
 
 def _result(out: Path, name: str) -> Dict[str, Any]:
@@ -175,3 +193,12 @@ def test_a_recomputing_zero_bubble_run_is_bitwise_equal_to_never(matrix, schedul
             other = _result(matrix, _name(model, schedule, mode))["params"]
             for key in never:
                 assert torch.equal(other[key], never[key]), f"{model} {mode}: {key}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_a_short_last_batch_trains_under_a_recomputing_zero_bubble_schedule(matrix, local_short, schedule):
+    """A batch of 5 with ``chunks=4`` runs as fewer or more equal micro-batches (a schedule of its
+    own), and the next epoch's first batch goes back to the schedule of 4, weight passes and all."""
+    trained = _result(matrix, f"short-{schedule}")["params"]
+    assert max_relative_difference(trained, local_short) < TOLERANCE
