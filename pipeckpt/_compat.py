@@ -58,6 +58,25 @@ def accumulate_gradients(
     )
 
 
+def accumulate_keeping_graph(
+    outputs: Sequence[GradientEdge], grad_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """:func:`accumulate_gradients` that keeps the graph's saved tensors for a later backward over
+    part of it (a split backward's weight pass)."""
+    Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grad_outputs), True, False, tuple(inputs), True, True
+    )
+
+
+# A split backward's input pass finds, as torch's zero-bubble stages do, the nodes where the
+# weights' gradients meet the input's (torch exposes its stage_backward_input/_weight only whole,
+# over a stage's outputs, which a stage's recompute Function holds inside).
+from torch.distributed.pipelining._backward import (  # noqa: E402
+    construct_reverse_graph as reverse_graph,
+)
+from torch.distributed.pipelining._backward import get_param_groups as param_groups  # noqa: E402
+
+
 def apply_function(function: type, *args: Any) -> Any:
     """``function.apply(*args)`` for a ``torch.autograd.Function`` without the Python
     wrapper's per-argument functorch unwrapping and default-argument binding: a stage passes
@@ -314,6 +333,7 @@ from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
 __all__ = [
     "BACKWARD_ONE_CHUNK",
     "accumulate_gradients",
+    "accumulate_keeping_graph",
     "FORWARD_ONE_CHUNK",
     "BatchNormBase",
     "DcpMemoryFormat",
@@ -346,6 +366,7 @@ __all__ = [
     "module_memory",
     "optimizers_to_device",
     "own_tensors",
+    "param_groups",
     "pop_dispatch_mode",
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
@@ -358,6 +379,7 @@ __all__ = [
     "set_saved_step",
     "sync_ddp_if_available",
     "register_pytree_node",
+    "reverse_graph",
     "tree_flatten",
     "tree_is_leaf",
     "tree_map",

@@ -242,6 +242,27 @@ def test_accumulate_gradients_starts_from_a_gradient_edge_once_the_output_is_dro
     assert torch.equal(w.grad, expected)
 
 
+def test_accumulate_keeping_graph_leaves_the_graph_for_a_second_backward():
+    w = nn.Parameter(torch.tensor([2.0, 3.0]))
+    x = torch.tensor([1.0, 4.0], requires_grad=True)
+    edge = torch.autograd.graph.get_gradient_edge(torch.sin(w * x))
+    _compat.accumulate_keeping_graph([edge], [torch.ones(2)], [x])
+    assert w.grad is None and x.grad is not None
+    _compat.accumulate_gradients([edge], [torch.ones(2)], [w])  # would raise on a freed graph
+    assert torch.equal(w.grad, torch.cos(w * x).detach() * x)
+
+
+def test_param_groups_find_where_a_weights_path_joins_the_inputs():
+    w = nn.Parameter(torch.ones(2, 2))
+    x = torch.ones(3, 2, requires_grad=True)
+    out = torch.tanh(x @ w)
+    node = torch.autograd.graph.get_gradient_edge
+    reverse = _compat.reverse_graph([out.grad_fn])
+    groups = _compat.param_groups([node(x).node], [node(w).node], reverse)
+    assert [g["params"] for g in groups] == [{node(w).node}]
+    assert [type(n).__name__ for g in groups for n in g["intermediates"]] == ["MmBackward0"]
+
+
 def test_apply_function_runs_forward_and_backward_of_an_autograd_function():
     class Double(torch.autograd.Function):
         @staticmethod

@@ -16,7 +16,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.schedule import op_order, sends_held
+from pipeckpt.memory.schedule import op_order, sends_held, split_backward
 from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import StageMemory, _op_times, _Peak, _predict_stage, _StageWalk
 from pipeckpt.stages.partition import StagePlan
@@ -124,20 +124,20 @@ def predict_device(
         profile: one micro-batch of the Sequential that ``plan`` cuts.
         plan: the balance and a checkpoint mode per stage (every stage of the pipeline).
         chunks: micro-batches per step.
-        order: the device's ops ``(stage, "F" | "B", micro-batch)`` as the schedule runs them (its
+        order: the device's ops ``(stage, "F" | "B" | "I" | "W", micro-batch)`` as the schedule runs them (its
             own ``pipeline_order`` for this rank: :func:`pipeckpt._compat.live_op_order`).
         optimizer: whose state to count.
         accumulating: ``.grad`` already holds gradients when the step starts.
     """
     _check_balance(profile, plan)
-    unknown = sorted({kind for _, kind, _ in order} - {"F", "B"})
+    unknown = sorted({kind for _, kind, _ in order} - {"F", "B", "I", "W"})
     if unknown:
         raise config_error(
             f"an op order with {unknown} ops",
-            "the model knows whole backwards (F and B); a split backward (I, W) runs without recompute",
-            "predict a schedule whose backward is whole (interleaved_1f1b, looped_bfs)",
+            "the model knows forwards (F), whole backwards (B) and split ones (I, then W)",
+            "predict from a schedule's own compute actions (pipeckpt._compat.live_op_order)",
         )
-    ops = [(j, kind, i) for j, kind, i in order]
+    ops, split = split_backward(order)
     walks: Dict[int, _StageWalk] = {}
     for j in sorted({j for j, _, _ in ops}):
         start, stop = plan.ranges[j]
@@ -152,6 +152,7 @@ def predict_device(
             accumulating=accumulating,
         )
         walks[j].hold_sends = True
+        walks[j].split = {i for k, i in split if k == j}
     device = _Peak()
     for j, kind, i in ops:
         around = sum(w.resting() for k, w in walks.items() if k != j)

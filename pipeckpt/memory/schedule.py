@@ -1,5 +1,5 @@
 """The op order each stage runs in one step under a schedule the memory model knows, and what
-its sends hold meanwhile.
+its sends hold meanwhile, and how a split backward's order reads to the model.
 
 The orders themselves are :mod:`pipeckpt.checkpointing.order`'s, the ones the engines hand their
 stages; torch's own schedule IR is read first where it lists every micro-batch once forward and
@@ -15,7 +15,7 @@ from pipeckpt._compat import schedule_op_order
 from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.order import Op, gpipe_order, local_order, one_f_one_b_order
 
-__all__ = ["SCHEDULES", "op_order", "sends_held"]
+__all__ = ["SCHEDULES", "op_order", "sends_held", "split_backward"]
 
 #: Schedules the model knows: the local engine, and torch's single-stage schedules by name.
 SCHEDULES = ("local", "gpipe", "1f1b")
@@ -116,3 +116,19 @@ def sends_held(
             backwards.add(i)
             phase_over = phase_over or n > last_forward
     return out
+
+
+def split_backward(
+    order: Sequence[Tuple[int, str, int]],
+) -> Tuple[List[Tuple[int, str, int]], Set[Tuple[int, int]]]:
+    """A device's order as the model walks it, and the ``(stage, micro-batch)`` pairs whose backward
+    is split. A zero-bubble schedule's input pass (``"I"``) is the micro-batch's backward for
+    memory: its recompute runs there and every layer's backward node with it (the weight gradients
+    excepted); its weight pass (``"W"``) stays, to end what the micro-batch holds in between
+    (``_StageModel.between_passes``). A whole backward (``"B"``) in the same order stays one.
+
+    Args:
+        order: the device's ops ``(stage, "F" | "B" | "I" | "W", micro-batch)``.
+    """
+    split = {(j, i) for j, kind, i in order if kind == "W"}
+    return [(j, "B" if kind == "I" else kind, i) for j, kind, i in order], split

@@ -179,6 +179,19 @@ class _StageModel:
                 )
         return out
 
+    def between_passes(self, mode: CheckpointMode) -> int:
+        """Bytes one micro-batch holds from a split backward's input pass to its weight pass
+        (pipeckpt/stages/weight_pass.py): the graph its stage Function recomputed or kept, with every
+        tensor its layers saved, and the gradients recorded where each layer's parameters join the
+        input's path (one per layer output, at most). Selective checkpointing does not split (torch's
+        checkpoint recomputes once): nothing."""
+        if mode.selective:
+            return 0
+        ids = self.profile.saved_union(self.start, self.stop)
+        trained = [layer for layer in self.layers if layer.param_bytes]
+        recorded = sum(self.profile.bytes_of(set(layer.outputs)) for layer in trained)
+        return self.bytes(ids) + recorded
+
     def recompute_s(self, mode: CheckpointMode) -> float:
         """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
         selective all but the ops SAC kept."""

@@ -159,6 +159,7 @@ class _StageWalk:
         self.around = 0
         self.backwards = 0  # micro-batches whose backward is over
         self.hold_sends = False  # every send lives until the step ends (a looped schedule's)
+        self.split: AbstractSet[int] = frozenset()  # micro-batches whose "B" is an input pass, a "W" after
 
     def resting(self) -> int:
         """Bytes the stage holds while another stage of its device runs."""
@@ -200,6 +201,12 @@ class _StageWalk:
             sent = self._held_sends()
         recv_now = recv + self._sent_bytes(sent)  # the receive buffers, and what earlier sends still hold
         base = static + g_now + recv_now + others
+        if kind == "W":  # what the input pass left: the weights' gradients, from the graph it held
+            cells.pop(i, None)
+            work = max((layer.backward_peak for layer in s.layers), default=0)
+            peak_see(base - g_now + grads + work, (others, recv_now, work), f"W{i}")
+            self.grads_done = True
+            return
         if kind == "F":
             # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
             # after this stage's forward of micro-batch i; the last stage's wait for the gather.
@@ -292,6 +299,8 @@ class _StageWalk:
             done += 1
         self.grads_done = True
         self.backwards += 1
+        if i in self.split:
+            cells[i] = s.between_passes(mode)
 
     def result(self) -> StageMemory:
         s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak

@@ -27,6 +27,7 @@ from pipeckpt.checkpointing.offload import Copies, Offloader, copies_for
 from pipeckpt.checkpointing.release import ReleasedAtUnpack
 from pipeckpt.stages.caller import StepCasts, autocast_now, hold_cast_cache, release_cast_cache
 from pipeckpt.stages.guards import Recomputing, RngState, batch_norms, side_effect_free
+from pipeckpt.stages.weight_pass import WeightPass, input_pass
 
 __all__ = ["Packing", "Recomputable"]
 
@@ -118,7 +119,9 @@ class _Recompute(torch.autograd.Function):
         # version, which autograd checks for the saved running statistics.
         norms = stage._norms()
         # Layer by layer (``:k``), each saved tensor goes at its last use (checkpointing.release).
-        release = ReleasedAtUnpack() if stage.mode.every is not None else None
+        # Not under a split backward: its weight pass reads saved tensors its input pass read.
+        split = stage._weight_passes() is not None
+        release = ReleasedAtUnpack() if stage.mode.every is not None and not split else None
         with side_effect_free(stage.partition, norms) if norms else Recomputing():
             now = RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
@@ -165,7 +168,13 @@ class _Recompute(torch.autograd.Function):
     def _gradients(ctx: Any, roots: _Roots, inputs: Sequence[Tensor]) -> Tuple[Optional[Tensor], ...]:
         edges, grads = roots
         wrt = [x for x in inputs if x.requires_grad]
-        if edges and (wrt or ctx.params):
+        passes = ctx.stage._weight_passes()
+        if edges and passes is not None and ctx.params:
+            # A split-backward schedule's input pass: the weights' gradients wait for its weight pass.
+            weight_pass = input_pass(edges, grads, wrt, ctx.params)
+            if weight_pass is not None:
+                passes.append(weight_pass)
+        elif edges and (wrt or ctx.params):
             # The parameters' gradients go straight into ``.grad``, as this micro-batch's
             # backward makes each one: returned instead, autograd would sum them over the
             # step's micro-batches in a buffer of its own beside ``.grad`` (a whole extra
@@ -184,7 +193,7 @@ class _Recompute(torch.autograd.Function):
 # Attributes of a stage or segment that never hold a Parameter, Module or buffer.
 _PLAIN_ATTRIBUTES = frozenset(
     {"forward_calls", "_microbatch", "_structure", "_num_microbatches", "_caller", "_keep", "checkpointed"}
-    | {"_step", "_params", "streams", "chain"}
+    | {"_step", "_params", "streams", "chain", "weight_passes"}
 )
 
 
@@ -228,6 +237,9 @@ class Recomputable(nn.Module):
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
         self.copies: Optional[Copies] = None  # offload's stream layer (None: the device's); tests inject one
         self._offload_state: Optional[Offloader] = None
+        # Under a split-backward schedule (set by the engine): where each micro-batch's input pass
+        # leaves its weight pass (stages/weight_pass.py); None: one whole backward.
+        self.weight_passes: Optional[List[WeightPass]] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The counters change several times per micro-batch; nn.Module's __setattr__ checks
@@ -251,6 +263,10 @@ class Recomputable(nn.Module):
             copies = root.copies if root.copies is not None else copies_for(root.device)
             root._offload_state = Offloader(copies, pin_memory=root.pin_memory)
         return root._offload_state
+
+    def _weight_passes(self) -> Optional[List[WeightPass]]:
+        """Where this micro-batch's weight pass goes (a segment's: its parent's), or None."""
+        return self.__dict__.get("_parent", self).weight_passes
 
     def _running_microbatch(self) -> int:
         """The micro-batch whose forward runs now (a segment's: its parent's)."""

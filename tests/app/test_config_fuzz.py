@@ -89,7 +89,6 @@ class Schedule:
 
     looped: bool = False  # several stages per process (virtual_stages > 1 allowed)
     v_shape: bool = False  # exactly two stages per process
-    split_backward: bool = False  # input and weight backward apart: no recomputing mode
     microbatches_at_least_stages: bool = False  # 1F1B: >= pp; DualPipeV: >= its stages
     rounds_of_pp: bool = False  # the micro-batches run in equal rounds of about pp
 
@@ -100,9 +99,9 @@ SCHEDULES: Dict[str, Schedule] = {
     "1f1b": Schedule(microbatches_at_least_stages=True),
     "interleaved1f1b": Schedule(looped=True, rounds_of_pp=True),
     "loopedbfs": Schedule(looped=True, rounds_of_pp=True),
-    "interleavedzerobubble": Schedule(looped=True, split_backward=True, rounds_of_pp=True),
-    "zbvzerobubble": Schedule(looped=True, v_shape=True, split_backward=True),
-    "dualpipev": Schedule(looped=True, v_shape=True, split_backward=True, microbatches_at_least_stages=True),
+    "interleavedzerobubble": Schedule(looped=True, rounds_of_pp=True),
+    "zbvzerobubble": Schedule(looped=True, v_shape=True),
+    "dualpipev": Schedule(looped=True, v_shape=True, microbatches_at_least_stages=True),
 }
 
 
@@ -178,9 +177,6 @@ def settings_problems(kw: Dict[str, Any]) -> List[Problem]:
         if kind is not None and not bad["virtual_stages"]:
             if (v > 1 and not kind.looped) or (kind.v_shape and v != 2):
                 out.append(Problem("virtual_stages", "settings"))
-        modes = _mode_names(s["checkpoint"])
-        if kind is not None and kind.split_backward and modes and set(modes) != {"never"}:
-            out.append(Problem("checkpoint", "settings"))
     return out + [Problem(k, "settings") for k, b in bad.items() if b]
 
 
@@ -502,12 +498,11 @@ def distributed_cases(draw: Any) -> Tuple[Dict[str, Any], int, int]:
         "dp": dp,
         "stages": pp * v,
         "chunks": draw(st.integers(pp * v, 3 * pp * v)),
-        "checkpoint": "never" if kind.split_backward else draw(_MODE),
+        "checkpoint": draw(_MODE),
         "timeout": draw(st.one_of(st.integers(1, 3600), st.floats(0.001, 1e6))),
         "deferred_batch_norm": draw(st.booleans()),
     }
     needed = ["schedule", "virtual_stages"] if v > 1 or kind.v_shape else []
-    needed += ["schedule", "checkpoint"] if kind.split_backward else []
     needed = list(dict.fromkeys(needed))
     optional = [k for k in fitting if k not in needed]
     kw = {k: fitting[k] for k in needed + draw(st.lists(st.sampled_from(optional), unique=True))}

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.liveness import user_code
-from pipeckpt.engines.distributed.schedules import check_modes, lookup, microbatch_rule
+from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
 from pipeckpt.engines.distributed.topology import Topology, check_chunks
 from pipeckpt.settings import PipeSettings
 
@@ -92,6 +92,4 @@ def adopt(s: PipeSettings, topology: Optional[Topology]) -> PipeSettings:
             "set stages (or balance) to the pipeline's stage count",
         )
     check_chunks(topology.kind, s.chunks, pp=topology.pp, stages=topology.stages)
-    if not isinstance(s.modes, str):
-        check_modes(topology.kind, s.modes)
     return s

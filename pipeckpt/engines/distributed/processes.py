@@ -26,7 +26,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed.auto_plan import check_auto
 from pipeckpt.engines.distributed.liveness import Liveness
-from pipeckpt.engines.distributed.schedules import ScheduleKind, check_modes, lookup
+from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
 from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
 
@@ -62,8 +62,6 @@ def check_process_settings(s: PipeSettings) -> None:
     kind = lookup(s.schedule)
     check_kind(kind, s.virtual_stages)
     check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
-    if not isinstance(s.modes, str):  # 'auto': chosen at set-up, then checked by auto_plan.adopt
-        check_modes(kind, s.modes)
 
 
 def _is_count(value: Any) -> bool:

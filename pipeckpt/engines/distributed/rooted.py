@@ -216,7 +216,7 @@ def outside_parameters(spec: ModulePipeline, module: nn.Module) -> List[Tuple[st
 
 def check_module_pipeline(name: str, settings: PipeSettings) -> None:
     """Refuse what a module pipeline cannot run under the distributed engine. Every schedule runs (a
-    split-backward one computes all in its input pass, module docstring), and so does ``dp > 1``."""
+    split-backward one with its layers' weight passes, stages/weight_pass.py), and so does ``dp > 1``."""
     what = f"pipeline_of({name}, ...) with engine='distributed'"
     if settings.balance is None and settings.balance_by != "params":
         raise config_error(

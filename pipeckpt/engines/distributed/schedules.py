@@ -4,9 +4,12 @@ Names resolve through :func:`torch.distributed.pipelining.schedules.get_schedule
 underscores ignored), so a torch release that adds a schedule adds it here; what pipeckpt must know
 beyond the class (stages per process, a split backward) is in :data:`_TRAITS`, and a schedule not
 proven with pipeckpt is refused, naming why. A schedule is built for one micro-batch count and one
-input shape (fixed receive buffers), so :class:`Schedules` keeps a few.
+input shape (fixed receive buffers), so :class:`Schedules` keeps a few. Under a split backward each
+stage's recompute Function splits its own backward (:mod:`pipeckpt.stages.weight_pass`), and the
+stage's weight pass runs what its input pass left.
 """
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -19,7 +22,6 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from pipeckpt._compat import live_op_order
 from pipeckpt._errors import config_error
-from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.order import Op, gpipe_order, one_f_one_b_order
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
@@ -103,20 +105,6 @@ def lookup(name: str) -> ScheduleKind:
     return ScheduleKind(name=str(name), cls=cls, traits=traits)
 
 
-def check_modes(kind: ScheduleKind, modes: Sequence[CheckpointMode]) -> None:
-    """Refuse modes a schedule cannot run exactly."""
-    recomputing = sorted({m.name for m in modes if m.checkpoints})
-    if kind.traits.split_backward and recomputing:
-        raise config_error(
-            f"schedule={kind.name!r} with checkpoint modes {recomputing}",
-            "this schedule splits backward into an input pass and a weight pass; a stage that drops its "
-            "activations would recompute its forward for each pass, and the second recompute would "
-            "draw on RNG and BatchNorm state the first already consumed",
-            "use checkpoint='never' with this schedule, or a schedule without split backward "
-            "(gpipe, 1f1b, interleaved_1f1b, looped_bfs)",
-        )
-
-
 def microbatch_rule(kind: ScheduleKind, microbatches: int, pp: int, stages: int) -> Optional[str]:
     """Why ``microbatches`` do not fit ``kind`` on ``pp`` ranks holding ``stages`` stages, or None."""
     if kind.traits.min_microbatches_per_stage and microbatches < (stages if kind.looped else pp):
@@ -175,6 +163,9 @@ class Schedules:
             LiveStage(m, s, j, self._num_stages, self._device, self._group, boundaries)
             for j, m, s in zip(self._indices, self._modules, submodules)
         ]
+        if train and self.kind.traits.split_backward:
+            for stage, submodule in zip(stages, submodules):
+                _split(stage, wrapped=submodule is not stage.stage_module)
         self._point(stages)
         options: Dict[str, Any] = dict(
             n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
@@ -195,6 +186,7 @@ class Schedules:
         """The stage modules (shared by every schedule) flatten and rebuild as ``stages``' schedule does."""
         for stage in stages:
             stage.stage_module.boundaries = stage.boundaries
+            stage.stage_module.stage.weight_passes = _WEIGHT_PASSES.get(id(stage))
 
     def orders(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
         """For each of this process's stages, the ops its device runs in one training step, in
@@ -202,7 +194,9 @@ class Schedules:
         rank; derived for the single-stage ones, whose ``_step_microbatches`` torch codes apart
         from their (IR-only) ``pipeline_order``."""
         if self.kind.looped:
-            mine = live_op_order(schedule)
+            # A split backward recomputes in its input pass: that is the backward the stage sees.
+            ops = live_op_order(schedule)
+            mine = [(j, "B" if kind == "I" else kind, i) for j, kind, i in ops if kind != "W"]
             return {j: mine for j in self._indices}
         (j,) = self._indices
         if self.kind.cls.__name__ == "Schedule1F1B":
@@ -212,3 +206,33 @@ class Schedules:
 
     def clear(self) -> None:
         self._cache.clear()
+
+
+# A split schedule's stage -> where its Stage leaves the weight passes while that schedule runs (by
+# id: torch's PipelineStage is not hashable by value); Schedules._point hands the list to the Stage.
+_WEIGHT_PASSES: Dict[int, List[Callable[[], None]]] = {}
+
+
+def _split(stage: LiveStage, *, wrapped: bool) -> None:
+    """Each micro-batch's input pass on ``stage`` leaves its weight gradients to the weight pass the
+    schedule runs later. Not under selective checkpointing (torch's checkpoint gives up the outputs
+    it kept at its one recompute, so no second backward can cross the region) nor a data-parallel
+    wrapper (DDP reduces the gradients that the last micro-batch's backward makes): their stages make
+    every gradient in the input pass."""
+    if wrapped or stage.stage_module.stage.mode.selective:
+        return
+    passes: List[Callable[[], None]] = []
+    _WEIGHT_PASSES[id(stage)] = passes
+    weakref.finalize(stage, _WEIGHT_PASSES.pop, id(stage), None)
+
+    def weight_pass() -> Callable[[], None]:  # torch calls it after each input pass (its dw_builder)
+        ready = list(passes)
+        passes.clear()
+        return lambda: _run(ready)
+
+    stage.dw_builder = weight_pass
+
+
+def _run(ready: List[Callable[[], None]]) -> None:
+    while ready:
+        ready.pop(0)()

@@ -552,13 +552,6 @@ def test_recompute_under_every_schedule_leaves_dropout_training_bitwise_unchange
     assert max_relative_difference(never, plain) > 1e-3  # it trained
 
 
-def test_split_backward_schedules_refuse_recomputing_modes():
-    with pytest.raises(
-        PipeckptConfigError, match=r"(?s)schedule='zbv_zero_bubble' with checkpoint modes \['always'\].*HINT"
-    ):
-        distributed(schedule="zbv_zero_bubble", virtual_stages=2, checkpoint=["never", "always"])
-
-
 def test_every_installed_schedule_is_proven_or_refused():
     from pipeckpt.engines.distributed.schedules import installed, lookup
 
