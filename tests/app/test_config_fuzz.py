@@ -204,6 +204,9 @@ def world_problems(kw: Dict[str, Any], world: int) -> List[Problem]:
         return [Problem("chunks", "world")]
     if kind.rounds_of_pp and chunks % max(1, chunks // pp):
         return [Problem("chunks", "world")]
+    modes = kw.get("checkpoint")
+    if isinstance(modes, (list, tuple)) and len(modes) != pp * v:
+        return [Problem("checkpoint", "world")]  # one mode per stage, checked before any rank starts
     return []
 
 

@@ -111,7 +111,7 @@ class DistributedEngine(Engine):
 
     def launcher(self, environment: ClusterEnvironment, world: World) -> Any:
         self.processes.world = world
-        if not isinstance(self.settings.modes, str) and world.size > 1:
+        if not isinstance(self.settings.modes, str):
             # A per-stage list is checked against the stage count in the launching process, so a wrong
             # count is one error, said once, before any rank starts.
             self.settings.stage_modes(self.processes.configure(world).stages)
