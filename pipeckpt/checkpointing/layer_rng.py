@@ -9,6 +9,7 @@ the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design and the alternat
 docs/DESIGN.md, checkpointing/layer_rng.
 """
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -178,6 +179,7 @@ class LayerStreams:
         current = self._current
         cpu = device.type != "cuda"
 
+        @functools.wraps(forward)  # the layer's own signature, which side inputs are routed by
         def in_own_stream(*args: Any, **kwargs: Any) -> Any:
             key = current.key
             if key is None or not layer.training or draws.known is False:
