@@ -244,7 +244,6 @@ from lightning.fabric.utilities.types import _PATH as LightningPath  # noqa: E40
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
-
 # Lightning's own test of whether a loader shuffles (its saved ``shuffle`` argument, else its sampler).
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled as loader_shuffles  # noqa: E402
 

@@ -395,7 +395,8 @@ def test_sampler_follows_loader_makes_the_injected_training_sampler_shuffle_as_t
 
     def injected(shuffle: bool) -> DistributedSampler:
         loader = DataLoader(data, shuffle=shuffle)
-        prepared = trainer._data_connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
+        connector = trainer._data_connector
+        prepared = connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
         assert isinstance(prepared.sampler, DistributedSampler)
         return prepared.sampler
 

@@ -33,9 +33,11 @@ WORKER = Path(__file__).resolve().parent / "distributed_same_numbers_worker.py"
 START_S = 480
 TOLERANCE = 1e-5  # relative, per tensor: the distributed engine sums micro-batch gradients aside
 TWO = dict(balance=[2, 2], chunks=4)
+ALWAYS_1F1B = dict(TWO, schedule="1f1b", checkpoint="always")
+NEVER_GPIPE = dict(TWO, schedule="gpipe", checkpoint="never")
 RUNS: List[Dict[str, Any]] = [  # the distributed runs; each local reference: balance, chunks, never
-    dict(name="gpt2_dropout", model="gpt2", steps=3, strategy=dict(TWO, schedule="1f1b", checkpoint="always")),
-    dict(name="llama_dropout", model="llama", steps=3, strategy=dict(TWO, schedule="gpipe", checkpoint="never")),
+    dict(name="gpt2_dropout", model="gpt2", steps=3, strategy=ALWAYS_1F1B),
+    dict(name="llama_dropout", model="llama", steps=3, strategy=NEVER_GPIPE),
     dict(
         name="toy_in_order",
         model="toy",
@@ -43,7 +45,7 @@ RUNS: List[Dict[str, Any]] = [  # the distributed runs; each local reference: ba
         sampler=True,
         strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b", checkpoint="except_last"),
     ),
-    dict(name="toy_shuffled", model="toy", steps=1, sampler=True, shuffle=True, strategy=dict(balance=[3, 3])),
+    dict(name="toy_shuffled", model="toy", steps=1, sampler=True, shuffle=True, strategy={"balance": [3, 3]}),
 ]
 BY_NAME = {r["name"]: r for r in RUNS}
 
