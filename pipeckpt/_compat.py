@@ -278,6 +278,28 @@ from lightning.fabric.utilities.types import _PATH as LightningPath  # noqa: E40
 # The launcher that starts one process per device on this node when no launcher
 # (torchrun, srun) did; Lightning's own strategies import it the same way.
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
+from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
+
+# Lightning's own test of whether a loader shuffles (its saved ``shuffle`` argument, else its sampler).
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled as loader_shuffles  # noqa: E402
+
+
+def sampler_follows_loader(trainer: Any) -> None:
+    """Makes the ``DistributedSampler`` that ``trainer`` puts into a training loader shuffle only when
+    the loader does (Lightning passes ``shuffle=True`` for every training loader). Only the Trainer's
+    private data connector injects the sampler, with no setting for this, so its
+    ``_prepare_dataloader`` is wrapped, on this Trainer only, once."""
+    connector = trainer._data_connector
+    if "_prepare_dataloader" in connector.__dict__:
+        return
+    prepare = connector._prepare_dataloader
+
+    def following(dataloader: object, shuffle: bool, mode: Any) -> object:
+        if mode == RunningStage.TRAINING:
+            shuffle = loader_shuffles(dataloader)
+        return prepare(dataloader, shuffle=shuffle, mode=mode)
+
+    connector._prepare_dataloader = following
 
 
 def checkpoint_io_unset(strategy: Any) -> bool:
@@ -373,6 +395,8 @@ __all__ = [
     "sac_saved_ops",
     "saved_step",
     "saved_tensors_hooks_now",
+    "sampler_follows_loader",
+    "loader_shuffles",
     "schedule_op_order",
     "set_module_device",
     "set_own_tensor",

@@ -16,7 +16,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -111,10 +110,12 @@ class PipelineStrategy(ProcessStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.engine.is_distributed:
-            reset_seed()
             self.set_world_ranks()
             assert self.cluster_environment is not None
             self.engine.connect(self.cluster_environment, self.root_device)
+            # Not reseeded (DDP's way): each rank draws on from global rank 0's generators, as the local
+            # engine's one process draws on from the script's (docs/DISTRIBUTED.md, "Random numbers").
+            _rng.agree(self.root_device)
 
     @override
     def setup(self, trainer: Trainer) -> None:

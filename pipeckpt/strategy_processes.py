@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from pipeckpt._compat import sync_ddp_if_available
+from pipeckpt._compat import sampler_follows_loader, sync_ddp_if_available
 from pipeckpt.engines.base import Engine, World
 
 __all__ = ["ProcessStrategy"]
@@ -48,7 +48,17 @@ class ProcessStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """This replica's share: every process of one pipeline reads the same batches."""
         return self.engine.sampler_kwargs(self.global_rank)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        if self.engine.is_distributed and module is not None:
+            # The distributed sampler shuffles a training loader only if the loader shuffles, as the
+            # local engine (no such sampler) reads it.
+            sampler_follows_loader(module.trainer)
 
     def _world(self) -> World:
         return World(num_nodes=self.num_nodes, num_processes=self.num_processes, global_rank=self.global_rank)

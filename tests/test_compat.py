@@ -417,3 +417,24 @@ class _Tiny(LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=2)
+
+
+def test_sampler_follows_loader_makes_the_injected_training_sampler_shuffle_as_the_loader_does():
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)
+    data = TensorDataset(torch.arange(8))
+
+    def injected(shuffle: bool) -> DistributedSampler:
+        loader = DataLoader(data, shuffle=shuffle)
+        connector = trainer._data_connector
+        prepared = connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
+        assert isinstance(prepared.sampler, DistributedSampler)
+        return prepared.sampler
+
+    assert injected(shuffle=False).shuffle  # Lightning's own: every training loader shuffled
+    _compat.sampler_follows_loader(trainer)
+    _compat.sampler_follows_loader(trainer)  # once only
+    assert [injected(shuffle=s).shuffle for s in (False, True)] == [False, True]
+    assert _compat.loader_shuffles(DataLoader(data, shuffle=True))

@@ -9,6 +9,7 @@ the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design and the alternat
 docs/DESIGN.md, checkpointing/layer_rng.
 """
 
+import functools
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from pipeckpt._errors import config_error
 
-__all__ = ["LAYER_RNG", "RANDOM_MODULES", "LayerStreams", "check_layer_rng", "draws_random"]
+__all__ = ["LAYER_RNG", "LayerStreams", "check_layer_rng"]
 
 LAYER_RNG = ("auto", "all", "off")
 
@@ -27,29 +28,12 @@ def check_layer_rng(layer_rng: Any) -> None:
         raise config_error(
             f"layer_rng={layer_rng!r}",
             f"must be one of {LAYER_RNG}",
-            "use 'auto' (layers holding dropout draw from streams of their own), 'all' (every layer), "
+            "use 'auto' (layers that draw random numbers get streams of their own), 'all' (every layer), "
             "or 'off' (the caller's generator, in schedule order)",
         )
 
 
-#: torch's modules that draw random numbers in training mode; ``auto`` seeds layers holding one.
-RANDOM_MODULES: Tuple[type, ...] = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-    nn.RReLU,
-    nn.MultiheadAttention,
-)
-
 _MASK = (1 << 64) - 1
-
-
-def draws_random(layer: nn.Module) -> bool:
-    """Whether ``layer`` holds one of :data:`RANDOM_MODULES`."""
-    return any(isinstance(m, RANDOM_MODULES) for m in layer.modules())
 
 
 def _mix(x: int) -> int:
@@ -84,6 +68,16 @@ class _Microbatch:
         self.current.key = self.previous
 
 
+class _Draws:
+    """Whether one layer draws random numbers: True (seeded), False (run as it is), None (not known
+    yet: ``auto`` before the layer's first training call)."""
+
+    __slots__ = ("known",)
+
+    def __init__(self, known: Optional[bool]) -> None:
+        self.known = known
+
+
 class LayerStreams:
     """One engine's per-layer streams: the seed, the count of training calls, the seeded layers.
 
@@ -99,7 +93,7 @@ class LayerStreams:
         self.calls = 0  # training calls of the pipeline so far
         self._call_key = 0
         self._current = _Current()
-        self._attached: List[Tuple[nn.Module, Callable[..., Any], Optional[Any]]] = []
+        self._attached: List[Tuple[nn.Module, Callable[..., Any], Optional[Any], _Draws]] = []
 
     @property
     def enabled(self) -> bool:
@@ -136,22 +130,25 @@ class LayerStreams:
     def attach(self, layers: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
         """Seeds ``layers[k]`` (global index ``k``, on ``devices[k]``) per micro-batch, per :attr:`scope`.
 
+        ``all`` seeds every training call of every layer. ``auto`` seeds a layer's first training
+        call and watches its device's generator: a layer that drew (a dropout module, or a
+        functional draw in its own code such as ``F.scaled_dot_product_attention(dropout_p=...)``)
+        stays seeded; one that did not runs as it is from then on, which draws the same (nothing).
         The layer's ``forward`` is wrapped by an instance attribute (what ``pipeline_of``'s routing
         takes as the layer's own forward, so it must be attached first); a forward hook would not
         run in a recompute, which calls the forward directly."""
         if not self.enabled:
             return
         for index, (layer, device) in enumerate(zip(layers, devices)):
-            if self.scope == "auto" and not draws_random(layer):
-                continue
             own = layer.__dict__.get("forward")
-            wrapped = self._seeded(layer, index, device, layer.forward)
+            draws = _Draws(True if self.scope == "all" else None)
+            wrapped = self._seeded(layer, index, device, layer.forward, draws)
             layer.forward = wrapped
-            self._attached.append((layer, wrapped, own))
+            self._attached.append((layer, wrapped, own, draws))
 
     def detach(self) -> None:
         """Every wrapped layer gets back the forward it had (unless another wrapper replaced ours)."""
-        for layer, wrapped, own in reversed(self._attached):
+        for layer, wrapped, own, _ in reversed(self._attached):
             if layer.__dict__.get("forward") is wrapped:
                 if own is None:
                     del layer.__dict__["forward"]
@@ -161,44 +158,49 @@ class LayerStreams:
 
     @property
     def seeded_layers(self) -> List[nn.Module]:
-        return [layer for layer, _, _ in self._attached]
+        """The layers in streams: every layer, unless ``off``."""
+        return [layer for layer, _, _, _ in self._attached]
+
+    @property
+    def drawing_layers(self) -> List[nn.Module]:
+        """The layers seeded at each training call: every one under ``all``; under ``auto`` those
+        whose first training call drew random numbers (none before any training call)."""
+        return [layer for layer, _, _, draws in self._attached if draws.known is True]
 
     def _seeded(
-        self, layer: nn.Module, index: int, device: torch.device, forward: Callable[..., Any]
+        self,
+        layer: nn.Module,
+        index: int,
+        device: torch.device,
+        forward: Callable[..., Any],
+        draws: "_Draws",
     ) -> Callable[..., Any]:
         salt = _mix(index ^ 0x5EED)
         current = self._current
-        if device.type != "cuda":
-            cpu = torch.default_generator
+        cpu = device.type != "cuda"
 
-            def in_own_stream(*args: Any, **kwargs: Any) -> Any:
-                key = current.key
-                if key is None or not layer.training:
-                    return forward(*args, **kwargs)
-                saved = cpu.get_state()
-                cpu.manual_seed(_mix(key ^ salt))
-                try:
-                    return forward(*args, **kwargs)
-                finally:
-                    cpu.set_state(saved)
-
-            return in_own_stream
-
-        def in_own_cuda_stream(*args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(forward)  # the layer's own signature, which side inputs are routed by
+        def in_own_stream(*args: Any, **kwargs: Any) -> Any:
             key = current.key
-            if key is None or not layer.training:
+            if key is None or not layer.training or draws.known is False:
                 return forward(*args, **kwargs)
-            generator = torch.cuda.default_generators[
-                device.index if device.index is not None else torch.cuda.current_device()
-            ]
+            if cpu:
+                generator = torch.default_generator
+            else:
+                generator = torch.cuda.default_generators[
+                    device.index if device.index is not None else torch.cuda.current_device()
+                ]
             saved = generator.get_state()
             generator.manual_seed(_mix(key ^ salt))
+            seeded = generator.get_state() if draws.known is None else None
             try:
                 return forward(*args, **kwargs)
             finally:
+                if seeded is not None:  # auto, first training call: did the layer draw?
+                    draws.known = not torch.equal(generator.get_state(), seeded)
                 generator.set_state(saved)
 
-        return in_own_cuda_stream
+        return in_own_stream
 
     # -- checkpoints ------------------------------------------------------------------
 

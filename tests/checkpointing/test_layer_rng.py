@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.boundaries.pipeline_of import pipeline_of
-from pipeckpt.checkpointing.layer_rng import LayerStreams, draws_random
+from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.engines.local import LocalEngine
 from pipeckpt.settings import PipeSettings
 
@@ -67,7 +67,7 @@ def test_each_microbatch_layer_and_call_draws_its_own_mask():
     seen: List[Tensor] = []
     engine = built(balance=LAYOUTS[2], checkpoint="never")
     assert engine.sequential is not None
-    for layer in engine.layer_rng.seeded_layers:
+    for layer in list(engine.sequential)[1:-1]:  # the blocks holding a Dropout
         layer[1].register_forward_hook(lambda m, i, o: seen.append(o.ne(0).flatten().clone()))
     with torch.no_grad():
         engine.sequential(batch(0))
@@ -100,20 +100,27 @@ class Noise(nn.Module):
         return x + torch.rand_like(x) if self.training else x
 
 
-def test_auto_seeds_layers_holding_a_random_module_and_all_seeds_every_layer():
+def test_auto_keeps_seeding_the_layers_that_drew_at_their_first_training_call_and_all_every_layer():
+    torch.manual_seed(0)
     layers = nn.Sequential(
-        nn.Linear(4, 4), nn.Sequential(nn.Dropout(0.1)), Noise(), nn.MultiheadAttention(4, 1)
+        nn.Linear(4, 4), nn.Sequential(nn.Dropout(0.1)), Noise(), nn.MultiheadAttention(4, 1), nn.Dropout(0.0)
     )
-    assert [draws_random(m) for m in layers] == [False, True, False, True]
-    for scope, expected in [("auto", [1, 3]), ("all", [0, 1, 2, 3]), ("off", [])]:
+    x = torch.randn(2, 3, 4)
+    for scope, expected in [("auto", [1, 2]), ("all", [0, 1, 2, 3, 4]), ("off", [])]:
         streams = LayerStreams(scope)
         streams.start(0)
-        streams.attach(list(layers), CPU * 4)
-        assert [list(layers).index(m) for m in streams.seeded_layers] == expected, scope
+        streams.attach(list(layers), CPU * 5)
+        streams.next_call()
+        with streams.microbatch(0):
+            for layer in layers:
+                layer(x, x, x) if isinstance(layer, nn.MultiheadAttention) else layer(x)
+        # MultiheadAttention and Dropout with p=0 draw nothing, so auto runs them as they are
+        assert [list(layers).index(m) for m in streams.drawing_layers] == expected, scope
         streams.detach()
 
 
-def test_all_gives_a_layer_that_draws_in_its_own_code_a_stream_of_its_own():
+@pytest.mark.parametrize("scope", ["auto", "all"])
+def test_a_layer_that_draws_in_its_own_code_gets_a_stream_of_its_own(scope):
     def noisy(balance: List[int], scope: str, caller_seed: int) -> Tensor:
         torch.manual_seed(0)
         module = ToyModule()
@@ -123,9 +130,9 @@ def test_all_gives_a_layer_that_draws_in_its_own_code_a_stream_of_its_own():
         torch.manual_seed(caller_seed)
         return module.layers(batch(0)).detach()
 
-    assert torch.equal(noisy([7], "all", caller_seed=1), noisy([2, 3, 2], "all", caller_seed=2))
-    # auto finds no random module in Noise: it draws from the caller's generator
-    assert not torch.equal(noisy([7], "auto", caller_seed=1), noisy([7], "auto", caller_seed=2))
+    assert torch.equal(noisy([7], scope, caller_seed=1), noisy([2, 3, 2], scope, caller_seed=2))
+    # off: Noise draws from the caller's generator
+    assert not torch.equal(noisy([7], "off", caller_seed=1), noisy([7], "off", caller_seed=2))
 
 
 def test_layers_in_eval_mode_draw_nothing_and_keep_no_call_count():
@@ -143,7 +150,7 @@ def test_teardown_gives_the_layers_their_own_forward_back():
     module = engine.module
     assert module is not None
     wrapped = engine.layer_rng.seeded_layers
-    assert len(wrapped) == 4 and all("forward" in m.__dict__ for m in wrapped)
+    assert len(wrapped) == 6 and all("forward" in m.__dict__ for m in wrapped)
     engine.teardown(module)
     assert all("forward" not in m.__dict__ for m in module.layers)
 

@@ -16,6 +16,7 @@ where they had none, and with the forward-only hooks (validation_step, predict_s
   and a ``predict_step`` (log-probabilities / logits of the whole batch).
 """
 
+import inspect
 from typing import Any, Dict, Tuple
 
 import lightning as L
@@ -42,7 +43,7 @@ def plain_pytree(layers: nn.Sequential, x: Tensor, mask: Tensor) -> Dict[str, An
     (an ``nn.Sequential`` takes no keywords, which is what the pipeline adds)."""
     h: Any = x
     for layer in layers:
-        h = layer(h, mask=mask) if "mask" in layer.forward.__code__.co_varnames else layer(h)
+        h = layer(h, mask=mask) if "mask" in inspect.signature(layer.forward).parameters else layer(h)
     return h
 
 
