@@ -13,7 +13,7 @@ batch), through a real ``Trainer``, one torch thread per process.
 
 Commands::
 
-    python benchmarks/bench_fsdp.py --rounds 3 --out /tmp/RESULTS_fsdp.md   # a few minutes
+    python benchmarks/bench_fsdp.py --rounds 2 --timed 4 --out /tmp/RESULTS_fsdp.md   # about 3 min
     python benchmarks/bench_fsdp.py --quick --out /tmp/RESULTS_fsdp.md
 
 The fsdp section of benchmarks/RESULTS.md is such a run's output, pasted in.

@@ -5,8 +5,8 @@ on CPU, tests/engines/distributed/distributed_fsdp_worker.py) trains Hugging Fac
 (tied input embedding and LM head) and the toy Sequential under gpipe, 1f1b, interleaved_1f1b and
 zbv, with never, always and selective checkpointing. Replica r reads rows 4r..4r+3 of every batch
 of 8; each run's weights after its AdamW steps are compared with the module trained in this process
-on the whole batches: within 1e-5 relative. A run saved sharded resumes under DDP, and every
-checkpoint loads strict=True into the unpipelined module.
+on the whole batches: within 1e-5 relative. A run saved sharded resumes under DDP and under FSDP,
+and every checkpoint loads strict=True into the unpipelined module.
 """
 
 import functools
@@ -56,8 +56,13 @@ RUNS = [  # name, model, steps, strategy, clip
         None,
     ),
 ]
-# The toy run's sharded checkpoint (2 steps), resumed under DDP for its third step.
-RESUMED = ("toy_resumed_under_ddp", "toy", 3, dict(dp=DP, chunks=2, balance=[3, 3], schedule="gpipe"), CLIP)
+# The toy run's sharded checkpoint (2 steps), resumed for its third step under DDP and under FSDP
+# (which loads the full tensors as this rank's shards, optimizer state included).
+TOY = dict(dp=DP, chunks=2, balance=[3, 3], schedule="gpipe")
+RESUMED = [
+    ("toy_resumed_under_ddp", "toy", 3, TOY, CLIP),
+    ("toy_resumed_under_fsdp", "toy", 3, dict(TOY, data_parallel="fsdp"), CLIP),
+]
 
 
 # -- without processes -------------------------------------------------------------------
@@ -104,7 +109,7 @@ def _spec(
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory) -> Iterator[Path]:
     runs: List[Dict[str, Any]] = [_spec(*run) for run in RUNS]
-    runs.append(dict(_spec(*RESUMED), resume=f"{RUNS[0][0]}.ckpt"))
+    runs += [dict(_spec(*run), resume=f"{RUNS[0][0]}.ckpt") for run in RESUMED]
     yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("fsdp"), within_s=START_S)
 
 
@@ -118,7 +123,7 @@ def _reference(model: str, steps: int, clip: Optional[float]) -> Dict[str, torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [*RUNS, RESUMED], ids=[r[0] for r in [*RUNS, RESUMED]])
+@pytest.mark.parametrize("run", [*RUNS, *RESUMED], ids=[r[0] for r in [*RUNS, *RESUMED]])
 def test_sharded_replicas_train_like_one_process_on_the_joined_batch(four_processes, run):
     name, model, steps, _, clip = run
     got = _state(four_processes / f"{name}.ckpt")["state_dict"]
