@@ -6,7 +6,8 @@ on CPU, tests/engines/distributed/distributed_fsdp_worker.py) trains Hugging Fac
 zbv, with never, always and selective checkpointing. Replica r reads rows 4r..4r+3 of every batch
 of 8; each run's weights after its AdamW steps are compared with the module trained in this process
 on the whole batches: within 1e-5 relative. A run saved sharded resumes under DDP and under FSDP,
-and every checkpoint loads strict=True into the unpipelined module.
+and every checkpoint loads strict=True into the unpipelined module; under bf16-mixed the weights
+stay fp32 and within bf16's error of the fp32 reference.
 """
 
 import functools
@@ -64,6 +65,14 @@ RESUMED = [
     ("toy_resumed_under_fsdp", "toy", 3, dict(TOY, data_parallel="fsdp"), CLIP),
 ]
 
+# bf16-mixed: FSDP computes in bf16 and keeps fp32 master weights, compared with the fp32 reference.
+BF16 = (
+    "llama_bf16_1f1b_always",
+    "llama",
+    3,
+    dict(FSDP, balance=[2, 2], schedule="1f1b", checkpoint="always"),
+)
+BF16_TOLERANCE = 1e-2  # bf16 rounds to 8 bits of mantissa (eps 7.8e-3)
 
 # -- without processes -------------------------------------------------------------------
 
@@ -110,6 +119,7 @@ def _spec(
 def four_processes(tmp_path_factory) -> Iterator[Path]:
     runs: List[Dict[str, Any]] = [_spec(*run) for run in RUNS]
     runs += [dict(_spec(*run), resume=f"{RUNS[0][0]}.ckpt") for run in RESUMED]
+    runs.append(dict(_spec(*BF16, None), precision="bf16-mixed"))
     yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("fsdp"), within_s=START_S)
 
 
@@ -155,3 +165,11 @@ def test_each_replica_holds_half_of_its_stages_sharded_parameters_and_optimizer_
             )
         states = [s for s in a["state"] if s["sharded"]]
         assert len(states) == 2 * len(sharded)  # AdamW's two moments, sharded like their parameters
+
+
+@pytest.mark.slow
+def test_bf16_mixed_trains_within_bf16_error_keeping_fp32_weights(four_processes):
+    name, model, steps, _ = BF16
+    got = _state(four_processes / f"{name}.ckpt")["state_dict"]
+    assert {v.dtype for v in got.values()} == {torch.float32}  # the sharded master weights
+    assert max_relative_difference(got, _reference(model, steps, None)) < BF16_TOLERANCE
