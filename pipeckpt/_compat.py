@@ -326,6 +326,14 @@ def set_saved_step(callback: Any, step: int) -> None:
     callback._last_global_step_saved = step
 
 
+def make_fsdp_root(module: nn.Module) -> None:
+    """Makes ``module`` (an FSDP2 module) the root of the FSDP modules below it now, as its first
+    forward would (FSDP's lazy init: its state's ``_lazy_init``, which no public API runs)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -384,6 +392,7 @@ __all__ = [
     "keep_buffers_out_of_state_dict",
     "layout_by_name",
     "live_op_order",
+    "make_fsdp_root",
     "microbatch",
     "module_memory",
     "optimizers_to_device",

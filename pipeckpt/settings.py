@@ -140,6 +140,20 @@ class PipeSettings:
     timeout: Optional[float] = field(
         default=None, metadata=_engine_help("distributed: seconds a rank may wait for another; default 60")
     )
+    data_parallel: Optional[str] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed: how the dp replicas of a stage keep its parameters, gradients and optimizer "
+            "state: 'ddp' (whole copies; default) or 'fsdp' (FSDP2 shards over the replicas)"
+        ),
+    )
+    reshard_after_forward: Optional[bool] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed, data_parallel='fsdp': free gathered parameters after each micro-batch's "
+            "forward (less memory, one more gather per backward); default False"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -218,6 +232,8 @@ class PipeSettingsArgs(TypedDict, total=False):
     dp: Optional[int]
     virtual_stages: Optional[int]
     timeout: Optional[float]
+    data_parallel: Optional[str]
+    reshard_after_forward: Optional[bool]
 
 
 def check_names(given: Mapping[str, Any], what: str) -> None:

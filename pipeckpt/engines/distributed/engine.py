@@ -6,7 +6,8 @@ A rank holds one stage (or ``virtual_stages`` under a looped schedule) of the sa
 This class composes the parts, one job each: :mod:`.processes` (world, topology, groups),
 :mod:`.schedules`, :mod:`.wiring` and :mod:`.rooted` (this rank's stages), :mod:`.step` and
 :mod:`.replay` (the user's step per micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state`,
-:mod:`.liveness` (naming a lost rank) and :mod:`.auto_plan` (``checkpoint='auto'``).
+:mod:`.liveness` (naming a lost rank), :mod:`.auto_plan` (``checkpoint='auto'``) and :mod:`.sharding`
+(``data_parallel='fsdp'``).
 """
 
 from contextlib import AbstractContextManager
@@ -32,6 +33,12 @@ from pipeckpt.engines.distributed.auto_plan import (
 from pipeckpt.engines.distributed.processes import SETTINGS, ProcessGroups, check_process_settings
 from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
 from pipeckpt.engines.distributed.schedules import Schedules, lookup
+from pipeckpt.engines.distributed.sharding import (
+    Sharding,
+    refuse_ties,
+    shard_optimizer_state,
+    sharded_like,
+)
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep, check_backward_in_step
 from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
@@ -52,7 +59,8 @@ __all__ = ["DistributedEngine"]
 
 
 class DistributedEngine(Engine):
-    """One process per pipeline rank; ``dp`` replicas of the pipeline average gradients with DDP."""
+    """One process per pipeline rank; ``dp`` replicas of the pipeline average gradients with DDP
+    or shard each stage with FSDP2."""
 
     name = "distributed"
     is_distributed = True
@@ -73,6 +81,8 @@ class DistributedEngine(Engine):
         self.replicas: Optional[Replicas] = None  # a module pipeline's, when dp > 1 (no DDP there)
         self.routing: Optional[RootRouting] = None  # a module pipeline's (pipeline_of)
         self.root: Optional[nn.Module] = None
+        self.sharding: Optional[Sharding] = None  # data_parallel='fsdp' (made in build)
+        self._precision = "32-true"
         self._device = torch.device("cpu")
 
     @classmethod
@@ -130,6 +140,7 @@ class DistributedEngine(Engine):
 
     def check_module(self, module: LightningModule, precision: Any) -> None:
         check_backward_in_step(module, precision)
+        self._precision = str(getattr(precision, "precision", "32-true"))
 
     # -- building -------------------------------------------------------------------
 
@@ -148,6 +159,8 @@ class DistributedEngine(Engine):
         name = f"self.{module_name(module, sequential)}"
         names = [f"{name[len('self.') :]}.{i}" for i in range(len(sequential))]
         ties = find_ties(module, sequential, stage_plan, self.topology, self.processes.rank)
+        if ties and self.settings.data_parallel == "fsdp":
+            refuse_ties(ties.names())
         self.modules = build_stages(
             sequential,
             stage_plan,
@@ -160,7 +173,7 @@ class DistributedEngine(Engine):
         )
         step.modules = self.modules
         step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
-        trained = [data_parallel(m, self.processes.dp_group, self.topology.dp, device) for m in self.modules]
+        trained = [self._data_parallel(m) for m in self.modules]
         self._finish(module, sequential, step, ties, trained=trained, routed=sequential)
 
     def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
@@ -175,8 +188,22 @@ class DistributedEngine(Engine):
         self.modules, self.routing, self.replicas, ties = build_rooted(
             module, spec, stage_plan, step, names=names, processes=self.processes, pin_memory=s.pin_memory
         )
+        if (sharding := self._sharding()) is not None:  # the layers sharded; the rest stays replicated
+            sharding.shard_layers(self.modules, self.replicas)
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
         self.root = spec.root
+
+    def _data_parallel(self, module: StageModule) -> nn.Module:
+        """``module`` as its replicas train it: under DDP, or sharded over them (:mod:`.sharding`)."""
+        if (sharding := self._sharding()) is None:
+            return data_parallel(module, self.processes.dp_group, self.topology.dp, self._device)
+        return sharding.shard(module, list(module.stage.partition.children()))
+
+    def _sharding(self) -> Optional[Sharding]:
+        p = self.processes
+        if self.sharding is None:
+            self.sharding = Sharding.of(self.settings, p.mesh, src=p.pipeline_rank, precision=self._precision)
+        return self.sharding
 
     def _prepare(
         self, module: LightningModule, layers: nn.Sequential, names: Optional[Sequence[str]] = None
@@ -235,7 +262,10 @@ class DistributedEngine(Engine):
         assert self.step is not None
         if hook == "training_step" and self.layer_rng.enabled:
             self.layer_rng.next_call()
-        return self.step(hook, args, kwargs)
+        result = self.step(hook, args, kwargs)
+        if hook != "training_step" and self.sharding is not None:
+            self.sharding.reshard(self.modules)
+        return result
 
     def take_step_gradients(self) -> None:
         assert self.step is not None
@@ -246,7 +276,10 @@ class DistributedEngine(Engine):
     def total_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
         if self.ties is not None:
             grads = self.ties.counted_once(grads)
-        squared = super().total_norm(grads, device) ** 2
+        if self.sharding is not None:
+            squared = self.sharding.squared_norm(grads, device)
+        else:
+            squared = super().total_norm(grads, device) ** 2
         if self.topology.pp > 1:  # replicas hold the same gradients, averaged by DDP or Replicas
             dist.all_reduce(squared, group=self.processes.pp_group)
         return squared.sqrt()
@@ -274,16 +307,23 @@ class DistributedEngine(Engine):
         storage_options: Optional[Any],
         is_zero: bool,
     ) -> None:
-        self.state.save(checkpoint, path, written_by_another=self.replicas is not None)
+        # Shards differ between replicas: each writes its own (DCP writes a replicated tensor once).
+        another = self.replicas is not None and self.sharding is None
+        self.state.save(checkpoint, path, written_by_another=another)
 
     def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
         return self.state.load(path, self.module, io, weights_only)
 
     def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
+        if self.sharding is not None:  # full tensors, from a checkpoint of any layout
+            state = sharded_like(module.state_dict(), state)
         self.state.load_module_state(module, state, strict)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
-        self.state.load_optimizer_state(optimizer, self._by_index(optimizer, state))
+        state = self._by_index(optimizer, state)
+        if self.sharding is not None:
+            state = shard_optimizer_state(optimizer, state)
+        self.state.load_optimizer_state(optimizer, state)
 
     # -- failures and the end -----------------------------------------------------------
 
@@ -304,6 +344,8 @@ class DistributedEngine(Engine):
         if self.root is not None:
             self.root.__dict__.pop("forward", None)
         self.processes.close()
+        if self.sharding is not None:  # a step that failed may have left parameters gathered
+            self.sharding.reshard(self.modules)
         if self.step is not None:
             self.step.clear()
         super().teardown(module)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipeckpt._compat import (
     SubprocessScriptLauncher,
@@ -27,13 +27,21 @@ from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed.auto_plan import check_auto
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
+from pipeckpt.engines.distributed.sharding import check_data_parallel
 from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
 
 #: The settings only this engine runs, with the value each takes when left unset.
-SETTINGS: Dict[str, Any] = {"schedule": "gpipe", "dp": None, "virtual_stages": 1, "timeout": 60.0}
+SETTINGS: Dict[str, Any] = {
+    "schedule": "gpipe",
+    "dp": None,
+    "virtual_stages": 1,
+    "timeout": 60.0,
+    "data_parallel": "ddp",
+    "reshard_after_forward": False,
+}
 
 
 def check_process_settings(s: PipeSettings) -> None:
@@ -58,6 +66,7 @@ def check_process_settings(s: PipeSettings) -> None:
             "a collective needs a positive, finite time limit",
             "set timeout in seconds, e.g. 60",
         )
+    check_data_parallel(s)
     assert s.schedule is not None and s.virtual_stages is not None
     kind = lookup(s.schedule)
     check_kind(kind, s.virtual_stages)
@@ -78,6 +87,7 @@ class ProcessGroups:
         self.topology: Optional[Topology] = None
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
+        self.mesh: Optional[DeviceMesh] = None  # ("dp", "pp"), on this process's device type
         self.liveness: Optional[Liveness] = None
 
     def configure(self, world: World) -> Topology:
@@ -122,6 +132,7 @@ class ProcessGroups:
             device.type, (self.topology.dp, self.topology.pp), mesh_dim_names=("dp", "pp")
         )
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.mesh = mesh
         self.liveness = Liveness(default_store(), rank=self.rank, world_size=self.world.size)
         self.liveness.start()
 

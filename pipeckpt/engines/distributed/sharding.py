@@ -1,0 +1,197 @@
+"""Sharded data parallelism inside a stage: FSDP2's ``fully_shard`` over the mesh's ``dp`` dimension.
+
+Why not DDP: every replica of a DDP stage holds its whole parameters, gradients and optimizer
+state; under ``data_parallel='fsdp'`` each holds ``1/dp`` of them. Every layer of a stage that
+trains parameters is sharded on its own (gathered for its forward), and the stage module is the
+root, so ``torch.distributed.pipelining``'s stage sees an ``FSDPModule``: it holds the
+reduce-scatter back until the step's last backward. Parameters become DTensors: the gradient
+norm adds each rank's shard once, DCP writes the shards under the module's own keys, and a
+checkpoint of any layout (full tensors) loads as this rank's shard of each tensor.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+from pipeckpt._compat import make_fsdp_root
+from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.ties import Replicas
+from pipeckpt.settings import PipeSettings
+
+__all__: List[str] = []
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+def check_data_parallel(s: PipeSettings) -> None:
+    """``data_parallel`` names a kind this engine runs; ``reshard_after_forward`` is FSDP's switch."""
+    if s.data_parallel not in DATA_PARALLEL:
+        raise config_error(
+            f"data_parallel={s.data_parallel!r}",
+            f"the replicas of a stage are kept by one of {list(DATA_PARALLEL)}: 'ddp' replicates "
+            "parameters, gradients and optimizer state, 'fsdp' shards them over the replicas",
+            "set data_parallel='ddp' (the default) or data_parallel='fsdp'",
+        )
+    if s.reshard_after_forward is not None and not isinstance(s.reshard_after_forward, bool):
+        raise config_error(
+            f"reshard_after_forward={s.reshard_after_forward!r}",
+            "is a switch: True or False",
+            "set reshard_after_forward=True or reshard_after_forward=False",
+        )
+    if s.reshard_after_forward and s.data_parallel != "fsdp":
+        raise config_error(
+            f"reshard_after_forward=True with data_parallel={s.data_parallel!r}",
+            "only sharded data parallelism gathers parameters for a forward and frees them after",
+            "set data_parallel='fsdp', or drop reshard_after_forward",
+        )
+
+
+def refuse_ties(names: List[str]) -> None:
+    """Weights tied across pipeline ranks inside the pipelined Sequential are summed over their
+    ranks as whole tensors, which sharding them would split differently on each rank."""
+    raise config_error(
+        f"data_parallel='fsdp' with weights tied across pipeline stages ({', '.join(names[:3])})",
+        "a tied weight's copies are summed over the ranks that hold them, whole, so they are not sharded",
+        "pipeline the model with pipeline_of (a tie outside its layers stays replicated), "
+        "or use data_parallel='ddp'",
+    )
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's policy for Lightning's ``precision``: ``bf16-mixed`` computes in bf16 and reduces and
+    keeps the sharded (master) parameters in fp32; any other precision leaves dtypes as they are."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+@dataclass
+class Sharding:
+    """How this rank's stages are sharded: over ``mesh`` (the ``dp`` dimension), replica 0's values
+    first (``src``: the global rank of this pipeline rank in replica 0)."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    policy: MixedPrecisionPolicy
+    src: int
+
+    @classmethod
+    def of(
+        cls, s: PipeSettings, mesh: Optional[DeviceMesh], *, src: int, precision: str
+    ) -> Optional["Sharding"]:
+        """The sharding ``s`` asks for (``data_parallel='fsdp'``) over ``mesh``'s ``dp`` dimension,
+        or None."""
+        if s.data_parallel != "fsdp":
+            return None
+        assert mesh is not None, "the mesh is made when the processes connect"
+        return cls(mesh["dp"], bool(s.reshard_after_forward), mixed_precision(precision), src)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    def shard(self, stage_module: nn.Module, layers: Iterable[nn.Module]) -> nn.Module:
+        """``stage_module`` as an ``FSDPModule`` whose ``layers`` that train parameters are each
+        sharded apart; returns it (sharded in place)."""
+        if self.mesh.size() > 1:
+            with torch.no_grad():
+                for t in (*stage_module.parameters(), *stage_module.buffers()):
+                    if not t.is_meta:
+                        dist.broadcast(t.data, src=self.src, group=self.group)
+        options: Dict[str, Any] = dict(
+            mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.policy
+        )
+        sharded = []
+        for layer in layers:
+            if any(p.requires_grad and not p.is_meta for p in layer.parameters()):
+                sharded.append(fully_shard(layer, **options))
+        fully_shard(stage_module, **options)
+        # The stage is its layers' root now, not at its first forward: a module pipeline's stage runs
+        # up to the first layer of the next stage, which may be this rank's too (a V schedule), and
+        # that layer's own forward hook would otherwise make it a root of its own.
+        make_fsdp_root(stage_module)
+        stage_module.register_forward_pre_hook(_gathered(sharded))
+        return stage_module
+
+    def shard_layers(self, stage_modules: Sequence[nn.Module], replicas: Optional[Replicas]) -> None:
+        """A module pipeline's stages sharded; the parameters outside their layers stay with
+        ``replicas``, which no longer average the sharded ones."""
+        inside = {id(p) for m in stage_modules for p in m.parameters()}
+        for m in stage_modules:
+            self.shard(m, list(m.stage.partition.children()))  # type: ignore[union-attr]
+        if replicas is not None:
+            replicas.params = [p for p in replicas.params if id(p) not in inside]
+
+    @staticmethod
+    def reshard(modules: Iterable[nn.Module]) -> None:
+        """Frees the gathered parameters a forward-only step left (they are kept across a
+        training step's micro-batches when ``reshard_after_forward`` is off)."""
+        for module in modules:
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def squared_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
+        """The squared 2-norm of ``grads`` over this pipeline rank's replicas: the shards of the
+        DTensor gradients, each counted once over the ``dp`` group, plus the plain (replicated) ones."""
+        sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        squared = _squared(sharded, device)
+        dist.all_reduce(squared, group=self.group)
+        return squared + _squared(plain, device)
+
+
+def _gathered(layers: List[FSDPModule]) -> Callable[..., None]:
+    """A stage's forward pre-hook: its layers' parameters gathered before the stage runs, not at each
+    layer's own forward, so that the stage's checkpointing (which hands the parameters it finds on
+    its layers to its backward, :mod:`pipeckpt.stages.recompute`) finds the gathered ones: the same
+    tensors every step, which the layers' computation uses and FSDP reduces the gradients of."""
+
+    def gather(module: nn.Module, args: Any) -> None:
+        for layer in layers:
+            layer.unshard()
+
+    return gather
+
+
+def _squared(grads: List[Tensor], device: torch.device) -> Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm(grads).float().to(device) ** 2
+
+
+def sharded_like(held: Dict[str, Any], state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` (full tensors, as any checkpoint holds them) with the value of each key that
+    ``held`` holds as a DTensor replaced by this rank's shard of it, laid out as ``held``'s."""
+    return {k: _like(held.get(k), v) for k, v in state.items()}
+
+
+def _like(held: Any, value: Any) -> Any:
+    if not isinstance(held, DTensor) or not isinstance(value, Tensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(
+        value.to(held.device, held.dtype), held.device_mesh, held.placements, src_data_rank=None
+    )
+
+
+def shard_optimizer_state(optimizer: Optimizer, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Optimizer ``state`` at torch's indices, each full tensor of a DTensor parameter's entry
+    (``exp_avg``, ...) replaced by this rank's shard; scalars (``step``) stay as they are."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out: Dict[Any, Any] = {}
+    for index, entry in state["state"].items():
+        param: Optional[Tensor] = params[index] if isinstance(index, int) and index < len(params) else None
+        if isinstance(param, DTensor):
+            entry = {k: _like(param, v) if _full_of(param, v) else v for k, v in entry.items()}
+        out[index] = entry
+    return dict(state, state=out)
+
+
+def _full_of(param: DTensor, value: Any) -> bool:
+    return isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape
