@@ -122,7 +122,7 @@ def run(argv: Sequence[str]) -> Tuple[Prediction, MemoryOptions, Optional[str]]:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     settings, budget = _settings(cfg)
-    options = replace(options, budget=budget, optimizer=settings.memory_optimizer)
+    options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
     inputs, targets = _batch(cfg)
     dtype = getattr(torch, options.dtype) if options.dtype else None
     default_dtype = torch.get_default_dtype()
