@@ -406,7 +406,9 @@ def test_fit_train_loader_reads_the_loader_passed_to_fit_before_the_fit_loop_set
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     loader = DataLoader(torch.randn(4, 2), batch_size=2)
-    Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(Probe(), loader)
+    Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(
+        Probe(), loader
+    )
     assert seen == [loader]
 
 

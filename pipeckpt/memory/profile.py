@@ -149,7 +149,7 @@ class _LayerRecorder(nn.Module):
     (``layers.3``) even where several layers share a class; ``forward`` notes what each layer
     takes, returns and saves."""
 
-    def __init__(self, layers: List[nn.Module], loss: Optional[_LossLayer], storages: _Storages) -> None:
+    def __init__(self, layers: List[nn.Module], loss: Optional[nn.Module], storages: _Storages) -> None:
         super().__init__()
         self.layers = nn.ModuleList([*layers, *([loss] if loss is not None else [])])
         self.storages = storages
@@ -195,7 +195,7 @@ class _SacOutputs(TorchDispatchMode):
 
 
 def _memory_pass(
-    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], storages: _Storages
+    layers: List[nn.Module], x: Any, loss: Optional[nn.Module], storages: _Storages
 ) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
     """Two forward and backward passes: one with a saved-tensor hook naming every storage each
     layer saves (and a dispatch mode naming what selective checkpointing would keep), one under

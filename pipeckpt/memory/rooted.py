@@ -54,7 +54,9 @@ class RootInput:
 
 def root_microbatch(call: RootInput, chunks: int, name: str = "model") -> RootInput:
     """The first of the ``chunks`` micro-batches the pipeline cuts ``call`` into."""
-    pieces = scatter(call.args, call.kwargs, chunks, call=describe_call(f"self.{name}", call.args, call.kwargs))
+    pieces = scatter(
+        call.args, call.kwargs, chunks, call=describe_call(f"self.{name}", call.args, call.kwargs)
+    )
     args, kwargs = pieces[0]
     return RootInput(tuple(args), dict(kwargs))
 
@@ -97,6 +99,8 @@ class _Outside(nn.Module):
     ``forward`` with every layer answering its recorded output, the last layer the chain's value.
     The parameters it counts are the model's outside its layers (each tied one once)."""
 
+    spec: ModulePipeline
+
     def __init__(self, spec: ModulePipeline, call: RootInput, calls: List[_Call]) -> None:
         super().__init__()
         self.__dict__["spec"] = spec  # not children: their parameters are the layers' own
@@ -122,7 +126,7 @@ class _Outside(nn.Module):
 @contextmanager
 def _answering(layers: List[nn.Module], answers: List[Any]) -> Iterator[None]:
     for layer, answer in zip(layers, answers):
-        layer.forward = lambda *a, _answer=answer, **k: _answer  # type: ignore[method-assign]
+        layer.forward = lambda *a, _answer=answer, **k: _answer
     try:
         yield
     finally:
@@ -189,14 +193,17 @@ def _link(calls: List[_Call], root: str) -> None:
             for k in floats
             for j in _floating(before.outputs)
             if call.inputs[k] is before.outputs[j]
-            or (call.inputs[k].shape == before.outputs[j].shape and call.inputs[k].dtype == before.outputs[j].dtype)
+            or (
+                call.inputs[k].shape == before.outputs[j].shape
+                and call.inputs[k].dtype == before.outputs[j].dtype
+            )
         ]
         identical = [(k, j) for k, j in same if call.inputs[k] is before.outputs[j]]
         if not same:
             raise config_error(
                 f"checkpoint='auto' on pipeline_of({root}, ...)",
-                f"profiling carries a tensor from layer to layer; layer {i} takes none shaped as an output of "
-                f"layer {i - 1}",
+                f"profiling carries a tensor from layer to layer; layer {i} takes none shaped as "
+                f"an output of layer {i - 1}",
                 "choose checkpoint modes by hand for this model",
             )
         call.carried_in, before.carried_out = (identical or same)[0]

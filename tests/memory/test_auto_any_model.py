@@ -147,5 +147,7 @@ def test_fitted_optimizer_reads_every_form_configure_optimizers_returns(make, co
 def test_an_optimizer_the_memory_model_does_not_know_is_a_configuration_error() -> None:
     module = ToyModule()
     module.configure_optimizers = lambda: torch.optim.RMSprop(module.parameters())  # type: ignore[method-assign]
-    with pytest.raises(PipeckptConfigError, match=r"RMSprop from configure_optimizers.*HINT: set memory_optimizer"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"RMSprop from configure_optimizers.*HINT: set memory_optimizer"
+    ):
         fitted_optimizer(module)
