@@ -334,6 +334,24 @@ def make_fsdp_root(module: nn.Module) -> None:
     fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
 
 
+def fit_train_loader(trainer: Any) -> Any:
+    """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
+    or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
+    from on the fit loop's private ``_data_source``; ``trainer.train_dataloader`` is set only later."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    return source.dataloader()
+
+
+def configured_optimizers(conf: Any) -> List[Any]:
+    """The optimizers in what ``configure_optimizers`` returned, in every form Lightning accepts
+    (an optimizer, lists, dicts, optimizers with schedulers), as Lightning's private parser reads it."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return list(_configure_optimizers(conf)[0]) if conf is not None else []
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -418,4 +436,6 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "unwrap_optimizer",
+    "fit_train_loader",
+    "configured_optimizers",
 ]

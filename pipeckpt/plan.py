@@ -154,7 +154,7 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     settings, budget = _settings(cfg)
-    options = replace(options, budget=budget, optimizer=settings.memory_optimizer)
+    options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
     inputs, targets = _batch(cfg)
     if options.sharded:
         return _per_rank_run(cfg, settings, options, inputs, targets), options, None

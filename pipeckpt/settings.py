@@ -85,9 +85,12 @@ class PipeSettings:
         default=None,
         metadata=_help("checkpoint='auto': what it chooses: a list of modes, chunks, balance"),
     )
-    memory_optimizer: str = field(
-        default="adam",
-        metadata=_help("checkpoint='auto': the optimizer whose state it counts: sgd, momentum, adam, adamw"),
+    memory_optimizer: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "checkpoint='auto': the optimizer whose state it counts (sgd, momentum, adam, adamw) "
+            "instead of the one configure_optimizers returns"
+        ),
     )
     placement: Optional[List[int]] = field(
         default=None,
@@ -220,7 +223,7 @@ class PipeSettingsArgs(TypedDict, total=False):
     checkpoint: Any
     memory_budget: Optional[Any]
     memory_search: Optional[Any]
-    memory_optimizer: str
+    memory_optimizer: Optional[str]
     placement: Optional[List[int]]
     deferred_batch_norm: bool
     layer_rng: str
@@ -359,7 +362,7 @@ def _check_memory_settings(s: PipeSettings) -> None:
                 "e.g. memory_search=['modes', 'chunks'] (memory.search=[modes,chunks] in the configs)",
             )
         object.__setattr__(s, "memory_search", list(search))
-    if s.memory_optimizer not in OPTIMIZERS:
+    if s.memory_optimizer is not None and s.memory_optimizer not in OPTIMIZERS:
         raise config_error(
             f"memory_optimizer={s.memory_optimizer!r}",
             f"the memory model counts the state of {list(OPTIMIZERS)}",

@@ -438,3 +438,40 @@ def test_sampler_follows_loader_makes_the_injected_training_sampler_shuffle_as_t
     _compat.sampler_follows_loader(trainer)  # once only
     assert [injected(shuffle=s).shuffle for s in (False, True)] == [False, True]
     assert _compat.loader_shuffles(DataLoader(data, shuffle=True))
+
+
+def test_fit_train_loader_reads_the_loader_passed_to_fit_before_the_fit_loop_sets_it_up():
+    from torch.utils.data import DataLoader
+
+    seen = []
+
+    class Probe(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def setup(self, stage: str) -> None:
+            seen.append(_compat.fit_train_loader(self.trainer))
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = DataLoader(torch.randn(4, 2), batch_size=2)
+    Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(
+        Probe(), loader
+    )
+    assert seen == [loader]
+
+
+def test_configured_optimizers_reads_every_form_configure_optimizers_may_return():
+    params = [nn.Parameter(torch.zeros(2))]
+    sgd, adam = torch.optim.SGD(params, lr=0.1), torch.optim.Adam(params)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, 1)
+    assert _compat.configured_optimizers(sgd) == [sgd]
+    assert _compat.configured_optimizers([sgd, adam]) == [sgd, adam]
+    assert _compat.configured_optimizers(([sgd], [scheduler])) == [sgd]
+    assert _compat.configured_optimizers({"optimizer": adam, "lr_scheduler": scheduler}) == [adam]
+    assert _compat.configured_optimizers(None) == []

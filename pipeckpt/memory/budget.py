@@ -7,17 +7,20 @@ from the same settings written by hand. Where the batch comes from: docs/DESIGN.
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from pipeckpt._compat import tree_flatten
-from pipeckpt._errors import config_error
+from pipeckpt._compat import configured_optimizers, fit_train_loader, tree_flatten
+from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.rooted import RootInput, root_microbatch
+from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
 
@@ -29,6 +32,8 @@ __all__ = [
     "chunk_candidates",
     "balance_candidates",
     "first_microbatch",
+    "fitted_optimizer",
+    "first_call",
 ]
 
 #: Above this many balances, the search keeps to balances near the default one.
@@ -64,7 +69,10 @@ class AutoPlan:
 
 
 def first_microbatch(batch: Any, chunks: int) -> Any:
-    """The first of ``chunks`` micro-batches of ``batch`` (tensors cut along dimension 0)."""
+    """The first of ``chunks`` micro-batches of ``batch`` (tensors cut along dimension 0; a
+    ``pipeline_of`` model's arguments as its pipeline cuts them)."""
+    if isinstance(batch, RootInput):
+        return root_microbatch(batch, chunks)
     if isinstance(batch, Tensor):
         return batch.chunk(chunks)[0]
     if isinstance(batch, (tuple, list)):
@@ -73,6 +81,8 @@ def first_microbatch(batch: Any, chunks: int) -> Any:
 
 
 def _batch_size(batch: Any) -> int:
+    if isinstance(batch, RootInput):
+        batch = (batch.args, batch.kwargs)
     leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
     return int(leaves[0].shape[0]) if leaves else 1
 
@@ -117,10 +127,14 @@ def resolve_auto(
     loss_fn: Optional[Callable[[Tensor, Any], Tensor]] = None,
     accumulating: bool = False,
     profiles: Optional[Mapping[int, ModelProfile]] = None,
+    optimizer: Union[str, torch.optim.Optimizer, None] = None,
 ) -> AutoPlan:
     """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
     ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
-    of the pipeline's input (the whole batch; it is cut into micro-batches here).
+    of the pipeline's input (the whole batch; it is cut into micro-batches here): for a
+    ``pipeline_of`` model the arguments of its ``forward`` (:class:`~pipeckpt.memory.rooted.RootInput`).
+    ``optimizer``: whose state to count (a name or the optimizer) unless ``settings.memory_optimizer``
+    names one; Adam's when neither does.
 
     ``profiles``: the profile of one micro-batch for each candidate chunk count, to choose from
     instead of profiling (the same profiles give the same choice; :attr:`AutoPlan.profiles`
@@ -162,7 +176,7 @@ def resolve_auto(
             budget,
             balance=base.balance,
             chunks=chunk_options,
-            optimizer=settings.memory_optimizer,
+            optimizer=settings.memory_optimizer or optimizer or "adam",
             schedule=schedule,
             modes=DEFAULT_MODES,
             balances=balances,
@@ -184,34 +198,104 @@ def resolve_auto(
 def resolve_for(
     settings: PipeSettings, module: Any, trainer: Any, devices: Optional[Sequence[torch.device]]
 ) -> AutoPlan:
-    """:func:`resolve_auto` for the module a Trainer fits, on a batch of :func:`sample_batch`."""
-    batch, target, loss_fn = sample_batch(module, getattr(trainer, "datamodule", None))
+    """:func:`resolve_auto` for the module a Trainer fits: on a batch of :func:`sample_batch` from
+    the fit's training loader, counting the state of the module's own optimizer."""
+    sequential = pipelined_sequential(module)
+    batch, target, loss_fn = sample_batch(module, fit_train_loader(trainer), sequential)
     return resolve_auto(
         settings,
-        pipelined_sequential(module),
+        sequential,
         devices=devices or [torch.device("cpu")],
         batch=batch,
         target=target,
         loss_fn=loss_fn,
         accumulating=trainer.accumulate_grad_batches > 1,
+        optimizer=None if settings.memory_optimizer else fitted_optimizer(module),
     )
 
 
-def sample_batch(module: Any, datamodule: Any) -> Tuple[Any, Any, Optional[Callable[[Tensor, Any], Tensor]]]:
-    """(pipeline input batch, target, loss) for profiling: the module's ``example_input_array``,
-    else the datamodule's first training batch (see the module docstring)."""
+def fitted_optimizer(module: Any) -> Union[str, torch.optim.Optimizer]:
+    """The optimizer ``module.configure_optimizers()`` returns, whose state the plan counts; of
+    several, the one that keeps the most state per parameter."""
+    found = configured_optimizers(module.configure_optimizers())
+    if not found:
+        return "sgd"  # no optimizer: no state
+    named = []
+    for optimizer in found:
+        try:
+            named.append((optimizer_state_bytes(optimizer, 1 << 20, 0), optimizer))
+        except PipeckptConfigError:
+            raise config_error(
+                f"checkpoint='auto' with {type(optimizer).__name__} from configure_optimizers()",
+                "the memory model counts the state of SGD (with or without momentum), Adam and AdamW",
+                "set memory_optimizer to the one whose state is closest (sgd, momentum, adam or adamw)",
+            ) from None
+    return max(named, key=lambda pair: pair[0])[1]
+
+
+def sample_batch(
+    module: Any, loader: Any, sequential: Optional[nn.Module] = None
+) -> Tuple[Any, Any, Optional[Callable[[Tensor, Any], Tensor]]]:
+    """(pipeline input batch, target, loss) for profiling: from the module's ``example_input_array``,
+    else from the first batch of ``loader`` (the fit's training loader).
+
+    For a ``pipeline_of`` model (``sequential`` a :class:`~pipeckpt.boundaries.pipeline_of.ModulePipeline`)
+    the pipeline's input is the arguments its ``forward`` is called with: ``example_input_array`` as
+    Lightning passes it to ``forward``, else those of the first call ``training_step`` makes on the
+    loader's first batch (the step stops there). A Sequential's is the batch's first element, its
+    target the second when the module has a ``pipeline_loss``."""
     loss_fn = getattr(module, "pipeline_loss", None)
     example = getattr(module, "example_input_array", None)
+    rooted = isinstance(sequential, ModulePipeline)
     if example is not None:
-        return example, None, None
-    if datamodule is None:
+        return (RootInput.of(example) if rooted else example), None, None
+    if loader is None:
         raise config_error(
-            f"checkpoint='auto' for {type(module).__name__} without a datamodule",
+            f"checkpoint='auto' for {type(module).__name__} without training data",
             "auto profiles one batch of the pipeline's input before training",
-            "set example_input_array on the module (a batch of the pipeline's input), or pass a datamodule",
+            "pass a train loader or datamodule to fit(), or set example_input_array on the module",
         )
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = next(iter(loader))
+    if rooted:
+        assert isinstance(sequential, ModulePipeline)
+        return first_call(module, sequential, batch), None, None
     if isinstance(batch, (tuple, list)) and len(batch) >= 1:
         target = batch[1] if len(batch) > 1 and callable(loss_fn) else None
         return batch[0], target, loss_fn if target is not None else None
     return batch, None, None
+
+
+class _Called(Exception):
+    """Stops ``training_step`` at the model's call, holding its arguments."""
+
+    def __init__(self, call: RootInput) -> None:
+        super().__init__("the pipelined model was called")
+        self.call = call
+
+
+def first_call(module: Any, spec: ModulePipeline, batch: Any) -> RootInput:
+    """The arguments ``module.training_step(batch, 0)`` first calls ``spec``'s model with: the
+    step runs up to that call (under no gradient) and stops there."""
+    root = spec.root
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        raise _Called(RootInput(tuple(args), dict(kwargs)))
+
+    own = root.__dict__.get("forward")
+    root.forward = called
+    try:
+        with torch.no_grad():
+            module.training_step(batch, 0)
+    except _Called as stop:
+        return stop.call
+    finally:
+        if own is None:
+            root.__dict__.pop("forward", None)
+        else:
+            root.forward = own
+    raise config_error(
+        f"checkpoint='auto' for {type(module).__name__}",
+        f"profiling takes the pipeline's input from the call of {type(root).__name__} in training_step, "
+        "and training_step made none on the first batch",
+        "call the model passed to pipeline_of() in training_step, or set example_input_array to its input",
+    )

@@ -25,6 +25,9 @@ from pipeckpt._compat import (
     sac_saved_ops,
     tree_flatten,
 )
+from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.memory.rooted import RootInput, outside_parameters, root_chain
 from pipeckpt.memory.timing import _flop_pass, _selective_pass, _timing_pass
 from pipeckpt.stages.gradients import gradients_set_aside
 
@@ -122,7 +125,9 @@ class _LossLayer(nn.Module):
 
 
 def _param_bytes(module: nn.Module) -> Tuple[int, int, int]:
-    sizes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+    params = outside_parameters(module)
+    params = list(module.parameters()) if params is None else params
+    sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
     return sum(sizes), len(sizes), max(sizes, default=0)
 
 
@@ -144,7 +149,7 @@ class _LayerRecorder(nn.Module):
     (``layers.3``) even where several layers share a class; ``forward`` notes what each layer
     takes, returns and saves."""
 
-    def __init__(self, layers: List[nn.Module], loss: Optional[_LossLayer], storages: _Storages) -> None:
+    def __init__(self, layers: List[nn.Module], loss: Optional[nn.Module], storages: _Storages) -> None:
         super().__init__()
         self.layers = nn.ModuleList([*layers, *([loss] if loss is not None else [])])
         self.storages = storages
@@ -190,7 +195,7 @@ class _SacOutputs(TorchDispatchMode):
 
 
 def _memory_pass(
-    layers: List[nn.Module], x: Any, loss: Optional[_LossLayer], storages: _Storages
+    layers: List[nn.Module], x: Any, loss: Optional[nn.Module], storages: _Storages
 ) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
     """Two forward and backward passes: one with a saved-tensor hook naming every storage each
     layer saves (and a dispatch mode naming what selective checkpointing would keep), one under
@@ -273,28 +278,34 @@ def profile(
     state, RNG and gradients are left as they were.
 
     Args:
-        sequential: the layers the pipeline cuts into stages.
-        microbatch: the input of ``sequential``, already cut to one micro-batch.
+        sequential: the layers the pipeline cuts into stages: a Sequential, or the
+            :func:`~pipeckpt.pipeline_of` of a model, which runs from its own input through its
+            own ``forward`` (memory/rooted.py; its code outside the layers counts as the loss).
+        microbatch: the input of ``sequential``, already cut to one micro-batch; for a
+            ``pipeline_of`` model, the arguments of its ``forward``
+            (:class:`~pipeckpt.memory.rooted.RootInput`, or a tuple, dict or tensor as Lightning
+            passes ``example_input_array``).
         loss_fn: ``loss_fn(output, target)``, the loss after the last layer (its memory sits on the
-            last stage); without it, backward starts from a gradient of ones.
+            last stage); without it, backward starts from a gradient of ones. Not used for a
+            ``pipeline_of`` model, whose ``forward`` computes what it computes.
         target: the loss's second argument.
         rounds: timing rounds per layer (after one warm-up); the median is kept.
         fake: ``sequential`` and ``microbatch`` were built under :func:`fake_mode` (a model larger
             than the machine): nothing is allocated and times come from FLOP counts.
         flops_per_s: the rate FLOP counts are divided by under ``fake``.
     """
-    layers = list(sequential)
-    loss = _LossLayer(loss_fn, target) if loss_fn is not None else None
-    first = tree_flatten(microbatch)[0]
-    size = int(first[0].shape[0]) if first and isinstance(first[0], Tensor) and first[0].dim() else 1
-    exclude = [*sequential.parameters(), *sequential.buffers()]
-    storages = _Storages(exclude)
-    was_training = sequential.training
-    sequential.train()
+    owner: nn.Module = sequential.root if isinstance(sequential, ModulePipeline) else sequential
+    was_training = owner.training
+    owner.train()
     try:
-        with _state_kept(sequential):
+        layers, microbatch, loss, first = _chain(sequential, microbatch, loss_fn, target, fake)
+        leaves = [t for t in first if isinstance(t, Tensor) and t.dim()]
+        size = int(leaves[0].shape[0]) if leaves else 1
+        storages = _Storages([*owner.parameters(), *owner.buffers()])
+        data = storages.ids(first) if owner is not sequential else None
+        with _state_kept(owner):
             records, batch_inputs = _memory_pass(layers, microbatch, loss, storages)
-        with _state_kept(sequential):
+        with _state_kept(owner):
             if fake:
                 times = _flop_pass(layers, microbatch, loss, flops_per_s)
             else:
@@ -305,14 +316,14 @@ def profile(
                     times = _timing_pass(layers, microbatch, loss, rounds)
                     sac_extra = _selective_pass(layers, microbatch, rounds)
     finally:
-        sequential.train(was_training)
+        owner.train(was_training)
     profiles = []
     for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
         module = loss if loss is not None and i == len(layers) else layers[i]
         pbytes, ptensors, largest = _param_bytes(module) if module is not None else (0, 0, 0)
         profiles.append(
             LayerProfile(
-                name=type(module).__name__ if i < len(layers) else "loss",
+                name=type(sequential[i]).__name__ if i < len(layers) else "loss",
                 param_bytes=pbytes,
                 param_tensors=ptensors,
                 largest_param=largest,
@@ -333,10 +344,30 @@ def profile(
         layers=tuple(profiles[: len(layers)]),
         storage_bytes=dict(storages.bytes),
         microbatch_size=size,
-        batch_inputs=batch_inputs,
+        batch_inputs=batch_inputs if data is None else data,
         loss=profiles[len(layers)] if loss is not None else None,
         fake=fake,
     )
+
+
+def _chain(
+    sequential: nn.Sequential, microbatch: Any, loss_fn: Optional[Loss], target: Any, fake: bool
+) -> Tuple[List[nn.Module], Any, Optional[nn.Module], List[Any]]:
+    """The layers the passes run, their first input, the module after them, and the leaves of the
+    micro-batch itself. A ``pipeline_of`` model runs as the chain of memory/rooted.py, from its input."""
+    if not isinstance(sequential, ModulePipeline):
+        loss = _LossLayer(loss_fn, target) if loss_fn is not None else None
+        return list(sequential), microbatch, loss, tree_flatten(microbatch)[0]
+    if fake:
+        raise config_error(
+            f"profile(pipeline_of({type(sequential.root).__name__}, ...), fake=True)",
+            "a pipeline_of model is profiled from its own forward, on real tensors",
+            "profile it without fake=True (on a smaller batch or model if it does not fit)",
+        )
+    call = RootInput.of(microbatch)
+    with _state_kept(sequential.root):
+        chain = root_chain(sequential, call)
+    return list(chain.links), chain.first, chain.outside, tree_flatten((call.args, call.kwargs))[0]
 
 
 def _sac_share(record: Dict[str, Any], fake: bool) -> float:

@@ -23,12 +23,16 @@ from pipeckpt.sizes import MiB
 __all__ = ["MemoryCheck"]
 
 
+def _first(optimizers: Sequence[Any]) -> Any:
+    return optimizers[0] if optimizers else "adam"
+
+
 class MemoryCheck(L.Callback):
     """Measures training step ``step`` (0-based, counted in this fit) per stage, logs
     ``memory/stage{i}_measured_MiB`` and ``..._predicted_MiB``, and warns when a stage's measured
     peak exceeds its predicted one by more than ``tolerance`` (a fraction). ``predicted``: the
     figures (bytes per stage) to check against instead of the memory model's. ``optimizer``: the
-    optimizer the model counts (default: the strategy's ``memory_optimizer``)."""
+    optimizer the model counts (default: the strategy's ``memory_optimizer``, else the trainer's)."""
 
     def __init__(
         self,
@@ -85,7 +89,7 @@ class MemoryCheck(L.Callback):
             fitted,
             plan,
             chunks=chunks,
-            optimizer=self.optimizer or settings.memory_optimizer,
+            optimizer=self.optimizer or settings.memory_optimizer or _first(trainer.optimizers),
             schedule=schedule,
             accumulating=trainer.accumulate_grad_batches > 1,
         )
