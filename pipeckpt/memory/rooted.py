@@ -23,6 +23,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.microbatch import scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import describe_call
+from pipeckpt.checkpointing.kv_caches import without_kv_caches
 
 __all__ = ["RootInput", "RootChain", "root_chain", "root_microbatch"]
 
@@ -90,6 +91,9 @@ class _Link(nn.Module):
         leaves = list(self.call.inputs)
         leaves[self.call.carried_in] = h
         args, kwargs = tree_unflatten(leaves, self.call.spec)
+        # As a pipelined stage calls it: without the KV cache the recorded call handed it, which
+        # holds the recording's keys already (checkpointing/kv_caches.py).
+        args, kwargs = without_kv_caches(self.layer.forward, tuple(args), dict(kwargs))
         out: Tensor = tree_flatten(self.layer(*args, **kwargs))[0][self.call.carried_out]
         return out
 
