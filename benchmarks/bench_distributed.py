@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness.machine import machine
-from harness.ranks import run_ranks
+from harness.ranks import ranks_arguments, run_ranks
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
@@ -379,15 +379,8 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="benchmarks/RESULTS_distributed.md")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timed", type=int, default=6)
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the harness")
+    out = "benchmarks/RESULTS_distributed.md"
+    parser = ranks_arguments(__doc__.splitlines()[0], out=out, rounds=1, batch=512)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness.machine import machine
-from harness.ranks import run_ranks
+from harness.ranks import ranks_arguments, run_ranks
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -184,15 +184,7 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/RESULTS_fsdp.md")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timed", type=int, default=6)
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the harness")
+    parser = ranks_arguments(__doc__.splitlines()[0], out="/tmp/RESULTS_fsdp.md", rounds=1, batch=256)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)

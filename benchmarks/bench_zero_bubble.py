@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from bench_distributed import model_settings, train
 from harness.machine import machine
-from harness.ranks import run_ranks
+from harness.ranks import ranks_arguments, run_ranks
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import MLP
@@ -108,16 +108,8 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/RESULTS_zero_bubble.md")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=256)
+    parser = ranks_arguments(__doc__.splitlines()[0], out="/tmp/RESULTS_zero_bubble.md", rounds=3, batch=256)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timed", type=int, default=6)
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the harness")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)

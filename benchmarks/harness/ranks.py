@@ -8,7 +8,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def _free_port() -> int:
@@ -58,3 +61,20 @@ def run_ranks(script: str, ranks: int, spec: Dict[str, Any], *, timeout: float) 
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 results += json.load(f)
         return results
+
+
+def ranks_arguments(description: str, *, out: str, rounds: int, batch: int) -> "argparse.ArgumentParser":
+    """The command line every multi-process benchmark shares (its worker entry, where the table goes,
+    rounds, batch, warm-up and timed steps, a timeout, ``--quick``); a benchmark adds its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timed", type=int, default=6)
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps: checks the harness")
+    return parser
