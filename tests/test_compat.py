@@ -1,4 +1,4 @@
-"""Every private name of torch, Lightning and torchgpipe that pipeckpt reaches (pipeckpt/_compat.py).
+"""Every private name of torch, Lightning and torchgpipe that pipeckpt reaches (pipeckpt/_compat/).
 
 One test per entry, asserting the behaviour pipeckpt relies on: an upgrade that removes or
 changes one of them fails here, by name.

@@ -6,9 +6,8 @@ rotary embeddings) and runs code around them (embeddings before, the head and lo
 first layer never sees the model's input. One forward of the model records every layer's call; each
 layer then becomes a link of a chain that carries the value the model handed from layer to layer
 and replays the rest of the call as recorded. The model's own code outside its layers is the
-chain's last link, where a Sequential's loss would be: the model's ``forward`` again, every layer
-answering its recorded output and the last one the chain's value. Why not profile the model's
-``forward`` itself: the passes time, cut and recompute layer by layer, which a chain gives them.
+chain's last link (the model's ``forward`` again, every layer answering its recorded output). Why
+not profile the model's ``forward`` itself: the passes time, cut and recompute layer by layer.
 """
 
 from contextlib import contextmanager

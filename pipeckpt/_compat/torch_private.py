@@ -1,8 +1,8 @@
-"""Every reach into a private name of torch, Lightning or torchgpipe, in one place.
+"""Every reach into torch's private names (torch.utils._python_dispatch, _pytree, pipelining's
+_backward, the memory tools, DCP's metadata classes).
 
-Each entry says why no public API serves. ``tests/test_compat.py`` checks every
-one by name and behaviour, so an upgrade that removes or changes one fails there,
-with the name, instead of somewhere deep in a training run.
+Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
+behaviour.
 """
 
 from types import SimpleNamespace
@@ -257,75 +257,6 @@ def saved_tensors_hooks_now() -> Optional[Tuple[Callable[[Any], Any], Callable[[
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-# -- Lightning ------------------------------------------------------------------------
-
-from lightning.fabric.utilities.distributed import (  # noqa: E402
-    _get_default_process_group_backend_for_device as default_process_group_backend,
-)
-from lightning.fabric.utilities.distributed import (  # noqa: E402
-    _init_dist_connection as init_dist_connection,
-)
-from lightning.fabric.utilities.distributed import (  # noqa: E402
-    _sync_ddp_if_available as sync_ddp_if_available,
-)
-
-# DDPStrategy uses these for the same jobs; Lightning keeps them private.
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
-
-# What a checkpoint path may be (str or Path), as Lightning's strategies type their hooks.
-from lightning.fabric.utilities.types import _PATH as LightningPath  # noqa: E402
-
-# The launcher that starts one process per device on this node when no launcher
-# (torchrun, srun) did; Lightning's own strategies import it the same way.
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: E402
-from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
-
-# Lightning's own test of whether a loader shuffles (its saved ``shuffle`` argument, else its sampler).
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled as loader_shuffles  # noqa: E402
-
-
-def sampler_follows_loader(trainer: Any) -> None:
-    """Makes the ``DistributedSampler`` that ``trainer`` puts into a training loader shuffle only when
-    the loader does (Lightning passes ``shuffle=True`` for every training loader). Only the Trainer's
-    private data connector injects the sampler, with no setting for this, so its
-    ``_prepare_dataloader`` is wrapped, on this Trainer only, once."""
-    connector = trainer._data_connector
-    if "_prepare_dataloader" in connector.__dict__:
-        return
-    prepare = connector._prepare_dataloader
-
-    def following(dataloader: object, shuffle: bool, mode: Any) -> object:
-        if mode == RunningStage.TRAINING:
-            shuffle = loader_shuffles(dataloader)
-        return prepare(dataloader, shuffle=shuffle, mode=mode)
-
-    connector._prepare_dataloader = following
-
-
-def checkpoint_io_unset(strategy: Any) -> bool:
-    """Whether nobody chose the strategy's CheckpointIO: Lightning's ``checkpoint_io``
-    property creates its default on first read, so only ``_checkpoint_io`` tells."""
-    return getattr(strategy, "_checkpoint_io", None) is None
-
-
-def hpc_checkpoint_path(trainer: Any) -> str:
-    """The next ``hpc_ckpt_N.ckpt`` in the Trainer's root directory: the names Lightning resumes
-    from under SLURM. Only its private checkpoint connector knows the numbering."""
-    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
-
-
-def saved_step(callback: Any) -> int:
-    """The global step a ``ModelCheckpoint`` saved last; it keeps it only privately, to skip saving
-    the same step twice."""
-    return int(getattr(callback, "_last_global_step_saved", -1))
-
-
-def set_saved_step(callback: Any, step: int) -> None:
-    """Tells a ``ModelCheckpoint`` that ``step`` is saved (a ``last.ckpt`` written for it from
-    outside), so that neither it nor a second final save writes the same step again."""
-    callback._last_global_step_saved = step
-
-
 def make_fsdp_root(module: nn.Module) -> None:
     """Makes ``module`` (an FSDP2 module) the root of the FSDP modules below it now, as its first
     forward would (FSDP's lazy init: its state's ``_lazy_init``, which no public API runs)."""
@@ -334,108 +265,45 @@ def make_fsdp_root(module: nn.Module) -> None:
     fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
 
 
-def fit_train_loader(trainer: Any) -> Any:
-    """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
-    or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
-    from on the fit loop's private ``_data_source``; ``trainer.train_dataloader`` is set only later."""
-    source = getattr(trainer.fit_loop, "_data_source", None)
-    if source is None or not source.is_defined():
-        return None
-    return source.dataloader()
-
-
-def configured_optimizers(conf: Any) -> List[Any]:
-    """The optimizers in what ``configure_optimizers`` returned, in every form Lightning accepts
-    (an optimizer, lists, dicts, optimizers with schedulers), as Lightning's private parser reads it."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    return list(_configure_optimizers(conf)[0]) if conf is not None else []
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
-# -- torchgpipe -----------------------------------------------------------------------
-
-# torchgpipe exports only GPipe, is_checkpointing and is_recomputing. The engine reuses
-# some of its parts (not its GPipe module, which owns and renames the user's layers and
-# has one global checkpoint mode), so these are torchgpipe's internal modules.
-from torchgpipe import microbatch  # noqa: E402
-from torchgpipe.batchnorm import DeferredBatchNorm  # noqa: E402
-
-# The thread-local that torchgpipe's is_checkpointing()/is_recomputing() read: a stage flips
-# the two flags directly twice per micro-batch, where torchgpipe's own setters
-# (enable_checkpointing/enable_recomputing) are generator context managers.
-from torchgpipe.checkpoint import thread_local as gpipe_flags  # noqa: E402
-
-# A zero-size "phony" edge that orders two micro-batches' backward across devices (the
-# engine runs forward on one thread, but autograd runs each device's backward on its own).
-from torchgpipe.dependency import fork as fork_dependency  # noqa: E402
-from torchgpipe.dependency import join as join_dependency  # noqa: E402
-
-# Finds @skippable stash/pop routes between stages, which the engine refuses.
-from torchgpipe.skip.layout import inspect_skip_layout  # noqa: E402
-
 __all__ = [
+    "STAGE_META",
+    "is_view",
     "BACKWARD_ONE_CHUNK",
-    "accumulate_gradients",
-    "accumulate_keeping_graph",
-    "FORWARD_ONE_CHUNK",
     "BatchNormBase",
     "DcpMemoryFormat",
     "DcpStorageInfo",
-    "DeferredBatchNorm",
+    "FORWARD_ONE_CHUNK",
     "FakeTensorMode",
-    "LightningPath",
     "MODULE_STATES",
     "MemTracker",
-    "SubprocessScriptLauncher",
+    "SAC_SAVED_OP_NAMES",
     "TorchDispatchMode",
     "TreeSpec",
+    "accumulate_gradients",
+    "accumulate_keeping_graph",
     "apply_function",
     "apply_to_tensors",
-    "checkpoint_io_unset",
-    "default_process_group_backend",
     "dcp_file_extents",
     "default_store",
     "dispatch_mode_stack",
-    "fork_dependency",
-    "gpipe_flags",
-    "hpc_checkpoint_path",
-    "init_dist_connection",
-    "join_dependency",
-    "inspect_skip_layout",
     "keep_buffers_out_of_state_dict",
     "layout_by_name",
     "live_op_order",
     "make_fsdp_root",
-    "microbatch",
     "module_memory",
-    "optimizers_to_device",
     "own_tensors",
     "param_groups",
     "pop_dispatch_mode",
     "push_dispatch_mode",
-    "SAC_SAVED_OP_NAMES",
+    "register_pytree_node",
+    "reverse_graph",
     "sac_saved_ops",
-    "saved_step",
     "saved_tensors_hooks_now",
-    "sampler_follows_loader",
-    "loader_shuffles",
     "schedule_op_order",
     "set_module_device",
     "set_own_tensor",
-    "set_saved_step",
-    "sync_ddp_if_available",
-    "register_pytree_node",
-    "reverse_graph",
     "tree_flatten",
     "tree_is_leaf",
     "tree_map",
     "tree_unflatten",
-    "unwrap_optimizer",
-    "fit_train_loader",
-    "configured_optimizers",
 ]

@@ -1,0 +1,117 @@
+"""Every reach into Lightning's private names (launcher, data connector, optimizer parser,
+ModelCheckpoint's counters).
+
+Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
+behaviour.
+"""
+
+from typing import Any, List
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import (
+    _init_dist_connection as init_dist_connection,
+)
+from lightning.fabric.utilities.distributed import (
+    _sync_ddp_if_available as sync_ddp_if_available,
+)
+
+# DDPStrategy uses these for the same jobs; Lightning keeps them private.
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+
+# What a checkpoint path may be (str or Path), as Lightning's strategies type their hooks.
+from lightning.fabric.utilities.types import _PATH as LightningPath
+
+# The launcher that starts one process per device on this node when no launcher
+# (torchrun, srun) did; Lightning's own strategies import it the same way.
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage
+
+# Lightning's own test of whether a loader shuffles (its saved ``shuffle`` argument, else its sampler).
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled as loader_shuffles
+
+
+def sampler_follows_loader(trainer: Any) -> None:
+    """Makes the ``DistributedSampler`` that ``trainer`` puts into a training loader shuffle only when
+    the loader does (Lightning passes ``shuffle=True`` for every training loader). Only the Trainer's
+    private data connector injects the sampler, with no setting for this, so its
+    ``_prepare_dataloader`` is wrapped, on this Trainer only, once."""
+    connector = trainer._data_connector
+    if "_prepare_dataloader" in connector.__dict__:
+        return
+    prepare = connector._prepare_dataloader
+
+    def following(dataloader: object, shuffle: bool, mode: Any) -> object:
+        if mode == RunningStage.TRAINING:
+            shuffle = loader_shuffles(dataloader)
+        return prepare(dataloader, shuffle=shuffle, mode=mode)
+
+    connector._prepare_dataloader = following
+
+
+def checkpoint_io_unset(strategy: Any) -> bool:
+    """Whether nobody chose the strategy's CheckpointIO: Lightning's ``checkpoint_io``
+    property creates its default on first read, so only ``_checkpoint_io`` tells."""
+    return getattr(strategy, "_checkpoint_io", None) is None
+
+
+def hpc_checkpoint_path(trainer: Any) -> str:
+    """The next ``hpc_ckpt_N.ckpt`` in the Trainer's root directory: the names Lightning resumes
+    from under SLURM. Only its private checkpoint connector knows the numbering."""
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
+def saved_step(callback: Any) -> int:
+    """The global step a ``ModelCheckpoint`` saved last; it keeps it only privately, to skip saving
+    the same step twice."""
+    return int(getattr(callback, "_last_global_step_saved", -1))
+
+
+def set_saved_step(callback: Any, step: int) -> None:
+    """Tells a ``ModelCheckpoint`` that ``step`` is saved (a ``last.ckpt`` written for it from
+    outside), so that neither it nor a second final save writes the same step again."""
+    callback._last_global_step_saved = step
+
+
+def fit_train_loader(trainer: Any) -> Any:
+    """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
+    or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
+    from on the fit loop's private ``_data_source``; ``trainer.train_dataloader`` is set only later."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    return source.dataloader()
+
+
+def configured_optimizers(conf: Any) -> List[Any]:
+    """The optimizers in what ``configure_optimizers`` returned, in every form Lightning accepts
+    (an optimizer, lists, dicts, optimizers with schedulers), as Lightning's private parser reads it."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return list(_configure_optimizers(conf)[0]) if conf is not None else []
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+__all__ = [
+    "LightningPath",
+    "SubprocessScriptLauncher",
+    "checkpoint_io_unset",
+    "configured_optimizers",
+    "default_process_group_backend",
+    "fit_train_loader",
+    "hpc_checkpoint_path",
+    "init_dist_connection",
+    "loader_shuffles",
+    "optimizers_to_device",
+    "sampler_follows_loader",
+    "saved_step",
+    "set_saved_step",
+    "sync_ddp_if_available",
+    "unwrap_optimizer",
+]
