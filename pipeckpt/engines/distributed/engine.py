@@ -5,7 +5,8 @@ A rank holds one stage (or ``virtual_stages`` under a looped schedule) of the sa
 :class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means the same under both engines.
 This class composes the parts, one job each: :mod:`.processes` (world, topology, groups),
 :mod:`.schedules`, :mod:`.wiring` and :mod:`.rooted` (this rank's stages), :mod:`.step` and
-:mod:`.replay` (the user's step per micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state`,
+:mod:`.replay` (the user's step per micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state` and
+:mod:`.checkpoints` (checkpoint files),
 :mod:`.liveness` (naming a lost rank), :mod:`.auto_plan` (``checkpoint='auto'``) and :mod:`.sharding`
 (``data_parallel='fsdp'``).
 """
@@ -15,11 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
@@ -30,14 +29,13 @@ from pipeckpt.engines.distributed.auto_plan import (
     same_on_every_rank,
     usable_chunks,
 )
+from pipeckpt.engines.distributed.checkpoints import EngineCheckpoints
 from pipeckpt.engines.distributed.processes import SETTINGS, ProcessGroups, check_process_settings
 from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
 from pipeckpt.engines.distributed.schedules import Schedules, lookup
 from pipeckpt.engines.distributed.sharding import (
     Sharding,
     refuse_ties,
-    shard_optimizer_state,
-    sharded_like,
 )
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep, check_backward_in_step
@@ -58,7 +56,7 @@ from pipeckpt.stages.stage import Stage
 __all__ = ["DistributedEngine"]
 
 
-class DistributedEngine(Engine):
+class DistributedEngine(EngineCheckpoints, Engine):
     """One process per pipeline rank; ``dp`` replicas of the pipeline average gradients with DDP
     or shard each stage with FSDP2."""
 
@@ -283,47 +281,6 @@ class DistributedEngine(Engine):
         if self.topology.pp > 1:  # replicas hold the same gradients, averaged by DDP or Replicas
             dist.all_reduce(squared, group=self.processes.pp_group)
         return squared.sqrt()
-
-    # -- state ----------------------------------------------------------------------
-
-    def module_state_dict(self, module: LightningModule) -> Dict[str, Any]:
-        return self.state.module_state_dict(module)
-
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        assert self.module is not None
-        return self.state.optimizer_state(self.module, optimizer)
-
-    def rng_states(self) -> List[Dict[str, Any]]:
-        return self.state.rng_states()
-
-    def my_rng_state(self, by_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return self.state.my_rng_state(by_rank)
-
-    def save_checkpoint(
-        self,
-        checkpoint: Dict[str, Any],
-        path: Any,
-        io: CheckpointIO,
-        storage_options: Optional[Any],
-        is_zero: bool,
-    ) -> None:
-        # Shards differ between replicas: each writes its own (DCP writes a replicated tensor once).
-        another = self.replicas is not None and self.sharding is None
-        self.state.save(checkpoint, path, written_by_another=another)
-
-    def load_checkpoint(self, path: Any, io: CheckpointIO, weights_only: Optional[bool]) -> Dict[str, Any]:
-        return self.state.load(path, self.module, io, weights_only)
-
-    def load_module_state_dict(self, module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
-        if self.sharding is not None:  # full tensors, from a checkpoint of any layout
-            state = sharded_like(module.state_dict(), state)
-        self.state.load_module_state(module, state, strict)
-
-    def load_optimizer_state(self, optimizer: Optimizer, state: Dict[str, Any]) -> None:
-        state = self._by_index(optimizer, state)
-        if self.sharding is not None:
-            state = shard_optimizer_state(optimizer, state)
-        self.state.load_optimizer_state(optimizer, state)
 
     # -- failures and the end -----------------------------------------------------------
 
