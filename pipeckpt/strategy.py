@@ -9,8 +9,7 @@ module's keys plus every rank's RNG state, so a resumed run draws the same dropo
 """
 
 import os
-from contextlib import contextmanager
-from typing import Any, Dict, Generator, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -33,25 +32,24 @@ from pipeckpt._compat import (
     optimizers_to_device,
     unwrap_optimizer,
 )
-from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
+from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine
 from pipeckpt.settings import PipeSettings, PipeSettingsArgs, check_names
-from pipeckpt.stages.materialize import check_materializable, materialize, on_meta, remember_build
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 from pipeckpt.state import preemption, termination
 from pipeckpt.state.files import AtomicCheckpointIO
 from pipeckpt.state.fit import check_fits
-from pipeckpt.strategy_processes import ProcessStrategy
+from pipeckpt.strategy_meta import MetaBuildStrategy
 
 __all__ = ["PipelineStrategy"]
 
 _CKPT_KEY = "pipeckpt"
 
 
-class PipelineStrategy(ProcessStrategy):
+class PipelineStrategy(MetaBuildStrategy):
     """Pipeline parallelism with a checkpoint mode per stage.
 
     Args:
@@ -141,42 +139,6 @@ class PipelineStrategy(ProcessStrategy):
             for optimizer in self.optimizers:
                 _optimizer_state_to_param_devices(optimizer)
         self._route_gradient_clipping()
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``init_module(empty_init=True)`` builds on the meta device; :meth:`setup` makes it real."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
-            yield
-        remember_build(self.root_device)
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device: each process makes only its layers real."""
-        with torch.device("meta"):
-            yield
-        remember_build(self.root_device)
-
-    def _materialize(self, module: Any) -> None:
-        """A module built on meta made real: here, whole, when this process holds every layer;
-        otherwise the engine makes its own stages real once it knows them (docs/DISTRIBUTED.md)."""
-        if not on_meta(module):
-            return
-        check_materializable(module)  # every rank, before any work
-        if self.engine.holds_every_layer:
-            materialize(module, self.root_device)
-        elif self.settings.modes == "auto":
-            raise config_error(
-                "checkpoint='auto' with a module built on the meta device",
-                "'auto' measures the layers, which no process holds whole under this engine",
-                "choose the checkpoint modes yourself, or build the module eagerly (not in "
-                "configure_model, nor under init_module(empty_init=True))",
-            )
 
     def _choose_plan(self, trainer: Trainer, module: Any) -> None:
         """``checkpoint='auto'``: the plan under ``memory_budget``, chosen once (on rank 0), which

@@ -10,6 +10,7 @@ Lightning's ``_materialize_distributed_module`` makes every layer real at once, 
 model in one process, and unties shared parameters.
 """
 
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -49,13 +50,24 @@ def check_materializable(module: nn.Module, *, name: str = "self") -> None:
             )
 
 
-# The generators' states where the last meta build ended (:func:`remember_build`).
-_built_at: List[Tuple[Tensor, Optional[Tensor]]] = []
+# The generators' states where the last meta build ended, until a strategy's set-up claims them for
+# its module (:func:`claim_build`); then per module, so a build nobody made real never leaks into
+# another module's draws.
+_pending: List[Tuple[Tensor, Optional[Tensor]]] = []
+_built_at: "weakref.WeakKeyDictionary[nn.Module, Tuple[Tensor, Optional[Tensor]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def remember_build(device: torch.device) -> None:
     """Notes the generators' states where a meta build ends: :func:`materialize` draws from there."""
-    _built_at[:] = [_states(device)]
+    _pending[:] = [_states(device)]
+
+
+def claim_build(module: nn.Module) -> None:
+    """The last meta build's end state becomes ``module``'s (its set-up follows that build)."""
+    if _pending:
+        _built_at[module] = _pending.pop()
 
 
 def _states(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -76,12 +88,12 @@ Agree = Callable[[Optional[States]], States]
 
 
 @contextmanager
-def _drawing_as_built(device: torch.device) -> Iterator[List[States]]:
+def _drawing_as_built(module: nn.Module, device: torch.device) -> Iterator[List[States]]:
     """The generators where the meta build ended; afterwards they stand past every draw (the last
     state the caller puts in the yielded list), as after an eager build, unless something moved
     them since the build (a re-seed): then they go back."""
     now = _states(device)
-    built = _built_at.pop() if _built_at else now
+    built = _built_at.pop(module, None) or now
     moved = not all(torch.equal(a, b) for a, b in zip(now, built) if a is not None and b is not None)
     _set_states(built, device)
     end: List[States] = []
@@ -126,7 +138,7 @@ def materialize(
         kept = [i for i, (_, _, own) in enumerate(layers) if any(_kept(t, keep) for _, t, _ in own)]
         last = kept[-1] + 1 if kept else 0
     real: Dict[int, Tensor] = {}  # id of a meta tensor -> the real tensor that replaces it
-    with torch.no_grad(), _drawing_as_built(device) as end:
+    with torch.no_grad(), _drawing_as_built(module, device) as end:
         for sub_name, sub, own in layers[:last]:
             _initialise(sub, own, device, real, keep, where=f"{name}.{sub_name}" if sub_name else name)
         if agree is not None:

@@ -11,7 +11,7 @@ from torch import nn
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.engines.distributed.wiring import agreed_plan
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stages.materialize import materialize, on_meta
+from pipeckpt.stages.materialize import materialize, on_meta, remember_build
 
 SEED = 7
 CPU = torch.device("cpu")
@@ -137,3 +137,11 @@ def test_a_profiled_balance_of_a_module_on_meta_is_refused_before_any_process_ta
     settings = PipeSettings(engine="distributed", balance_by="time", stages=2)
     with pytest.raises(PipeckptConfigError, match="balance_by='time' with a module built on the meta device"):
         agreed_plan(module, module.layers, settings, stages=2, device=CPU)
+
+
+def test_a_meta_build_no_set_up_claimed_leaves_another_modules_values_alone():
+    torch.manual_seed(123)
+    remember_build(CPU)  # a module built on meta whose fit never reached set-up
+    eager, meta, _ = _eager_and_meta()
+    materialize(meta, CPU)
+    assert_bitwise_equal(meta.state_dict(), eager.state_dict())
