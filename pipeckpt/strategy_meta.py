@@ -15,10 +15,10 @@ from typing_extensions import override
 from pipeckpt._errors import config_error
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.materialize import (
+    built_on_meta,
     check_materializable,
     claim_build,
     materialize,
-    on_meta,
     remember_build,
 )
 from pipeckpt.strategy_processes import ProcessStrategy
@@ -47,16 +47,20 @@ class MetaBuildStrategy(ProcessStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device: each process makes only its layers real."""
+        """``configure_model`` builds on the meta device: each process makes only its layers real.
+        A ``configure_model`` that built nothing new (its model kept from an earlier fit) is no build."""
+        module = self.lightning_module
+        before = {id(t) for t in module.parameters()} if module is not None else set()
         with torch.device("meta"):
             yield
-        remember_build(self.root_device)
+        if module is None or any(t.is_meta and id(t) not in before for t in module.parameters()):
+            remember_build(self.root_device)
 
     def _materialize(self, module: Any) -> None:
         """A module built on meta made real: here, whole, when this process holds every layer;
         otherwise the engine makes its own stages real once it knows them (docs/DISTRIBUTED.md)."""
         claim_build(module)  # where its meta build ended, if it had one
-        if not on_meta(module):
+        if not built_on_meta(module):  # eager, or left on meta by a finished distributed run
             return
         check_materializable(module)  # every rank, before any work
         if self.engine.holds_every_layer:

@@ -64,6 +64,13 @@ def remember_build(device: torch.device) -> None:
     _pending[:] = [_states(device)]
 
 
+def built_on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device (in ``configure_model`` or under
+    ``init_module(empty_init=True)``) and is not made real yet; not a module whose other stages a
+    finished distributed run left on meta."""
+    return module in _built_at and on_meta(module)
+
+
 def claim_build(module: nn.Module) -> None:
     """The last meta build's end state becomes ``module``'s (its set-up follows that build)."""
     if _pending:

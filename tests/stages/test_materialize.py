@@ -11,7 +11,7 @@ from torch import nn
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.engines.distributed.wiring import agreed_plan
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stages.materialize import materialize, on_meta, remember_build
+from pipeckpt.stages.materialize import claim_build, materialize, on_meta, remember_build
 
 SEED = 7
 CPU = torch.device("cpu")
@@ -134,6 +134,8 @@ def test_a_hugging_face_model_is_refused_naming_its_first_layer_without_reset_pa
 def test_a_profiled_balance_of_a_module_on_meta_is_refused_before_any_process_talks():
     with torch.device("meta"):
         module = ToyModule()
+    remember_build(CPU)  # as the strategy's configure_model context notes a build, and its set-up claims it
+    claim_build(module)
     settings = PipeSettings(engine="distributed", balance_by="time", stages=2)
     with pytest.raises(PipeckptConfigError, match="balance_by='time' with a module built on the meta device"):
         agreed_plan(module, module.layers, settings, stages=2, device=CPU)

@@ -29,7 +29,7 @@ from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.guards import side_effect_free
-from pipeckpt.stages.materialize import materialize, on_meta
+from pipeckpt.stages.materialize import built_on_meta, materialize
 from pipeckpt.stages.partition import StagePlan, plan, split
 from pipeckpt.stages.stage import Stage, mark_shared_parameters
 
@@ -316,8 +316,8 @@ def agreed_plan(
     differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
     layers made ready for it: those of this process's stages ``mine`` made real when the module was
     built on the meta device (:func:`materialize_mine`), deferred BatchNorm, compiled."""
-    built_on_meta = on_meta(module)
-    if built_on_meta and settings.balance is None and settings.balance_by != "params":
+    meta_build = built_on_meta(module)
+    if meta_build and settings.balance is None and settings.balance_by != "params":
         raise config_error(
             f"balance_by={settings.balance_by!r} with a module built on the meta device",
             "profiling runs the layers, which no process holds whole under this engine",
@@ -336,7 +336,7 @@ def agreed_plan(
     dist.broadcast_object_list(agreed, src=0)
     if tuple(agreed[0]) != stage_plan.balance:
         stage_plan = planned(agreed[0])
-    if built_on_meta:
+    if meta_build:
         materialize_mine(module, layers, stage_plan, mine, device)
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)
