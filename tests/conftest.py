@@ -13,6 +13,16 @@ from support.trainers import quiet_trainer as _quiet_trainer
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: several OpenMP teams (main and pipeline threads) on a busy machine slow
+    each other down by an order of magnitude. A file takes it with ``pytestmark``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def quiet_trainer() -> Callable[..., Any]:
     """``quiet_trainer(strategy, devices=1, **options)``: a CPU Trainer that runs and says nothing."""
     return _quiet_trainer

@@ -25,12 +25,7 @@ CPU = [torch.device("cpu")]
 BUDGETS = {"gpt2": "1MiB", "llama": "800KiB"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained_alone(name: str, data: List[Dict[str, Tensor]]) -> Dict[str, Tensor]:

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from support.trainers import QUIET
 
@@ -22,12 +21,7 @@ from pipeckpt.settings import PipeSettings
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_auto_without_a_budget_is_a_configuration_error() -> None:

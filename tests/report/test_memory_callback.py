@@ -4,7 +4,6 @@ import warnings
 
 import lightning as L
 import pytest
-import torch
 from support.trainers import QUIET
 
 from pipeckpt import PipelineStrategy
@@ -13,13 +12,7 @@ from pipeckpt.app.data import SyntheticVectors
 from pipeckpt.app.models import MLP
 from pipeckpt.report.memory_check import MemoryCheck
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fit(callback: MemoryCheck, checkpoint="never") -> MLP:
