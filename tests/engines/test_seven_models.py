@@ -57,9 +57,9 @@ def _trained(strategy: Any, name: str, *, dropout: float = 0.0) -> Dict[str, tor
 def unpipelined() -> Dict[str, Dict[str, torch.Tensor]]:
     out = {}
     for name in NAMES:
-        module = model_and_data(name)[0]
+        module, data = model_and_data(name)
         trainer = quiet_trainer(max_steps=STEPS, **unpipelined_trainer_options(name, CHUNKS))
-        trainer.fit(module, unpipelined_data(name, CHUNKS))
+        trainer.fit(module, unpipelined_data(name, data, CHUNKS))
         out[name] = weights(module)
     return out
 

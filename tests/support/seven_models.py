@@ -107,9 +107,8 @@ def unpipelined_trainer_options(name: str, chunks: int) -> Dict[str, Any]:
     return dict(accumulate_grad_batches=chunks) if name == "convnet" else {}
 
 
-def unpipelined_data(name: str, chunks: int) -> DataLoader:
-    """The data of :func:`model_and_data` as the unpipelined reference run reads it."""
-    loader = model_and_data(name)[1]
+def unpipelined_data(name: str, loader: DataLoader, chunks: int) -> DataLoader:
+    """``loader`` (the data of :func:`model_and_data`) as the unpipelined reference run reads it."""
     if name != "convnet":
         return loader
     return DataLoader(loader.dataset, batch_size=BATCH // chunks)
