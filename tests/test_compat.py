@@ -285,6 +285,7 @@ def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
         assert params[:2] == ["self", "bwd_chunk_id"], (name, params)
 
 
+@pytest.mark.skipif(not _compat.STAGE_META_HOOKS, reason="this torch infers shapes in one method")
 def test_pipeline_stage_passes_shape_metadata_through_send_and_recv_meta():
     send, recv = (list(inspect.signature(getattr(PipelineStage, n)).parameters) for n in _compat.STAGE_META)
     assert send == ["self", "meta", "dst_stage"]

@@ -29,6 +29,7 @@ from pipeckpt._compat.torch_private import (
     MODULE_STATES,
     SAC_SAVED_OP_NAMES,
     STAGE_META,
+    STAGE_META_HOOKS,
     BatchNormBase,
     DcpMemoryFormat,
     DcpStorageInfo,
@@ -76,6 +77,7 @@ from pipeckpt._compat.torchgpipe_private import (
 
 __all__ = [
     "STAGE_META",
+    "STAGE_META_HOOKS",
     "is_view",
     "BACKWARD_ONE_CHUNK",
     "accumulate_gradients",

@@ -232,6 +232,8 @@ def dcp_file_extents(metadata: Any, keys: Any) -> Dict[str, int]:
 
 # -- torch.distributed.pipelining -----------------------------------------------------
 
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
+
 # A schedule calls PipelineStage.forward_one_chunk for every micro-batch and runs the
 # module elsewhere for shape inference; overriding it is the only way to tell the two
 # apart (no public hook sees the micro-batch index).
@@ -242,6 +244,9 @@ BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
 # Shape inference hands a stage's output shapes to the next process through these two; overriding
 # them is the only way to send the output's pytree structure along (no public hook carries metadata).
 STAGE_META = ("_send_meta", "_recv_meta")
+# Older releases (torch 2.11 has neither) infer shapes in one method with no hook for metadata, and
+# their stages lose the input gradients the distributed engine hands back: it refuses them.
+STAGE_META_HOOKS = all(hasattr(PipelineStage, name) for name in STAGE_META)
 
 
 def is_view(t: Any) -> bool:

@@ -18,6 +18,8 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from pipeckpt._compat import STAGE_META_HOOKS
+from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
 from pipeckpt.engines.base import Engine, World
@@ -84,6 +86,14 @@ class DistributedEngine(EngineCheckpoints, Engine):
     @classmethod
     def check_settings(cls, settings: PipeSettings) -> None:
         super().check_settings(settings)  # placement
+        if not STAGE_META_HOOKS:
+            raise config_error(
+                f"engine='distributed' with torch {torch.__version__}",
+                "the distributed engine builds on torch.distributed.pipelining as torch 2.13 ships it "
+                "(PipelineStage._send_meta carries each stage's output structure); older stages "
+                "lose the input gradients it sends back",
+                "install torch>=2.13, or use engine='local' (one process, every GPU of the host)",
+            )
         check_process_settings(cls.resolve(settings))
 
     def adopt(self, settings: PipeSettings) -> None:
