@@ -7,8 +7,10 @@ lists trainings run one after the other in the same processes:
     python tests/engines/distributed/distributed_fsdp_worker.py SPEC.json
 
 Each run trains ``model`` (:func:`build`) under engine="distributed" on this replica's rows of every
-batch, from ``resume`` if given, and writes the sharded checkpoint `<name>.ckpt` and
-`<name>.rank<R>.pt` (the types and local sizes of the tensors this rank holds) into `out`.
+batch, from ``resume`` if given (a path relative to `out`, or absolute), and writes the sharded
+checkpoint `<name>.ckpt` and `<name>.rank<R>.pt` (the types and local sizes of the tensors this rank
+holds) into `out`; with ``checkpoint_every``, also Lightning's ModelCheckpoint every so many steps
+into `out/<name>/` (a checkpoint written in the epoch's last step resumes exactly at the next epoch).
 """
 
 import os
@@ -16,6 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from support import hf_models
 from support.ranks import quiet_trainer, serve
 from support.toy import ToyModule
@@ -90,12 +93,19 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     module, data = build(spec["model"])
     dp = settings.get("dp", 1)
     replica = int(os.environ["LOCAL_RANK"]) // (world // dp)
+    every = spec.get("checkpoint_every")
     trainer = quiet_trainer(
         strategy,
         world,
         max_steps=spec["steps"],
         precision=spec.get("precision", "32-true"),
         gradient_clip_val=spec.get("gradient_clip_val"),
+        enable_checkpointing=every is not None,
+        callbacks=[
+            ModelCheckpoint(dirpath=os.path.join(out, spec["name"]), every_n_train_steps=every, save_top_k=-1)
+        ]
+        if every
+        else [],
     )
     torch.manual_seed(123)
     resume = spec.get("resume")

@@ -17,7 +17,6 @@ import lightning as L
 import pytest
 import support.ranks as ranks
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from support.toy import ToyModule, assert_bitwise_equal, fit, max_relative_difference, params, toy_loader
 from support.trainers import QUIET
 
@@ -327,14 +326,6 @@ def two_processes(launch, local_checkpoint) -> Path:
             )
     runs.append(
         dict(
-            name="sharded_chain",
-            strategy=dict(balance=[3, 3], chunks=4, schedule="gpipe"),
-            steps=STEPS,
-            checkpoint_every=STEPS,  # one epoch: Lightning resumes a plain DataLoader exactly there
-        )
-    )
-    runs.append(
-        dict(
             name="from_distributed",
             strategy=dict(balance=[3, 3], chunks=4, schedule="1f1b"),
             steps=2 * STEPS,
@@ -511,35 +502,6 @@ def test_each_rank_writes_only_its_own_stages_tensors(two_processes):
             files.setdefault(stage, set()).add(info.relative_path)
     # balance [3, 3] on two ranks: stage j is rank j's, written into rank j's file only.
     assert {j: sorted(f) for j, f in files.items()} == {0: ["__0_0.distcp"], 1: ["__1_0.distcp"]}
-
-
-@pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_through_other_layouts_like_an_uninterrupted_run(
-    two_processes, tmp_path
-):
-    # Two processes trained one epoch and wrote a sharded checkpoint at its end (where Lightning
-    # resumes a plain DataLoader exactly); the run goes on under the local engine with 4 stages,
-    # then with 1 stage, one epoch each, and ends where an uninterrupted run ends.
-    first = two_processes / "sharded_chain" / f"epoch=0-step={STEPS}.ckpt"
-    assert sharded.is_sharded(first)
-    every_epoch = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=STEPS, save_top_k=-1)
-    fit(
-        ToyModule(seed=7),
-        _local(stages=4, chunks=4),
-        steps=2 * STEPS,
-        ckpt_path=first,
-        callbacks=[every_epoch],
-        enable_checkpointing=True,
-    )
-    module = ToyModule(seed=8)
-    fit(
-        module,
-        _local(stages=1, chunks=2),
-        steps=3 * STEPS,
-        ckpt_path=tmp_path / f"epoch=1-step={2 * STEPS}.ckpt",
-    )
-    uninterrupted = fit(ToyModule(), _local(balance=[3, 3], chunks=4), steps=3 * STEPS)
-    assert max_relative_difference(params(module), params(uninterrupted.lightning_module)) < 1e-6
 
 
 @pytest.mark.slow
