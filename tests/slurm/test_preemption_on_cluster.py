@@ -1,7 +1,7 @@
 """SIGUSR1 at any moment of a step, on the real two-node cluster: every trial saves the same step on
 every rank, requeues, resumes from it, and the run ends bitwise equal to an uninterrupted one.
 
-One job per engine is requeued once per trial (11 trials in all): the distributed engine on 2 nodes x
+One job per engine is requeued once per trial (8 trials in all, each moment at least once per engine): the distributed engine on 2 nodes x
 1 task, the local engine (2 stages in one process) on 1 node. Each trial's moment (forward, backward,
 optimizer step, ModelCheckpoint's save), its rank (0, 1 or every rank) and how many steps after the
 resume it comes are drawn from a fixed seed; one trial per job is delivered by `scancel --signal=USR1`
@@ -51,8 +51,8 @@ class Setup:
     steps: int
 
 
-DISTRIBUTED = Setup(engine="distributed", nodes=2, ranks=("0", "1", "all"), trials=6, steps=60)
-LOCAL = Setup(engine="local", nodes=1, ranks=("0",), trials=5, steps=40)
+DISTRIBUTED = Setup(engine="distributed", nodes=2, ranks=("0", "1", "all"), trials=4, steps=60)
+LOCAL = Setup(engine="local", nodes=1, ranks=("0",), trials=4, steps=40)
 
 
 def draw(setup: Setup, rng: random.Random) -> list[Trial]:
@@ -187,7 +187,7 @@ def test_sigusr1_anywhere_in_a_step_resumes_bitwise_equal(slurm, tmp_path):
     rng = random.Random(SEED)
     setups = [DISTRIBUTED, LOCAL]
     plans = {s.engine: draw(s, rng) for s in setups}
-    assert sum(len(p) for p in plans.values()) >= 10
+    assert sum(len(p) for p in plans.values()) >= 8
     refs = {s.engine: reference(s, tmp_path / f"ref-{s.engine}") for s in setups}
     jobs = {s.engine: submit(slurm, s, plans[s.engine], tmp_path / s.engine) for s in setups}
     try:
