@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-
 from support import ranks
 
 WORKER = Path(__file__).with_name("step_outcome_worker.py")
