@@ -20,7 +20,7 @@ The schedule's own part is timed too: the engine's ``run`` + ``take_step_gradien
 
 Commands::
 
-    python benchmarks/bench_host_cost.py --rounds 9 --out /tmp/host_cost.md   # ~3 min
+    python benchmarks/bench_host_cost.py --rounds 9 --out /tmp/host_cost.md   # ~1.5 min, idle 2 cores
     python benchmarks/bench_host_cost.py --quick --out /tmp/host_cost.md      # seconds: checks the harness
 """
 
