@@ -145,6 +145,8 @@ class Schedules:
         for module in self._modules:
             module.no_views = kind.traits.split_backward
         self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
+        self._orders: weakref.WeakKeyDictionary[Any, Tuple[int, Dict[int, List[Op]]]]
+        self._orders = weakref.WeakKeyDictionary()  # schedule -> (micro-batches, its orders)
 
     def get(
         self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]
@@ -192,7 +194,14 @@ class Schedules:
         """For each of this process's stages, the ops its device runs in one training step, in
         order (see :mod:`pipeckpt.checkpointing.order`): a looped schedule's own ``pipeline_order`` for this
         rank; derived for the single-stage ones, whose ``_step_microbatches`` torch codes apart
-        from their (IR-only) ``pipeline_order``."""
+        from their (IR-only) ``pipeline_order``. Found once per schedule (a schedule's order is fixed
+        when it is built); the lists are shared, not to be changed."""
+        found = self._orders.get(schedule)
+        if found is None or found[0] != microbatches:
+            found = self._orders[schedule] = (microbatches, self._orders_of(schedule, microbatches))
+        return found[1]
+
+    def _orders_of(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
         if self.kind.looped:
             # A split backward recomputes in its input pass: that is the backward the stage sees.
             ops = live_op_order(schedule)
@@ -206,6 +215,7 @@ class Schedules:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._orders.clear()
 
 
 # A split schedule's stage -> where its Stage leaves the weight passes while that schedule runs (by

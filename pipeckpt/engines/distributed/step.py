@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -26,6 +27,7 @@ from pipeckpt.boundaries.scalars import LossWeights, loss_weights, shifts_labels
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
 from pipeckpt.engines.distributed.liveness import user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
+from pipeckpt.engines.distributed.outcome import StepOutcome
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call, Microbatches, answering, capture_call, step_loss
 from pipeckpt.engines.distributed.schedules import Schedules, microbatch_rule
@@ -84,6 +86,10 @@ class PipelinedStep:
         self._run: Optional[_Run] = None
         self._warned = False
         self._last_batch_checked = False
+        self._outcome: Optional[StepOutcome] = None  # made at the first training step
+        self._owners: List[nn.Module] = []  # every module of this rank's stages (see _trained)
+        self._owners_of: Tuple[int, ...] = ()
+        self._arange: Dict[int, Tensor] = {}
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -103,8 +109,10 @@ class PipelinedStep:
         if train and not self._last_batch_checked:
             self._check_last_batch()
         batch, rest = args[0], args[1:]
-        m = self._microbatches_for(Microbatches(batch, 1).size, train)
-        microbatches = Microbatches(batch, m)
+        microbatches = Microbatches(batch, self.chunks)  # the usual count; cut again if another fits
+        m = self._microbatches_for(microbatches.size, train)
+        if m != self.chunks:
+            microbatches = Microbatches(batch, m)
         schedule, stages = schedules.get(train=train, microbatches=m, signature=microbatches.signature())
         last = next((s for s in stages if s.is_last), None)
         run = _Run(hook, microbatches, rest, kwargs, last)
@@ -120,11 +128,8 @@ class PipelinedStep:
         self._run = run
         try:
             if train:
-                # A tied weight that two stages of this rank share is one parameter.
-                held = {id(p): p for sm in self.modules for p in sm.parameters() if p.requires_grad}
-                held.update((id(p), p) for p in self.outside if p.requires_grad)
-                with gradients_set_aside(held.values(), drop=self._zeroed_after_this_step()) as computed:
-                    target = torch.arange(m) if last is not None else None
+                with gradients_set_aside(self._trained(), drop=self._zeroed_after_this_step()) as computed:
+                    target = self._targets(m) if last is not None else None
                     schedule.step(*inputs, target=target, return_outputs=False)
                 self.gradients = computed
             else:
@@ -147,11 +152,44 @@ class PipelinedStep:
                 "loss": torch.stack(run.losses).mean().cpu() if train else None,
                 "prediction": to_cpu(result) if hook == "predict_step" else None,
             }
-        payload = self.processes.from_last_stage(payload)
+        payload = self._shared(payload) if train else self.processes.from_last_stage(payload)
         replay(module, payload["logs"], self.device)
         if train:
             return payload["loss"].to(self.device)
         return payload["prediction"] if hook == "predict_step" else result
+
+    def _trained(self) -> List[nn.Parameter]:
+        """The parameters this rank trains, each once (a tied weight that two stages of this rank
+        share is one parameter), read afresh every step from the stages' modules (found once)."""
+        key = tuple(map(id, self.modules))
+        if key != self._owners_of:
+            self._owners = [mod for sm in self.modules for mod in sm.modules()]
+            self._owners_of = key
+        held = {id(p): p for mod in self._owners for p in mod.parameters(recurse=False) if p.requires_grad}
+        held.update((id(p), p) for p in self.outside if p.requires_grad)
+        return list(held.values())
+
+    def _targets(self, m: int) -> Tensor:
+        """The schedule's ``target`` on the last stage: micro-batch ``i``'s is ``i``."""
+        target = self._arange.get(m)
+        if target is None:
+            target = self._arange[m] = torch.arange(m)
+        return target
+
+    def _shared(self, payload: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """A training step's ``payload`` (the last stage's) on every rank of the pipeline
+        (:class:`.outcome.StepOutcome`)."""
+        topology, group = self.processes.topology, self.processes.pp_group
+        assert topology is not None
+        if topology.pp == 1 or group is None:
+            assert payload is not None
+            return payload
+        if self._outcome is None:
+            src = dist.get_global_rank(group, topology.rank_of(topology.stages - 1))
+            self._outcome = StepOutcome(group, src, self.device)
+        mine = payload or {}
+        loss, logs = self._outcome.share(mine.get("loss"), mine.get("logs"))
+        return {"logs": logs, "loss": loss, "prediction": None}
 
     def _zeroed_after_this_step(self) -> List[nn.Parameter]:
         """The parameters whose ``.grad`` Lightning zeroes between this ``training_step`` and its
@@ -239,7 +277,8 @@ class PipelinedStep:
             return shape_inference_loss(output)
         output = run.last.boundaries.rebuild_output(run.last.stage_index, output)
         with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
-            returned = self.module.training_step(run.microbatches[int(target[0])], *run.rest, **run.kwargs)
+            i = int(target[0])
+            returned = self.module.training_step(run.microbatches[i], *run.rest, **run.kwargs)
         loss = step_loss(returned, run.hook)
         if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m
             rooted = not isinstance(self.sequential, nn.Sequential)  # a pipeline_of model's root
@@ -248,7 +287,7 @@ class PipelinedStep:
         if run.weights is None:
             run.losses.append(loss.detach().float())
             return loss * run.scale
-        weight = run.weights.weights[int(target[0])] * run.microbatches.count  # losses.mean() below
+        weight = run.weights.weights[i] * run.microbatches.count  # losses.mean() below
         run.losses.append(weigh(loss.detach().float(), weight))
         return weigh(loss, weight * run.scale)
 

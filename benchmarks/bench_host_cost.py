@@ -1,0 +1,312 @@
+"""Host cost of the distributed engine against a hand-written ``torch.distributed.pipelining`` script.
+
+The dispatch-bound proxy: ``depth`` x ``Linear(width, width)``, 2 gloo processes of one torch
+thread, 2 stages of equal halves, 1F1B over ``chunks`` micro-batches, AdamW, MSE loss. Its kernels
+are so small that a step's time is mostly Python and dispatch, so any per-step or per-micro-batch
+work of the engine shows in full (as on a GPU whose kernels outrun the host).
+
+- ``raw``: what a user would write by hand: ``PipelineStage`` + ``Schedule1F1B`` on each rank's
+  half, ``zero_grad``, ``schedule.step``, ``optimizer.step``, batches from the same ``DataLoader``.
+- ``pipeckpt``: the same module, data and optimizer through a Lightning ``Trainer`` with
+  ``PipelineStrategy(engine="distributed")``. Its losses are asserted equal to the raw script's to
+  the bit, every step, and so are both ranks' weights after the run.
+
+Measuring: process CPU time (``time.process_time``: every thread of the process, gloo's included)
+and wall time per optimizer step after warm-up, on each rank; a step's CPU is the *sum over both
+ranks* (the host work one step costs), its wall time the slower rank's. Rounds are interleaved
+(raw, pipeckpt; then pipeckpt, raw; ...); a ratio is taken within each round, the median reported.
+The schedule's own part is timed too: the engine's ``run`` + ``take_step_gradients`` against the raw
+``schedule.step``; the rest of a pipeckpt step is Lightning's loop and the optimizer.
+
+Commands::
+
+    python benchmarks/bench_host_cost.py --rounds 9 --out /tmp/host_cost.md   # ~1.5 min, idle 2 cores
+    python benchmarks/bench_host_cost.py --quick --out /tmp/host_cost.md      # seconds: checks the harness
+"""
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness.machine import machine
+from harness.ranks import ranks_arguments, run_ranks
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.utils.data import DataLoader, TensorDataset
+
+from pipeckpt import PipelineStrategy
+
+METHODS = ("raw", "pipeckpt")
+
+
+class Proxy(L.LightningModule):
+    """``depth`` x ``Linear(width, width)``, MSE against a target, AdamW."""
+
+    def __init__(self, depth: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.layers
+
+    def training_step(self, batch: Tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader(spec: Dict[str, Any], steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    batch, width = spec["batch"], spec["width"]
+    x = torch.randn(batch * steps, width, generator=g)
+    y = torch.randn(batch * steps, width, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+class Clock:
+    """CPU and wall time at the start of every step, and the CPU spent inside the schedule's part."""
+
+    def __init__(self) -> None:
+        self.cpu: List[float] = []
+        self.wall: List[float] = []
+        self.inner = 0.0
+
+    def tick(self) -> None:
+        self.cpu.append(time.process_time())
+        self.wall.append(time.perf_counter())
+
+    def timed(self, fn: Callable[..., Any], warmup: int, timed: int) -> Callable[..., Any]:
+        """``fn``, its CPU time added to ``inner`` during the timed steps."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not warmup < len(self.cpu) <= warmup + timed:
+                return fn(*args, **kwargs)
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inner += time.process_time() - start
+
+        return run
+
+    def per_step(self, warmup: int, timed: int) -> Dict[str, float]:
+        return {
+            "cpu": (self.cpu[warmup + timed] - self.cpu[warmup]) / timed,
+            "wall": (self.wall[warmup + timed] - self.wall[warmup]) / timed,
+            "inner": self.inner / timed,
+        }
+
+
+def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
+    """The hand-written script: per-step times, the mean loss of each step (last rank) and the weights."""
+    warmup, timed, m = spec["warmup"], spec["timed"], spec["chunks"]
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = Proxy(spec["depth"], spec["width"]).layers
+    half = len(layers) // 2
+    part = layers[:half] if rank == 0 else layers[half:]
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
+    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
+    clock, losses = Clock(), []
+    step = clock.timed(schedule.step, warmup, timed)
+    for x, y in loader(spec, warmup + timed + 1):
+        clock.tick()
+        optimizer.zero_grad()
+        if rank == 0:
+            step(x)
+        else:
+            out: List[Tensor] = []
+            step(target=y, losses=out)
+            losses.append(torch.stack([loss.detach() * m for loss in out]).mean().item())
+        optimizer.step()
+    clock.tick()
+    return clock.per_step(warmup, timed), losses, [p.detach().clone() for p in part.parameters()]
+
+
+class _Measure(Callback):
+    def __init__(self, clock: Clock, warmup: int, timed: int) -> None:
+        self.clock, self.warmup, self.timed = clock, warmup, timed
+        self.losses: List[float] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        engine.run = self.clock.timed(engine.run, self.warmup, self.timed)
+        engine.take_step_gradients = self.clock.timed(engine.take_step_gradients, self.warmup, self.timed)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.clock.tick()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        self.losses.append(outputs["loss"].item())
+
+    def on_train_end(self, *args: Any) -> None:
+        self.clock.tick()
+
+
+def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
+    """The same work through a Trainer and the distributed engine."""
+    warmup, timed = spec["warmup"], spec["timed"]
+    clock = Clock()
+    measure = _Measure(clock, warmup, timed)
+    torch.manual_seed(0)
+    module = Proxy(spec["depth"], spec["width"])
+    half = spec["depth"] // 2
+    strategy = PipelineStrategy(
+        engine="distributed", balance=[half, half], chunks=spec["chunks"], schedule="1f1b", checkpoint="never"
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=warmup + timed + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[measure],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, loader(spec, warmup + timed + 1))
+    layers = module.layers
+    part = layers[:half] if dist.get_rank() == 0 else layers[half:]
+    return clock.per_step(warmup, timed), measure.losses, [p.detach().clone() for p in part.parameters()]
+
+
+def worker(spec_path: str) -> None:
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    rows = []
+    for r in range(spec["rounds"]):
+        order = METHODS if r % 2 == 0 else METHODS[::-1]
+        ran: Dict[str, Tuple[Dict[str, float], List[float], List[Tensor]]] = {}
+        for method in order:
+            dist.barrier()
+            ran[method] = (raw if method == "raw" else pipeckpt)(spec)
+        if dist.get_rank() == 1:  # the last stage holds the raw script's losses
+            assert ran["raw"][1] == ran["pipeckpt"][1], (ran["raw"][1], ran["pipeckpt"][1])
+        for a, b in zip(ran["raw"][2], ran["pipeckpt"][2], strict=True):
+            assert torch.equal(a, b), "pipeckpt's weights differ from the raw script's"
+        for method in METHODS:
+            rows.append({"round": r, "method": method, "rank": dist.get_rank(), **ran[method][0]})
+    with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def per_round(rows: List[Dict[str, Any]], rounds: int) -> List[Dict[str, Dict[str, float]]]:
+    """Each round's step of each method: CPU and inner CPU summed over ranks, wall time the slower rank's."""
+    out = []
+    for r in range(rounds):
+        by_method = {}
+        for method in METHODS:
+            mine = [row for row in rows if row["round"] == r and row["method"] == method]
+            by_method[method] = {
+                "cpu": sum(row["cpu"] for row in mine),
+                "inner": sum(row["inner"] for row in mine),
+                "wall": max(row["wall"] for row in mine),
+                **{f"cpu{row['rank']}": row["cpu"] for row in mine},
+            }
+        out.append(by_method)
+    return out
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def report(
+    spec: Dict[str, Any], rounds: List[Dict[str, Dict[str, float]]], loads: List[str], elapsed: float
+) -> str:
+    med = statistics.median
+
+    def ratio(key: str, den: str = "raw") -> float:
+        return med([r["pipeckpt"][key] / r[den][key] for r in rounds])
+
+    def ms(method: str, key: str) -> float:
+        return med([r[method][key] for r in rounds]) * 1e3
+
+    def row(name: str, key: str) -> str:
+        return f"| {name} | {ms('raw', key):.2f} | {ms('pipeckpt', key):.2f} | {ratio(key):.3f} |"
+
+    def rest(method: str) -> float:
+        return ms(method, "cpu") - ms(method, "inner")
+
+    outside = [
+        (r["pipeckpt"]["cpu"] - r["pipeckpt"]["inner"]) / (r["raw"]["cpu"] - r["raw"]["inner"])
+        for r in rounds
+    ]
+    lines = [
+        "## Host cost: the distributed engine against a hand-written pipelining script "
+        "(`benchmarks/bench_host_cost.py`)",
+        "",
+        f"Machine: {machine()}. Load average (1/5/15 min) before and after the run: {loads[0]}; "
+        f"{loads[1]} (the machine is shared). Wall time of the run: {elapsed / 60:.1f} min.",
+        f"Model: {spec['depth']} x `Linear({spec['width']}, {spec['width']})`, batch {spec['batch']}, "
+        f"2 gloo processes of one torch thread, 2 stages of {spec['depth'] // 2}, 1F1B over "
+        f"{spec['chunks']} micro-batches, AdamW, no activation checkpointing. Losses of every step "
+        "and both ranks' final weights asserted equal to the bit. Per step after "
+        f"{spec['warmup']} warm-up steps, mean of {spec['timed']} steps; {len(rounds)} interleaved "
+        "rounds, medians of per-round ratios. CPU: process CPU time summed over both ranks; wall: "
+        f"the slower rank's. Command: `python benchmarks/bench_host_cost.py"
+        f"{' --quick' if spec['quick'] else ''} --rounds {len(rounds)}`.",
+        "",
+        "| part of a step | raw CPU ms | pipeckpt CPU ms | pipeckpt / raw |",
+        "|---|---|---|---|",
+        row("whole step (target <= 1.05)", "cpu"),
+        row("schedule: `schedule.step` / the engine's `run` + `take_step_gradients`", "inner"),
+        f"| the rest: loop, data, optimizer (pipeckpt: Lightning's loop) | {rest('raw'):.2f} | "
+        f"{rest('pipeckpt'):.2f} | {med(outside):.3f} |",
+        row("rank 0 (first stage), whole step", "cpu0"),
+        row("rank 1 (last stage), whole step", "cpu1"),
+        row("wall time per step", "wall"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = ranks_arguments(__doc__.splitlines()[0], out="/tmp/host_cost.md", rounds=9, batch=64)
+    parser.add_argument("--depth", type=int, default=32)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.set_defaults(warmup=5, timed=30)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    if args.quick:
+        args.depth, args.width, args.batch, args.warmup, args.timed, args.rounds = 4, 16, 8, 1, 2, 1
+    spec = {
+        k: getattr(args, k)
+        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick")
+    }
+    began, loads = time.time(), [load_average()]
+    rows = run_ranks(__file__, 2, spec, timeout=args.timeout)
+    loads.append(load_average())
+    text = report(spec, per_round(rows, args.rounds), loads, time.time() - began)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""A training step's outcome (its loss and reduced ``self.log`` records), from the last stage to
+every rank of the pipeline, as one small tensor broadcast.
+
+Why not ``broadcast_object_list`` every step: it pickles, and sends twice (the size, then the bytes),
+on a path every step of every rank waits on. The records' names and options rarely change between
+steps, so they are sent as objects only when they do; otherwise one float64 tensor carries the loss
+and the records' values (float32, exact in float64).
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__: List[str] = []
+
+Record = Tuple[str, Tensor, Dict[str, Any]]
+
+
+def _same(a: List[Tuple[str, Dict[str, Any]]], b: List[Tuple[str, Dict[str, Any]]]) -> bool:
+    try:
+        return a == b
+    except Exception:  # an option whose == is not a bool: send the records as objects
+        return False
+
+
+def _float32_scalars(records: List[Record]) -> bool:
+    return all(v.dtype == torch.float32 and v.dim() == 0 for _, v, _ in records)
+
+
+class StepOutcome:
+    """Sends the last stage's training outcome to the other ranks of one pipeline.
+
+    Args:
+        group: the pipeline's process group.
+        src: the global rank of the pipeline's last stage.
+        device: this rank's device (a tensor broadcast over NCCL needs one on the GPU).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
+        self.group, self.src = group, src
+        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
+
+    def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
+        """The loss and the records, given on the last stage (None elsewhere), on every rank."""
+        n = len(self._known)
+        if loss is not None and records is not None:
+            shape = [(name, options) for name, _, options in records]
+            known = len(records) == n and _same(shape, self._known) and _float32_scalars(records)
+            values = [v.item() for _, v, _ in records] if known else [0.0] * n
+            sent = [float(not known), loss.item(), *values]
+            header = torch.tensor(sent, dtype=torch.float64, device=self.device)
+            dist.broadcast(header, src=self.src, group=self.group)
+            if not known:
+                self._objects(records)
+            return loss, records
+        header = torch.empty(2 + n, dtype=torch.float64, device=self.device)
+        dist.broadcast(header, src=self.src, group=self.group)
+        new, value, *values = header.tolist()
+        shared = torch.tensor(value, dtype=torch.float32)
+        if new:
+            return shared, self._objects(None)
+        return shared, [
+            (k, torch.tensor(v, dtype=torch.float32), dict(o)) for (k, o), v in zip(self._known, values)
+        ]
+
+    def _objects(self, records: Optional[List[Record]]) -> List[Record]:
+        box: List[Any] = [records]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        received: List[Record] = box[0]
+        self._known = [(name, dict(options)) for name, _, options in received]
+        return received
