@@ -3,10 +3,11 @@
 Layer ``k`` runs micro-batch ``m`` of training call ``c`` with its device's generator seeded from
 ``(seed, c, m, k)``, and the caller's state is put back after it, so the masks are the same under every
 stage count, engine, schedule and mode, and a resume continues them (``seed`` and ``c`` travel in the
-checkpoint). Why not the current generator: its draws follow the schedule's order, which changes with
-the layout. Why not ``torch.random.fork_rng`` per layer: it saves every device's state, several times
-the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design and the alternatives weighed:
-docs/DESIGN.md, checkpointing/layer_rng.
+checkpoint). A ``pipeline_of`` model's own code after its ``n``-th layer call draws from ``(seed, c, m, n)``
+too (:class:`AfterLayers`). Why not the current generator: its draws follow the schedule's order, which
+changes with the layout. Why not ``torch.random.fork_rng`` per layer: it saves every device's state,
+several times the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design and the alternatives
+weighed: docs/DESIGN.md, checkpointing/layer_rng.
 """
 
 import functools
@@ -18,7 +19,7 @@ from torch import nn
 
 from pipeckpt._errors import config_error
 
-__all__ = ["LAYER_RNG", "LayerStreams", "check_layer_rng"]
+__all__ = ["LAYER_RNG", "NO_STREAMS", "AfterLayers", "LayerStreams", "check_layer_rng"]
 
 LAYER_RNG = ("auto", "all", "off")
 
@@ -34,6 +35,7 @@ def check_layer_rng(layer_rng: Any) -> None:
 
 
 _MASK = (1 << 64) - 1
+_AFTER = 0xAF7E2  # salts the model's code after a layer call apart from the layers' own streams
 
 
 def _mix(x: int) -> int:
@@ -66,6 +68,59 @@ class _Microbatch:
 
     def __exit__(self, *_: Any) -> None:
         self.current.key = self.previous
+
+
+def _generators(devices: Sequence[torch.device]) -> List[torch.Generator]:
+    """The default generators of the CPU and of each GPU in ``devices``, once each."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    gpus = sorted({torch.cuda.current_device() if d.index is None else d.index for d in cuda})
+    return [torch.default_generator, *(torch.cuda.default_generators[i] for i in gpus)]
+
+
+class AfterLayers:
+    """One micro-batch's pass of a ``pipeline_of`` model's own ``forward``: after its ``n``-th layer call
+    returns (:meth:`layer_returned`), the model's code draws from generators seeded from
+    ``(seed, c, m, n)``, the same on every device; the pass's end puts back the caller's states of
+    them as the first layer call found them. So those draws do not depend on which process runs the
+    pass or in what order the micro-batches run, and the caller's generator sees only the draws
+    made before the first layer, in micro-batch order under both engines."""
+
+    __slots__ = ("calls", "generators", "key", "saved")
+
+    def __init__(self, key: int, generators: Sequence[torch.Generator]) -> None:
+        self.key, self.generators = key, list(generators)
+        self.calls = 0
+        self.saved: Optional[List[torch.Tensor]] = None
+
+    def layer_returned(self) -> None:
+        if self.saved is None:
+            self.saved = [g.get_state() for g in self.generators]
+        self.calls += 1
+        seed = _mix(self.key ^ _mix(self.calls ^ _AFTER))
+        for generator in self.generators:
+            generator.manual_seed(seed)
+
+    def __enter__(self) -> "AfterLayers":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if self.saved is not None:
+            for generator, state in zip(self.generators, self.saved):
+                generator.set_state(state)
+            self.saved = None
+
+
+class _Unseeded(AfterLayers):
+    """The model's code draws from the caller's generators throughout (``off``, or outside training)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, [])
+
+    def layer_returned(self) -> None:
+        pass
+
+
+NO_STREAMS: AfterLayers = _Unseeded()
 
 
 class _Draws:
@@ -117,6 +172,11 @@ class LayerStreams:
     def microbatch(self, index: int) -> _Microbatch:
         """The context in which a stage runs micro-batch ``index`` of the current call."""
         return _Microbatch(self._current, _mix(self._call_key ^ index))
+
+    def after_layers(self, index: int, devices: Sequence[torch.device]) -> AfterLayers:
+        """The streams of a ``pipeline_of`` model's own code after each layer call during micro-batch
+        ``index``'s pass of its ``forward`` (seeding ``devices``' generators and the CPU's)."""
+        return AfterLayers(_mix(self._call_key ^ index), _generators(devices))
 
     def current(self) -> Optional[int]:
         """This thread's micro-batch key (for a recompute to restore it)."""

@@ -96,14 +96,8 @@ def test_each_model_trains_under_the_distributed_engine_like_the_unpipelined_mod
     assert relative_difference({k: state[k] for k in reference}, reference) < 1e-5
 
 
-# T5 draws dropout in its own code between the stages (the encoder's final dropout, the decoder's
-# embedding dropout): the local engine draws it in its clock order, interleaving micro-batches, and
-# the distributed engine's second process per micro-batch, so the masks differ (docs/DISTRIBUTED.md).
-BETWEEN_STAGES = pytest.mark.xfail(strict=True, reason="dropout in the model's code between stages")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=BETWEEN_STAGES) if n == "t5" else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)  # T5 draws dropout in its own code between its layers too
 def test_with_dropout_on_the_distributed_engine_draws_what_the_local_engine_draws(distributed, name):
     local = _trained(PipelineStrategy(**settings("never+selective")), name, dropout=DROPOUT)
     state = _state(distributed / f"{name}_dropout.ckpt")["state_dict"]

@@ -4,8 +4,9 @@ Why not cut ``forward`` into per-rank pieces: no process can pause Python code i
 rank runs the whole ``forward`` per micro-batch: a layer of an earlier stage returns what that stage
 sent, a layer of this stage runs under its mode, and the first call of a later stage's layer ends the
 pass and sends every layer output so far (knowing which ones are read would need a trace, which this
-design avoids). Random draws outside the layers, zero-bubble schedules, parameters outside the layers
-and data-parallel replicas: docs/DESIGN.md, engines/distributed/rooted.
+design avoids). Random draws outside the layers (before the first layer call: the caller's generator;
+after a layer call: ``layer_rng``'s :class:`AfterLayers`), zero-bubble schedules, parameters outside
+the layers and data-parallel replicas: docs/DESIGN.md, engines/distributed/rooted.
 """
 
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers
 from pipeckpt.engines.distributed.boundaries import announced
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
@@ -47,6 +49,7 @@ class _Pass:
     received: Produced
     produced: Produced = field(default_factory=list)
     taken: int = 0  # received outputs handed out so far
+    after: AfterLayers = NO_STREAMS  # the streams of the model's code after a layer call
 
 
 class _Generators:
@@ -102,6 +105,7 @@ class RootRouting:
             else:
                 out = own(*args, **kwargs)
             p.produced.append((index, out))
+            p.after.layer_returned()
             return out
 
         return routed
@@ -126,7 +130,8 @@ class RootRouting:
         stage, elsewhere the outputs of every layer call up to the next stage's first."""
         self._pass = p = _Pass(stage, live, microbatch, list(received))
         args, kwargs = call
-        generators = _Generators(self.stages[stage].device if stage in self.stages else None)
+        held = self.stages.get(stage)
+        generators = _Generators(held.device if held is not None else None)
         restore: Optional[Tuple[Tensor, Optional[Tensor]]] = None
         if not live:  # shape inference: no draw of it may shift the real passes' ones
             restore = generators.get()
@@ -139,8 +144,11 @@ class RootRouting:
             else:  # another stage of this rank runs this micro-batch again: the same draws
                 restore = generators.get()
                 generators.set(start)
+            if held is not None and held.streams is not None and self.root.training:
+                p.after = held.streams.after_layers(microbatch, [held.device])
         try:
-            out = self.root_forward(*args, **kwargs)
+            with p.after:
+                out = self.root_forward(*args, **kwargs)
         except _Handoff:
             return p.produced
         finally:

@@ -4,7 +4,9 @@ The module's ``forward`` runs unchanged once per micro-batch, and each call of a
 to its :class:`~pipeckpt.stages.stage.Stage`, which runs it on its device under its mode. Why depth
 first (micro-batch 0 through every stage, then 1, ...) and not GPipe's diagonals: the module's Python
 code between layers cannot be paused; on several GPUs asynchronous kernel launches still overlap the
-stages. Backward runs the last micro-batch first, as ``except_last`` assumes.
+stages. Backward runs the last micro-batch first, as ``except_last`` assumes. The model's code after
+a layer call draws from streams of the micro-batch (``layer_rng``'s :class:`AfterLayers`), as under
+the distributed engine, whose processes run the passes in another order.
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -16,7 +18,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.pytrees import to_device
 from pipeckpt.boundaries.scalars import loss_weights, shifts_labels
 from pipeckpt.boundaries.side_inputs import describe_call
-from pipeckpt.checkpointing.layer_rng import LayerStreams
+from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers, LayerStreams
 from pipeckpt.stages.caller import StepCasts, capture_caller_state, release_cast_cache
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage, mark_shared_parameters
@@ -47,6 +49,7 @@ class ModuleRunner:
         mark_shared_parameters(self.stages)
         self.several_devices = len(set(plan.devices)) > 1
         self._microbatch: Optional[int] = None  # inside a pipelined call: the micro-batch running
+        self._after: AfterLayers = NO_STREAMS  # the running micro-batch's streams after a layer call
         self._params: Dict[int, Tuple[nn.Parameter, ...]] = {}
         self.calls = 0
         self.streams: Optional[LayerStreams] = None  # per-layer random streams; set by the engine
@@ -71,7 +74,9 @@ class ModuleRunner:
             params = self._params.get(id(layer))
             if params is None:
                 params = self._params[id(layer)] = tuple(p for p in layer.parameters() if p.requires_grad)
-            return stage.call_layer(own, params, i, args, kwargs)
+            out = stage.call_layer(own, params, i, args, kwargs)
+            self._after.layer_returned()
+            return out
 
         return routed
 
@@ -79,8 +84,9 @@ class ModuleRunner:
         """The module's forward over the micro-batches of one mini-batch, joined back."""
         self.calls += 1
         release_cast_cache()
-        if self.streams is not None and self.spec.root.training:
-            self.streams.next_call()
+        streams = self.streams if self.spec.root.training else None  # None: the caller's generators
+        if streams is not None:
+            streams.next_call()
         call = describe_call(f"self.{self.name}", args, kwargs)
         device = self.plan.devices[-1] if self.several_devices else None
         pieces = scatter(args, kwargs, self.chunks, call=call, device=device)
@@ -95,9 +101,11 @@ class ModuleRunner:
         try:
             for i, (a, k) in enumerate(pieces):
                 self._microbatch = i
-                outputs.append(self._root_forward(*a, **k))
+                self._after = NO_STREAMS if streams is None else streams.after_layers(i, self.plan.devices)
+                with self._after:
+                    outputs.append(self._root_forward(*a, **k))
         finally:
-            self._microbatch = None
+            self._microbatch, self._after = None, NO_STREAMS
         return gather(outputs, call=call, weights=lambda: loss_weights(pieces, shift=self._shift))
 
     def restore(self) -> None:
