@@ -2,11 +2,12 @@
 every rank, requeues, resumes from it, and the run ends bitwise equal to an uninterrupted one.
 
 One job per engine is requeued once per trial (8 trials in all, each moment at least once per
-engine): the distributed engine on 2 nodes x 1 task, the local engine (2 stages in one process) on 1 node. Each trial's moment (forward, backward,
-optimizer step, ModelCheckpoint's save), its rank (0, 1 or every rank) and how many steps after the
-resume it comes are drawn from a fixed seed; one trial per job is delivered by `scancel --signal=USR1`
-(to every task, a moment later) instead of by the rank to itself. The uninterrupted references run
-at the same time as ordinary processes (no SLURM) with the same layout.
+engine): the distributed engine on 2 nodes x 1 task, the local engine (2 stages in one process) on 1
+node. Each trial's moment (forward, backward, optimizer step, ModelCheckpoint's save), its rank (0,
+1 or every rank) and how many steps after the resume it comes are drawn from a fixed seed; one trial
+per job is delivered by `scancel --signal=USR1` (to every task, a moment later) instead of by the
+rank to itself. The uninterrupted references run at the same time as ordinary processes (no SLURM)
+with the same layout.
 """
 
 from __future__ import annotations
