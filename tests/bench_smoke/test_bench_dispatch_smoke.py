@@ -1,13 +1,10 @@
 """The dispatch-proxy and GPU benchmarks run end to end (harness only; no figure is asserted)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmarks import run_benchmark
 
 RATIOS = [
     "never, 1 chunk / plain",
@@ -17,16 +14,7 @@ RATIOS = [
 ]
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+run = run_benchmark
 
 
 def test_quick_dispatch_run_writes_every_ratio_with_a_number(tmp_path: Path) -> None:

@@ -8,16 +8,11 @@ step's gradients is alive while the schedule runs.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+from support.benchmarks import ROOT, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_distributed_memory.py"
 CHUNKS = 4  # the benchmark's micro-batches per step
 
 
@@ -25,27 +20,19 @@ CHUNKS = 4  # the benchmark's micro-batches per step
 def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     out = tmp_path_factory.mktemp("distmem")
     figures = out / "figures.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--models",
-            "gpt",
-            "--schedules",
-            "gpipe",
-            "--modes",
-            "never,always",
-            "--json",
-            str(figures),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    done = run_benchmark(
+        "bench_distributed_memory.py",
+        "--models",
+        "gpt",
+        "--schedules",
+        "gpipe",
+        "--modes",
+        "never,always",
+        "--json",
+        str(figures),
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         timeout=300,  # the benchmark kills its two processes itself at its own timeout
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {"rows": json.loads(figures.read_text()), "text": done.stdout}
 
 

@@ -1,26 +1,15 @@
 """The frontier benchmark runs end to end on a subset (harness only; no figure is asserted)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmarks import ROOT, run_benchmark
 
 
 def test_a_quick_subset_writes_each_peer_with_both_auto_picks_and_the_png(tmp_path: Path) -> None:
     out = tmp_path / "frontier.md"
     args = ["--quick", "--rounds", "1", "--repeat", "1", "--profile-rounds", "1", "--out", str(out)]
     subset = ["--only", "per-block,ckpt-seq-4,always-c1"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_frontier.py"), *args, *subset],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("bench_frontier.py", *args, *subset, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     for peer in ("`torch.utils.checkpoint` per block", "`checkpoint_sequential`, 4 segments"):
         (row,) = [r for r in rows if r.startswith(f"| {peer}")]

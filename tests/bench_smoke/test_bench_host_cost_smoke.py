@@ -1,13 +1,10 @@
 """The host-cost benchmark runs end to end (a tiny model, two rounds; its workers assert pipeckpt's
 losses and weights equal to the raw script's to the bit); no figure is asserted."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmarks import run_benchmark
 
 ROWS = ("whole step", "schedule:", "the rest:", "rank 0", "rank 1", "wall time per step")
 
@@ -15,14 +12,7 @@ ROWS = ("whole step", "schedule:", "the rest:", "rank 0", "rank 1", "wall time p
 @pytest.mark.slow
 def test_quick_run_matches_the_raw_script_and_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "host_cost.md"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_host_cost.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("bench_host_cost.py", "--quick", "--out", str(out))
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     for name in ROWS:
         (row,) = [r for r in rows if r.startswith(f"| {name}")]

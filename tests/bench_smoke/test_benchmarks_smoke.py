@@ -3,12 +3,9 @@
 Only the harness is checked here (a tiny model, one round); no figure is asserted.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_checkpoint.py"
+from support.benchmarks import run_benchmark
 
 METHODS = [
     "plain, no checkpointing",
@@ -39,14 +36,7 @@ def first_table(text: str) -> list:
 
 def test_quick_run_writes_a_row_per_method(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("bench_checkpoint.py", "--quick", "--out", str(out))
     rows = first_table(out.read_text())
     for method in METHODS:
         matching = [r for r in rows if method in r]
