@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness.machine import machine
 from harness.ranks import ranks_arguments, run_ranks
+from harness.trainers import QUIET_CPU
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
@@ -161,18 +162,11 @@ def train(
     torch.manual_seed(0)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[measure],
-        use_distributed_sampler=False,
+        **QUIET_CPU,
     )
     data = loader(
         batch=batch,

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from harness.machine import machine
 from harness.ranks import run_ranks
 from harness.stage_memory import StageTracker
+from harness.trainers import QUIET_CPU
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -208,17 +209,10 @@ def train_one(name: str, schedule: str, mode: str) -> Dict[str, Any]:
     windows = StepWindows(measured=1)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=RANKS,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[windows],
-        use_distributed_sampler=False,
+        **QUIET_CPU,
     )
     x, y = data(name, 2)
     trainer.fit(build(name), DataLoader(TensorDataset(x, y), batch_size=MODELS[name]["batch"]))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness.machine import machine
 from harness.ranks import ranks_arguments, run_ranks
+from harness.trainers import QUIET_CPU
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -168,17 +169,10 @@ def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[
     )
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=2,
         max_steps=warmup + timed + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[measure],
-        use_distributed_sampler=False,
+        **QUIET_CPU,
     )
     trainer.fit(module, loader(spec, warmup + timed + 1))
     layers = module.layers
