@@ -10,7 +10,7 @@ in docs/DESIGN.md, memory/auto; tests/memory/test_auto.py checks it against brut
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from pipeckpt.checkpointing.modes import (
     parse_modes,
 )
 from pipeckpt.checkpointing.order import kept as kept_microbatches
-from pipeckpt.memory.predict import Prediction, predict, with_balance
+from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order
 from pipeckpt.memory.stage_model import _StageModel
@@ -92,6 +92,7 @@ def choose(
     balances: Optional[Sequence[Sequence[int]]] = None,
     accumulating: bool = False,
     shared_device: bool = False,
+    stale_grads: bool = False,
 ) -> Choice:
     """The per-stage modes (and chunks and balance among the candidates) with the least predicted
     step time whose every stage's predicted peak is at most ``budget_bytes``.
@@ -127,11 +128,25 @@ def choose(
             schedule=schedule,
             accumulating=accumulating,
             shared_device=shared_device,
+            stale_grads=stale_grads,
         )
         for b in balance_options:
             per_mode = {m.name: predicted(with_balance_modes(b, m)) for m in ranked}
             if shared_device:
-                found, lowest = _search_shared(by_chunks[c], b, c, ranked, per_mode, budget_bytes)
+                whole_of = None
+                if by_chunks[c].outside is not None:
+                    whole_of = functools.partial(
+                        _depth_first_peak,
+                        by_chunks[c],
+                        b,
+                        chunks=c,
+                        optimizer=optimizer,
+                        accumulating=accumulating,
+                        stale_grads=stale_grads,
+                    )
+                found, lowest = _search_shared(
+                    by_chunks[c], b, c, ranked, per_mode, budget_bytes, stale_grads, whole_of
+                )
                 if smallest is None or lowest[0] < smallest[0]:
                     smallest = (lowest[0], lowest[1], c, b)
                 if found is not None:
@@ -180,15 +195,42 @@ def process_peak(
     chunks: int,
     optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
     accumulating: bool = False,
+    stale_grads: bool = False,
 ) -> int:
     """The whole process's predicted peak bytes when every stage of ``plan`` runs on one device
     under the local engine (module docstring): parameters, optimizer state, gradients, activations
     and working memory of all stages together at the worst moment."""
     prediction = predict(
-        profile, plan, chunks=chunks, optimizer=optimizer, accumulating=accumulating, shared_device=True
+        profile,
+        plan,
+        chunks=chunks,
+        optimizer=optimizer,
+        accumulating=accumulating,
+        shared_device=True,
+        stale_grads=stale_grads,
     )
+    if profile.outside is not None:  # a pipeline_of model: walked as it runs, depth first
+        return predict_depth_first(
+            profile, plan, chunks=chunks, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
+        ).peak
     held = _held_per_step(profile, plan.balance, plan.modes, chunks)
-    return _compose(list(prediction.stages), held, chunks)
+    return _compose(list(prediction.stages), held, chunks, stale_grads)
+
+
+def _depth_first_peak(
+    profile: ModelProfile,
+    balance: Sequence[int],
+    modes: Sequence[CheckpointMode],
+    *,
+    chunks: int,
+    optimizer: Union[str, torch.optim.Optimizer, type],
+    accumulating: bool,
+    stale_grads: bool,
+) -> int:
+    plan = with_balance(_cpu_plan(balance), balance, modes)
+    return predict_depth_first(
+        profile, plan, chunks=chunks, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
+    ).peak
 
 
 def _held_per_step(
@@ -205,20 +247,25 @@ def _held_per_step(
         for i in range(chunks):
             recompute = mode.recomputes(i, chunks, keep=keep)
             total += model.kept(mode, recompute, function=recompute or chunks > 1)
+        if j == len(balance) - 1 and profile.outside is not None:  # a pipeline_of model's head
+            total += chunks * profile.outside.held
         out.append(total)
         start += n
     return out
 
 
-def _compose(stages: Sequence[StageMemory], held: Sequence[int], chunks: int) -> int:
+def _compose(stages: Sequence[StageMemory], held: Sequence[int], chunks: int, stale_grads: bool = False) -> int:
     """The process peak from per-stage peaks: while stage j peaks (in its backward), the stages
     before it hold all they kept, those after it their gradients and the micro-batches their drain
-    has not reached (stage j + d is about d micro-batches ahead of stage j)."""
+    has not reached (stage j + d is about d micro-batches ahead of stage j). ``stale_grads``: a
+    peak in the forward also has the gradients of the stages before it from the step before."""
     static = sum(s.params + s.optimizer for s in stages)
     worst = 0
     for j, s in enumerate(stages):
         own = s.peak - s.params - s.optimizer
         before = sum(held[:j])
+        if stale_grads and (s.peak_at.startswith("F") or s.peak_at == "gather"):
+            before += sum(stages[k].params for k in range(j))
         after = sum(
             stages[k].params + held[k] * max(0, chunks - 1 - (k - j)) // chunks
             for k in range(j + 1, len(stages))
@@ -234,9 +281,13 @@ def _search_shared(
     ranked: Sequence[CheckpointMode],
     per_mode: Mapping[str, Prediction],
     budget_bytes: int,
+    stale_grads: bool = False,
+    whole_of: Optional[Callable[[Sequence[CheckpointMode]], int]] = None,
 ) -> Tuple[Optional[Tuple[Tuple[CheckpointMode, ...], int]], Tuple[int, StageMemory]]:
     """Every combination of per-stage modes on one device, scored from per-stage terms: the fastest
-    whose process peak fits (None if none does), and the least process peak with its deciding stage."""
+    whose process peak fits (None if none does), and the least process peak with its deciding stage.
+    ``whole_of``: the process peak of a combination, where the per-stage terms do not compose to it
+    (a ``pipeline_of`` model, walked depth first)."""
     stages = len(balance)
     held = {m.name: _held_per_step(profile, balance, (m,) * stages, chunks) for m in ranked}
 
@@ -258,7 +309,10 @@ def _search_shared(
     least: Optional[Tuple[int, StageMemory]] = None
     for picked in _combinations(options):
         memories = [per_mode[m.name].stages[j] for j, m in enumerate(picked)]
-        whole = _compose(memories, [held[m.name][j] for j, m in enumerate(picked)], chunks)
+        if whole_of is not None:
+            whole = whole_of(picked)
+        else:
+            whole = _compose(memories, [held[m.name][j] for j, m in enumerate(picked)], chunks, stale_grads)
         if least is None or whole < least[0]:
             least = (whole, max(memories, key=lambda s: s.peak - s.params - s.optimizer))
         if whole > budget_bytes:

@@ -128,13 +128,15 @@ def resolve_auto(
     accumulating: bool = False,
     profiles: Optional[Mapping[int, ModelProfile]] = None,
     optimizer: Union[str, torch.optim.Optimizer, None] = None,
+    stale_grads: bool = False,
 ) -> AutoPlan:
     """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
     ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
     of the pipeline's input (the whole batch; it is cut into micro-batches here): for a
     ``pipeline_of`` model the arguments of its ``forward`` (:class:`~pipeckpt.memory.rooted.RootInput`).
     ``optimizer``: whose state to count (a name or the optimizer) unless ``settings.memory_optimizer``
-    names one; Adam's when neither does.
+    names one; Adam's when neither does. ``stale_grads``: the previous step's gradients live until
+    the backward starts, as under a Trainer (local engine).
 
     ``profiles``: the profile of one micro-batch for each candidate chunk count, to choose from
     instead of profiling (the same profiles give the same choice; :attr:`AutoPlan.profiles`
@@ -182,6 +184,8 @@ def resolve_auto(
             balances=balances,
             accumulating=accumulating,
             shared_device=engine.shares_device(base),
+            # Only the local engine's step keeps the Trainer's order (zero_grad after the forward).
+            stale_grads=stale_grads and schedule == "local",
         )
     chosen = replace(
         settings,
@@ -211,6 +215,8 @@ def resolve_for(
         loss_fn=loss_fn,
         accumulating=trainer.accumulate_grad_batches > 1,
         optimizer=None if settings.memory_optimizer else fitted_optimizer(module),
+        # Lightning zeroes the gradients after training_step: the last step's live through its forward.
+        stale_grads=bool(getattr(module, "automatic_optimization", True)),
     )
 
 

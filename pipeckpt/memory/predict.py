@@ -21,7 +21,7 @@ from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import StageMemory, _op_times, _Peak, _predict_stage, _StageWalk
 from pipeckpt.stages.partition import StagePlan
 
-__all__ = ["Prediction", "DeviceMemory", "predict", "predict_device", "with_balance"]
+__all__ = ["Prediction", "DeviceMemory", "predict", "predict_device", "predict_depth_first", "with_balance"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ def predict(
     schedule: str = "local",
     accumulating: bool = False,
     shared_device: bool = False,
+    stale_grads: bool = False,
 ) -> Prediction:
     """Per-stage memory and step time of ``plan`` with ``chunks`` micro-batches of the profiled
     size: each stage walks its op order (:mod:`pipeckpt.memory.walk`).
@@ -74,6 +75,8 @@ def predict(
             accumulation), so they count from the first op.
         shared_device: every stage runs on one device (the local engine on CPU), so the step time
             is the sum of the stages' times.
+        stale_grads: the previous step's gradients stay until the first backward starts (a
+            Trainer zeroes them after ``training_step``), so they count through the forwards.
     """
     _check_balance(profile, plan)
     stages = plan.stages
@@ -94,6 +97,7 @@ def predict(
                 optimizer=optimizer,
                 accumulating=accumulating,
                 sends=sends_held(schedule, order[j], stages=stages, stage=j),
+                stale_grads=stale_grads,
             )
         )
         times.append(_op_times(model, mode, chunks, keep))
@@ -162,6 +166,68 @@ def predict_device(
         stages=stages,
         params=sum(st.params for st in stages),
         optimizer=sum(st.optimizer for st in stages),
+        peak=device.value,
+        peak_at=device.at,
+    )
+
+
+def predict_depth_first(
+    profile: ModelProfile,
+    plan: StagePlan,
+    *,
+    chunks: int,
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
+    accumulating: bool = False,
+    stale_grads: bool = False,
+) -> DeviceMemory:
+    """The one device's peak of a ``pipeline_of`` model under the local engine, every stage on it:
+    its ``forward`` runs once per micro-batch (engines/local/module.py), so micro-batch ``i`` goes
+    through every stage before ``i + 1`` starts, and backward runs micro-batch by micro-batch from
+    the last, each from the last stage to the first. While one stage runs an op, the others hold
+    what they hold between ops. Arguments as :func:`predict`'s.
+
+    Args:
+        profile: one micro-batch of the model (:func:`~pipeckpt.memory.profile.profile`).
+        plan: the balance and a checkpoint mode per stage.
+        chunks: micro-batches per step.
+        optimizer: whose state to count.
+        accumulating: ``.grad`` already holds gradients when the step starts.
+        stale_grads: the previous step's gradients stay until the first backward starts.
+    """
+    _check_balance(profile, plan)
+    stages = plan.stages
+    order, _ = op_order("local", stages=stages, microbatches=chunks)
+    walks = []
+    for j, ((start, stop), mode) in enumerate(zip(plan.ranges, plan.modes)):
+        model = _StageModel(profile, start, stop, first=j == 0, last=j == stages - 1, local=True)
+        keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
+        walks.append(
+            _StageWalk(
+                model,
+                j,
+                mode,
+                chunks=chunks,
+                keep=keep,
+                optimizer=optimizer,
+                accumulating=accumulating,
+                stale_grads=stale_grads,
+            )
+        )
+    forwards = [(j, "F", i) for i in range(chunks) for j in range(stages)]
+    backwards = [(j, "B", i) for i in reversed(range(chunks)) for j in reversed(range(stages))]
+    device = _Peak()
+    for n, (j, kind, i) in enumerate([*forwards, *backwards]):
+        if n == len(forwards):  # the Trainer zeroes every stage's gradients before backward starts
+            for w in walks:
+                w.grads_done = w.grads_done and not w.stale
+                w.stale = False
+        around = sum(w.resting() for k, w in enumerate(walks) if k != j)
+        walks[j].run(kind, i, device=device, around=around)
+    results = tuple(w.result() for w in walks)
+    return DeviceMemory(
+        stages=results,
+        params=sum(st.params for st in results),
+        optimizer=sum(st.optimizer for st in results),
         peak=device.value,
         peak_at=device.at,
     )

@@ -27,7 +27,8 @@ from pipeckpt._compat import (
 )
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.memory.rooted import RootInput, outside_parameters, root_chain
+from pipeckpt.memory.outside import OutsideMemory
+from pipeckpt.memory.rooted import RootInput, measure_outside, outside_parameters, root_chain
 from pipeckpt.memory.timing import _flop_pass, _selective_pass, _timing_pass
 from pipeckpt.stages.gradients import gradients_set_aside
 
@@ -76,6 +77,8 @@ class ModelProfile:
     batch_inputs: Tuple[int, ...]  # the micro-batch's own storages (the data's, never counted)
     loss: Optional[LayerProfile] = None
     fake: bool = False
+    # A pipeline_of model: its code outside the layers (``loss`` above), as it runs per micro-batch.
+    outside: Optional[OutsideMemory] = None
 
     def bytes_of(self, ids: Set[int]) -> int:
         return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
@@ -306,6 +309,8 @@ def profile(
         with _state_kept(owner):
             records, batch_inputs = _memory_pass(layers, microbatch, loss, storages)
         with _state_kept(owner):
+            outside = measure_outside(loss) if loss is not None else None
+        with _state_kept(owner):
             if fake:
                 times = _flop_pass(layers, microbatch, loss, flops_per_s)
             else:
@@ -347,6 +352,7 @@ def profile(
         batch_inputs=batch_inputs if data is None else data,
         loss=profiles[len(layers)] if loss is not None else None,
         fake=fake,
+        outside=outside,
     )
 
 

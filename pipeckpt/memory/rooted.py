@@ -23,6 +23,7 @@ from pipeckpt.boundaries.microbatch import scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import describe_call
 from pipeckpt.checkpointing.kv_caches import without_kv_caches
+from pipeckpt.memory.outside import OutsideMemory, outside_memory
 
 __all__ = ["RootInput", "RootChain", "root_chain", "root_microbatch"]
 
@@ -226,3 +227,11 @@ def root_chain(spec: ModulePipeline, call: RootInput) -> RootChain:
 def outside_parameters(module: nn.Module) -> Optional[List[nn.Parameter]]:
     """The parameters of the model outside its layers, for the chain's last link (None for others)."""
     return module.own_parameters() if isinstance(module, _Outside) else None
+
+
+def measure_outside(module: nn.Module) -> Optional[OutsideMemory]:
+    """The chain's last link's code, measured as it runs per micro-batch (memory/outside.py); None
+    for a module that is not one."""
+    if not isinstance(module, _Outside):
+        return None
+    return outside_memory(module.spec, module.call, module.calls)

@@ -98,12 +98,16 @@ def _predict_stage(
     optimizer: Union[str, torch.optim.Optimizer, type],
     accumulating: bool,
     sends: Optional[Sequence[Tuple[int, int]]] = None,
+    stale_grads: bool = False,
 ) -> StageMemory:
     """Walks the stage through its ops, keeping the largest total seen. ``keep``: the micro-batches
     ``except_last`` keeps under this schedule (``checkpointing.order.kept`` of the stage's order);
     ``sends``: per op, the outputs and input gradients sends still hold
-    (:func:`~pipeckpt.memory.schedule.sends_held`)."""
-    walk = _StageWalk(s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating)
+    (:func:`~pipeckpt.memory.schedule.sends_held`); ``stale_grads``: the previous step's gradients
+    stay until the first backward (Lightning zeroes them after ``training_step``)."""
+    walk = _StageWalk(
+        s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
+    )
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
     return walk.result()
@@ -124,13 +128,21 @@ class _StageWalk:
         keep: AbstractSet[int],
         optimizer: Union[str, torch.optim.Optimizer, type],
         accumulating: bool,
+        stale_grads: bool = False,
     ) -> None:
         self.s, self.j, self.mode, self.m, self.keep = s, j, mode, chunks, keep
         m, local = chunks, s.local
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
         self.static = s.param_bytes + self.opt
-        self.loss = s.profile.loss if s.last else None
+        # A pipeline_of model on the local engine runs its code outside the layers per micro-batch
+        # (engines/local/module.py): the head after the last stage's forward and before its backward,
+        # the embeddings' backward after the first stage's; its micro-batches run depth first.
+        outside = s.profile.outside if local else None
+        self.rooted = outside is not None
+        self.outside = outside if s.last else None
+        self.embeddings = outside.before_backward if outside is not None and s.first else 0
+        self.loss = s.profile.loss if s.last and not self.rooted else None
         self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
         # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
         # activations (not on the first stage) and gradients (not on the last), and each
@@ -150,10 +162,11 @@ class _StageWalk:
         # recv), a view of the gathered batch's (local, last stage: the tail, freed with the last
         # micro-batch's view); else a copy of its own. It stays held while the stage's last
         # segment runs backward; an earlier segment holds the gradient the segment after it made.
-        self.stage_incoming = 0 if s.last == local else s.output_bytes
+        self.stage_incoming = 0 if s.last == local and not self.rooted else s.output_bytes
         self.cells: Dict[int, int] = {}  # micro-batch -> bytes it holds until its backward
         self.peak, self.most = _Peak(), 0
-        self.grads_done = accumulating
+        self.grads_done = accumulating or stale_grads
+        self.stale = stale_grads and not accumulating  # gradients zeroed when the first backward starts
         self.tail = 0  # local engine, last stage: the gathered batch's output gradient
         self.device: Optional[_Peak] = None
         self.around = 0
@@ -195,6 +208,8 @@ class _StageWalk:
         self.device, self.around = device, around
         static, recv, grads, cells, peak_see = self.static, self.recv, self.grads, self.cells, self._see
         recompute = mode.recomputes(i, m, keep=self.keep)
+        if self.stale and kind != "F":
+            self.grads_done = self.stale = False
         g_now = grads if self.grads_done else 0
         others = sum(cells.values())
         if self.hold_sends:
@@ -210,11 +225,16 @@ class _StageWalk:
         if kind == "F":
             # torchgpipe's clock: the next stage takes micro-batch i - 1's output one clock later,
             # after this stage's forward of micro-batch i; the last stage's wait for the gather.
-            waiting = (i if s.last else min(i, 1)) * s.output_bytes if local else 0
+            waiting = (i if s.last else min(i, 1)) * s.output_bytes if local and not self.rooted else 0
             for k, (mine, work) in enumerate(self.forward[recompute]):
                 parts = (others + mine, recv_now + waiting, work)
                 peak_see(base + waiting + mine + work, parts, f"F{i} layer {s.start + k}")
             cells[i] = self.kept_of[recompute]
+            if self.outside is not None:  # the head and loss on this micro-batch, its outputs kept
+                o = self.outside
+                parts = (others + cells[i], recv_now, o.after_forward)
+                peak_see(base + cells[i] + o.after_forward, parts, f"F{i} outside")
+                cells[i] += o.held + o.outputs
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
                 peak_see(
                     base + cells[i] + loss.forward_peak,
@@ -223,6 +243,13 @@ class _StageWalk:
                 )
                 cells[i] += self.loss_saved
             self.most = max(self.most, len(cells))
+            if self.outside is not None and len(cells) == m:
+                # The outputs joined (a copy of them all where there are several), then dropped.
+                acts, joined = sum(cells.values()), m * self.outside.outputs if m > 1 else 0
+                peak_see(static + g_now + acts + joined, (acts, joined, 0), "gather")
+                for k in cells:
+                    cells[k] -= self.outside.outputs
+                return
             if local and s.last and len(cells) == m:
                 # The whole batch at once: gathered outputs, loss forward and backward.
                 acts, gathered = sum(cells.values()), m * s.output_bytes
@@ -243,7 +270,7 @@ class _StageWalk:
             return
         kept = cells.pop(i)
         base -= kept
-        if local and self.backwards:
+        if local and self.backwards and not self.rooted:
             # The input gradient the previous backward (micro-batch i + 1) made waits in autograd's
             # buffer for the stage before until this backward is over: on one autograd pass, the
             # engine runs the nodes made later first, and this stage's forward of micro-batch i
@@ -251,6 +278,10 @@ class _StageWalk:
             recv_now += s.input_bytes
             base += s.input_bytes
         others = sum(cells.values())
+        if self.outside is not None:  # after the first, each adds to the head's gradients out of place
+            o = self.outside
+            work = max(o.after_backward, o.after_left + o.after_grads) if self.backwards else o.after_backward
+            peak_see(base + kept + work, (others + kept, recv_now, work), f"B{i} outside")
         if loss is not None and not local:
             peak_see(
                 base + kept + loss.backward_peak, (others + kept, recv_now, loss.backward_peak), f"B{i} loss"
@@ -298,6 +329,13 @@ class _StageWalk:
             peak_see(total, parts, f"B{i} layer {k}")
             done += 1
         self.grads_done = True
+        if self.embeddings:  # the embeddings' backward, every gradient of the stage made
+            # Gradients only the embeddings make (counted with the model's, on the last stage) are
+            # not there yet in the first micro-batch's backward; each later one's is summed beside them.
+            own = self.s.profile.outside.before_grads if self.s.profile.outside is not None else 0
+            work = self.embeddings + (own if self.backwards else -own)
+            total = static + recv_now + others + grads + work
+            peak_see(total, (others, recv_now, work), f"B{i} embeddings")
         self.backwards += 1
         if i in self.split:
             cells[i] = s.between_passes(mode)
