@@ -263,6 +263,9 @@ def _compose(stages: Sequence[StageMemory], held: Sequence[int], chunks: int, st
     worst = 0
     for j, s in enumerate(stages):
         own = s.peak - s.params - s.optimizer
+        if s.peak_at == "optimizer step":  # every gradient made, nothing else held
+            worst = max(worst, own + sum(t.params for k, t in enumerate(stages) if k != j))
+            continue
         before = sum(held[:j])
         if stale_grads and (s.peak_at.startswith("F") or s.peak_at == "gather"):
             before += sum(stages[k].params for k in range(j))

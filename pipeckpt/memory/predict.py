@@ -223,6 +223,8 @@ def predict_depth_first(
                 w.stale = False
         around = sum(w.resting() for k, w in enumerate(walks) if k != j)
         walks[j].run(kind, i, device=device, around=around)
+    for j, w in enumerate(walks):  # the step goes parameter by parameter: one's temporaries at a time
+        w.step(device=device, around=sum(o.resting() for k, o in enumerate(walks) if k != j))
     results = tuple(w.result() for w in walks)
     return DeviceMemory(
         stages=results,

@@ -17,7 +17,7 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.sizes import OPTIMIZERS
 
-__all__ = ["StageMemory", "optimizer_state_bytes"]
+__all__ = ["StageMemory", "optimizer_state_bytes", "optimizer_step_bytes"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,18 @@ def optimizer_state_bytes(
     name = _optimizer_name(optimizer)
     extra = 4 * tensors if name in ("adam", "adamw") else 0
     return int(OPTIMIZERS[name] * param_bytes) + extra
+
+
+def optimizer_step_bytes(optimizer: Union[str, torch.optim.Optimizer, type], largest_param: int) -> int:
+    """What one step of the optimizer allocates beside parameters, gradients and state: Adam(W)'s
+    update of one parameter at a time (torch's default on CPU) makes its denominator from two
+    temporaries of the parameter's size, so twice its largest parameter; SGD updates in place.
+
+    Args:
+        optimizer: a name of :data:`pipeckpt.sizes.OPTIMIZERS`, an optimizer, or its class.
+        largest_param: the bytes of the largest parameter it updates.
+    """
+    return 2 * largest_param if _optimizer_name(optimizer) in ("adam", "adamw") else 0
 
 
 def _optimizer_name(optimizer: Union[str, torch.optim.Optimizer, type]) -> str:
@@ -110,6 +122,7 @@ def _predict_stage(
     )
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
+    walk.step()
     return walk.result()
 
 
@@ -135,6 +148,9 @@ class _StageWalk:
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
         self.static = s.param_bytes + self.opt
+        after = [s.profile.loss] if s.last and s.profile.loss is not None else []
+        largest = max((layer.largest_param for layer in [*s.layers, *after]), default=0)
+        self.step_work = optimizer_step_bytes(optimizer, largest)
         # A pipeline_of model on the local engine runs its code outside the layers per micro-batch
         # (engines/local/module.py): the head after the last stage's forward and before its backward,
         # the embeddings' backward after the first stage's; its micro-batches run depth first.
@@ -339,6 +355,12 @@ class _StageWalk:
         self.backwards += 1
         if i in self.split:
             cells[i] = s.between_passes(mode)
+
+    def step(self, *, device: Optional[_Peak] = None, around: int = 0) -> None:
+        """The optimizer's step after the last backward: every gradient made, the step's own
+        temporaries beside them (:func:`optimizer_step_bytes`)."""
+        self.device, self.around = device, around
+        self._see(self.resting() + self.step_work, (0, 0, self.step_work), "optimizer step")
 
     def result(self) -> StageMemory:
         s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak
