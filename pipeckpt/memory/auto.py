@@ -211,7 +211,12 @@ def process_peak(
     )
     if profile.outside is not None:  # a pipeline_of model: walked as it runs, depth first
         return predict_depth_first(
-            profile, plan, chunks=chunks, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
+            profile,
+            plan,
+            chunks=chunks,
+            optimizer=optimizer,
+            accumulating=accumulating,
+            stale_grads=stale_grads,
         ).peak
     held = _held_per_step(profile, plan.balance, plan.modes, chunks)
     return _compose(list(prediction.stages), held, chunks, stale_grads)
@@ -254,7 +259,9 @@ def _held_per_step(
     return out
 
 
-def _compose(stages: Sequence[StageMemory], held: Sequence[int], chunks: int, stale_grads: bool = False) -> int:
+def _compose(
+    stages: Sequence[StageMemory], held: Sequence[int], chunks: int, stale_grads: bool = False
+) -> int:
     """The process peak from per-stage peaks: while stage j peaks (in its backward), the stages
     before it hold all they kept, those after it their gradients and the micro-batches their drain
     has not reached (stage j + d is about d micro-batches ahead of stage j). ``stale_grads``: a

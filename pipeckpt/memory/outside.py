@@ -162,10 +162,7 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
         outputs=outputs,
         after_backward=max(0, after_backward),
         before_backward=max(0, before_backward),
-        before_grads=_storage_bytes(
-            p for k, p in live.used["before"].items() if k not in live.used["after"]
-        ),
+        before_grads=_storage_bytes(p for k, p in live.used["before"].items() if k not in live.used["after"]),
         after_grads=_storage_bytes(iter(live.used["after"].values())),
         after_left=marks.get("left", 0),
     )
-

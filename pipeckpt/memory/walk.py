@@ -118,7 +118,14 @@ def _predict_stage(
     (:func:`~pipeckpt.memory.schedule.sends_held`); ``stale_grads``: the previous step's gradients
     stay until the first backward (Lightning zeroes them after ``training_step``)."""
     walk = _StageWalk(
-        s, j, mode, chunks=chunks, keep=keep, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
+        s,
+        j,
+        mode,
+        chunks=chunks,
+        keep=keep,
+        optimizer=optimizer,
+        accumulating=accumulating,
+        stale_grads=stale_grads,
     )
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))

@@ -93,7 +93,9 @@ def test_a_pipeline_of_models_training_step_peak_is_predicted_within_three_perce
         fitted = profile(spec, root_microbatch(RootInput((), batch), chunks), rounds=1)
         for modes in (["never", "never"], ["always", "always"], ["never", "always:1"]):
             stage_plan = plan(spec, devices=[CPU], balance=[2, 2], checkpoint=modes, chunks=chunks)
-            measured = _measured_step(model, ModuleRunner(spec, stage_plan, chunks=chunks, pin_memory=False), batch)
+            measured = _measured_step(
+                model, ModuleRunner(spec, stage_plan, chunks=chunks, pin_memory=False), batch
+            )
             predicted = process_peak(fitted, stage_plan, chunks=chunks, optimizer="adamw", stale_grads=True)
             off[f"{chunks} chunks, {'/'.join(modes)}"] = predicted / measured
     assert all(0.97 <= r <= 1.03 for r in off.values()), off
