@@ -9,6 +9,10 @@ step (parameters, AdamW state, gradients, activations; torch's MemTracker, after
 the optimizer's state) and the step's CPU time, interleaved rounds, medians::
 
     python benchmarks/bench_hf_auto.py --rounds 3
+
+Auto chooses the modes and the chunk count (``memory_search``; ``--search modes`` keeps
+``--chunks``): the step's peak, at the optimizer's update, is the same for every method, and more
+micro-batches add their own terms above it.
 """
 
 import argparse
@@ -109,13 +113,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=2)
+    parser.add_argument(
+        "--search", default="modes,chunks", help="what auto may choose (memory_search): modes, chunks, balance"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     base = fit(GPT2Module(per_block=True), None)
     log(f"per-block peak {base.peak} bytes")
     auto = pipeckpt.PipelineStrategy(
-        stages=args.stages, chunks=args.chunks, checkpoint="auto", memory_budget=base.peak
+        stages=args.stages,
+        chunks=args.chunks,
+        checkpoint="auto",
+        memory_budget=base.peak,
+        memory_search=args.search.split(","),
     )
     t0 = time.perf_counter()
     first = fit(GPT2Module(per_block=False), auto)
