@@ -157,6 +157,21 @@ class PipeSettings:
             "forward (less memory, one more gather per backward); default False"
         ),
     )
+    tensor_parallel: Optional[int] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed: processes that split each pipeline rank's layers by tensor parallelism "
+            "(pp x dp x tensor_parallel = the world size; needs data_parallel='fsdp'); default 1"
+        ),
+    )
+    tensor_parallel_plan: Optional[Dict[str, str]] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed, tensor_parallel > 1: how each pipelined layer is split, as {submodule path "
+            "in the layer (fnmatch pattern): 'colwise' | 'rowwise'}, e.g. {'mlp.up': 'colwise', "
+            "'mlp.down': 'rowwise'}"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -237,6 +252,8 @@ class PipeSettingsArgs(TypedDict, total=False):
     timeout: Optional[float]
     data_parallel: Optional[str]
     reshard_after_forward: Optional[bool]
+    tensor_parallel: Optional[int]
+    tensor_parallel_plan: Optional[Dict[str, str]]
 
 
 def check_names(given: Mapping[str, Any], what: str) -> None:

@@ -29,6 +29,7 @@ from pipeckpt import _rng
 from pipeckpt._compat import (
     LightningPath,
     checkpoint_io_unset,
+    give_device_mesh,
     optimizers_to_device,
     unwrap_optimizer,
 )
@@ -111,6 +112,9 @@ class PipelineStrategy(MetaBuildStrategy):
             self.set_world_ranks()
             assert self.cluster_environment is not None
             self.engine.connect(self.cluster_environment, self.root_device)
+            # Read in configure_model (self.device_mesh), as ModelParallelStrategy hands it.
+            if self.lightning_module is not None:
+                give_device_mesh(self.lightning_module, self.engine.device_mesh)
             # Not reseeded (DDP's way): each rank draws on from global rank 0's generators, as the local
             # engine's one process draws on from the script's (docs/DISTRIBUTED.md, "Random numbers").
             _rng.agree(self.root_device)
@@ -172,7 +176,11 @@ class PipelineStrategy(MetaBuildStrategy):
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
             params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
             norm = engine.total_norm([p.grad for p in params if p.grad is not None], self.root_device)
-            torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+            by_mesh: Dict[Any, List[Tensor]] = {}  # one foreach per mesh: it takes no mix of DTensor meshes
+            for p in params:
+                by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+            for same in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(same, clip_val, norm)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 

@@ -420,6 +420,12 @@ class _Tiny(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=2)
 
 
+def test_give_device_mesh_is_what_the_module_reads_as_device_mesh():
+    module, mesh = LightningModule(), object()
+    _compat.give_device_mesh(module, mesh)
+    assert module.device_mesh is mesh
+
+
 def test_sampler_follows_loader_makes_the_injected_training_sampler_shuffle_as_the_loader_does():
     from lightning.pytorch.trainer.states import RunningStage
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

@@ -13,6 +13,7 @@ from pipeckpt._compat.lightning_private import (
     configured_optimizers,
     default_process_group_backend,
     fit_train_loader,
+    give_device_mesh,
     hpc_checkpoint_path,
     init_dist_connection,
     loader_shuffles,
@@ -138,4 +139,5 @@ __all__ = [
     "unwrap_optimizer",
     "fit_train_loader",
     "configured_optimizers",
+    "give_device_mesh",
 ]

@@ -93,6 +93,12 @@ def configured_optimizers(conf: Any) -> List[Any]:
     return list(_configure_optimizers(conf)[0]) if conf is not None else []
 
 
+def give_device_mesh(module: Any, mesh: Any) -> None:
+    """Hands ``mesh`` to ``module.device_mesh`` (read in ``configure_model``), as Lightning's
+    ``ModelParallelStrategy`` does: the property reads the private ``_device_mesh``, with no setter."""
+    module._device_mesh = mesh
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -105,6 +111,7 @@ __all__ = [
     "configured_optimizers",
     "default_process_group_backend",
     "fit_train_loader",
+    "give_device_mesh",
     "hpc_checkpoint_path",
     "init_dist_connection",
     "loader_shuffles",

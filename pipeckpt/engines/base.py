@@ -146,6 +146,11 @@ class Engine(ABC):
     def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
         """Set up process groups (called in ``setup_environment``)."""
 
+    @property
+    def device_mesh(self) -> Optional[Any]:
+        """The processes' ``DeviceMesh`` once connected (the module's ``self.device_mesh``), or None."""
+        return None
+
     def root_device(self, devices: Sequence[torch.device], local_rank: int) -> torch.device:
         """Where the module's loss and the parts outside the pipeline live."""
         if self.plan is not None:

@@ -137,12 +137,16 @@ class DistributedEngine(EngineCheckpoints, Engine):
         self._device = device
         self.processes.connect(environment, device)
 
+    @property
+    def device_mesh(self) -> Optional[Any]:
+        return self.processes.mesh
+
     def root_device(self, devices: Sequence[torch.device], local_rank: int) -> torch.device:
         return devices[local_rank] if devices else torch.device("cpu")
 
     def sampler_kwargs(self, global_rank: int) -> Dict[str, Any]:
         # All ranks of one pipeline see the same batch; replicas see different ones.
-        return {"num_replicas": self.topology.dp, "rank": global_rank // self.topology.pp}
+        return {"num_replicas": self.topology.dp, "rank": self.topology.replica_of(global_rank)}
 
     def check_module(self, module: LightningModule, precision: Any) -> None:
         check_backward_in_step(module, precision)
@@ -208,7 +212,7 @@ class DistributedEngine(EngineCheckpoints, Engine):
     def _sharding(self) -> Optional[Sharding]:
         p = self.processes
         if self.sharding is None:
-            self.sharding = Sharding.of(self.settings, p.mesh, src=p.pipeline_rank, precision=self._precision)
+            self.sharding = Sharding.of(self.settings, p.mesh, precision=self._precision)
         return self.sharding
 
     def _prepare(

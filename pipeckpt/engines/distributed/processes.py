@@ -1,7 +1,7 @@
 """Processes and mesh of the distributed engine: who runs which stage, and the groups they talk in.
 
-The world is ``pp x dp`` processes on a 2-D ``DeviceMesh`` ``("dp", "pp")``
-(:mod:`~pipeckpt.engines.distributed.topology`). This module resolves the
+The world is ``pp x dp x tp`` processes on one ``DeviceMesh`` ``("dp", "pp", "tp")`` (``("dp",
+"pp")`` without tensor parallelism; :mod:`~pipeckpt.engines.distributed.topology`). This module resolves the
 topology as soon as the Trainer knows the world size (so bad combinations fail
 before any process starts), picks the launcher, opens the process groups, and
 starts the liveness beat that names a lost rank.
@@ -28,6 +28,7 @@ from pipeckpt.engines.distributed.auto_plan import check_auto
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
 from pipeckpt.engines.distributed.sharding import check_data_parallel
+from pipeckpt.engines.distributed.tensor_parallel import check_tensor_parallel
 from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
 
@@ -41,6 +42,8 @@ SETTINGS: Dict[str, Any] = {
     "timeout": 60.0,
     "data_parallel": "ddp",
     "reshard_after_forward": False,
+    "tensor_parallel": 1,
+    "tensor_parallel_plan": None,
 }
 
 
@@ -67,6 +70,7 @@ def check_process_settings(s: PipeSettings) -> None:
             "set timeout in seconds, e.g. 60",
         )
     check_data_parallel(s)
+    check_tensor_parallel(s)
     assert s.schedule is not None and s.virtual_stages is not None
     kind = lookup(s.schedule)
     check_kind(kind, s.virtual_stages)
@@ -78,7 +82,7 @@ def _is_count(value: Any) -> bool:
 
 
 class ProcessGroups:
-    """The world, its topology and the ``pp``/``dp`` process groups of this process."""
+    """The world, its topology, the ``pp``/``dp`` process groups of this process and the mesh."""
 
     def __init__(self, settings: PipeSettings, kind: ScheduleKind) -> None:
         self.settings = settings
@@ -87,7 +91,7 @@ class ProcessGroups:
         self.topology: Optional[Topology] = None
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
-        self.mesh: Optional[DeviceMesh] = None  # ("dp", "pp"), on this process's device type
+        self.mesh: Optional[DeviceMesh] = None  # ("dp", "pp"[, "tp"]), on this process's device type
         self.liveness: Optional[Liveness] = None
 
     def configure(self, world: World) -> Topology:
@@ -101,6 +105,7 @@ class ProcessGroups:
             dp=s.dp,
             chunks=s.chunks,
             kind=self.kind,
+            tp=s.tensor_parallel or 1,
         )
         return self.topology
 
@@ -111,12 +116,12 @@ class ProcessGroups:
     @property
     def pipeline_rank(self) -> int:
         assert self.topology is not None
-        return self.rank % self.topology.pp
+        return self.topology.pipeline_rank_of(self.rank)
 
     @property
     def replica(self) -> int:
         assert self.topology is not None
-        return self.rank // self.topology.pp
+        return self.topology.replica_of(self.rank)
 
     def launcher(self, environment: ClusterEnvironment) -> Any:
         _check_slurm_tasks(environment, devices=self.world.num_processes, num_nodes=self.world.num_nodes)
@@ -128,9 +133,9 @@ class ProcessGroups:
         if device.type != "cpu":
             options["device_id"] = device
         init_dist_connection(environment, default_process_group_backend(device), **options)
-        mesh = init_device_mesh(
-            device.type, (self.topology.dp, self.topology.pp), mesh_dim_names=("dp", "pp")
-        )
+        t = self.topology
+        shape, names = ((t.dp, t.pp, t.tp), ("dp", "pp", "tp")) if t.tp > 1 else ((t.dp, t.pp), ("dp", "pp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         self.mesh = mesh
         self.liveness = Liveness(default_store(), rank=self.rank, world_size=self.world.size)

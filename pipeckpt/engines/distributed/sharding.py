@@ -6,11 +6,12 @@ trains parameters is sharded on its own (gathered for its forward), and the stag
 root, so ``torch.distributed.pipelining``'s stage sees an ``FSDPModule``: it holds the
 reduce-scatter back until the step's last backward. Parameters become DTensors: the gradient
 norm adds each rank's shard once, DCP writes the shards under the module's own keys, and a
-checkpoint of any layout (full tensors) loads as this rank's shard of each tensor.
+checkpoint of any layout (full tensors) loads as this rank's shard of each tensor. Under tensor
+parallelism the layers are split over ``tp`` first (:mod:`.tensor_parallel`), then sharded.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 
 from pipeckpt._compat import make_fsdp_root
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.engines.distributed.ties import Replicas
 from pipeckpt.settings import PipeSettings
 
@@ -75,36 +77,43 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 @dataclass
 class Sharding:
     """How this rank's stages are sharded: over ``mesh`` (the ``dp`` dimension), replica 0's values
-    first (``src``: the global rank of this pipeline rank in replica 0)."""
+    first; split over ``tp`` before, under tensor parallelism."""
 
     mesh: DeviceMesh
     reshard_after_forward: bool
     policy: MixedPrecisionPolicy
-    src: int
+    tp: Optional[TensorParallel] = None
 
     @classmethod
-    def of(
-        cls, s: PipeSettings, mesh: Optional[DeviceMesh], *, src: int, precision: str
-    ) -> Optional["Sharding"]:
+    def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh], *, precision: str) -> Optional["Sharding"]:
         """The sharding ``s`` asks for (``data_parallel='fsdp'``) over ``mesh``'s ``dp`` dimension,
         or None."""
         if s.data_parallel != "fsdp":
             return None
         assert mesh is not None, "the mesh is made when the processes connect"
-        return cls(mesh["dp"], bool(s.reshard_after_forward), mixed_precision(precision), src)
+        policy = mixed_precision(precision)
+        return cls(mesh["dp"], bool(s.reshard_after_forward), policy, TensorParallel.of(s, mesh))
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group()
 
+    @property
+    def src(self) -> int:
+        """The global rank of replica 0 in this rank's ``dp`` group."""
+        return dist.get_global_rank(self.group, 0)
+
     def shard(self, stage_module: nn.Module, layers: Iterable[nn.Module]) -> nn.Module:
         """``stage_module`` as an ``FSDPModule`` whose ``layers`` that train parameters are each
-        sharded apart; returns it (sharded in place)."""
+        sharded apart (split over ``tp`` first); returns it (sharded in place)."""
+        layers = list(layers)
         if self.mesh.size() > 1:
             with torch.no_grad():
                 for t in (*stage_module.parameters(), *stage_module.buffers()):
                     if not t.is_meta:
                         dist.broadcast(t.data, src=self.src, group=self.group)
+        if self.tp is not None:
+            self.tp.split(layers)
         options: Dict[str, Any] = dict(
             mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.policy
         )
@@ -138,13 +147,25 @@ class Sharding:
                 module.reshard()
 
     def squared_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
-        """The squared 2-norm of ``grads`` over this pipeline rank's replicas: the shards of the
-        DTensor gradients, each counted once over the ``dp`` group, plus the plain (replicated) ones."""
-        sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
-        plain = [g for g in grads if not isinstance(g, DTensor)]
-        squared = _squared(sharded, device)
-        dist.all_reduce(squared, group=self.group)
-        return squared + _squared(plain, device)
+        """The squared 2-norm of ``grads`` over this pipeline rank's replicas (and tensor-parallel
+        ranks): each DTensor gradient's shards summed over the mesh dimensions it is split on, so each
+        element counts once; the plain gradients and the replicated dimensions, once."""
+        split: Dict[Tuple[str, ...], List[Tensor]] = {(): [g for g in grads if not isinstance(g, DTensor)]}
+        for g in grads:
+            if isinstance(g, DTensor):
+                names = g.device_mesh.mesh_dim_names or ()
+                over = tuple(n for n, p in zip(names, g.placements) if not p.is_replicate())
+                split.setdefault(over, []).append(g.to_local())
+        assert set(split) <= {(), ("dp",), ("tp",), ("dp", "tp")}, f"split over {list(split)}"
+        [plain, dp, tp, both] = [
+            _squared(split.get(k, []), device) for k in [(), ("dp",), ("tp",), ("dp", "tp")]
+        ]
+        over_tp = torch.stack([tp, both])  # summed over tp, then (both) over dp: the same order everywhere
+        if self.tp is not None:
+            dist.all_reduce(over_tp, group=self.tp.mesh.get_group())
+        over_dp = torch.stack([dp, over_tp[1]])
+        dist.all_reduce(over_dp, group=self.group)
+        return plain + over_tp[0] + over_dp.sum()
 
 
 def _gathered(layers: List[FSDPModule]) -> Callable[..., None]:

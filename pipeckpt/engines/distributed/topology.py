@@ -1,11 +1,13 @@
 """Who runs what in the distributed engine, and the settings that cannot work.
 
-The world is ``pp x dp`` processes: ``dp`` replicas of one pipeline of ``pp``
-processes, each holding ``virtual_stages`` stages (stage ``j`` on pipeline rank
-``j % pp``, torch's interleaved layout; global rank ``replica * pp + pipeline
-rank``, the row-major order of the ``("dp", "pp")`` device mesh). Everything
-here is arithmetic on settings, so a bad combination fails when the Trainer is
-built, before any process starts.
+The world is ``pp x dp x tp`` processes: ``dp`` replicas of one pipeline of ``pp``
+ranks, each rank ``tp`` processes that split its layers' weights (tensor parallel)
+and hold ``virtual_stages`` stages (stage ``j`` on pipeline rank ``j % pp``, torch's
+interleaved layout). Global rank ``(replica * pp + pipeline rank) * tp + tp rank``:
+the row-major order of the ``("dp", "pp", "tp")`` device mesh, tensor parallel
+innermost as its collectives are the most frequent. Everything here is arithmetic
+on settings, so a bad combination fails when the Trainer is built, before any
+process starts.
 """
 
 from dataclasses import dataclass
@@ -23,14 +25,23 @@ class Topology:
     dp: int
     virtual_stages: int
     kind: ScheduleKind
+    tp: int = 1
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    def pipeline_rank_of(self, rank: int) -> int:
+        """The pipeline rank of global ``rank``."""
+        return (rank // self.tp) % self.pp
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica of global ``rank``."""
+        return rank // (self.pp * self.tp)
+
     def stages_of(self, rank: int) -> List[int]:
         """The stage indices global ``rank`` runs."""
-        return self.kind.stages_of(rank % self.pp, self.pp, self.stages)
+        return self.kind.stages_of(self.pipeline_rank_of(rank), self.pp, self.stages)
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds ``stage``."""
@@ -38,7 +49,10 @@ class Topology:
 
     def describe(self, rank: int) -> str:
         stages = ", ".join(map(str, self.stages_of(rank)))
-        return f"rank {rank} (pipeline stage {stages} of data-parallel replica {rank // self.pp})"
+        split = f", tensor-parallel rank {rank % self.tp}" if self.tp > 1 else ""
+        return (
+            f"rank {rank} (pipeline stage {stages} of data-parallel replica {self.replica_of(rank)}{split})"
+        )
 
 
 def check_kind(kind: ScheduleKind, virtual_stages: int) -> None:
@@ -65,10 +79,24 @@ def resolve(
     dp: Optional[int],
     chunks: int,
     kind: ScheduleKind,
+    tp: int = 1,
 ) -> Topology:
-    """``pp`` and ``dp`` for a world of ``world`` processes: from ``dp`` if set, else from
-    the stage count, else one pipeline over the whole world."""
+    """``pp`` and ``dp`` for a world of ``world`` processes, ``tp`` of them to each pipeline rank
+    of each replica: from ``dp`` if set, else from the stage count, else one pipeline over the
+    whole world."""
     v = virtual_stages
+    if world % tp:
+        raise config_error(
+            f"tensor_parallel={tp} with a world of {world} processes",
+            "pp x dp x tensor_parallel must equal the world size, so tensor_parallel must divide it",
+            f"set tensor_parallel to a divisor of {world}, or run a multiple of {tp} processes "
+            "(the trainer's devices x num_nodes)",
+        )
+    full, world = world, world // tp
+    of_world = (
+        f"a world of {full} processes" if tp == 1 else f"{world} = {full} processes / tensor_parallel={tp}"
+    )
+    product = "pp x dp" if tp == 1 else "pp x dp x tensor_parallel"
     if stages is not None and stages % v:
         raise config_error(
             f"{stages} stages with virtual_stages={v}",
@@ -79,9 +107,9 @@ def resolve(
     if dp is not None:
         if world % dp:
             raise config_error(
-                f"dp={dp} with a world of {world} processes",
-                "pp x dp must equal the world size, so dp must divide it",
-                f"set dp to a divisor of {world}, or run a multiple of {dp} processes "
+                f"dp={dp} with {of_world}",
+                f"{product} must equal the world size, so dp must divide it",
+                f"set dp to a divisor of {world}, or run a multiple of {dp * tp} processes "
                 "(the trainer's devices x num_nodes)",
             )
         pp = world // dp
@@ -89,17 +117,17 @@ def resolve(
         pp = stages // v
         if world % pp:
             raise config_error(
-                f"{stages} stages (pp={pp} with virtual_stages={v}) on a world of {world} processes",
-                "pp x dp must equal the world size, so the pipeline ranks must divide it",
-                f"run a multiple of {pp} processes (the trainer's devices x num_nodes), or set "
+                f"{stages} stages (pp={pp} with virtual_stages={v}) on {of_world}",
+                f"{product} must equal the world size, so the pipeline ranks must divide it",
+                f"run a multiple of {pp * tp} processes (the trainer's devices x num_nodes), or set "
                 f"stages to {v} x a divisor of {world}",
             )
     else:
         pp = world
-    topology = Topology(pp=pp, dp=world // pp, virtual_stages=v, kind=kind)
+    topology = Topology(pp=pp, dp=world // pp, virtual_stages=v, kind=kind, tp=tp)
     if stages is not None and stages != topology.stages:
         raise config_error(
-            f"{stages} stages on pp={pp} pipeline ranks (a world of {world} = pp x dp={topology.dp}) "
+            f"{stages} stages on pp={pp} pipeline ranks ({of_world} = pp x dp={topology.dp}) "
             f"with virtual_stages={v}",
             "the stages must divide into the processes: stages = pp x virtual_stages",
             f"set stages={topology.stages}, or set dp so that pp = stages / virtual_stages = "

@@ -1,0 +1,150 @@
+"""Tensor parallelism inside a stage: each pipelined layer's weights split over the mesh's ``tp`` dimension.
+
+Why a plan the engine applies (``tensor_parallel_plan``), not ``parallelize_module`` in the module's
+``configure_model`` as under Lightning's ``ModelParallelStrategy``: a module built on the meta device
+is made real stage by stage after ``configure_model``, and its initial values equal an eager build's
+only if each weight is drawn whole and split afterwards. So the engine applies torch's own styles
+(``ColwiseParallel``, ``RowwiseParallel``, through ``parallelize_module``) to the layers of this
+rank's stages once they are real, and FSDP2 shards over ``dp`` on top (torchtitan's order). A layer
+takes and returns plain tensors, replicated over ``tp``: what crosses a stage boundary is unchanged.
+"""
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from pipeckpt._errors import config_error
+from pipeckpt.settings import PipeSettings
+
+__all__: List[str] = []
+
+#: The plan's names for torch's styles: a Linear or Embedding split by output or by input features.
+STYLES: Dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_SPLITTABLE = (nn.Linear, nn.Embedding)
+
+
+def check_tensor_parallel(s: PipeSettings) -> None:
+    """``tensor_parallel`` is a count; ``tensor_parallel_plan`` names styles, and comes with it; the
+    replicas shard (DDP does not take the split parameters)."""
+    tp, plan = s.tensor_parallel, s.tensor_parallel_plan
+    if tp is None:
+        return
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise config_error(
+            f"tensor_parallel={tp!r}",
+            "the processes that split a pipeline rank's layers are an integer number >= 1",
+            "set tensor_parallel >= 1 (1: no tensor parallelism)",
+        )
+    if plan is not None and not isinstance(plan, Mapping):
+        raise config_error(
+            f"tensor_parallel_plan={plan!r}",
+            "maps a submodule path inside each pipelined layer to a style",
+            "set for example tensor_parallel_plan={'mlp.up': 'colwise', 'mlp.down': 'rowwise'}",
+        )
+    bad = {k: v for k, v in (plan or {}).items() if not isinstance(k, str) or v not in STYLES}
+    if bad:
+        raise config_error(
+            f"tensor_parallel_plan={dict(bad)!r}",
+            f"each entry maps a submodule path (an fnmatch pattern) to one of {list(STYLES)}",
+            "name each submodule's style as 'colwise' (split by output features) or 'rowwise' "
+            "(split by input features; the one after a colwise)",
+        )
+    if tp > 1 and not plan:
+        raise config_error(
+            f"tensor_parallel={tp} without tensor_parallel_plan",
+            "tensor parallelism splits the submodules a plan names, so without one nothing is split",
+            "set tensor_parallel_plan (docs/DISTRIBUTED.md, 'Tensor parallel'), or tensor_parallel=1",
+        )
+    if tp == 1 and plan:
+        raise config_error(
+            f"tensor_parallel_plan with tensor_parallel={tp}",
+            "a plan splits layers over the tensor-parallel processes, and there is one",
+            "set tensor_parallel > 1, or drop tensor_parallel_plan",
+        )
+    if tp > 1 and s.data_parallel != "fsdp":
+        raise config_error(
+            f"tensor_parallel={tp} with data_parallel={s.data_parallel!r}",
+            "DDP does not take tensor-parallel (DTensor) parameters; FSDP2 shards them over the "
+            "replicas on the same mesh (with dp=1 too)",
+            "set data_parallel='fsdp'",
+        )
+
+
+def check_plan(layers: Sequence[nn.Module], plan: Mapping[str, str]) -> None:
+    """Every pattern of ``plan`` names a Linear or Embedding inside some layer of ``layers`` (the
+    whole pipelined Sequential, the same on every process): a typo would leave weights whole."""
+    splittable = sorted(
+        {n for layer in layers for n, m in layer.named_modules() if isinstance(m, _SPLITTABLE)}
+    )
+    for pattern, style in plan.items():
+        found = [(n, m) for layer in layers for n, m in _matches(layer, pattern)]
+        if not found:
+            shown = ", ".join(splittable[:12]) + (", ..." if len(splittable) > 12 else "")
+            raise config_error(
+                f"tensor_parallel_plan entry {pattern!r}",
+                "each pattern names submodules by their path inside a pipelined layer (e.g. "
+                "'attn.q' for layer.attn.q), and this one names none",
+                f"fix the path; the layers' Linear and Embedding submodules: {shown}",
+            )
+        wrong = [(n, type(m).__name__) for n, m in found if not isinstance(m, _SPLITTABLE)]
+        if wrong:
+            raise config_error(
+                f"tensor_parallel_plan entry {pattern!r}: {style!r} for {wrong[0][0]} ({wrong[0][1]})",
+                "torch's colwise and rowwise styles split an nn.Linear or an nn.Embedding",
+                "name the Linear or Embedding layers inside it",
+            )
+
+
+def _matches(layer: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
+    return [(n, m) for n, m in layer.named_modules() if n and fnmatch(n, pattern)]
+
+
+def check_whole(layers: Sequence[nn.Module]) -> None:
+    """A layer the module split itself (its parameters are DTensors already) is refused: the engine
+    splits each weight after making it real, and would split it twice."""
+    split = [n for layer in layers for n, p in layer.named_parameters() if isinstance(p, DTensor)]
+    if split:
+        raise config_error(
+            f"pipelined layers with parameters already distributed ({', '.join(split[:3])})",
+            "under the pipeline the engine applies the tensor-parallel plan to each layer once it is "
+            "real, after configure_model, so that initial values equal an eager build's",
+            "give the plan as tensor_parallel_plan instead of calling parallelize_module yourself",
+        )
+
+
+@dataclass
+class TensorParallel:
+    """``plan`` applied over ``mesh`` (the mesh's ``tp`` dimension)."""
+
+    mesh: DeviceMesh
+    plan: Dict[str, str]
+
+    @classmethod
+    def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh]) -> Optional["TensorParallel"]:
+        """The tensor parallelism ``s`` asks for (``tensor_parallel > 1``) over ``mesh["tp"]``, or None."""
+        if (s.tensor_parallel or 1) == 1:
+            return None
+        assert mesh is not None and s.tensor_parallel_plan is not None
+        return cls(mesh["tp"], dict(s.tensor_parallel_plan))
+
+    def split(self, layers: Sequence[nn.Module]) -> None:
+        """Each submodule of ``layers`` that the plan names, split in place (its parameters become
+        DTensors on the ``tp`` mesh, from this rank's whole values)."""
+        check_whole(layers)
+        for layer in layers:
+            styles: Dict[str, Any] = {}
+            for pattern, style in self.plan.items():
+                for name, _ in _matches(layer, pattern):
+                    styles.setdefault(name, STYLES[style]())
+            if styles:
+                parallelize_module(layer, self.mesh, styles)

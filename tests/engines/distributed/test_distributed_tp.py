@@ -1,0 +1,145 @@
+"""Tensor parallelism inside every stage (``tensor_parallel=2``) on top of FSDP2 under the pipeline.
+
+Without processes: the settings that cannot run are refused when the Trainer is built. One launch
+of 8 real processes (pp2 x dp2 x tp2, gloo on CPU, tests/engines/distributed/distributed_tp_worker.py)
+trains the bundled Llama ``tiny`` with its decoder layers split by Megatron's plan, under 1f1b with
+every stage checkpointed and the gradient clipped by norm. Replica r reads rows 4r..4r+3 of every
+batch of 8; the weights after 3 AdamW steps are compared with the module trained in this process on
+the whole batches: within 1e-5 relative.
+"""
+
+import functools
+from pathlib import Path
+from typing import Any, Dict, Iterator
+
+import pytest
+import support.ranks as ranks
+import torch
+from distributed_tp_worker import PLAN, TinyLlama, batches, loader
+from support.toy import max_relative_difference
+from test_distributed_pytree import _state
+
+from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.engines.distributed.engine import DistributedEngine
+from pipeckpt.settings import PipeSettings
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "distributed_tp_worker.py"
+WORLD, DP, TP = 8, 2, 2
+START_S = 600  # one training of 8 processes on a loaded 2-core machine
+STEPS, CLIP = 3, 0.5  # the gradient's norm at the start is above CLIP: every step clips
+RUN = dict(
+    name="pp2_tp2_fsdp2",
+    steps=STEPS,
+    clip=CLIP,
+    strategy=dict(
+        dp=DP,
+        tensor_parallel=TP,
+        tensor_parallel_plan=PLAN,
+        data_parallel="fsdp",
+        balance=[2, 2],
+        chunks=2,
+        schedule="1f1b",
+        checkpoint="always",
+    ),
+)
+
+# -- without processes -------------------------------------------------------------------
+
+
+def _checked(**settings: Any) -> None:
+    DistributedEngine.check_settings(PipeSettings(engine="distributed", **settings))
+
+
+def test_tensor_parallel_without_a_plan_is_refused():
+    with pytest.raises(
+        PipeckptConfigError, match=r"(?s)tensor_parallel=2 without tensor_parallel_plan.*HINT"
+    ):
+        _checked(tensor_parallel=2, data_parallel="fsdp")
+
+
+def test_tensor_parallel_under_ddp_is_refused_naming_fsdp():
+    with pytest.raises(PipeckptConfigError, match=r"(?s)tensor_parallel=2 with data_parallel='ddp'.*'fsdp'"):
+        _checked(tensor_parallel=2, tensor_parallel_plan=PLAN)
+
+
+def test_a_plan_naming_an_unknown_style_is_refused_naming_the_styles():
+    with pytest.raises(PipeckptConfigError, match=r"(?s)'sequence'.*\['colwise', 'rowwise'\]"):
+        _checked(tensor_parallel=2, tensor_parallel_plan={"mlp.up": "sequence"}, data_parallel="fsdp")
+
+
+def test_a_world_that_tensor_parallel_does_not_divide_is_refused_when_the_trainer_is_built():
+    strategy = PipelineStrategy(
+        engine="distributed", tensor_parallel=3, tensor_parallel_plan=PLAN, data_parallel="fsdp"
+    )
+    with pytest.raises(PipeckptConfigError, match=r"(?s)tensor_parallel=3 with a world of 4 processes.*HINT"):
+        ranks.quiet_trainer(strategy, 4)
+
+
+def test_a_world_of_pp_x_dp_x_tp_is_split_tensor_parallel_innermost():
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(world=8, stages=2, virtual_stages=1, dp=None, chunks=2, kind=lookup("1f1b"), tp=2)
+    assert (t.pp, t.dp, t.tp) == (2, 2, 2)
+    assert [t.pipeline_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [t.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
+    from pipeckpt.engines.distributed.tensor_parallel import check_plan
+
+    module = TinyLlama()
+    with pytest.raises(PipeckptConfigError, match=r"(?s)'layer.attn.q'.*names none.*self_attn"):
+        check_plan(list(module.layers), {"layer.attn.q": "colwise"})
+
+
+# -- eight real processes ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eight_processes(tmp_path_factory) -> Iterator[Path]:
+    yield ranks.launch(WORKER, WORLD, [RUN], tmp_path_factory.mktemp("tp"), within_s=START_S)
+
+
+@functools.cache
+def _reference() -> Dict[str, torch.Tensor]:
+    """The module trained in this process on the replicas' rows joined (the whole batches)."""
+    module = TinyLlama()
+    torch.manual_seed(123)
+    ranks.quiet_trainer("auto", 1, max_steps=STEPS, gradient_clip_val=CLIP).fit(module, loader(batches()))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_pp2_tp2_fsdp2_trains_like_one_process_on_the_joined_batch(eight_processes):
+    got = _state(eight_processes / "pp2_tp2_fsdp2.ckpt")["state_dict"]
+    expected = _reference()
+    assert sorted(got) == sorted(expected)  # the unpipelined module's keys, each once
+    assert max_relative_difference(got, expected) < 1e-5  # the clipping norm counts each element once
+
+
+@pytest.mark.slow
+def test_the_checkpoint_loads_strictly_into_the_unpipelined_module(eight_processes):
+    plain = TinyLlama()
+    plain.load_state_dict(_state(eight_processes / "pp2_tp2_fsdp2.ckpt")["state_dict"], strict=True)
+
+
+@pytest.mark.slow
+def test_configure_model_sees_the_mesh_with_its_tensor_parallel_dimension(eight_processes):
+    held = torch.load(eight_processes / "pp2_tp2_fsdp2.rank0.pt")
+    assert held["mesh"] == {"dp": DP, "pp": 2, "tp": TP}
+
+
+@pytest.mark.slow
+def test_each_process_holds_a_quarter_of_a_split_weight_and_half_of_a_norm(eight_processes):
+    held = [torch.load(eight_processes / f"pp2_tp2_fsdp2.rank{r}.pt")["params"] for r in range(WORLD)]
+    split = [n for n in held[0] if n.endswith(("q_proj.weight", "down_proj.weight"))]
+    norms = [n for n in held[0] if n.endswith("input_layernorm.weight")]
+    assert split and norms
+    for params in held[:2]:  # pipeline rank 0 of replica 0: its two tensor-parallel processes
+        for n in split:  # over tp (the plan) and over dp (FSDP)
+            assert params[n]["local"] * DP * TP == params[n]["whole"]
+            assert params[n]["mesh"] == ["dp", "tp"]
+        for n in norms:  # over dp only
+            assert params[n]["local"] * DP == params[n]["whole"]
