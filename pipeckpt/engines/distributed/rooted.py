@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeckpt._compat import is_view
@@ -246,7 +247,7 @@ def _rooted_ties(
     """A module pipeline's ties: the parameters outside the layers (``outside``) live on every
     rank of the pipeline, one tie each, and those tied between layers as under a Sequential."""
     assert processes.pp_group is not None
-    rank, src = processes.rank, processes.replica * topology.pp
+    rank, src = processes.rank, dist.get_global_rank(processes.pp_group, 0)
     everywhere = {id(p) for _, p in outside}
     ties = find_ties(module, spec, stage_plan, topology, rank)
     return Ties([t for t in ties.ties if id(t.param) not in everywhere]) + held_by_every_rank(

@@ -96,10 +96,11 @@ def find_ties(
         if len(holders) < 2:  # one process holds every use: it is one parameter there already
             continue
         for replica in range(topology.dp):
-            ranks = [replica * topology.pp + r for r in holders]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine.append(_Tie(name, params[i], stages, group, src=ranks[0], primary=rank == ranks[0]))
+            for t in range(topology.tp):  # one group per tensor-parallel rank: each holds its own split
+                ranks = [topology.global_rank(replica, r, t) for r in holders]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine.append(_Tie(name, params[i], stages, group, src=ranks[0], primary=rank == ranks[0]))
     return Ties(mine)
 
 

@@ -39,13 +39,17 @@ class Topology:
         """The data-parallel replica of global ``rank``."""
         return rank // (self.pp * self.tp)
 
+    def global_rank(self, replica: int, pipeline_rank: int, tp_rank: int = 0) -> int:
+        """The global rank at (``replica``, ``pipeline_rank``, ``tp_rank``) of the mesh."""
+        return (replica * self.pp + pipeline_rank) * self.tp + tp_rank
+
     def stages_of(self, rank: int) -> List[int]:
         """The stage indices global ``rank`` runs."""
         return self.kind.stages_of(self.pipeline_rank_of(rank), self.pp, self.stages)
 
     def rank_of(self, stage: int) -> int:
-        """The pipeline rank that holds ``stage``."""
-        return next(r for r in range(self.pp) if stage in self.stages_of(r))
+        """The pipeline rank (not the global rank) that holds ``stage``."""
+        return next(r for r in range(self.pp) if stage in self.kind.stages_of(r, self.pp, self.stages))
 
     def describe(self, rank: int) -> str:
         stages = ", ".join(map(str, self.stages_of(rank)))

@@ -7,7 +7,8 @@ lists trainings run one after the other in the same processes:
     python tests/engines/distributed/distributed_tp_worker.py SPEC.json
 
 Each run trains :class:`TinyLlama` under engine="distributed" on this replica's rows of every
-batch, and writes the sharded checkpoint `<name>.ckpt` and `<name>.rank<R>.pt`: the mesh the module
+batch (from ``resume``, a checkpoint of an earlier run, if given; saving every ``checkpoint_every``
+steps if given), and writes the sharded checkpoint `<name>.ckpt` and `<name>.rank<R>.pt`: the mesh the module
 saw in ``configure_model`` and, per parameter this rank holds, its local and whole sizes.
 """
 
@@ -15,6 +16,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from support.ranks import quiet_trainer, serve
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -84,9 +86,23 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     module = TinyLlama()
     dp = settings["dp"]
     replica = int(os.environ["LOCAL_RANK"]) // (world // dp)  # the mesh's outermost dimension
-    trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], gradient_clip_val=spec.get("clip"))
+    every = spec.get("checkpoint_every")
+    saves = [
+        ModelCheckpoint(dirpath=os.path.join(out, spec["name"]), every_n_train_steps=every, save_top_k=-1)
+    ]
+    trainer = quiet_trainer(
+        strategy,
+        world,
+        max_steps=spec["steps"],
+        gradient_clip_val=spec.get("clip"),
+        enable_checkpointing=every is not None,
+        callbacks=saves if every else [],
+    )
     torch.manual_seed(123)
-    trainer.fit(module, loader(replica_rows(batches(), replica, dp)))
+    resume = spec.get("resume")
+    trainer.fit(
+        module, loader(replica_rows(batches(), replica, dp)), ckpt_path=resume and os.path.join(out, resume)
+    )
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
     held = {
         "mesh": module.mesh_seen,

@@ -3,9 +3,10 @@
 Without processes: the settings that cannot run are refused when the Trainer is built. One launch
 of 8 real processes (pp2 x dp2 x tp2, gloo on CPU, tests/engines/distributed/distributed_tp_worker.py)
 trains the bundled Llama ``tiny`` with its decoder layers split by Megatron's plan, under 1f1b with
-every stage checkpointed and the gradient clipped by norm. Replica r reads rows 4r..4r+3 of every
-batch of 8; the weights after 3 AdamW steps are compared with the module trained in this process on
-the whole batches: within 1e-5 relative.
+every stage checkpointed and the gradient clipped by norm, resuming an epoch trained as pp2 x fsdp4.
+Replica r reads rows 4r..4r+3 of every batch of 8; the weights after 6 AdamW steps are compared with
+the module trained in this process on the whole batches: within 1e-5 relative. The local engine
+resumes the split run's checkpoint for a third epoch: within 1e-6 of the uninterrupted run.
 """
 
 import functools
@@ -26,23 +27,32 @@ from pipeckpt.settings import PipeSettings
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_tp_worker.py"
 WORLD, DP, TP = 8, 2, 2
-START_S = 600  # one training of 8 processes on a loaded 2-core machine
-STEPS, CLIP = 3, 0.5  # the gradient's norm at the start is above CLIP: every step clips
+START_S = 600  # two trainings of 8 processes on a loaded 2-core machine
+EPOCH, CLIP = 3, 0.5  # steps of the data (3 batches); the gradient's norm is above CLIP: every step clips
+SPLIT = dict(
+    dp=DP,
+    tensor_parallel=TP,
+    tensor_parallel_plan=PLAN,
+    data_parallel="fsdp",
+    balance=[2, 2],
+    chunks=2,
+    schedule="1f1b",
+    checkpoint="always",
+)
+# A resume chain through the split layout: pp2 x fsdp4 trains the first epoch, pp2 x tp2 x fsdp2
+# resumes it for the second (both in the one launch of 8 processes), the local engine (1 stage, this
+# process) the third. Each leg is a new Trainer and module: only the checkpoint carries the run.
+FSDP4 = dict(dp=4, data_parallel="fsdp", balance=[2, 2], chunks=2, schedule="gpipe")
+FIRST = dict(name="pp2_fsdp4", steps=EPOCH, clip=CLIP, checkpoint_every=EPOCH, strategy=FSDP4)
 RUN = dict(
     name="pp2_tp2_fsdp2",
-    steps=STEPS,
+    steps=2 * EPOCH,
     clip=CLIP,
-    strategy=dict(
-        dp=DP,
-        tensor_parallel=TP,
-        tensor_parallel_plan=PLAN,
-        data_parallel="fsdp",
-        balance=[2, 2],
-        chunks=2,
-        schedule="1f1b",
-        checkpoint="always",
-    ),
+    checkpoint_every=EPOCH,
+    strategy=SPLIT,
+    resume="pp2_fsdp4/epoch=0-step=3.ckpt",
 )
+SPLIT_SAVED = "pp2_tp2_fsdp2/epoch=1-step=6.ckpt"
 
 # -- without processes -------------------------------------------------------------------
 
@@ -86,6 +96,16 @@ def test_a_world_of_pp_x_dp_x_tp_is_split_tensor_parallel_innermost():
     assert [t.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+def test_a_stage_is_found_on_its_pipeline_rank_whatever_the_tensor_parallel_split():
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(world=8, stages=2, virtual_stages=1, dp=None, chunks=2, kind=lookup("1f1b"), tp=2)
+    assert [t.rank_of(j) for j in range(2)] == [0, 1]  # pipeline ranks, not global ranks
+    assert [t.global_rank(1, 1, k) for k in range(2)] == [6, 7]
+    assert [t.stages_of(r) for r in range(8)] == [[0], [0], [1], [1], [0], [0], [1], [1]]
+
+
 def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
     from pipeckpt.engines.distributed.tensor_parallel import check_plan
 
@@ -99,22 +119,23 @@ def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
 
 @pytest.fixture(scope="module")
 def eight_processes(tmp_path_factory) -> Iterator[Path]:
-    yield ranks.launch(WORKER, WORLD, [RUN], tmp_path_factory.mktemp("tp"), within_s=START_S)
+    yield ranks.launch(WORKER, WORLD, [FIRST, RUN], tmp_path_factory.mktemp("tp"), within_s=START_S)
 
 
 @functools.cache
-def _reference() -> Dict[str, torch.Tensor]:
-    """The module trained in this process on the replicas' rows joined (the whole batches)."""
+def _reference(steps: int) -> Dict[str, torch.Tensor]:
+    """The module trained uninterrupted in this process on the replicas' rows joined (the whole
+    batches)."""
     module = TinyLlama()
     torch.manual_seed(123)
-    ranks.quiet_trainer("auto", 1, max_steps=STEPS, gradient_clip_val=CLIP).fit(module, loader(batches()))
+    ranks.quiet_trainer("auto", 1, max_steps=steps, gradient_clip_val=CLIP).fit(module, loader(batches()))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 @pytest.mark.slow
 def test_pp2_tp2_fsdp2_trains_like_one_process_on_the_joined_batch(eight_processes):
     got = _state(eight_processes / "pp2_tp2_fsdp2.ckpt")["state_dict"]
-    expected = _reference()
+    expected = _reference(2 * EPOCH)
     assert sorted(got) == sorted(expected)  # the unpipelined module's keys, each once
     assert max_relative_difference(got, expected) < 1e-5  # the clipping norm counts each element once
 
@@ -143,3 +164,16 @@ def test_each_process_holds_a_quarter_of_a_split_weight_and_half_of_a_norm(eight
             assert params[n]["mesh"] == ["dp", "tp"]
         for n in norms:  # over dp only
             assert params[n]["local"] * DP == params[n]["whole"]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_across_fsdp4_then_tp2_x_fsdp2_then_one_local_stage_ends_as_uninterrupted(
+    eight_processes, tmp_path
+):
+    module = TinyLlama()
+    torch.manual_seed(123)
+    trainer = ranks.quiet_trainer(PipelineStrategy(stages=1, chunks=2), 1, max_steps=3 * EPOCH,
+                                  gradient_clip_val=CLIP)  # fmt: skip
+    trainer.fit(module, loader(batches()), ckpt_path=eight_processes / SPLIT_SAVED)
+    got = {k: v.detach() for k, v in module.state_dict().items()}
+    assert max_relative_difference(got, _reference(3 * EPOCH)) < 1e-6
