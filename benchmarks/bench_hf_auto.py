@@ -114,7 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument(
-        "--search", default="modes,chunks", help="what auto may choose (memory_search): modes, chunks, balance"
+        "--search",
+        default="modes,chunks",
+        help="what auto may choose (memory_search): modes, chunks, balance",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

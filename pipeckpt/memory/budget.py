@@ -215,8 +215,10 @@ def resolve_for(
         loss_fn=loss_fn,
         accumulating=trainer.accumulate_grad_batches > 1,
         optimizer=None if settings.memory_optimizer else fitted_optimizer(module),
-        # Lightning zeroes the gradients after training_step: the last step's live through its forward.
-        stale_grads=bool(getattr(module, "automatic_optimization", True)),
+        # Lightning zeroes the gradients after training_step: the last step's live through its
+        # forward where the engine cannot drop them first (engines/local/engine.py,
+        # drop_stale_gradients): a module zeroing them its own way.
+        stale_grads=bool(getattr(module, "automatic_optimization", True)) and overrides_zero_grad(module),
     )
 
 
@@ -304,4 +306,13 @@ def first_call(module: Any, spec: ModulePipeline, batch: Any) -> RootInput:
         f"profiling takes the pipeline's input from the call of {type(root).__name__} in training_step, "
         "and training_step made none on the first batch",
         "call the model passed to pipeline_of() in training_step, or set example_input_array to its input",
+    )
+
+
+def overrides_zero_grad(module: Any) -> bool:
+    """Whether ``module`` zeroes its gradients its own way (``optimizer_zero_grad`` overridden)."""
+    from lightning.pytorch import LightningModule
+
+    return isinstance(module, LightningModule) and (
+        type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad
     )

@@ -89,10 +89,14 @@ class _Live(TorchDispatchMode):
                 st = t.untyped_storage()
                 if id(st) not in self._seen:
                     size = st.nbytes()
-                    self._seen[id(st)] = weakref.ref(st, lambda _, k=id(st), n=size: self._freed(k, n))
+                    self._seen[id(st)] = weakref.ref(st, self._on_free(id(st), size))
                     self.live += size
         self.peak = max(self.peak, self.live)
         return out
+
+    def _on_free(self, key: int, size: int) -> Callable[[Any], None]:
+        """The weakref callback that counts storage ``key`` of ``size`` bytes freed."""
+        return lambda _: self._freed(key, size)
 
 
 def _storage_bytes(tensors: Iterator[Tensor]) -> int:

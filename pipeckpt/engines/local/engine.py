@@ -21,6 +21,7 @@ from pipeckpt.engines.base import Engine
 from pipeckpt.engines.local.module import ModuleRunner
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
+from pipeckpt.stages.gradients import window_starts, zeroed_by_lightning
 from pipeckpt.stages.partition import module_name, plan
 from pipeckpt.stages.stage import Stage
 
@@ -93,6 +94,8 @@ class LocalEngine(Engine):
         return self.pipeline.stages if self.pipeline is not None else []
 
     def run(self, hook: str, module: LightningModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if hook == "training_step" and self.pipeline is not None:
+            drop_stale_gradients(module)
         if hook != "training_step" or self._use_checked or self.pipeline is None:
             return getattr(module, hook)(*args, **kwargs)
         before = self.pipeline.calls
@@ -120,3 +123,17 @@ class LocalEngine(Engine):
         if isinstance(self.pipeline, ModuleRunner):
             self.pipeline.restore()
         super().teardown(module)
+
+
+def drop_stale_gradients(module: LightningModule) -> None:
+    """At the first batch of an accumulation window, the previous step's gradients go before
+    ``training_step`` runs the pipeline's forward, not after it: Lightning zeroes them (to
+    ``None``) between ``training_step`` and backward anyway, and held through the forward they
+    are a whole copy of the gradients at the forward's peak (the memory model counts neither).
+    Inside a window the gradients accumulate and stay; under manual optimization, or an
+    ``optimizer_zero_grad`` of the module's own, nothing is known to be zeroed and nothing goes.
+    ``on_before_zero_grad`` then sees no gradient there, as under the distributed engine."""
+    if not module.automatic_optimization or not window_starts(module.trainer):
+        return
+    for p in zeroed_by_lightning(module):
+        p.grad = None
