@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 import pipeckpt
 from pipeckpt._compat import MemTracker
 
-SEQ, BATCH, STEPS = 128, 4, 3
+SEQ, BATCH, STEPS = 128, 4, 5
 
 
 def gpt2() -> transformers.GPT2LMHeadModel:
