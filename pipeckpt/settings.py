@@ -157,6 +157,13 @@ class PipeSettings:
             "forward (less memory, one more gather per backward); default False"
         ),
     )
+    dp_shard: Optional[int] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed, data_parallel='fsdp': hybrid sharding (HSDP), each stage sharded over groups "
+            "of dp_shard replicas and replicated across the dp / dp_shard groups; default dp (all)"
+        ),
+    )
     tensor_parallel: Optional[int] = field(
         default=None,
         metadata=_engine_help(
@@ -252,6 +259,7 @@ class PipeSettingsArgs(TypedDict, total=False):
     timeout: Optional[float]
     data_parallel: Optional[str]
     reshard_after_forward: Optional[bool]
+    dp_shard: Optional[int]
     tensor_parallel: Optional[int]
     tensor_parallel_plan: Optional[Dict[str, str]]
 

@@ -374,6 +374,25 @@ def test_live_op_order_reads_a_looped_schedules_pipeline_order():
     ]
 
 
+def test_split_mesh_dim_views_a_mesh_dimension_as_replicate_by_shard_groups_of_its_ranks():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)  # no peers needed
+    try:
+        mesh = init_device_mesh("cpu", (4, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+        hybrid = _compat.split_mesh_dim(mesh["dp"], (2, 2), ("dp_replicate", "dp_shard"))
+        assert mesh["dp"].mesh.tolist() == [1, 5, 9, 13]  # rank 5: replica 1 at pp 0, tp 1
+        assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert hybrid.mesh.tolist() == [[1, 5], [9, 13]]
+        assert dist.get_process_group_ranks(hybrid.get_group("dp_shard")) == [1, 5]
+        assert dist.get_process_group_ranks(hybrid.get_group("dp_replicate")) == [5, 13]
+        assert mesh.mesh_dim_names == ("dp", "pp", "tp")  # the mesh itself is unchanged
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dcp_metadata_names_the_private_classes_dcp_pickles_and_the_extents_of_its_files(tmp_path):
     import pickletools
 

@@ -270,6 +270,15 @@ def make_fsdp_root(module: nn.Module) -> None:
     fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
 
 
+def split_mesh_dim(mesh: Any, sizes: Tuple[int, ...], names: Tuple[str, ...]) -> Any:
+    """The 1-D DeviceMesh ``mesh`` viewed as a mesh of shape ``sizes`` (row-major, last innermost)
+    named ``names``, on the same root mesh (so DTensors on it and on the root's other dimensions
+    compose), its groups made now (a collective of every rank). FSDP2's hybrid sharding takes a 2-D
+    (replicate, shard) mesh; torch has no public way to make one from a dimension of an existing
+    mesh (``DeviceMesh._unflatten``), and ``init_device_mesh`` would make a second root."""
+    return mesh._unflatten(0, sizes, names)
+
+
 __all__ = [
     "STAGE_META",
     "is_view",
@@ -305,6 +314,7 @@ __all__ = [
     "sac_saved_ops",
     "saved_tensors_hooks_now",
     "schedule_op_order",
+    "split_mesh_dim",
     "set_module_device",
     "set_own_tensor",
     "tree_flatten",

@@ -42,6 +42,7 @@ SETTINGS: Dict[str, Any] = {
     "timeout": 60.0,
     "data_parallel": "ddp",
     "reshard_after_forward": False,
+    "dp_shard": None,
     "tensor_parallel": 1,
     "tensor_parallel_plan": None,
 }
@@ -106,6 +107,7 @@ class ProcessGroups:
             chunks=s.chunks,
             kind=self.kind,
             tp=s.tensor_parallel or 1,
+            dp_shard=s.dp_shard,
         )
         return self.topology
 

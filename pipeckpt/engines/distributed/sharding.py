@@ -7,7 +7,9 @@ root, so ``torch.distributed.pipelining``'s stage sees an ``FSDPModule``: it hol
 reduce-scatter back until the step's last backward. Parameters become DTensors: the gradient
 norm adds each rank's shard once, DCP writes the shards under the module's own keys, and a
 checkpoint of any layout (full tensors) loads as this rank's shard of each tensor. Under tensor
-parallelism the layers are split over ``tp`` first (:mod:`.tensor_parallel`), then sharded.
+parallelism the layers are split over ``tp`` first (:mod:`.tensor_parallel`), then sharded. Under
+hybrid sharding (``dp_shard``) ``fully_shard`` takes the ``dp`` dimension split into a 2-D
+``("dp_replicate", "dp_shard")`` mesh: FSDP2's own HSDP (shards within a group, all-reduced across).
 """
 
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from pipeckpt._compat import make_fsdp_root
+from pipeckpt._compat import make_fsdp_root, split_mesh_dim
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.engines.distributed.ties import Replicas
@@ -47,11 +49,31 @@ def check_data_parallel(s: PipeSettings) -> None:
             "is a switch: True or False",
             "set reshard_after_forward=True or reshard_after_forward=False",
         )
+    check_dp_shard(s)
     if s.reshard_after_forward and s.data_parallel != "fsdp":
         raise config_error(
             f"reshard_after_forward=True with data_parallel={s.data_parallel!r}",
             "only sharded data parallelism gathers parameters for a forward and frees them after",
             "set data_parallel='fsdp', or drop reshard_after_forward",
+        )
+
+
+def check_dp_shard(s: PipeSettings) -> None:
+    """``dp_shard`` is a count, and only sharded data parallelism takes it (whether it divides ``dp``
+    is known with the world size: :func:`.topology.resolve`)."""
+    if s.dp_shard is None:
+        return
+    if isinstance(s.dp_shard, bool) or not isinstance(s.dp_shard, int) or s.dp_shard < 1:
+        raise config_error(
+            f"dp_shard={s.dp_shard!r}",
+            "the replicas a stage is sharded over are an integer number >= 1",
+            "set dp_shard to a divisor of dp, or leave it unset to shard over every replica",
+        )
+    if s.data_parallel != "fsdp":
+        raise config_error(
+            f"dp_shard={s.dp_shard} with data_parallel={s.data_parallel!r}",
+            "hybrid sharding shards each stage over dp_shard replicas with FSDP2; DDP shards nothing",
+            "set data_parallel='fsdp', or drop dp_shard",
         )
 
 
@@ -76,27 +98,41 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 @dataclass
 class Sharding:
-    """How this rank's stages are sharded: over ``mesh`` (the ``dp`` dimension), replica 0's values
-    first; split over ``tp`` before, under tensor parallelism."""
+    """How this rank's stages are sharded: by ``fully_shard`` over ``mesh`` (the ``dp`` dimension,
+    or it split into ``("dp_replicate", "dp_shard")`` under hybrid sharding), replica 0 of
+    ``replicas`` (the ``dp`` dimension) giving every replica its values first; split over ``tp``
+    before, under tensor parallelism."""
 
     mesh: DeviceMesh
+    replicas: DeviceMesh
     reshard_after_forward: bool
     policy: MixedPrecisionPolicy
     tp: Optional[TensorParallel] = None
 
     @classmethod
     def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh], *, precision: str) -> Optional["Sharding"]:
-        """The sharding ``s`` asks for (``data_parallel='fsdp'``) over ``mesh``'s ``dp`` dimension,
-        or None."""
+        """The sharding ``s`` asks for (``data_parallel='fsdp'``) over ``mesh``'s ``dp`` dimension
+        (``dp_shard < dp``: over that dimension split into ``dp_replicate`` x ``dp_shard``), or None."""
         if s.data_parallel != "fsdp":
             return None
         assert mesh is not None, "the mesh is made when the processes connect"
+        dp, k = mesh["dp"], s.dp_shard
+        sharded_over = dp
+        if k is not None and k < dp.size():  # HSDP: the replicas as (dp / dp_shard) x dp_shard
+            sharded_over = split_mesh_dim(dp, (dp.size() // k, k), ("dp_replicate", "dp_shard"))
         policy = mixed_precision(precision)
-        return cls(mesh["dp"], bool(s.reshard_after_forward), policy, TensorParallel.of(s, mesh))
+        tp = TensorParallel.of(s, mesh)
+        return cls(sharded_over, dp, bool(s.reshard_after_forward), policy, tp)
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group()
+        """This rank's replicas (the flat ``dp`` group)."""
+        return self.replicas.get_group()
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The replicas that hold the other shards of this rank's parameters."""
+        return self.mesh.get_group("dp_shard") if self.mesh.ndim == 2 else self.group
 
     @property
     def src(self) -> int:
@@ -107,7 +143,7 @@ class Sharding:
         """``stage_module`` as an ``FSDPModule`` whose ``layers`` that train parameters are each
         sharded apart (split over ``tp`` first); returns it (sharded in place)."""
         layers = list(layers)
-        if self.mesh.size() > 1:
+        if self.replicas.size() > 1:
             with torch.no_grad():
                 for t in (*stage_module.parameters(), *stage_module.buffers()):
                     if not t.is_meta:
@@ -149,12 +185,13 @@ class Sharding:
     def squared_norm(self, grads: List[Tensor], device: torch.device) -> Tensor:
         """The squared 2-norm of ``grads`` over this pipeline rank's replicas (and tensor-parallel
         ranks): each DTensor gradient's shards summed over the mesh dimensions it is split on, so each
-        element counts once; the plain gradients and the replicated dimensions, once."""
+        element counts once; the plain gradients and the replicated dimensions (``dp_replicate``:
+        every group holds the same shards), once."""
         split: Dict[Tuple[str, ...], List[Tensor]] = {(): [g for g in grads if not isinstance(g, DTensor)]}
         for g in grads:
             if isinstance(g, DTensor):
                 names = g.device_mesh.mesh_dim_names or ()
-                over = tuple(n for n, p in zip(names, g.placements) if not p.is_replicate())
+                over = tuple(_SPLIT.get(n, n) for n, p in zip(names, g.placements) if not p.is_replicate())
                 split.setdefault(over, []).append(g.to_local())
         assert set(split) <= {(), ("dp",), ("tp",), ("dp", "tp")}, f"split over {list(split)}"
         [plain, dp, tp, both] = [
@@ -164,8 +201,12 @@ class Sharding:
         if self.tp is not None:
             dist.all_reduce(over_tp, group=self.tp.mesh.get_group())
         over_dp = torch.stack([dp, over_tp[1]])
-        dist.all_reduce(over_dp, group=self.group)
+        dist.all_reduce(over_dp, group=self.shard_group)
         return plain + over_tp[0] + over_dp.sum()
+
+
+#: The dimension a gradient's shards are summed over, by the mesh dimension it is split on.
+_SPLIT = {"dp_shard": "dp"}
 
 
 def _gathered(layers: List[FSDPModule]) -> Callable[..., None]:

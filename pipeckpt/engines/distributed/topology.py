@@ -5,12 +5,13 @@ ranks, each rank ``tp`` processes that split its layers' weights (tensor paralle
 and hold ``virtual_stages`` stages (stage ``j`` on pipeline rank ``j % pp``, torch's
 interleaved layout). Global rank ``(replica * pp + pipeline rank) * tp + tp rank``:
 the row-major order of the ``("dp", "pp", "tp")`` device mesh, tensor parallel
-innermost as its collectives are the most frequent. Everything here is arithmetic
-on settings, so a bad combination fails when the Trainer is built, before any
-process starts.
+innermost as its collectives are the most frequent. Hybrid sharding (``dp_shard``)
+views ``dp`` as ``(dp / dp_shard, dp_shard)``: replicas ``k * dp_shard`` to
+``(k + 1) * dp_shard - 1`` share one copy of the shards. Everything here is arithmetic on settings, so a
+bad combination fails when the Trainer is built, before any process starts.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from pipeckpt._errors import config_error
@@ -26,10 +27,32 @@ class Topology:
     virtual_stages: int
     kind: ScheduleKind
     tp: int = 1
+    dp_shard: Optional[int] = None  # hybrid sharding: the replicas a stage is sharded over (< dp)
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    @property
+    def shard_degree(self) -> int:
+        """The replicas that share one copy of a stage's shards: ``dp_shard``, else all of ``dp``."""
+        return self.dp_shard or self.dp
+
+    def shard_group(self, rank: int) -> List[int]:
+        """The global ranks over which global ``rank``'s parameters are sharded (itself among them):
+        the replicas of its replicate group at its pipeline and tensor-parallel position."""
+        replica, k = self.replica_of(rank), self.shard_degree
+        first = replica - replica % k
+        return [self._at(first + i, rank) for i in range(k)]
+
+    def replicate_group(self, rank: int) -> List[int]:
+        """The global ranks that hold the same shards as global ``rank`` (itself among them)."""
+        k = self.shard_degree
+        return [self._at(self.replica_of(rank) % k + j * k, rank) for j in range(self.dp // k)]
+
+    def _at(self, replica: int, rank: int) -> int:
+        """The global rank of ``replica`` at global ``rank``'s pipeline and tensor-parallel position."""
+        return self.global_rank(replica, self.pipeline_rank_of(rank), rank % self.tp)
 
     def pipeline_rank_of(self, rank: int) -> int:
         """The pipeline rank of global ``rank``."""
@@ -54,6 +77,8 @@ class Topology:
     def describe(self, rank: int) -> str:
         stages = ", ".join(map(str, self.stages_of(rank)))
         split = f", tensor-parallel rank {rank % self.tp}" if self.tp > 1 else ""
+        if self.dp_shard is not None:
+            split += f", sharded with ranks {self.shard_group(rank)}"
         return (
             f"rank {rank} (pipeline stage {stages} of data-parallel replica {self.replica_of(rank)}{split})"
         )
@@ -84,10 +109,11 @@ def resolve(
     chunks: int,
     kind: ScheduleKind,
     tp: int = 1,
+    dp_shard: Optional[int] = None,
 ) -> Topology:
     """``pp`` and ``dp`` for a world of ``world`` processes, ``tp`` of them to each pipeline rank
     of each replica: from ``dp`` if set, else from the stage count, else one pipeline over the
-    whole world."""
+    whole world; ``dp_shard`` of the replicas share each copy of the shards."""
     v = virtual_stages
     if world % tp:
         raise config_error(
@@ -138,7 +164,23 @@ def resolve(
             f"{stages // v}, or change virtual_stages",
         )
     check_chunks(kind, chunks, pp=pp, stages=topology.stages)
+    if dp_shard is not None:
+        check_dp_shard(dp_shard, topology.dp, of_world)
+        if dp_shard < topology.dp:  # dp_shard = dp is plain sharding over every replica
+            topology = replace(topology, dp_shard=dp_shard)
     return topology
+
+
+def check_dp_shard(dp_shard: int, dp: int, of_world: str) -> None:
+    """A config error unless ``dp_shard`` divides the ``dp`` replicas into groups of equal size."""
+    if dp % dp_shard:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise config_error(
+            f"dp_shard={dp_shard} with dp={dp} ({of_world})",
+            "hybrid sharding shards each stage over groups of dp_shard replicas and replicates it "
+            "across dp / dp_shard such groups, so dp_shard must divide dp",
+            f"set dp_shard to one of {divisors}, or set dp to a multiple of {dp_shard}",
+        )
 
 
 def check_chunks(kind: ScheduleKind, chunks: int, *, pp: int, stages: int) -> None:

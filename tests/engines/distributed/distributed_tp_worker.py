@@ -9,13 +9,15 @@ lists trainings run one after the other in the same processes:
 Each run trains :class:`TinyLlama` under engine="distributed" on this replica's rows of every
 batch (from ``resume``, a checkpoint of an earlier run, if given; saving every ``checkpoint_every``
 steps if given), and writes the sharded checkpoint `<name>.ckpt` and `<name>.rank<R>.pt`: the mesh the module
-saw in ``configure_model`` and, per parameter this rank holds, its local and whole sizes.
+saw in ``configure_model`` and, per parameter this rank holds, its local and whole sizes, and for a
+DTensor its mesh's dimensions, its placements and the global ranks of its group on each dimension.
 """
 
 import os
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support.ranks import quiet_trainer, serve
 from torch import Tensor
@@ -114,10 +116,13 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
 def _sizes(t: Tensor) -> Dict[str, Any]:
     if not isinstance(t, DTensor):
         return {"local": t.numel(), "whole": t.numel(), "mesh": []}
+    mesh = t.device_mesh
     return {
         "local": t.to_local().numel(),
         "whole": t.numel(),
-        "mesh": list(t.device_mesh.mesh_dim_names or ()),
+        "mesh": list(mesh.mesh_dim_names or ()),
+        "placements": [repr(p) for p in t.placements],
+        "groups": [dist.get_process_group_ranks(mesh.get_group(i)) for i in range(mesh.ndim)],
     }
 
 

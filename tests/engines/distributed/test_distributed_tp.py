@@ -6,7 +6,9 @@ trains the bundled Llama ``tiny`` with its decoder layers split by Megatron's pl
 every stage checkpointed and the gradient clipped by norm, resuming an epoch trained as pp2 x fsdp4.
 Replica r reads rows 4r..4r+3 of every batch of 8; the weights after 6 AdamW steps are compared with
 the module trained in this process on the whole batches: within 1e-5 relative. The local engine
-resumes the split run's checkpoint for a third epoch: within 1e-6 of the uninterrupted run.
+resumes the split run's checkpoint for a third epoch: within 1e-6 of the uninterrupted run. In the
+same launch, hybrid sharding (pp2 x (replicate 2 x shard 2), ``dp_shard=2``) resumes the pp2 x fsdp4
+epoch too: 4 replicas of 2 rows each, the same 1e-5.
 """
 
 import functools
@@ -53,6 +55,21 @@ RUN = dict(
     resume="pp2_fsdp4/epoch=0-step=3.ckpt",
 )
 SPLIT_SAVED = "pp2_tp2_fsdp2/epoch=1-step=6.ckpt"
+# Hybrid sharding: the 4 replicas of each pipeline rank as 2 groups of 2 that each hold one copy of
+# the shards (FSDP2's HSDP), resuming the same pp2 x fsdp4 epoch into this layout.
+HDP, SHARD = 4, 2
+HYBRID = dict(
+    dp=HDP,
+    dp_shard=SHARD,
+    data_parallel="fsdp",
+    balance=[2, 2],
+    chunks=2,
+    schedule="1f1b",
+    checkpoint="always",
+)
+HYBRID_RUN = dict(
+    name="pp2_hsdp", steps=2 * EPOCH, clip=CLIP, strategy=HYBRID, resume="pp2_fsdp4/epoch=0-step=3.ckpt"
+)
 
 # -- without processes -------------------------------------------------------------------
 
@@ -106,6 +123,46 @@ def test_a_stage_is_found_on_its_pipeline_rank_whatever_the_tensor_parallel_spli
     assert [t.stages_of(r) for r in range(8)] == [[0], [0], [1], [1], [0], [0], [1], [1]]
 
 
+def test_dp_shard_under_ddp_is_refused_naming_fsdp():
+    with pytest.raises(PipeckptConfigError, match=r"(?s)dp_shard=2 with data_parallel='ddp'.*'fsdp'"):
+        _checked(dp_shard=2)
+
+
+def test_a_dp_shard_that_is_not_a_count_is_refused():
+    with pytest.raises(PipeckptConfigError, match=r"(?s)dp_shard=0.*integer number >= 1.*HINT"):
+        _checked(dp_shard=0, data_parallel="fsdp")
+
+
+def test_a_dp_shard_that_does_not_divide_dp_is_refused_when_the_trainer_is_built():
+    strategy = PipelineStrategy(engine="distributed", dp=4, dp_shard=3, data_parallel="fsdp")
+    with pytest.raises(PipeckptConfigError, match=r"(?s)dp_shard=3 with dp=4.*must divide dp.*\[1, 2, 4\]"):
+        ranks.quiet_trainer(strategy, 4)
+
+
+def test_hybrid_sharding_shards_over_consecutive_replicas_and_replicates_across_their_groups():
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(world=8, stages=2, virtual_stages=1, dp=4, chunks=2, kind=lookup("1f1b"), dp_shard=2)
+    assert (t.pp, t.dp, t.dp_shard) == (2, 4, 2)
+    # global rank = replica x pp + pipeline rank; replicas {0, 1} and {2, 3} each hold one copy
+    assert [t.shard_group(r) for r in range(8)] == [[0, 2], [1, 3]] * 2 + [[4, 6], [5, 7]] * 2
+    assert [t.replicate_group(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    split = resolve(
+        world=16, stages=2, virtual_stages=1, dp=4, chunks=2, kind=lookup("1f1b"), tp=2, dp_shard=2
+    )
+    assert (split.shard_group(5), split.replicate_group(5)) == ([1, 5], [5, 13])  # at tp rank 1 of pp 0
+
+
+def test_a_dp_shard_of_every_replica_is_plain_sharding():
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(world=8, stages=2, virtual_stages=1, dp=4, chunks=2, kind=lookup("1f1b"), dp_shard=4)
+    assert t.dp_shard is None
+    assert t.shard_group(1) == [1, 3, 5, 7] and t.replicate_group(1) == [1]
+
+
 def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
     from pipeckpt.engines.distributed.tensor_parallel import check_plan
 
@@ -119,7 +176,8 @@ def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
 
 @pytest.fixture(scope="module")
 def eight_processes(tmp_path_factory) -> Iterator[Path]:
-    yield ranks.launch(WORKER, WORLD, [FIRST, RUN], tmp_path_factory.mktemp("tp"), within_s=START_S)
+    runs = [FIRST, RUN, HYBRID_RUN]
+    yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("tp"), within_s=START_S)
 
 
 @functools.cache
@@ -177,3 +235,29 @@ def test_a_run_resumed_across_fsdp4_then_tp2_x_fsdp2_then_one_local_stage_ends_a
     trainer.fit(module, loader(batches()), ckpt_path=eight_processes / SPLIT_SAVED)
     got = {k: v.detach() for k, v in module.state_dict().items()}
     assert max_relative_difference(got, _reference(3 * EPOCH)) < 1e-6
+
+
+@pytest.mark.slow
+def test_pp2_hsdp_resumed_from_fsdp4_trains_like_one_process_on_the_joined_batch(eight_processes):
+    got = _state(eight_processes / "pp2_hsdp.ckpt")["state_dict"]
+    expected = _reference(2 * EPOCH)
+    assert sorted(got) == sorted(expected)  # DCP under the unpipelined module's keys
+    assert max_relative_difference(got, expected) < 1e-5  # the clipping norm counts each element once
+
+
+@pytest.mark.slow
+def test_under_hsdp_each_process_holds_half_of_each_weight_shared_with_its_shard_group(eight_processes):
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(
+        world=WORLD, stages=2, virtual_stages=1, dp=HDP, chunks=2, kind=lookup("1f1b"), dp_shard=SHARD
+    )
+    for rank in range(WORLD):
+        params = torch.load(eight_processes / f"pp2_hsdp.rank{rank}.pt")["params"]
+        assert params
+        for held in params.values():
+            assert held["local"] * SHARD == held["whole"]
+            assert held["mesh"] == ["dp_replicate", "dp_shard"]
+            assert held["placements"] == ["Replicate()", "Shard(dim=0)"]
+            assert held["groups"] == [t.replicate_group(rank), t.shard_group(rank)]
