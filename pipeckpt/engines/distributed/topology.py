@@ -6,8 +6,8 @@ and hold ``virtual_stages`` stages (stage ``j`` on pipeline rank ``j % pp``, tor
 interleaved layout). Global rank ``(replica * pp + pipeline rank) * tp + tp rank``:
 the row-major order of the ``("dp", "pp", "tp")`` device mesh, tensor parallel
 innermost as its collectives are the most frequent. Hybrid sharding (``dp_shard``)
-views ``dp`` as ``(dp / dp_shard, dp_shard)``: replicas ``k * dp_shard`` to
-``(k + 1) * dp_shard - 1`` share one copy of the shards. Everything here is arithmetic on settings, so a
+views ``dp`` as ``(dp / dp_shard, dp_shard)``: each run of ``dp_shard`` consecutive
+replicas shares one copy of the shards. All of it is arithmetic on settings, so a
 bad combination fails when the Trainer is built, before any process starts.
 """
 
