@@ -94,7 +94,7 @@ def choose(
     accumulating: bool = False,
     shared_device: bool = False,
     stale_grads: bool = False,
-    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[RankState]]] = None,
+    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]]] = None,
 ) -> Choice:
     """The per-stage modes (and chunks and balance among the candidates) with the least predicted
     step time whose every stage's predicted peak is at most ``budget_bytes``.
@@ -103,9 +103,9 @@ def choose(
     mapping from each candidate chunk count to the profile of its micro-batch (batch / chunks).
     ``balance``: the stages' layer counts; ``balances``: candidate balances to search instead.
     ``modes``: the candidate modes per stage. The other arguments are
-    :func:`~pipeckpt.memory.predict.predict`'s. ``rank_states``: each stage's training state on one
-    of its ranks for a balance (:func:`~pipeckpt.memory.sharding.rank_state`), where the stages are
-    sharded: the peaks compared with the budget are then one rank's
+    :func:`~pipeckpt.memory.predict.predict`'s. ``rank_states``: for a balance, each stage's
+    training state on one of its ranks and unsharded (:func:`~pipeckpt.memory.sharding.rank_state`),
+    where the stages are sharded: the peaks compared with the budget are then one rank's
     (:func:`~pipeckpt.memory.sharding.on_rank`). Raises a config error stating the smallest feasible
     budget, and the stage that decides it, when nothing fits.
     """
@@ -196,7 +196,7 @@ def choose(
 
 def _predict_on_ranks(
     profile: ModelProfile,
-    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[RankState]]],
+    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]]],
     plan: StagePlan,
     **options: Any,
 ) -> Prediction:
@@ -206,7 +206,8 @@ def _predict_on_ranks(
     if rank_states is None:
         return prediction
     states = rank_states(tuple(plan.balance))
-    return replace(prediction, stages=tuple(on_rank(s, st) for s, st in zip(prediction.stages, states)))
+    ranks = tuple(on_rank(s, mine, whole) for s, (mine, whole) in zip(prediction.stages, states))
+    return replace(prediction, stages=ranks)
 
 
 def process_peak(

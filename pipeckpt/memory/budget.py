@@ -218,15 +218,19 @@ def resolve_auto(
 
 def _rank_states(
     sequential: nn.Sequential, layout: Layout, optimizer: Union[str, torch.optim.Optimizer]
-) -> Callable[[Tuple[int, ...]], List[RankState]]:
-    """Each stage's state on one of its ranks, per balance: every layer an FSDP2 unit, as the
-    distributed engine shards a stage."""
+) -> Callable[[Tuple[int, ...]], List[Tuple[RankState, RankState]]]:
+    """Each stage's state on one of its ranks and unsharded, per balance: every layer an FSDP2 unit,
+    as the distributed engine shards a stage."""
     layers = list(sequential)
+    unsharded = Layout(precision=layout.precision)  # the dtype the module's parameters are kept in
 
     @functools.cache
-    def states(balance: Tuple[int, ...]) -> List[RankState]:
+    def states(balance: Tuple[int, ...]) -> List[Tuple[RankState, RankState]]:
         edges = [0, *itertools.accumulate(balance)]
-        return [rank_state(layers[a:b], layout, optimizer) for a, b in itertools.pairwise(edges)]
+        return [
+            (rank_state(layers[a:b], layout, optimizer), rank_state(layers[a:b], unsharded, optimizer))
+            for a, b in itertools.pairwise(edges)
+        ]
 
     return states
 

@@ -9,7 +9,7 @@ on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", 
 
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
-from typing import Dict, List, Sequence, Tuple, Type, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -223,7 +223,7 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
     )
 
 
-def on_rank(stage: StageMemory, state: RankState) -> StageMemory:
+def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = None) -> StageMemory:
     """:func:`per_rank` in the walk's own terms, for the planners that compare a stage's peak with a
     budget (``checkpoint='auto'``): the parameters held are the rank's shards and the gathered
     parameters, its working set takes FSDP's collective buffers; the peak is :func:`per_rank`'s.
@@ -231,7 +231,18 @@ def on_rank(stage: StageMemory, state: RankState) -> StageMemory:
     Args:
         stage: the walk's prediction for the stage.
         state: :func:`rank_state` of the stage's layers.
+        whole: :func:`rank_state` of the same layers unsharded (``Layout(precision=...)``): what the
+            walk counts beyond them (a ``pipeline_of`` model's own parameters, on its last stage)
+            stays whole on every rank, as the engine shards the layers only. None: nothing beyond.
     """
+    if whole is not None:
+        extra = stage.params - whole.params
+        state = replace(
+            state,
+            params=state.params + extra,
+            grads=state.grads + extra,
+            optimizer=state.optimizer + stage.optimizer - whole.optimizer,
+        )
     rank = per_rank(stage, state)
     return replace(
         stage,

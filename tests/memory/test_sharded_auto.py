@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 import pytest
 import torch
+from support.hf_models import HFModule, batches, whole
 from test_sharding import _local, fake_world
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -25,6 +26,7 @@ from pipeckpt.memory.auto import with_balance_modes
 from pipeckpt.memory.budget import AutoPlan, first_microbatch, resolve_auto
 from pipeckpt.memory.predict import predict, with_balance
 from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.rooted import RootInput
 from pipeckpt.memory.sharding import Layout, per_rank, rank_state, split_shapes
 from pipeckpt.settings import PipeSettings
 
@@ -33,17 +35,13 @@ SMALLEST = re.compile(r"the smallest feasible budget is [\d.]+ \w+ \((\d+) bytes
 
 
 def _settings(data_parallel: str, budget: Any, **more: Any) -> PipeSettings:
+    given: Dict[str, Any] = dict(stages=2, chunks=2, schedule="gpipe", memory_optimizer="adamw", dp=2)
     return PipeSettings(
         engine="distributed",
-        stages=2,
-        chunks=2,
-        schedule="gpipe",
         checkpoint="auto",
         memory_budget=budget,
-        memory_optimizer="adamw",
         data_parallel=data_parallel,
-        dp=2,
-        **more,
+        **{**given, **more},
     )
 
 
@@ -142,3 +140,23 @@ def test_a_tensor_parallel_plan_splits_each_parameter_as_torchs_styles_do() -> N
         parallelize_module(block, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
         held = [(tuple(_local(p).shape), p.requires_grad) for p in block.parameters()]
     assert predicted == held and predicted != whole
+
+
+def test_a_pipeline_of_models_own_parameters_count_whole_on_its_last_stages_rank() -> None:
+    # The engine shards the layers only; the embeddings, final norm and head stay whole on each rank.
+    module = HFModule("llama", whole)
+    spec = module.configure_pipeline()
+    ids = batches(1)[0]["input_ids"]
+    settings = _settings("fsdp", "1GiB", stages=None, balance=[2, 2])
+    layout = Layout(fsdp=2)
+    batch = RootInput.of(ids)
+    once = {2: profile(spec, first_microbatch(batch, 2), rounds=1)}  # the parameters need no timing
+    chosen = resolve_auto(
+        settings, spec, devices=[torch.device("cpu")], batch=batch, profiles=once, layout=layout
+    )
+    in_layers = {id(p) for layer in spec for p in layer.parameters()}
+    outside = sum(p.numel() * 4 for p in module.model.parameters() if id(p) not in in_layers)
+    assert outside > 0
+    state = rank_state(list(spec)[2:], layout, "adamw")
+    last = chosen.choice.prediction.stages[-1]
+    assert last.params == state.params + state.unsharded + outside
