@@ -152,7 +152,7 @@ class PipelineStrategy(MetaBuildStrategy):
         chosen: List[Any] = [None]
         if self.global_rank == 0:
             try:
-                chosen[0] = resolve_for(self.settings, module, trainer, self.parallel_devices)
+                chosen[0] = resolve_for(self.settings, module, trainer, self.parallel_devices, self.engine)
             except PipeckptConfigError as error:  # every rank raises rank 0's error, none waits
                 chosen[0] = error
         plan = self.broadcast(chosen[0])

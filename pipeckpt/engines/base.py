@@ -114,6 +114,13 @@ class Engine(ABC):
         """Whether the plan's stages share one device, whose budget then bounds them together."""
         return len(set(plan.devices)) == 1 and plan.stages > 1
 
+    def memory_layout(self) -> Dict[str, Any]:
+        """``checkpoint='auto'`` (the world known): how each stage's parameters, gradients and
+        optimizer state are spread over the ranks that run it, as the fields of
+        :class:`~pipeckpt.memory.sharding.Layout` (``fsdp``, ``tp``, ``reshard_after_forward``,
+        ``precision``, ``tp_plan``). Empty: every stage is held whole by its device."""
+        return {}
+
     @classmethod
     def planning(cls) -> AbstractContextManager[None]:
         """Around ``checkpoint='auto'``'s choice (which runs on global rank 0 only)."""

@@ -9,8 +9,8 @@ in docs/DESIGN.md, memory/auto; tests/memory/test_auto.py checks it against brut
 
 import functools
 import itertools
-from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,6 +28,7 @@ from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order
+from pipeckpt.memory.sharding import RankState, on_rank
 from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.sizes import human, parse_bytes
@@ -93,6 +94,7 @@ def choose(
     accumulating: bool = False,
     shared_device: bool = False,
     stale_grads: bool = False,
+    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]]] = None,
 ) -> Choice:
     """The per-stage modes (and chunks and balance among the candidates) with the least predicted
     step time whose every stage's predicted peak is at most ``budget_bytes``.
@@ -101,7 +103,10 @@ def choose(
     mapping from each candidate chunk count to the profile of its micro-batch (batch / chunks).
     ``balance``: the stages' layer counts; ``balances``: candidate balances to search instead.
     ``modes``: the candidate modes per stage. The other arguments are
-    :func:`~pipeckpt.memory.predict.predict`'s. Raises a config error stating the smallest feasible
+    :func:`~pipeckpt.memory.predict.predict`'s. ``rank_states``: for a balance, each stage's
+    training state on one of its ranks and unsharded (:func:`~pipeckpt.memory.sharding.rank_state`),
+    where the stages are sharded: the peaks compared with the budget are then one rank's
+    (:func:`~pipeckpt.memory.sharding.on_rank`). Raises a config error stating the smallest feasible
     budget, and the stage that decides it, when nothing fits.
     """
     chunk_options = [chunks] if isinstance(chunks, int) else list(chunks)
@@ -121,8 +126,9 @@ def choose(
         nested = _nested(candidates, c)
         ranked = sorted(candidates, key=lambda m: _recompute_rank(m, c))
         predicted = functools.partial(
-            predict,
+            _predict_on_ranks,
             by_chunks[c],
+            rank_states,
             chunks=c,
             optimizer=optimizer,
             schedule=schedule,
@@ -186,6 +192,22 @@ def choose(
             f"raise memory.budget to at least {human(least)}, or add chunks, stages or devices",
         )
     return best
+
+
+def _predict_on_ranks(
+    profile: ModelProfile,
+    rank_states: Optional[Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]]],
+    plan: StagePlan,
+    **options: Any,
+) -> Prediction:
+    """:func:`~pipeckpt.memory.predict.predict`, each stage's memory one of its ranks' where
+    ``rank_states`` says how the stages are sharded."""
+    prediction = predict(profile, plan, **options)
+    if rank_states is None:
+        return prediction
+    states = rank_states(tuple(plan.balance))
+    ranks = tuple(on_rank(s, mine, whole) for s, (mine, whole) in zip(prediction.stages, states))
+    return replace(prediction, stages=ranks)
 
 
 def process_peak(

@@ -5,6 +5,7 @@ builds, and once made it is ordinary settings, so every engine builds what it wo
 from the same settings written by hand. Where the batch comes from: docs/DESIGN.md, memory/budget.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -17,9 +18,11 @@ from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
+from pipeckpt.engines.base import Engine
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
+from pipeckpt.memory.sharding import Layout, RankState, rank_state
 from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
@@ -49,6 +52,8 @@ class AutoPlan:
     budget: int
     #: The profile of one micro-batch per candidate chunk count that the choice was made from.
     profiles: Dict[int, ModelProfile] = field(default_factory=dict, repr=False, compare=False)
+    #: How the stages were counted sharded over their ranks (None: each stage whole on its device).
+    layout: Optional[Layout] = None
 
     def describe(self) -> str:
         p = self.choice.prediction
@@ -60,8 +65,15 @@ class AutoPlan:
             if whole is not None
             else f"predicted peak per stage [{peaks}] MiB"
         )
+        lay = self.layout
+        counted = (
+            f" (counted per rank: fsdp={lay.fsdp}, tp={lay.tp}, reshard_after_forward="
+            f"{lay.reshard_after_forward}, {lay.precision})"
+            if lay is not None
+            else ""
+        )
         return (
-            f"checkpoint=auto under {self.budget / 2**20:.1f} MiB per device: "
+            f"checkpoint=auto under {self.budget / 2**20:.1f} MiB per device{counted}: "
             f"checkpoint={[m.name for m in self.choice.modes]}, chunks={self.choice.chunks}, "
             f"balance={list(self.choice.balance)}; {peak}, "
             f"step {p.step_time_s * 1e3:.1f} ms ({p.schedule} schedule)"
@@ -129,6 +141,7 @@ def resolve_auto(
     profiles: Optional[Mapping[int, ModelProfile]] = None,
     optimizer: Union[str, torch.optim.Optimizer, None] = None,
     stale_grads: bool = False,
+    layout: Optional[Layout] = None,
 ) -> AutoPlan:
     """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
     ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
@@ -140,8 +153,10 @@ def resolve_auto(
 
     ``profiles``: the profile of one micro-batch for each candidate chunk count, to choose from
     instead of profiling (the same profiles give the same choice; :attr:`AutoPlan.profiles`
-    holds those a choice was made from). The engine says which op order the memory model walks,
-    which chunk counts it runs and whether its stages share a device's budget
+    holds those a choice was made from). ``layout``: how each stage's parameters, gradients and
+    optimizer state are spread over its ranks (FSDP2, tensor parallel, precision); each stage's peak
+    is then one rank's (:mod:`pipeckpt.memory.sharding`). The engine says which op order the
+    memory model walks, which chunk counts it runs and whether its stages share a device's budget
     (:class:`~pipeckpt.engines.base.Engine`)."""
     assert settings.memory_budget is not None  # PipeSettings requires it with checkpoint="auto"
     engine = engine_class(settings.engine)
@@ -173,12 +188,13 @@ def resolve_auto(
         }
         layers = len(sequential)
         balances = balance_candidates(layers, base.stages, base.balance) if "balance" in search else None
+        counted = settings.memory_optimizer or optimizer or "adam"
         choice = choose(
             profiled,
             budget,
             balance=base.balance,
             chunks=chunk_options,
-            optimizer=settings.memory_optimizer or optimizer or "adam",
+            optimizer=counted,
             schedule=schedule,
             modes=DEFAULT_MODES,
             balances=balances,
@@ -186,6 +202,7 @@ def resolve_auto(
             shared_device=engine.shares_device(base),
             # Only the local engine's step keeps the Trainer's order (zero_grad after the forward).
             stale_grads=stale_grads and schedule == "local",
+            rank_states=None if layout is None else _rank_states(sequential, layout, counted),
         )
     chosen = replace(
         settings,
@@ -196,14 +213,39 @@ def resolve_auto(
         memory_budget=None,
         memory_search=None,
     )
-    return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled)
+    return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled, layout=layout)
+
+
+def _rank_states(
+    sequential: nn.Sequential, layout: Layout, optimizer: Union[str, torch.optim.Optimizer]
+) -> Callable[[Tuple[int, ...]], List[Tuple[RankState, RankState]]]:
+    """Each stage's state on one of its ranks and unsharded, per balance: every layer an FSDP2 unit,
+    as the distributed engine shards a stage."""
+    layers = list(sequential)
+    unsharded = Layout(precision=layout.precision)  # the dtype the module's parameters are kept in
+
+    @functools.cache
+    def states(balance: Tuple[int, ...]) -> List[Tuple[RankState, RankState]]:
+        edges = [0, *itertools.accumulate(balance)]
+        return [
+            (rank_state(layers[a:b], layout, optimizer), rank_state(layers[a:b], unsharded, optimizer))
+            for a, b in itertools.pairwise(edges)
+        ]
+
+    return states
 
 
 def resolve_for(
-    settings: PipeSettings, module: Any, trainer: Any, devices: Optional[Sequence[torch.device]]
+    settings: PipeSettings,
+    module: Any,
+    trainer: Any,
+    devices: Optional[Sequence[torch.device]],
+    engine: Optional[Engine] = None,
 ) -> AutoPlan:
     """:func:`resolve_auto` for the module a Trainer fits: on a batch of :func:`sample_batch` from
-    the fit's training loader, counting the state of the module's own optimizer."""
+    the fit's training loader, counting the state of the module's own optimizer, each stage as
+    ``engine`` (the strategy's, its world known) spreads it over ranks (:meth:`Engine.memory_layout`)."""
+    spread = engine.memory_layout() if engine is not None else {}
     sequential = pipelined_sequential(module)
     batch, target, loss_fn = sample_batch(module, fit_train_loader(trainer), sequential)
     return resolve_auto(
@@ -219,6 +261,7 @@ def resolve_for(
         # forward where the engine cannot drop them first (engines/local/engine.py,
         # drop_stale_gradients): a module zeroing them its own way.
         stale_grads=bool(getattr(module, "automatic_optimization", True)) and overrides_zero_grad(module),
+        layout=Layout(**spread) if spread else None,
     )
 
 

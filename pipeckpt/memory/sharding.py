@@ -7,8 +7,9 @@ computes (``pipeckpt.app.models.llama``, ``tensor_parallel``). :func:`per_rank` 
 on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", states the rules.
 """
 
-from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple, Union
+from dataclasses import dataclass, replace
+from fnmatch import fnmatch
+from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -24,8 +25,10 @@ __all__ = [
     "RankTable",
     "PRECISIONS",
     "shard_numel",
+    "split_shapes",
     "rank_state",
     "per_rank",
+    "on_rank",
     "rank_table",
     "format_ranks",
 ]
@@ -52,12 +55,16 @@ class Layout:
         reshard_after_forward: FSDP2 frees a block's gathered parameters after its forward (True) or
             keeps the stage's for the whole step (False, torchtitan's default under PP).
         precision: a key of :data:`PRECISIONS`.
+        tp_plan: ``tensor_parallel_plan``'s entries (submodule pattern, ``"colwise"`` or
+            ``"rowwise"``) that split whole layers' parameters into one rank's share; empty: the
+            layers counted are one rank's share already.
     """
 
     fsdp: int = 1
     tp: int = 1
     reshard_after_forward: bool = False
     precision: str = "32-true"
+    tp_plan: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):
@@ -124,6 +131,41 @@ def shard_numel(shape: Sequence[int], degree: int) -> int:
     return rows * rest
 
 
+#: Which dimension torch's tensor-parallel styles split, by style, module type and parameter name
+#: (a parameter not named here is replicated over ``tp``).
+_SPLIT_DIM: Dict[Tuple[str, Type[nn.Module]], Dict[str, int]] = {
+    ("colwise", nn.Linear): {"weight": 0, "bias": 0},
+    ("rowwise", nn.Linear): {"weight": 1},
+    ("colwise", nn.Embedding): {"weight": 1},
+    ("rowwise", nn.Embedding): {"weight": 0},
+}
+
+
+def split_shapes(unit: nn.Module, layout: Layout) -> List[Tuple[Tuple[int, ...], bool]]:
+    """One tensor-parallel rank's shape of each parameter of ``unit`` under ``layout.tp_plan``, and
+    whether it is trained (the first pattern that matches a submodule's path picks its style, as the
+    engine applies it; a split dimension keeps ``torch.chunk``'s first share).
+
+    Args:
+        unit: one layer, whole.
+        layout: its degrees and tensor-parallel plan.
+    """
+    dims: Dict[int, int] = {}
+    for name, module in unit.named_modules():
+        style = next((st for pattern, st in layout.tp_plan if name and fnmatch(name, pattern)), None)
+        split = next((d for (st, t), d in _SPLIT_DIM.items() if st == style and isinstance(module, t)), {})
+        for pname, p in module.named_parameters(recurse=False):
+            if pname in split:
+                dims[id(p)] = split[pname]
+    shapes = []
+    for p in unit.parameters():
+        shape = list(p.shape)
+        if id(p) in dims and layout.tp > 1:
+            shape[dims[id(p)]] = -(-shape[dims[id(p)]] // layout.tp)
+        shapes.append((tuple(shape), p.requires_grad))
+    return shapes
+
+
 def rank_state(
     units: Sequence[nn.Module], layout: Layout, optimizer: Union[str, torch.optim.Optimizer, type] = "adamw"
 ) -> RankState:
@@ -136,12 +178,13 @@ def rank_state(
     """
     master = torch.empty((), dtype=layout.master_dtype).element_size()
     compute = torch.empty((), dtype=layout.compute_dtype).element_size()
-    params = [p for unit in units for p in unit.parameters() if p.requires_grad]
-    shards = sum(shard_numel(p.shape, layout.fsdp) for p in params)
+    shapes = [split_shapes(unit, layout) for unit in units]
+    params = [shape for unit in shapes for shape, trained in unit if trained]
+    shards = sum(shard_numel(shape, layout.fsdp) for shape in params)
     sharded = shards * master
     if layout.fsdp == 1:  # no FSDP: the master parameters are the ones computed with
         return RankState(sharded, sharded, optimizer_state_bytes(optimizer, sharded, len(params)), 0, 0)
-    gathered = [sum(shard_numel(p.shape, layout.fsdp) * layout.fsdp for p in u.parameters()) for u in units]
+    gathered = [sum(shard_numel(shape, layout.fsdp) * layout.fsdp for shape, _ in u) for u in shapes]
     largest = max(gathered, default=0)
     held = 2 * largest if layout.reshard_after_forward else sum(gathered)  # running + prefetched
     return RankState(
@@ -177,6 +220,37 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
         working=stage.working,
         peak=peak,
         peak_at=stage.peak_at,
+    )
+
+
+def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = None) -> StageMemory:
+    """:func:`per_rank` in the walk's own terms, for the planners that compare a stage's peak with a
+    budget (``checkpoint='auto'``): the parameters held are the rank's shards and the gathered
+    parameters, its working set takes FSDP's collective buffers; the peak is :func:`per_rank`'s.
+
+    Args:
+        stage: the walk's prediction for the stage.
+        state: :func:`rank_state` of the stage's layers.
+        whole: :func:`rank_state` of the same layers unsharded (``Layout(precision=...)``): what the
+            walk counts beyond them (a ``pipeline_of`` model's own parameters, on its last stage)
+            stays whole on every rank, as the engine shards the layers only. None: nothing beyond.
+    """
+    if whole is not None:
+        extra = stage.params - whole.params
+        state = replace(
+            state,
+            params=state.params + extra,
+            grads=state.grads + extra,
+            optimizer=state.optimizer + stage.optimizer - whole.optimizer,
+        )
+    rank = per_rank(stage, state)
+    return replace(
+        stage,
+        params=rank.state.params + rank.state.unsharded,
+        grads=rank.state.grads,
+        optimizer=rank.state.optimizer,
+        working=stage.working + rank.state.collectives,
+        peak=rank.peak,
     )
 
 

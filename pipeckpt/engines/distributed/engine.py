@@ -111,6 +111,20 @@ class DistributedEngine(EngineCheckpoints, Engine):
     def shares_device(cls, plan: StagePlan) -> bool:
         return False  # a device per process: the budget bounds each stage on its own
 
+    def memory_layout(self) -> Dict[str, Any]:
+        s = self.settings
+        if s.data_parallel != "fsdp":
+            return {}  # DDP: every replica holds its stage whole
+        # FSDP2 gathers in the compute dtype only under bf16-mixed (.sharding.mixed_precision).
+        precision = "32-true" if self._precision == "16-mixed" else self._precision
+        return dict(
+            fsdp=self.topology.dp,
+            tp=self.topology.tp,
+            reshard_after_forward=bool(s.reshard_after_forward),
+            precision=precision,
+            tp_plan=tuple((s.tensor_parallel_plan or {}).items()),
+        )
+
     @classmethod
     def planning(cls) -> AbstractContextManager[None]:
         return same_on_every_rank()

@@ -12,22 +12,28 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import support.ranks as ranks
 import torch
 from distributed_auto_worker import build
+from distributed_fsdp_worker import build as fsdp_build
+from distributed_fsdp_worker import replica_rows
+from test_distributed_fsdp import AUTO as fsdp_auto_run
 
 from pipeckpt import PipelineStrategy
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models import MLP
+from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.engines.distributed.auto_plan import adopt
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.engines.distributed.topology import Topology
-from pipeckpt.memory.budget import resolve_auto
+from pipeckpt.memory.budget import fitted_optimizer, resolve_auto
+from pipeckpt.memory.sharding import Layout
 from pipeckpt.settings import PipeSettings
 from pipeckpt.sizes import MiB
 
@@ -187,6 +193,36 @@ def test_the_engine_adopts_chosen_settings_resolved() -> None:
     adopted = adopt(DistributedEngine.resolve(chosen), topology)
     assert (adopted.schedule, adopted.timeout, adopted.virtual_stages) == ("gpipe", 60.0, 1)
     assert adopted.checkpoint == ["always", "never"] and adopted.balance == [2, 2]
+
+
+def _smallest_budget(settings: PipeSettings, layout: Optional[Layout], module: Any, batch: Any) -> int:
+    """The smallest feasible budget auto names when refusing one of a byte."""
+    tiny = replace(settings, memory_budget=1)
+    optimizer = fitted_optimizer(module)
+    with pytest.raises(PipeckptConfigError) as refused:
+        resolve_auto(
+            tiny,
+            module.layers,
+            devices=[torch.device("cpu")],
+            batch=batch,
+            optimizer=optimizer,
+            layout=layout,
+        )
+    found = re.search(r"the smallest feasible budget is .* \((\d+) bytes\)", str(refused.value))
+    assert found is not None, refused.value
+    return int(found[1])
+
+
+def test_the_fsdp_launchs_auto_budget_fits_one_ranks_sharded_stage_and_not_a_whole_one() -> None:
+    name, model, _, strategy, _ = fsdp_auto_run
+    module, data = fsdp_build(model)
+    x, _ = replica_rows(data, 0, strategy["dp"])[0]  # what rank 0 profiles: its replica's first batch
+    settings = PipeSettings(engine="distributed", **strategy)
+    engine = DistributedEngine(settings)
+    engine.configure_world(World(num_nodes=1, num_processes=4))
+    sharded = _smallest_budget(settings, Layout(**engine.memory_layout()), module, x)
+    whole = _smallest_budget(replace(settings, data_parallel="ddp"), None, module, x)
+    assert sharded < strategy["memory_budget"] < whole, (name, sharded, whole)
 
 
 def test_the_plan_command_under_the_distributed_engine_prints_the_per_rank_plan_auto_chooses(

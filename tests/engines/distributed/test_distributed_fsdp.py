@@ -6,7 +6,8 @@ on CPU, tests/engines/distributed/distributed_fsdp_worker.py) trains Hugging Fac
 zbv, with never, always and selective checkpointing. Replica r reads rows 4r..4r+3 of every batch
 of 8; each run's weights after its AdamW steps are compared with the module trained in this process
 on the whole batches: within 1e-5 relative. Under bf16-mixed the weights stay fp32 and within
-bf16's error of the fp32 reference. The toy run is also the first leg of a resume chain through
+bf16's error of the fp32 reference. A toy run under checkpoint='auto' has a budget that only one rank's
+sharded count fits. The first toy run is also the first leg of a resume chain through
 other layouts (:data:`CHAIN`) that ends within 1e-6 of the uninterrupted run, and its last
 distributed checkpoint converts to one file that loads strict=True into the unpipelined module.
 """
@@ -61,6 +62,15 @@ CHAIN = [
     Leg("chain_pp2_ddp2", WORLD, dict(dp=DP, chunks=2, balance=[3, 3], schedule="gpipe")),
     Leg("chain_local_1_stage", 1, dict(stages=1, chunks=2)),
 ]
+# checkpoint='auto' under a budget that one rank's sharded stage fits and a whole (DDP) one does not
+# (tests/engines/distributed/test_distributed_auto.py checks that it lies between the two counts).
+AUTO = (
+    "toy_auto_sharded_budget",
+    "toy",
+    EPOCH,
+    dict(FSDP, balance=[3, 3], schedule="gpipe", checkpoint="auto", memory_budget=12984),
+    CLIP,
+)
 RUNS = [  # name, model, steps, strategy, clip
     (CHAIN[0].name, "toy", EPOCH, CHAIN[0].strategy, CLIP),
     ("llama_1f1b_always", "llama", 3, dict(FSDP, balance=[2, 2], schedule="1f1b", checkpoint="always"), None),
@@ -79,6 +89,7 @@ RUNS = [  # name, model, steps, strategy, clip
         dict(FSDP, balance=[2, 2], schedule="gpipe", checkpoint="selective"),
         None,
     ),
+    AUTO,
 ]
 
 # bf16-mixed: FSDP computes in bf16 and keeps fp32 master weights, compared with the fp32 reference.
