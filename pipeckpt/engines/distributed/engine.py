@@ -286,7 +286,16 @@ class DistributedEngine(EngineCheckpoints, Engine):
         assert self.step is not None
         if hook == "training_step" and self.layer_rng.enabled:
             self.layer_rng.next_call()
-        result = self.step(hook, args, kwargs)
+        try:
+            result = self.step(hook, args, kwargs)
+        except StopIteration as error:
+            # Lightning's loop takes a StopIteration for the end of the data: this rank alone would end
+            # its epoch, and the others would wait for it in their next collective until they time out.
+            raise RuntimeError(
+                f"{hook} raised StopIteration on this rank: Lightning would end the epoch here alone, "
+                "while the other ranks wait for it. HINT: raise another exception type, or end the "
+                "data in the loader"
+            ) from error
         if hook != "training_step" and self.sharding is not None:
             self.sharding.reshard(self.modules)
         return result
