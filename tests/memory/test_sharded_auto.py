@@ -89,6 +89,12 @@ def test_the_engine_tells_auto_the_topologys_shard_degree_and_reshard_policy() -
     assert spread == Layout(fsdp=2, tp=1, reshard_after_forward=True, precision="32-true")
 
 
+def test_under_hybrid_sharding_the_engine_tells_auto_the_shard_groups_degree() -> None:
+    engine = DistributedEngine(_settings("fsdp", "1GiB", dp=4, dp_shard=2))
+    engine.configure_world(World(num_nodes=1, num_processes=8))  # pp2 x (2 replicate x 2 shard)
+    assert engine.memory_layout()["fsdp"] == 2  # each rank holds half a stage, not a quarter
+
+
 def test_under_ddp_the_engine_tells_auto_every_replica_holds_its_stage_whole() -> None:
     assert _layout(_settings("ddp", "1GiB")) is None
 

@@ -118,7 +118,7 @@ class DistributedEngine(EngineCheckpoints, Engine):
         # FSDP2 gathers in the compute dtype only under bf16-mixed (.sharding.mixed_precision).
         precision = "32-true" if self._precision == "16-mixed" else self._precision
         return dict(
-            fsdp=self.topology.dp,
+            fsdp=self.topology.shard_degree,  # dp_shard under hybrid sharding
             tp=self.topology.tp,
             reshard_after_forward=bool(s.reshard_after_forward),
             precision=precision,
