@@ -25,6 +25,7 @@ from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
 from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.settings import PipeSettings
+from pipeckpt.stages.gradients import zeroes_its_own_way
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = [
@@ -260,7 +261,7 @@ def resolve_for(
         # Lightning zeroes the gradients after training_step: the last step's live through its
         # forward where the engine cannot drop them first (engines/local/engine.py,
         # drop_stale_gradients): a module zeroing them its own way.
-        stale_grads=bool(getattr(module, "automatic_optimization", True)) and overrides_zero_grad(module),
+        stale_grads=bool(getattr(module, "automatic_optimization", True)) and zeroes_its_own_way(module),
         layout=Layout(**spread) if spread else None,
     )
 
@@ -349,13 +350,4 @@ def first_call(module: Any, spec: ModulePipeline, batch: Any) -> RootInput:
         f"profiling takes the pipeline's input from the call of {type(root).__name__} in training_step, "
         "and training_step made none on the first batch",
         "call the model passed to pipeline_of() in training_step, or set example_input_array to its input",
-    )
-
-
-def overrides_zero_grad(module: Any) -> bool:
-    """Whether ``module`` zeroes its gradients its own way (``optimizer_zero_grad`` overridden)."""
-    from lightning.pytorch import LightningModule
-
-    return isinstance(module, LightningModule) and (
-        type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad
     )

@@ -16,7 +16,7 @@ from typing import Collection, Iterable, Iterator, List, Tuple
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 
-__all__ = ["gradients_set_aside", "window_starts", "zeroed_by_lightning"]
+__all__ = ["gradients_set_aside", "window_starts", "zeroed_by_lightning", "zeroes_its_own_way"]
 
 
 @contextmanager
@@ -53,6 +53,11 @@ def zeroed_by_lightning(module: LightningModule) -> List[nn.Parameter]:
     """The parameters Lightning zeroes at a window's first batch: its optimizers' parameters,
     when the module keeps Lightning's own ``optimizer_zero_grad`` (an override may zero
     otherwise, or not at all: then none is known to be zeroed)."""
-    if type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad:
+    if zeroes_its_own_way(module):
         return []
     return [p for opt in module.trainer.optimizers for group in opt.param_groups for p in group["params"]]
+
+
+def zeroes_its_own_way(module: LightningModule) -> bool:
+    """Whether ``module`` overrides Lightning's ``optimizer_zero_grad``."""
+    return type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad
