@@ -5,8 +5,9 @@ sequence 128, batch 4, AdamW. The baseline is HF's own per-block checkpointing
 (``gradient_checkpointing_enable``: each block under ``torch.utils.checkpoint``), trained by a plain
 Trainer; its measured peak is the budget ``checkpoint='auto'`` plans the ``pipeline_of`` model to
 (4 stages on the one CPU). Both train under real Trainers, side by side: the peak of a whole training
-step (parameters, AdamW state, gradients, activations; torch's MemTracker, after a first step has made
-the optimizer's state) and the step's CPU time, interleaved rounds, medians::
+step (parameters, AdamW state, gradients, activations: every storage alive, counted by
+``harness.live_bytes``, after a first step has made the optimizer's state) and the step's CPU
+time, interleaved rounds, medians::
 
     python benchmarks/bench_hf_auto.py --rounds 3
 
@@ -24,12 +25,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import lightning as L
 import torch
 import transformers
+from harness.live_bytes import LiveBytes
 from harness.machine import machine
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 import pipeckpt
-from pipeckpt._compat import MemTracker
 
 SEQ, BATCH, STEPS = 128, 4, 5
 
@@ -62,21 +63,25 @@ class GPT2Module(L.LightningModule):
 
 
 class StepProbe(L.Callback):
-    """The CPU time of every step after the second, and the peak of the second under MemTracker
-    (``track``: a fit's peak is the same in every round, and a MemTracker keeps about a model's
-    worth of memory alive after it exits, so only each method's first fit is tracked)."""
+    """The CPU time of every step after the second, and the peak of the second (``track``):
+    the bytes alive at any moment of the step, parameters, gradients and the optimizer's state
+    included (:class:`harness.live_bytes.LiveBytes`; torch's MemTracker keeps the inputs of
+    selectively recomputed layers alive itself, see there)."""
 
     def __init__(self, *, track: bool) -> None:
         self.track = track
         self.times: List[float] = []
         self.peak = 0
-        self._tracker: Optional[Any] = None
+        self.peak_op = ""
+        self._tracker: Optional[LiveBytes] = None
         self._t0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
         if batch_idx == 1 and self.track:
-            self._tracker = MemTracker()
-            self._tracker.track_external(pl_module, *trainer.optimizers)
+            self._tracker = LiveBytes()
+            self._tracker.count([*pl_module.parameters(), *(p.grad for p in pl_module.parameters())])
+            self._tracker.count([list(o.state.values()) for o in trainer.optimizers])
+            self._tracker.count(batch)
             self._tracker.__enter__()
         self._t0 = time.process_time()
 
@@ -84,8 +89,7 @@ class StepProbe(L.Callback):
         took = time.process_time() - self._t0
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
-            peak = self._tracker.get_tracker_snapshot("peak")
-            self.peak = int(sum(d.get("Total", 0) for d in peak.values()))
+            self.peak, self.peak_op = self._tracker.peak, self._tracker.peak_op
             self._tracker = None
         elif batch_idx > 1:
             self.times.append(took)
@@ -125,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     base = fit(GPT2Module(per_block=True), None)
-    log(f"per-block peak {base.peak} bytes")
+    log(f"per-block peak {base.peak} bytes at {base.peak_op}")
     auto = pipeckpt.PipelineStrategy(
         stages=args.stages,
         chunks=args.chunks,
@@ -136,6 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     first = fit(GPT2Module(per_block=False), auto)
     log(f"{auto.auto_plan.describe()} (planned in {time.perf_counter() - t0:.0f} s wall, fit included)")
+    log(f"auto peak {first.peak} bytes at {first.peak_op}")
     chosen = auto.auto_plan.settings
     plan = dict(stages=None, balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
     peaks = {"per-block": [base.peak], "auto": [first.peak]}  # the later rounds: times only
