@@ -36,9 +36,10 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(value)[0]:
             if isinstance(t, Tensor):
                 st = t.untyped_storage()
-                if id(st) not in self._seen and st.nbytes() > 0:
-                    self._seen[id(st)] = weakref.ref(st, lambda _, k=id(st), n=st.nbytes(): self._released(k, n))
-                    self.live += st.nbytes()
+                size = st.nbytes()
+                if id(st) not in self._seen and size > 0:
+                    self._seen[id(st)] = weakref.ref(st, lambda _, k=id(st), n=size: self._released(k, n))
+                    self.live += size
         if self.live > self.peak:
             self.peak, self.peak_op = self.live, op or "before the step"
 

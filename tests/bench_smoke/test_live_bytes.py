@@ -81,10 +81,10 @@ def batches() -> List[Dict[str, Tensor]]:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def second_step_peak(checkpoint: Optional[List[str]], counter: str) -> SecondStepPeak:
+def second_step_peak(modes: Optional[List[str]], counter: str) -> SecondStepPeak:
     probe = SecondStepPeak(counter)
-    strategy = None if checkpoint is None else pipeckpt.PipelineStrategy(stages=2, chunks=1, checkpoint=checkpoint)
-    trainer = quiet_trainer(strategy, max_steps=2, callbacks=[probe])
+    pipe = None if modes is None else pipeckpt.PipelineStrategy(stages=2, chunks=1, checkpoint=modes)
+    trainer = quiet_trainer(pipe, max_steps=2, callbacks=[probe])
     trainer.fit(WideGPT2(), torch.utils.data.DataLoader(batches(), batch_size=None))
     return probe
 
