@@ -3,15 +3,11 @@ progress bar, summary, sanity or validation steps), so a test's output is its ow
 
 from typing import Any, Dict
 
-QUIET: Dict[str, Any] = dict(
-    accelerator="cpu",
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    num_sanity_val_steps=0,
-    limit_val_batches=0,
-)
+from harness.trainers import QUIET_CPU
+
+# The benchmarks' quiet options, with Lightning's distributed sampler left on: the tests check the
+# data order the user's loader gets under each engine.
+QUIET: Dict[str, Any] = {k: v for k, v in QUIET_CPU.items() if k != "use_distributed_sampler"}
 
 
 def quiet_trainer(strategy: Any = None, *, devices: int = 1, **options: Any) -> Any:
