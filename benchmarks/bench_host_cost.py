@@ -273,6 +273,10 @@ def report(
         row("rank 1 (last stage), whole step", "cpu1"),
         row("wall time per step", "wall"),
         "",
+        "Whole-step CPU ratio of each round, in order (the spread is the machine's load): "
+        + " ".join(f"{r['pipeckpt']['cpu'] / r['raw']['cpu']:.3f}" for r in rounds)
+        + ".",
+        "",
     ]
     return "\n".join(lines)
 

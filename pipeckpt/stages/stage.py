@@ -61,6 +61,10 @@ class Stage(Recomputable):
         self.checkpointed: List[int] = []  # the micro-batches of this step that dropped activations
         self._segment_list: Optional[List[Segment]] = None  # under a granularity (mode.every)
         self.shares_parameters = False  # with another stage (tied weights): see mark_shared_parameters
+        # Set by an engine whose schedule runs each micro-batch's backward as its own autograd call
+        # (the distributed engine's whole-backward schedules): autograd then adds each kept
+        # micro-batch's gradients to ``.grad`` in micro-batch order itself, as the Function would.
+        self.backward_per_microbatch = False
 
     @property
     def next_microbatch(self) -> int:
@@ -139,8 +143,9 @@ class Stage(Recomputable):
             # A kept micro-batch goes through the Function too, so that every micro-batch adds its
             # gradients to .grad in place, in one order, whatever the modes (bitwise equal to
             # ``never``, also under accumulation); with one micro-batch there is no sum to order,
-            # unless another stage adds to the same parameter (tied weights).
-            if recompute or ((self._num_microbatches > 1 or self.shares_parameters) and self._trainable()):
+            # unless another stage adds to the same parameter (tied weights); nor where each
+            # micro-batch's backward is an autograd call of its own (see ``_keeps_order``).
+            if recompute or (self._keeps_order() and self._trainable()):
                 if side is None and is_tensor_or_tensors(input):
                     return self._checkpointed(input, not recompute)
                 call = Call(self._chain, (input,), side or {})
@@ -150,6 +155,18 @@ class Stage(Recomputable):
             self.forward_calls += 1
             return self._chain(input, **side)
         return self._run(input)
+
+    def _keeps_order(self) -> bool:
+        """Whether a kept micro-batch needs the Function to add its gradients to ``.grad`` in
+        micro-batch order: not with one micro-batch and no other stage adding to the same
+        parameters, nor when each micro-batch's backward is its own autograd call
+        (``backward_per_microbatch``, unless a split backward defers the weights' gradients to
+        the Function's weight pass)."""
+        if self.shares_parameters:
+            return True
+        if self.backward_per_microbatch and self.weight_passes is None:
+            return False
+        return self._num_microbatches > 1
 
     def _segments(self) -> List[Segment]:
         """The partition cut into runs of ``mode.every`` layers (all of it when None)."""

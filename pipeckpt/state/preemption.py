@@ -2,7 +2,8 @@
 
 Why not Lightning's handler (``_SignalConnector``): it saves inside the signal handler, in the middle
 of whatever ran; under the distributed engine that deadlocks on in-flight collectives. Here the
-handler only records the request; after each optimizer step the ranks agree on it (an all-reduce),
+handler only records the request; after each optimizer step the ranks agree on it (an all-reduce,
+or the step's own collective when an engine carries the request in it: :meth:`PreemptionCallback.carry`),
 every rank saves ``hpc_ckpt_N.ckpt``, rank 0 runs ``scontrol requeue``, and every rank leaves ``fit``
 with :class:`Preempted` (exit code 0); the requeued job resumes through Lightning's own path
 (docs/DESIGN.md, state/preemption).
@@ -25,7 +26,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from pipeckpt._compat import hpc_checkpoint_path
 
-__all__ = ["Preempted", "PreemptionCallback", "install"]
+__all__ = ["Preempted", "PreemptionCallback", "install", "stop_requests"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class PreemptionCallback(Callback):
         self._installed = False
         self._closed = False
         self._step_at_batch_start = -1
+        self._carried: Optional[bool] = None  # agreed within a step's own collective (see carry)
 
     # -- the handler -------------------------------------------------------------------------------
 
@@ -101,16 +103,33 @@ class PreemptionCallback(Callback):
     ) -> None:
         if trainer.global_step == self._step_at_batch_start:
             return  # accumulating gradients: the optimizer has not stepped, so no rank checks here
-        if self._agreed(trainer):
+        if self._agreed_at_boundary(trainer):
             self._preempt(trainer)
 
+    def forget(self) -> None:
+        """A new fit: no request recorded or agreed yet."""
+        self.requested = False
+        self._carried = None
+
+    def carry(self, agreed: bool) -> None:
+        """The request of any rank, as every rank of the world agreed on it inside a collective the
+        training step made anyway (an engine's): the next step boundary reads it instead of making
+        a collective of its own. Every rank must be told at the same steps."""
+        self._carried = agreed or bool(self._carried)
+
+    def _agreed_at_boundary(self, trainer: Trainer) -> bool:
+        """The request agreed since the last boundary: carried by the steps, else agreed now."""
+        carried, self._carried = self._carried, None
+        return carried if carried is not None else self._agreed(trainer)
+
     def _agreed(self, trainer: Trainer) -> bool:
-        """The request of any rank, on every rank (a collective when there are several)."""
+        """The request of any rank, on every rank (a collective when there are several), or one
+        carried by a step since the last boundary."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
+            return self.requested or bool(self._carried)
         flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=trainer.strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(flag.item()) or bool(self._carried)
 
     def _preempt(self, trainer: Trainer) -> None:
         path = trainer.strategy.broadcast(hpc_checkpoint_path(trainer), src=0)  # one name on every rank
@@ -176,6 +195,13 @@ def requeue() -> bool:
     return True
 
 
+def stop_requests(trainer: Trainer) -> List[PreemptionCallback]:
+    """The callbacks of ``trainer`` that answer a stop request at step boundaries (SLURM's signal,
+    SIGTERM), in the order of its callbacks (the same on every rank)."""
+    callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    return [c for c in callbacks if isinstance(c, PreemptionCallback)]
+
+
 def install(trainer: Trainer, environment: Optional[ClusterEnvironment]) -> Optional[PreemptionCallback]:
     """Answers SLURM's requeue signal at step boundaries in this ``fit``; called by the strategy.
 
@@ -190,7 +216,7 @@ def install(trainer: Trainer, environment: Optional[ClusterEnvironment]) -> Opti
     callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
     for existing in callbacks:
         if isinstance(existing, PreemptionCallback) and existing.signum == signum:
-            existing.requested = False
+            existing.forget()
             return existing if existing.install_handler() else None
     callback = PreemptionCallback(signum=int(signum))
     if not callback.install_handler():

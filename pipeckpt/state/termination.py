@@ -76,7 +76,7 @@ def install(trainer: Trainer) -> Optional[TerminationCallback]:
     callbacks: List[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
     for existing in callbacks:
         if isinstance(existing, TerminationCallback):
-            existing.requested = False
+            existing.forget()
             return existing if existing.install_handler() else None
     callback = TerminationCallback()
     if not callback.install_handler():

@@ -198,6 +198,9 @@ class DistributedEngine(EngineCheckpoints, Engine):
         step.modules = self.modules
         step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
         trained = [self._data_parallel(m) for m in self.modules]
+        if self.sharding is None:  # a schedule's backward is one autograd call per micro-batch
+            for stage in self.stages:
+                stage.backward_per_microbatch = True
         self._finish(module, sequential, step, ties, trained=trained, routed=sequential)
 
     def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:

@@ -6,7 +6,8 @@
       schedule.step                  first stage: the user's step up to its Sequential call -> input
         loss_fn(output_i, i)         last stage: the user's step with the Sequential answering output_i
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
-      broadcast from the last stage  mean loss and reduced self.log calls, replayed on every rank
+      all-reduce over the pipeline   the last stage's mean loss and reduced self.log calls, replayed
+                                     on every rank; every rank's stop requests (state/preemption)
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """
 
@@ -36,6 +37,7 @@ from pipeckpt.engines.distributed.topology import microbatches_for
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
 from pipeckpt.stages.caller import capture_caller_state
 from pipeckpt.stages.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
+from pipeckpt.state.preemption import stop_requests
 
 __all__: List[str] = []
 
@@ -186,7 +188,10 @@ class PipelinedStep:
             return payload
         if self._outcome is None:
             src = dist.get_global_rank(group, topology.rank_of(topology.stages - 1))
-            self._outcome = StepOutcome(group, src, self.device)
+            # The stop requests ride on the outcome's collective where it reaches every rank.
+            whole = dist.get_world_size(group) == dist.get_world_size()
+            stops = stop_requests(self.module.trainer) if whole else []
+            self._outcome = StepOutcome(group, src, self.device, stops)
         mine = payload or {}
         loss, logs = self._outcome.share(mine.get("loss"), mine.get("logs"))
         return {"logs": logs, "loss": loss, "prediction": None}

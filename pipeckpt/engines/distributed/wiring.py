@@ -71,6 +71,14 @@ class StageModule(nn.Module):
         # does nothing): for a module pipeline's stages (.rooted), whose weight pass cannot be split.
         self.whole_backward = False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``live`` flips twice per micro-batch; nn.Module's __setattr__ checks every value for a
+        # Parameter, Module or buffer first, which a dispatch-bound stage pays for.
+        if name == "live":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def forward(self, *inputs: Tensor) -> Any:
         j = self.stage.index
         i = self.stage.next_microbatch if self.live else 0  # shape inference runs on micro-batch 0

@@ -1,13 +1,15 @@
 """One process of tests/engines/distributed/test_step_outcome.py: rank 1 plays the pipeline's last
 stage and shares a scripted series of step outcomes through
-:class:`pipeckpt.engines.distributed.outcome.StepOutcome`; each rank writes what it got, and whether
-the records went as objects, to ``rank<r>.json``:
+:class:`pipeckpt.engines.distributed.outcome.StepOutcome`, while rank 0 records a stop request at
+one step; each rank writes what it got, whether the records went as objects, and the stop request
+its step boundary read, to ``rank<r>.json``:
 
     python tests/engines/distributed/step_outcome_worker.py SPEC.json
 """
 
 import json
 import os
+import signal
 from typing import Any, Dict, List
 
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from support.ranks import serve
 
 from pipeckpt.engines.distributed.outcome import StepOutcome
+from pipeckpt.state.preemption import PreemptionCallback
 
 MEAN = {"reduce_fx": "mean", "prog_bar": True}
 SUM = {"reduce_fx": "sum", "prog_bar": False}
@@ -31,12 +34,14 @@ STEPS: List[List[Any]] = [
     [("a", 0.1, F64, MEAN)],  # not float32
     [("a", 0.2, F64, MEAN)],
 ]
+REQUESTED_AT = 5  # the step during which rank 0 records a stop request
 
 
 def run(one: Dict[str, Any], out: str, world: int) -> None:
     dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=world)
     last = dist.get_rank() == 1
-    outcome = StepOutcome(dist.group.WORLD, 1, torch.device("cpu"))
+    stop = PreemptionCallback(signum=signal.SIGUSR1)  # its handler is not installed: set by hand
+    outcome = StepOutcome(dist.group.WORLD, 1, torch.device("cpu"), stops=[stop])
     sent_objects = []
     objects = outcome._objects
 
@@ -45,8 +50,9 @@ def run(one: Dict[str, Any], out: str, world: int) -> None:
         return objects(records)
 
     outcome._objects = counted  # type: ignore[method-assign]
-    seen = []
+    seen, stopped = [], []
     for i, records in enumerate(STEPS):
+        stop.requested = i == REQUESTED_AT and not last
         loss = torch.tensor(0.1 * (i + 1), dtype=F32) if last else None
         given = [(n, torch.tensor(v, dtype=d), dict(o)) for n, v, d, o in records] if last else None
         sent_objects.append(False)
@@ -57,8 +63,10 @@ def run(one: Dict[str, Any], out: str, world: int) -> None:
                 "records": [[n, v.item(), str(v.dtype), list(v.shape), o] for n, v, o in got],
             }
         )
+        # The boundary's agreement, with no trainer: one not carried by the step would need it.
+        stopped.append(stop._agreed_at_boundary(None))  # type: ignore[arg-type]
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"seen": seen, "objects": sent_objects}, f)
+        json.dump({"seen": seen, "objects": sent_objects, "stopped": stopped}, f)
     dist.destroy_process_group()
 
 

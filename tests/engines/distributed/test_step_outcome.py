@@ -1,5 +1,6 @@
 """A training step's loss and logged values reach every rank of the pipeline exactly as the last
-stage computed them, as objects only when the records' names, options or dtypes change."""
+stage computed them, as objects only when the records' names, options or dtypes change; a stop
+request of any rank rides on the same collective to every rank."""
 
 import json
 from pathlib import Path
@@ -31,3 +32,13 @@ def test_records_go_as_objects_only_when_their_names_options_or_dtypes_change(
     # Steps: new, same, a name added, same, none, none, float64, float64 (float32 only go as values).
     assert shared[1]["objects"] == [True, False, True, False, True, False, True, True]
     assert shared[0]["objects"] == shared[1]["objects"]
+
+
+@pytest.mark.slow
+def test_a_stop_request_of_one_rank_reaches_every_ranks_step_boundary_within_the_steps_collective(
+    shared: List[Dict[str, Any]],
+) -> None:
+    # Rank 0 records the request during step 5; both boundaries read it there, and only there.
+    expected = [i == 5 for i in range(8)]
+    assert shared[0]["stopped"] == expected
+    assert shared[1]["stopped"] == expected
