@@ -79,9 +79,7 @@ class StepProbe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
         if batch_idx == 1 and self.track:
             self._tracker = LiveBytes()
-            self._tracker.count([*pl_module.parameters(), *(p.grad for p in pl_module.parameters())])
-            self._tracker.count([list(o.state.values()) for o in trainer.optimizers])
-            self._tracker.count(batch)
+            self._tracker.count_step_state(pl_module, trainer.optimizers, batch)
             self._tracker.__enter__()
         self._t0 = time.process_time()
 

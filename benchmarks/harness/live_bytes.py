@@ -12,9 +12,10 @@ exist before the step (parameters, gradients, the optimizer's state).
 """
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from pipeckpt._compat import TorchDispatchMode, tree_flatten
 
@@ -42,6 +43,13 @@ class LiveBytes(TorchDispatchMode):
                     self.live += size
         if self.live > self.peak:
             self.peak, self.peak_op = self.live, op or "before the step"
+
+    def count_step_state(self, module: nn.Module, optimizers: Sequence[Optimizer], batch: Any) -> None:
+        """Counts what exists as a training step begins: the module's parameters and gradients,
+        the optimizers' state and the batch."""
+        self.count([*module.parameters(), *(p.grad for p in module.parameters())])
+        self.count([list(o.state.values()) for o in optimizers])
+        self.count(batch)
 
     def _released(self, key: int, size: int) -> None:
         self._seen.pop(key, None)

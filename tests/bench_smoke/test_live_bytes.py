@@ -57,8 +57,7 @@ class SecondStepPeak(L.Callback):
             return
         if self.counter == "live":
             self._live = LiveBytes()
-            self._live.count([*pl_module.parameters(), *[list(o.state.values()) for o in trainer.optimizers]])
-            self._live.count(batch)
+            self._live.count_step_state(pl_module, trainer.optimizers, batch)
             self._live.__enter__()
         else:
             self._tracker = MemTracker()
