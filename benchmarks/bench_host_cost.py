@@ -7,6 +7,10 @@ work of the engine shows in full (as on a GPU whose kernels outrun the host).
 
 - ``raw``: what a user would write by hand: ``PipelineStage`` + ``Schedule1F1B`` on each rank's
   half, ``zero_grad``, ``schedule.step``, ``optimizer.step``, batches from the same ``DataLoader``.
+- ``lightning``: the raw script's stage and schedule inside a Lightning ``Trainer`` (one device per
+  process, automatic optimization, ``backward`` a no-op since the schedule runs it): what Lightning's
+  loop costs any pipeline, the floor under which no strategy can go. ``pipeckpt / lightning`` is the
+  engine's own host cost.
 - ``pipeckpt``: the same module, data and optimizer through a Lightning ``Trainer`` with
   ``PipelineStrategy(engine="distributed")``. Its losses are asserted equal to the raw script's to
   the bit, every step, and so are both ranks' weights after the run.
@@ -14,7 +18,7 @@ work of the engine shows in full (as on a GPU whose kernels outrun the host).
 Measuring: process CPU time (``time.process_time``: every thread of the process, gloo's included)
 and wall time per optimizer step after warm-up, on each rank; a step's CPU is the *sum over both
 ranks* (the host work one step costs), its wall time the slower rank's. Rounds are interleaved
-(raw, pipeckpt; then pipeckpt, raw; ...); a ratio is taken within each round, the median reported.
+(each method first in turn); a ratio is taken within each round, the median reported.
 The schedule's own part is timed too: the engine's ``run`` + ``take_step_gradients`` against the raw
 ``schedule.step``; the rest of a pipeckpt step is Lightning's loop and the optimizer.
 
@@ -44,7 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipeckpt import PipelineStrategy
 
-METHODS = ("raw", "pipeckpt")
+METHODS = ("raw", "lightning", "pipeckpt")
 
 
 class Proxy(L.LightningModule):
@@ -134,12 +138,64 @@ def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tenso
     return clock.per_step(warmup, timed), losses, [p.detach().clone() for p in part.parameters()]
 
 
+class _HandWritten(Proxy):
+    """The raw script's stage and schedule, run in ``training_step``, which zeroes the gradients
+    first as the script does: Lightning's own zeroing (between ``training_step`` and ``backward``)
+    and its ``backward`` do nothing, as the schedule ran the backward. Each process is a one-device
+    Trainer of its own half."""
+
+    def __init__(self, spec: Dict[str, Any], clock: Clock) -> None:
+        super().__init__(spec["depth"], spec["width"])
+        rank, m = dist.get_rank(), spec["chunks"]
+        half = len(self.layers) // 2
+        part = self.layers[:half] if rank == 0 else self.layers[half:]
+        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
+        self.rank, self.chunks, self.part = rank, m, [part]
+        self.step = clock.timed(schedule.step, spec["warmup"], spec["timed"])
+
+    def training_step(self, batch: Tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        self.optimizer.zero_grad()
+        if self.rank == 0:
+            self.step(x)
+            return torch.zeros(())
+        out: List[Tensor] = []
+        self.step(target=y, losses=out)
+        return torch.stack([loss.detach() * self.chunks for loss in out]).mean()
+
+    def optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.optimizer = torch.optim.AdamW(self.part[0].parameters(), lr=1e-3)
+        return self.optimizer
+
+
+def lightning(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
+    """The raw script's schedule inside Lightning's loop."""
+    warmup, timed = spec["warmup"], spec["timed"]
+    clock = Clock()
+    measure = _Measure(clock, warmup, timed, engine=False)
+    torch.manual_seed(0)
+    module = _HandWritten(spec, clock)
+    trainer = L.Trainer(devices=1, max_steps=warmup + timed + 1, callbacks=[measure], **QUIET_CPU)
+    trainer.fit(module, loader(spec, warmup + timed + 1))
+    weights = [p.detach().clone() for p in module.part[0].parameters()]
+    return clock.per_step(warmup, timed), measure.losses, weights
+
+
 class _Measure(Callback):
-    def __init__(self, clock: Clock, warmup: int, timed: int) -> None:
-        self.clock, self.warmup, self.timed = clock, warmup, timed
+    def __init__(self, clock: Clock, warmup: int, timed: int, engine: bool = True) -> None:
+        self.clock, self.warmup, self.timed, self.engine = clock, warmup, timed, engine
         self.losses: List[float] = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not self.engine:
+            return
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         engine.run = self.clock.timed(engine.run, self.warmup, self.timed)
         engine.take_step_gradients = self.clock.timed(engine.take_step_gradients, self.warmup, self.timed)
@@ -184,18 +240,22 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     with open(spec_path) as f:
         spec = json.load(f)
+    if spec.get("pin") and len(os.sched_getaffinity(0)) >= 2:  # each rank and its gloo threads on a core
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
     rows = []
     for r in range(spec["rounds"]):
-        order = METHODS if r % 2 == 0 else METHODS[::-1]
+        order = METHODS[r % 3 :] + METHODS[: r % 3]  # each method first in turn
         ran: Dict[str, Tuple[Dict[str, float], List[float], List[Tensor]]] = {}
         for method in order:
             dist.barrier()
-            ran[method] = (raw if method == "raw" else pipeckpt)(spec)
-        if dist.get_rank() == 1:  # the last stage holds the raw script's losses
-            assert ran["raw"][1] == ran["pipeckpt"][1], (ran["raw"][1], ran["pipeckpt"][1])
-        for a, b in zip(ran["raw"][2], ran["pipeckpt"][2], strict=True):
-            assert torch.equal(a, b), "pipeckpt's weights differ from the raw script's"
+            ran[method] = {"raw": raw, "lightning": lightning, "pipeckpt": pipeckpt}[method](spec)
+        for method in METHODS[1:]:
+            if dist.get_rank() == 1:  # the last stage holds the raw script's losses
+                assert ran["raw"][1] == ran[method][1], (method, ran["raw"][1], ran[method][1])
+            for a, b in zip(ran["raw"][2], ran[method][2], strict=True):
+                assert torch.equal(a, b), f"{method}'s weights differ from the raw script's"
         for method in METHODS:
             rows.append({"round": r, "method": method, "rank": dist.get_rank(), **ran[method][0]})
     with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
@@ -232,50 +292,59 @@ def report(
 ) -> str:
     med = statistics.median
 
-    def ratio(key: str, den: str = "raw") -> float:
-        return med([r["pipeckpt"][key] / r[den][key] for r in rounds])
+    def value(r: Dict[str, Dict[str, float]], method: str, key: str) -> float:
+        if key == "rest":  # everything outside the schedule's part: loop, data, optimizer
+            return r[method]["cpu"] - r[method]["inner"]
+        return r[method][key]
 
-    def ms(method: str, key: str) -> float:
-        return med([r[method][key] for r in rounds]) * 1e3
+    def ratio(key: str, num: str, den: str) -> float:
+        return med([value(r, num, key) / value(r, den, key) for r in rounds])
 
     def row(name: str, key: str) -> str:
-        return f"| {name} | {ms('raw', key):.2f} | {ms('pipeckpt', key):.2f} | {ratio(key):.3f} |"
+        ms = [f"{med([value(r, m, key) for r in rounds]) * 1e3:.2f}" for m in METHODS]
+        ratios = [
+            f"{ratio(key, 'pipeckpt', 'lightning'):.3f}",
+            f"{ratio(key, 'pipeckpt', 'raw'):.3f}",
+            f"{ratio(key, 'lightning', 'raw'):.3f}",
+        ]
+        return f"| {name} | {' | '.join(ms)} | {' | '.join(ratios)} |"
 
-    def rest(method: str) -> float:
-        return ms(method, "cpu") - ms(method, "inner")
+    def per_round_list(num: str, den: str) -> str:
+        return " ".join(f"{r[num]['cpu'] / r[den]['cpu']:.3f}" for r in rounds)
 
-    outside = [
-        (r["pipeckpt"]["cpu"] - r["pipeckpt"]["inner"]) / (r["raw"]["cpu"] - r["raw"]["inner"])
-        for r in rounds
-    ]
     lines = [
         "## Host cost: the distributed engine against a hand-written pipelining script "
         "(`benchmarks/bench_host_cost.py`)",
         "",
         f"Machine: {machine()}. Load average (1/5/15 min) before and after the run: {loads[0]}; "
-        f"{loads[1]} (the machine is shared). Wall time of the run: {elapsed / 60:.1f} min.",
+        f"{loads[1]}. Wall time of the run: {elapsed / 60:.1f} min.",
         f"Model: {spec['depth']} x `Linear({spec['width']}, {spec['width']})`, batch {spec['batch']}, "
         f"2 gloo processes of one torch thread, 2 stages of {spec['depth'] // 2}, 1F1B over "
         f"{spec['chunks']} micro-batches, AdamW, no activation checkpointing. Losses of every step "
-        "and both ranks' final weights asserted equal to the bit. Per step after "
-        f"{spec['warmup']} warm-up steps, mean of {spec['timed']} steps; {len(rounds)} interleaved "
-        "rounds, medians of per-round ratios. CPU: process CPU time summed over both ranks; wall: "
-        f"the slower rank's. Command: `python benchmarks/bench_host_cost.py"
+        "and both ranks' final weights asserted equal to the raw script's to the bit, for every "
+        f"method. Per step after {spec['warmup']} warm-up steps, mean of {spec['timed']} steps; "
+        f"{len(rounds)} rounds, each method first in turn; medians of per-round ratios. CPU: "
+        "process CPU time summed over both ranks; wall: the slower rank's. Methods: raw = the "
+        "hand-written script; Lightning + raw = the same stage and schedule inside a Lightning "
+        "`Trainer` (Lightning's loop around it, nothing else); pipeckpt = "
+        '`PipelineStrategy(engine="distributed")`. Command: `python benchmarks/bench_host_cost.py'
         f"{' --quick' if spec['quick'] else ''} --rounds {len(rounds)}`.",
         "",
-        "| part of a step | raw CPU ms | pipeckpt CPU ms | pipeckpt / raw |",
-        "|---|---|---|---|",
-        row("whole step (target <= 1.05)", "cpu"),
+        "| part of a step | raw CPU ms | Lightning + raw CPU ms | pipeckpt CPU ms | "
+        "**pipeckpt / (Lightning + raw)**: the engine's own cost | pipeckpt / raw | "
+        "(Lightning + raw) / raw: Lightning's loop |",
+        "|---|---|---|---|---|---|---|",
+        row("whole step", "cpu"),
         row("schedule: `schedule.step` / the engine's `run` + `take_step_gradients`", "inner"),
-        f"| the rest: loop, data, optimizer (pipeckpt: Lightning's loop) | {rest('raw'):.2f} | "
-        f"{rest('pipeckpt'):.2f} | {med(outside):.3f} |",
+        row("the rest: loop, data, optimizer", "rest"),
         row("rank 0 (first stage), whole step", "cpu0"),
         row("rank 1 (last stage), whole step", "cpu1"),
         row("wall time per step", "wall"),
         "",
-        "Whole-step CPU ratio of each round, in order (the spread is the machine's load): "
-        + " ".join(f"{r['pipeckpt']['cpu'] / r['raw']['cpu']:.3f}" for r in rounds)
-        + ".",
+        "Whole-step CPU ratios of each round, in order (the spread is the machine's noise):",
+        f"pipeckpt / (Lightning + raw): {per_round_list('pipeckpt', 'lightning')};",
+        f"pipeckpt / raw: {per_round_list('pipeckpt', 'raw')};",
+        f"(Lightning + raw) / raw: {per_round_list('lightning', 'raw')}.",
         "",
     ]
     return "\n".join(lines)
@@ -286,6 +355,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--pin", action="store_true", help="each rank on a core of its own")
     parser.set_defaults(warmup=5, timed=30)
     args = parser.parse_args()
     if args.worker:
@@ -295,7 +365,7 @@ def main() -> None:
         args.depth, args.width, args.batch, args.warmup, args.timed, args.rounds = 4, 16, 8, 1, 2, 1
     spec = {
         k: getattr(args, k)
-        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick")
+        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick", "pin")
     }
     began, loads = time.time(), [load_average()]
     rows = run_ranks(__file__, 2, spec, timeout=args.timeout)

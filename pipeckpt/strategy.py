@@ -31,6 +31,7 @@ from pipeckpt._compat import (
     checkpoint_io_unset,
     give_device_mesh,
     optimizers_to_device,
+    sigterm_broadcast,
     unwrap_optimizer,
 )
 from pipeckpt._errors import PipeckptConfigError, PipeckptWarning
@@ -136,7 +137,8 @@ class PipelineStrategy(MetaBuildStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             preemption.install(trainer, self.cluster_environment)  # SIGUSR1 answered at step boundaries
-            termination.install(trainer)  # SIGTERM too: a checkpoint, then a non-zero exit
+            answered = termination.install(trainer)  # SIGTERM too: a checkpoint, then a non-zero exit
+            sigterm_broadcast(trainer, on=answered is None)  # Lightning's flag: 0 while ours answers
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

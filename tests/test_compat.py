@@ -501,3 +501,23 @@ def test_configured_optimizers_reads_every_form_configure_optimizers_may_return(
     assert _compat.configured_optimizers(([sgd], [scheduler])) == [sgd]
     assert _compat.configured_optimizers({"optimizer": adam, "lr_scheduler": scheduler}) == [adam]
     assert _compat.configured_optimizers(None) == []
+
+
+def test_sigterm_broadcast_turns_lightnings_per_batch_broadcast_off_and_on_for_one_trainer(monkeypatch):
+    import inspect
+
+    import lightning as L
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    sent = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda tensor, src: sent.append(tensor.item()))
+    trainer, other = (L.Trainer(accelerator="cpu", logger=False) for _ in range(2))
+    _compat.sigterm_broadcast(trainer, on=False)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert sent == []
+    other.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # another Trainer keeps Lightning's
+    assert sent == [0]
+    _compat.sigterm_broadcast(trainer, on=True)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert sent == [0, 0]

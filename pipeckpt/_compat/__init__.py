@@ -21,6 +21,7 @@ from pipeckpt._compat.lightning_private import (
     sampler_follows_loader,
     saved_step,
     set_saved_step,
+    sigterm_broadcast,
     sync_ddp_if_available,
     unwrap_optimizer,
 )
@@ -131,6 +132,7 @@ __all__ = [
     "set_module_device",
     "set_own_tensor",
     "set_saved_step",
+    "sigterm_broadcast",
     "sync_ddp_if_available",
     "register_pytree_node",
     "reverse_graph",

@@ -99,6 +99,24 @@ def give_device_mesh(module: Any, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
+def sigterm_broadcast(trainer: Any, *, on: bool) -> None:
+    """Turns Lightning's per-batch broadcast of rank 0's SIGTERM flag off (or back on) for this
+    Trainer's fit loop. Lightning 2.6 runs this collective before every training batch whenever
+    there are several processes, with no setting. While pipeckpt's SIGTERM handler answers SIGTERM
+    (``state/termination.py``: the ranks agree at the step boundary), Lightning's handler never runs,
+    so the flag is always 0: the collective only costs every rank a round each step. Set on the
+    loop instance, so other Trainers keep Lightning's."""
+    loop = trainer.fit_loop.epoch_loop
+    if on:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+    else:
+        loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
+
+
+def _no_sigterm_broadcast() -> None:
+    return None
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (kept in ``_optimizer``)."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -119,6 +137,7 @@ __all__ = [
     "sampler_follows_loader",
     "saved_step",
     "set_saved_step",
+    "sigterm_broadcast",
     "sync_ddp_if_available",
     "unwrap_optimizer",
 ]

@@ -1,11 +1,12 @@
 """A training step's outcome (its loss and reduced ``self.log`` records), from the last stage to
-every rank of the pipeline, as one small tensor all-reduce that also agrees on the stop requests.
+every rank of the pipeline, as one small tensor broadcast that also carries the last stage's
+decision on the stop requests.
 
 Why not ``broadcast_object_list`` every step: it pickles, and sends twice (the size, then the bytes),
 on a path every step of every rank waits on. The records' names and options rarely change between
 steps, so they are sent as objects only when they do; otherwise one float64 tensor carries the loss
-and the records' values (float32, exact in float64; the other ranks add zeros). Why an all-reduce
-rather than a broadcast: every rank adds its preemption requests to the same tensor, so the step
+and the records' values (float32, exact in float64). The stop requests of every rank reach the last
+stage through the store (:mod:`.requests`); its decision rides in the same tensor, so the step
 boundary needs no collective of its own to agree on them (:mod:`pipeckpt.state.preemption`).
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipeckpt.engines.distributed.requests import StopRelay
 from pipeckpt.state.preemption import PreemptionCallback
 
 __all__: List[str] = []
@@ -41,8 +43,8 @@ class StepOutcome:
         group: the pipeline's process group.
         src: the global rank of the pipeline's last stage.
         device: this rank's device (a tensor collective over NCCL needs one on the GPU).
-        stops: the preemption callbacks whose requests ride on the step's collective (only when
-            ``group`` spans every rank, so that every rank agrees); each is told the agreed request.
+        stops: the preemption callbacks whose requests ride on the step's outcome (only when
+            ``group`` spans every rank, so that every rank agrees); each is told the decided request.
     """
 
     def __init__(
@@ -54,22 +56,23 @@ class StepOutcome:
     ) -> None:
         self.group, self.src = group, src
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self.stops = list(stops)
+        self.requests = StopRelay(stops, decides=dist.get_rank() == src, src=src)
         self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
 
     def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
         """The loss and the records, given on the last stage (None elsewhere), on every rank."""
         n = len(self._known)
-        requests = [float(stop.requested) for stop in self.stops]
         if loss is not None and records is not None:
             shape = [(name, options) for name, _, options in records]
             known = len(records) == n and _same(shape, self._known) and _float32_scalars(records)
             values = [v.item() for _, v, _ in records] if known else [0.0] * n
-            self._reduce([float(not known), loss.item(), *values, *requests])
+            requests = self.requests.decide()
+            self._broadcast([float(not known), loss.item(), self.requests.generation, *values, *requests])
             if not known:
                 self._objects(records)
             return loss, records
-        new, value, *values = self._reduce([0.0] * (2 + n) + requests)
+        self.requests.post()
+        new, value, *values = self._broadcast([0.0] * (3 + n + len(self.requests)))
         shared = torch.tensor(value, dtype=torch.float32)
         if new:
             return shared, self._objects(None)
@@ -77,16 +80,16 @@ class StepOutcome:
             (k, torch.tensor(v, dtype=torch.float32), dict(o)) for (k, o), v in zip(self._known, values)
         ]
 
-    def _reduce(self, sent: List[float]) -> List[float]:
-        """``sent`` summed over the group (the outcome, the last stage's alone); the stop requests
-        at its end handed to their callbacks, the rest returned."""
+    def _broadcast(self, sent: List[float]) -> List[float]:
+        """The last stage's ``sent`` on every rank: the stop decisions at its end handed to their
+        callbacks, the store's prefix (third) learnt, the rest returned without it."""
         header = torch.tensor(sent, dtype=torch.float64, device=self.device)
-        dist.all_reduce(header, group=self.group)
-        summed = header.tolist()
-        k = len(summed) - len(self.stops)
-        for stop, requests in zip(self.stops, summed[k:]):
-            stop.carry(requests > 0)
-        return summed[:k]
+        dist.broadcast(header, src=self.src, group=self.group)
+        got = header.tolist()
+        k = len(got) - len(self.requests)
+        self.requests.tell(got[k:])
+        self.requests.learn(got[2])
+        return got[:2] + got[3:k]
 
     def _objects(self, records: Optional[List[Record]]) -> List[Record]:
         box: List[Any] = [records]

@@ -82,26 +82,36 @@ class _Captured(BaseException):
         self.call = call
 
 
-@contextmanager
-def _routed(sequential: nn.Sequential, forward: Callable[..., Any]) -> Iterator[None]:
-    previous = sequential.__dict__.get("forward")
-    sequential.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if previous is None:
-            sequential.__dict__.pop("forward", None)
+class _Instead:
+    """Within: ``obj.name`` is ``value`` (an instance attribute), then what it was. Written into the
+    instance's ``__dict__``, not through ``nn.Module.__setattr__``, whose checks for parameters,
+    modules and buffers a plain function never needs (this runs several times per micro-batch)."""
+
+    __slots__ = ("name", "obj", "previous", "value")
+
+    def __init__(self, obj: Any, name: str, value: Callable[..., Any]) -> None:
+        self.obj, self.name, self.value = obj, name, value
+
+    def __enter__(self) -> None:
+        own = self.obj.__dict__
+        self.previous = own.get(self.name)
+        own[self.name] = self.value
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is None:
+            self.obj.__dict__.pop(self.name, None)
         else:
-            sequential.forward = previous  # type: ignore[method-assign]
+            self.obj.__dict__[self.name] = self.previous
 
 
-@contextmanager
-def _logging_to(module: LightningModule, log: Callable[..., None]) -> Iterator[None]:
-    module.log = log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        module.__dict__.pop("log", None)
+def _routed(sequential: nn.Module, forward: Callable[..., Any]) -> _Instead:
+    """Within: calling ``sequential`` runs ``forward``."""
+    return _Instead(sequential, "forward", forward)
+
+
+def _logging_to(module: LightningModule, log: Callable[..., None]) -> _Instead:
+    """Within: ``module.log`` is ``log``."""
+    return _Instead(module, "log", log)
 
 
 def _never_called(module: LightningModule, hook: str) -> Exception:

@@ -6,8 +6,8 @@
       schedule.step                  first stage: the user's step up to its Sequential call -> input
         loss_fn(output_i, i)         last stage: the user's step with the Sequential answering output_i
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
-      all-reduce over the pipeline   the last stage's mean loss and reduced self.log calls, replayed
-                                     on every rank; every rank's stop requests (state/preemption)
+      broadcast over the pipeline    the last stage's mean loss and reduced self.log calls, replayed
+                                     on every rank; its decision on every rank's stop requests
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """
 

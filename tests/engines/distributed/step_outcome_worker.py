@@ -1,6 +1,6 @@
 """One process of tests/engines/distributed/test_step_outcome.py: rank 1 plays the pipeline's last
 stage and shares a scripted series of step outcomes through
-:class:`pipeckpt.engines.distributed.outcome.StepOutcome`, while rank 0 records a stop request at
+:class:`pipeckpt.engines.distributed.outcome.StepOutcome`, while each rank records a stop request at
 one step; each rank writes what it got, whether the records went as objects, and the stop request
 its step boundary read, to ``rank<r>.json``:
 
@@ -34,7 +34,9 @@ STEPS: List[List[Any]] = [
     [("a", 0.1, F64, MEAN)],  # not float32
     [("a", 0.2, F64, MEAN)],
 ]
-REQUESTED_AT = 5  # the step during which rank 0 records a stop request
+# The steps during which a rank records a stop request: rank 0 (the first stage) at 5, the last
+# stage at 2.
+REQUESTED_AT = {0: 5, 1: 2}
 
 
 def run(one: Dict[str, Any], out: str, world: int) -> None:
@@ -52,7 +54,7 @@ def run(one: Dict[str, Any], out: str, world: int) -> None:
     outcome._objects = counted  # type: ignore[method-assign]
     seen, stopped = [], []
     for i, records in enumerate(STEPS):
-        stop.requested = i == REQUESTED_AT and not last
+        stop.requested = i == REQUESTED_AT[dist.get_rank()]
         loss = torch.tensor(0.1 * (i + 1), dtype=F32) if last else None
         given = [(n, torch.tensor(v, dtype=d), dict(o)) for n, v, d, o in records] if last else None
         sent_objects.append(False)
