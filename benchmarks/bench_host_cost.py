@@ -30,6 +30,7 @@ Commands::
 
 import json
 import os
+import resource
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -82,11 +83,15 @@ class Clock:
 
     def __init__(self) -> None:
         self.cpu: List[float] = []
+        self.main: List[float] = []  # the main thread's CPU (the process's less gloo's threads)
+        self.sys: List[float] = []  # the process's CPU in the kernel
         self.wall: List[float] = []
         self.inner = 0.0
 
     def tick(self) -> None:
         self.cpu.append(time.process_time())
+        self.main.append(time.thread_time())
+        self.sys.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime)
         self.wall.append(time.perf_counter())
 
     def timed(self, fn: Callable[..., Any], warmup: int, timed: int) -> Callable[..., Any]:
@@ -106,6 +111,8 @@ class Clock:
     def per_step(self, warmup: int, timed: int) -> Dict[str, float]:
         return {
             "cpu": (self.cpu[warmup + timed] - self.cpu[warmup]) / timed,
+            "main": (self.main[warmup + timed] - self.main[warmup]) / timed,
+            "sys": (self.sys[warmup + timed] - self.sys[warmup]) / timed,
             "wall": (self.wall[warmup + timed] - self.wall[warmup]) / timed,
             "inner": self.inner / timed,
         }
@@ -272,6 +279,8 @@ def per_round(rows: List[Dict[str, Any]], rounds: int) -> List[Dict[str, Dict[st
             mine = [row for row in rows if row["round"] == r and row["method"] == method]
             by_method[method] = {
                 "cpu": sum(row["cpu"] for row in mine),
+                "main": sum(row["main"] for row in mine),
+                "sys": sum(row["sys"] for row in mine),
                 "inner": sum(row["inner"] for row in mine),
                 "wall": max(row["wall"] for row in mine),
                 **{f"cpu{row['rank']}": row["cpu"] for row in mine},
@@ -337,6 +346,8 @@ def report(
         row("whole step", "cpu"),
         row("schedule: `schedule.step` / the engine's `run` + `take_step_gradients`", "inner"),
         row("the rest: loop, data, optimizer", "rest"),
+        row("main threads only (the rest is gloo's threads)", "main"),
+        row("in the kernel (system CPU time)", "sys"),
         row("rank 0 (first stage), whole step", "cpu0"),
         row("rank 1 (last stage), whole step", "cpu1"),
         row("wall time per step", "wall"),

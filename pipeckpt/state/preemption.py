@@ -3,7 +3,7 @@
 Why not Lightning's handler (``_SignalConnector``): it saves inside the signal handler, in the middle
 of whatever ran; under the distributed engine that deadlocks on in-flight collectives. Here the
 handler only records the request; after each optimizer step the ranks agree on it (an all-reduce,
-or the decision an engine's step carries to every rank: :meth:`PreemptionCallback.carry`),
+or the step's own collective when an engine carries the request in it: :meth:`PreemptionCallback.carry`),
 every rank saves ``hpc_ckpt_N.ckpt``, rank 0 runs ``scontrol requeue``, and every rank leaves ``fit``
 with :class:`Preempted` (exit code 0); the requeued job resumes through Lightning's own path
 (docs/DESIGN.md, state/preemption).
@@ -112,9 +112,9 @@ class PreemptionCallback(Callback):
         self._carried = None
 
     def carry(self, agreed: bool) -> None:
-        """The request of any rank, as every rank of the world learnt it from a collective the
+        """The request of any rank, as every rank of the world agreed on it inside a collective the
         training step made anyway (an engine's): the next step boundary reads it instead of making
-        a collective of its own. Every rank must be told the same at the same steps."""
+        a collective of its own. Every rank must be told at the same steps."""
         self._carried = agreed or bool(self._carried)
 
     def _agreed_at_boundary(self, trainer: Trainer) -> bool:

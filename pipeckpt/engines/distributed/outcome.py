@@ -1,13 +1,15 @@
 """A training step's outcome (its loss and reduced ``self.log`` records), from the last stage to
-every rank of the pipeline, as one small tensor broadcast that also carries the last stage's
-decision on the stop requests.
+every rank of the pipeline, as one small tensor all-gather that also agrees on the stop requests.
 
 Why not ``broadcast_object_list`` every step: it pickles, and sends twice (the size, then the bytes),
 on a path every step of every rank waits on. The records' names and options rarely change between
 steps, so they are sent as objects only when they do; otherwise one float64 tensor carries the loss
-and the records' values (float32, exact in float64). The stop requests of every rank reach the last
-stage through the store (:mod:`.requests`); its decision rides in the same tensor, so the step
-boundary needs no collective of its own to agree on them (:mod:`pipeckpt.state.preemption`).
+and the records' values (float32, exact in float64). Why not a broadcast: every rank adds its
+preemption requests, so the step boundary needs no collective of its own to agree on them, and every
+rank stops at the boundary after the step in which any rank was signalled
+(:mod:`pipeckpt.state.preemption`). Why an all-gather rather than an all-reduce of the same tensor:
+on gloo a small all-reduce costs about 1 ms of CPU per rank, an all-gather about two thirds of it,
+and this runs every step on every rank (``benchmarks/bench_host_cost.py``).
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -16,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeckpt.engines.distributed.requests import StopRelay
 from pipeckpt.state.preemption import PreemptionCallback
 
 __all__: List[str] = []
@@ -43,8 +44,8 @@ class StepOutcome:
         group: the pipeline's process group.
         src: the global rank of the pipeline's last stage.
         device: this rank's device (a tensor collective over NCCL needs one on the GPU).
-        stops: the preemption callbacks whose requests ride on the step's outcome (only when
-            ``group`` spans every rank, so that every rank agrees); each is told the decided request.
+        stops: the preemption callbacks whose requests ride on the step's collective (only when
+            ``group`` spans every rank, so that every rank agrees); each is told the agreed request.
     """
 
     def __init__(
@@ -56,23 +57,24 @@ class StepOutcome:
     ) -> None:
         self.group, self.src = group, src
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self.requests = StopRelay(stops, decides=dist.get_rank() == src, src=src)
+        self.stops = list(stops)
+        self._row = dist.get_group_rank(group, src)  # the last stage's row of the gathered tensor
+        self._size = dist.get_world_size(group)
         self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
 
     def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
         """The loss and the records, given on the last stage (None elsewhere), on every rank."""
         n = len(self._known)
+        requests = [float(stop.requested) for stop in self.stops]
         if loss is not None and records is not None:
             shape = [(name, options) for name, _, options in records]
             known = len(records) == n and _same(shape, self._known) and _float32_scalars(records)
             values = [v.item() for _, v, _ in records] if known else [0.0] * n
-            requests = self.requests.decide()
-            self._broadcast([float(not known), loss.item(), self.requests.generation, *values, *requests])
+            self._gather([float(not known), loss.item(), *values, *requests])
             if not known:
                 self._objects(records)
             return loss, records
-        self.requests.post()
-        new, value, *values = self._broadcast([0.0] * (3 + n + len(self.requests)))
+        new, value, *values = self._gather([0.0] * (2 + n) + requests)
         shared = torch.tensor(value, dtype=torch.float32)
         if new:
             return shared, self._objects(None)
@@ -80,16 +82,18 @@ class StepOutcome:
             (k, torch.tensor(v, dtype=torch.float32), dict(o)) for (k, o), v in zip(self._known, values)
         ]
 
-    def _broadcast(self, sent: List[float]) -> List[float]:
-        """The last stage's ``sent`` on every rank: the stop decisions at its end handed to their
-        callbacks, the store's prefix (third) learnt, the rest returned without it."""
-        header = torch.tensor(sent, dtype=torch.float64, device=self.device)
-        dist.broadcast(header, src=self.src, group=self.group)
-        got = header.tolist()
-        k = len(got) - len(self.requests)
-        self.requests.tell(got[k:])
-        self.requests.learn(got[2])
-        return got[:2] + got[3:k]
+    def _gather(self, sent: List[float]) -> List[float]:
+        """Every rank's ``sent``, gathered: the outcome the last stage sent returned, and the stop
+        requests at its end (any rank's) handed to their callbacks."""
+        mine = torch.tensor(sent, dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self._size)]
+        dist.all_gather(rows, mine, group=self.group)
+        k = len(sent) - len(self.stops)
+        if self.stops:
+            requested = torch.stack(rows)[:, k:].amax(dim=0).tolist()
+            for stop, request in zip(self.stops, requested):
+                stop.carry(request > 0)
+        return rows[self._row][:k].tolist()
 
     def _objects(self, records: Optional[List[Record]]) -> List[Record]:
         box: List[Any] = [records]

@@ -6,8 +6,8 @@
       schedule.step                  first stage: the user's step up to its Sequential call -> input
         loss_fn(output_i, i)         last stage: the user's step with the Sequential answering output_i
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
-      broadcast over the pipeline    the last stage's mean loss and reduced self.log calls, replayed
-                                     on every rank; its decision on every rank's stop requests
+      all-gather over the pipeline   the last stage's mean loss and reduced self.log calls, replayed
+                                     on every rank; every rank's stop requests (state/preemption)
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """
 
@@ -162,10 +162,16 @@ class PipelinedStep:
 
     def _trained(self) -> List[nn.Parameter]:
         """The parameters this rank trains, each once (a tied weight that two stages of this rank
-        share is one parameter), read afresh every step from the stages' modules (found once)."""
+        share is one parameter), read afresh every step (``requires_grad`` may change) from the
+        stages' modules that own parameters (found once)."""
         key = tuple(map(id, self.modules))
         if key != self._owners_of:
-            self._owners = [mod for sm in self.modules for mod in sm.modules()]
+            self._owners = [
+                mod
+                for sm in self.modules
+                for mod in sm.modules()
+                if next(mod.parameters(recurse=False), None) is not None
+            ]
             self._owners_of = key
         held = {id(p): p for mod in self._owners for p in mod.parameters(recurse=False) if p.requires_grad}
         held.update((id(p), p) for p in self.outside if p.requires_grad)
