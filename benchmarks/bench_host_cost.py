@@ -29,6 +29,7 @@ Commands::
 """
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -307,7 +308,10 @@ def report(
         return r[method][key]
 
     def ratio(key: str, num: str, den: str) -> float:
-        return med([value(r, num, key) / value(r, den, key) for r in rounds])
+        # nan where a round measured nothing (a --quick run's kernel time can be 0)
+        return med(
+            [value(r, num, key) / value(r, den, key) if value(r, den, key) else math.nan for r in rounds]
+        )
 
     def row(name: str, key: str) -> str:
         ms = [f"{med([value(r, m, key) for r in rounds]) * 1e3:.2f}" for m in METHODS]
@@ -337,7 +341,8 @@ def report(
         "hand-written script; Lightning + raw = the same stage and schedule inside a Lightning "
         "`Trainer` (Lightning's loop around it, nothing else); pipeckpt = "
         '`PipelineStrategy(engine="distributed")`. Command: `python benchmarks/bench_host_cost.py'
-        f"{' --quick' if spec['quick'] else ''} --rounds {len(rounds)}`.",
+        f"{' --quick' if spec['quick'] else ''}{' --pin' if spec.get('pin') else ''} --rounds {len(rounds)}`"
+        f"{' (each rank pinned to a core of its own)' if spec.get('pin') else ''}.",
         "",
         "| part of a step | raw CPU ms | Lightning + raw CPU ms | pipeckpt CPU ms | "
         "**pipeckpt / (Lightning + raw)**: the engine's own cost | pipeckpt / raw | "

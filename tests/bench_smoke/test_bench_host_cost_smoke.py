@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from support.benchmarks import run_benchmark
 
-ROWS = ("whole step", "schedule:", "the rest:", "rank 0", "rank 1", "wall time per step")
+ROWS = ("whole step", "schedule:", "the rest:", "main threads only", "rank 0", "rank 1", "wall time per step")
 
 
 @pytest.mark.slow
