@@ -119,16 +119,27 @@ class Clock:
         }
 
 
+def half_schedule(layers: nn.Sequential, m: int) -> Tuple[nn.Sequential, Schedule1F1B]:
+    """This rank's half of ``layers`` and the hand-written 1F1B schedule over it (``m`` micro-batches,
+    each micro-batch's loss divided by ``m``), as the raw script and Lightning + raw both run it."""
+    rank = dist.get_rank()
+    half = len(layers) // 2
+    part = layers[:half] if rank == 0 else layers[half:]
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    return part, Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
+
+
+def step_loss(losses: List[Tensor], m: int) -> Tensor:
+    """The step's mean loss from the schedule's per-micro-batch losses (each divided by ``m``)."""
+    return torch.stack([loss.detach() * m for loss in losses]).mean()
+
+
 def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
     """The hand-written script: per-step times, the mean loss of each step (last rank) and the weights."""
     warmup, timed, m = spec["warmup"], spec["timed"], spec["chunks"]
     rank = dist.get_rank()
     torch.manual_seed(0)
-    layers = Proxy(spec["depth"], spec["width"]).layers
-    half = len(layers) // 2
-    part = layers[:half] if rank == 0 else layers[half:]
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
+    part, schedule = half_schedule(Proxy(spec["depth"], spec["width"]).layers, m)
     optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
     clock, losses = Clock(), []
     step = clock.timed(schedule.step, warmup, timed)
@@ -140,7 +151,7 @@ def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tenso
         else:
             out: List[Tensor] = []
             step(target=y, losses=out)
-            losses.append(torch.stack([loss.detach() * m for loss in out]).mean().item())
+            losses.append(step_loss(out, m).item())
         optimizer.step()
     clock.tick()
     return clock.per_step(warmup, timed), losses, [p.detach().clone() for p in part.parameters()]
@@ -154,12 +165,9 @@ class _HandWritten(Proxy):
 
     def __init__(self, spec: Dict[str, Any], clock: Clock) -> None:
         super().__init__(spec["depth"], spec["width"])
-        rank, m = dist.get_rank(), spec["chunks"]
-        half = len(self.layers) // 2
-        part = self.layers[:half] if rank == 0 else self.layers[half:]
-        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, y: F.mse_loss(out, y) / m, scale_grads=False)
-        self.rank, self.chunks, self.part = rank, m, [part]
+        m = spec["chunks"]
+        part, schedule = half_schedule(self.layers, m)
+        self.rank, self.chunks, self.part = dist.get_rank(), m, [part]
         self.step = clock.timed(schedule.step, spec["warmup"], spec["timed"])
 
     def training_step(self, batch: Tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -170,7 +178,7 @@ class _HandWritten(Proxy):
             return torch.zeros(())
         out: List[Tensor] = []
         self.step(target=y, losses=out)
-        return torch.stack([loss.detach() * self.chunks for loss in out]).mean()
+        return step_loss(out, self.chunks)
 
     def optimizer_zero_grad(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -308,10 +316,9 @@ def report(
         return r[method][key]
 
     def ratio(key: str, num: str, den: str) -> float:
+        pairs = [(value(r, num, key), value(r, den, key)) for r in rounds]
         # nan where a round measured nothing (a --quick run's kernel time can be 0)
-        return med(
-            [value(r, num, key) / value(r, den, key) if value(r, den, key) else math.nan for r in rounds]
-        )
+        return med([a / b if b else math.nan for a, b in pairs])
 
     def row(name: str, key: str) -> str:
         ms = [f"{med([value(r, m, key) for r in rounds]) * 1e3:.2f}" for m in METHODS]
