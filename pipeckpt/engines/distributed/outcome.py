@@ -1,15 +1,18 @@
 """A training step's outcome (its loss and reduced ``self.log`` records), from the last stage to
-every rank of the pipeline, as one small tensor all-gather that also agrees on the stop requests.
+every rank of the pipeline, as small point-to-point tensor messages that also agree on the stop
+requests.
 
 Why not ``broadcast_object_list`` every step: it pickles, and sends twice (the size, then the bytes),
 on a path every step of every rank waits on. The records' names and options rarely change between
 steps, so they are sent as objects only when they do; otherwise one float64 tensor carries the loss
-and the records' values (float32, exact in float64). Why not a broadcast: every rank adds its
-preemption requests, so the step boundary needs no collective of its own to agree on them, and every
-rank stops at the boundary after the step in which any rank was signalled
-(:mod:`pipeckpt.state.preemption`). Why an all-gather rather than an all-reduce of the same tensor:
-on gloo a small all-reduce costs about 1 ms of CPU per rank, an all-gather about two thirds of it,
-and this runs every step on every rank (``benchmarks/bench_host_cost.py``).
+and the records' values (float32, exact in float64). Every other rank first sends the last stage
+its preemption requests, and the last stage sends back, with the outcome, the requests agreed (any
+rank's), so the step boundary needs no collective of its own to agree on them, and every rank stops
+at the boundary after the step in which any rank was signalled (:mod:`pipeckpt.state.preemption`).
+Why messages rather than a collective: on gloo a small all-reduce costs about 1 ms of CPU per rank,
+an all-gather about two thirds of it (both go through the process group's worker thread), and a
+send and a receive about a quarter; this runs every step on every rank
+(``benchmarks/bench_host_cost.py``).
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +26,10 @@ from pipeckpt.state.preemption import PreemptionCallback
 __all__: List[str] = []
 
 Record = Tuple[str, Tensor, Dict[str, Any]]
+
+# The tag of the outcome's messages, apart from the schedule's own (tag 0) between the same ranks
+# (gloo matches a message by its tag; NCCL keeps each pair's messages in order and ignores tags).
+_TAG = 0x0C7
 
 
 def _same(a: List[Tuple[str, Dict[str, Any]]], b: List[Tuple[str, Dict[str, Any]]]) -> bool:
@@ -38,7 +45,7 @@ def _float32_scalars(records: List[Record]) -> bool:
 
 class StepOutcome:
     """Sends the last stage's training outcome to the other ranks of one pipeline, and agrees on
-    the stop requests of ``stops`` on the way.
+    the stop requests of ``stops`` on the way (every rank's to the last stage, the agreed ones back).
 
     Args:
         group: the pipeline's process group.
@@ -46,6 +53,7 @@ class StepOutcome:
         device: this rank's device (a tensor collective over NCCL needs one on the GPU).
         stops: the preemption callbacks whose requests ride on the step's collective (only when
             ``group`` spans every rank, so that every rank agrees); each is told the agreed request.
+            Every rank must give the same callbacks, in the same order.
     """
 
     def __init__(
@@ -58,8 +66,8 @@ class StepOutcome:
         self.group, self.src = group, src
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self.stops = list(stops)
-        self._row = dist.get_group_rank(group, src)  # the last stage's row of the gathered tensor
-        self._size = dist.get_world_size(group)
+        self._last = dist.get_rank() == src
+        self._peers = [r for r in dist.get_process_group_ranks(group) if r != src]
         self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
 
     def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
@@ -70,11 +78,11 @@ class StepOutcome:
             shape = [(name, options) for name, _, options in records]
             known = len(records) == n and _same(shape, self._known) and _float32_scalars(records)
             values = [v.item() for _, v, _ in records] if known else [0.0] * n
-            self._gather([float(not known), loss.item(), *values, *requests])
+            self._exchange([float(not known), loss.item(), *values], requests)
             if not known:
                 self._objects(records)
             return loss, records
-        new, value, *values = self._gather([0.0] * (2 + n) + requests)
+        new, value, *values = self._exchange([0.0] * (2 + n), requests)
         shared = torch.tensor(value, dtype=torch.float32)
         if new:
             return shared, self._objects(None)
@@ -82,18 +90,45 @@ class StepOutcome:
             (k, torch.tensor(v, dtype=torch.float32), dict(o)) for (k, o), v in zip(self._known, values)
         ]
 
-    def _gather(self, sent: List[float]) -> List[float]:
-        """Every rank's ``sent``, gathered: the outcome the last stage sent returned, and the stop
-        requests at its end (any rank's) handed to their callbacks."""
-        mine = torch.tensor(sent, dtype=torch.float64, device=self.device)
-        rows = [torch.empty_like(mine) for _ in range(self._size)]
-        dist.all_gather(rows, mine, group=self.group)
-        k = len(sent) - len(self.stops)
-        if self.stops:
-            requested = torch.stack(rows)[:, k:].amax(dim=0).tolist()
-            for stop, request in zip(self.stops, requested):
-                stop.carry(request > 0)
-        return rows[self._row][:k].tolist()
+    def _exchange(self, outcome: List[float], requests: List[float]) -> List[float]:
+        """The last stage's ``outcome`` (its length on every rank), returned on every rank, and the
+        ``requests`` agreed (any rank's) handed to the stop callbacks. Point-to-point: each other
+        rank sends its requests to the last stage, which sends the outcome and the agreed requests
+        back to each, so every rank leaves knowing every rank's requests of this step."""
+        k = len(outcome)
+        if self._last:
+            sent = torch.tensor(outcome + requests, dtype=torch.float64, device=self.device)
+            if requests:
+                rows = [
+                    torch.empty(len(requests), dtype=torch.float64, device=self.device) for _ in self._peers
+                ]
+                for work in [self._recv(row, peer) for row, peer in zip(rows, self._peers)]:
+                    work.wait()
+                sent[k:] = torch.stack([sent[k:], *rows]).amax(dim=0)
+            for sending in [self._send(sent, peer) for peer in self._peers]:
+                sending.wait()
+            received = sent
+        else:
+            mine = torch.tensor(requests, dtype=torch.float64, device=self.device)
+            told = self._send(mine, self.src) if requests else None
+            received = torch.empty(k + len(requests), dtype=torch.float64, device=self.device)
+            self._recv(received, self.src).wait()
+            if told is not None:
+                told.wait()
+        values = received.tolist()
+        for stop, request in zip(self.stops, values[k:]):
+            stop.carry(request > 0)
+        return values[:k]
+
+    def _send(self, tensor: Tensor, peer: int) -> dist.Work:
+        work = dist.isend(tensor, dst=peer, group=self.group, tag=_TAG)
+        assert work is not None
+        return work
+
+    def _recv(self, into: Tensor, peer: int) -> dist.Work:
+        work = dist.irecv(into, src=peer, group=self.group, tag=_TAG)
+        assert work is not None
+        return work
 
     def _objects(self, records: Optional[List[Record]]) -> List[Record]:
         box: List[Any] = [records]

@@ -6,7 +6,7 @@
       schedule.step                  first stage: the user's step up to its Sequential call -> input
         loss_fn(output_i, i)         last stage: the user's step with the Sequential answering output_i
                                      -> loss_i / (m * accumulate_grad_batches); backward by the schedule
-      all-gather over the pipeline   the last stage's mean loss and reduced self.log calls, replayed
+      messages over the pipeline     the last stage's mean loss and reduced self.log calls, replayed
                                      on every rank; every rank's stop requests (state/preemption)
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """

@@ -1,6 +1,6 @@
 """A training step's loss and logged values reach every rank of the pipeline exactly as the last
 stage computed them, as objects only when the records' names, options or dtypes change; a stop
-request of any rank rides on the same collective to every rank."""
+request of any rank rides on the same messages to every rank."""
 
 import json
 from pathlib import Path
@@ -35,7 +35,7 @@ def test_records_go_as_objects_only_when_their_names_options_or_dtypes_change(
 
 
 @pytest.mark.slow
-def test_a_stop_request_of_any_rank_reaches_every_ranks_step_boundary_within_the_steps_collective(
+def test_a_stop_request_of_any_rank_reaches_every_ranks_step_boundary_with_the_steps_outcome(
     shared: List[Dict[str, Any]],
 ) -> None:
     # The last stage records a request during step 2, rank 0 during step 5: both boundaries read
