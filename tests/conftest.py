@@ -2,7 +2,6 @@
 never outlive their test. The helpers behind them live in ``tests/support``."""
 
 import random
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 
@@ -37,15 +36,27 @@ def seeded() -> int:
 
 
 @pytest.fixture
-def start_ranks() -> Iterator[Callable[[Path, int, List[Dict[str, Any]], Path], List[subprocess.Popen]]]:
+def start_ranks() -> Iterator[Callable[[Path, int, List[Dict[str, Any]], Path], List[ranks.Rank]]]:
     """``start_ranks(worker, world, runs, out)`` starts real worker processes (gloo on CPU, one per
     rank, see :func:`support.ranks.start`); every one still alive is killed when the test ends."""
-    started: List[subprocess.Popen] = []
+    started: List[ranks.Rank] = []
 
-    def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
+    def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> List[ranks.Rank]:
         procs = ranks.start(worker, world, runs, out)
         started.extend(procs)
         return procs
 
     yield start
     ranks.stop(started)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, see pyproject.toml) a test file runs whole on one
+    worker, so its module-scoped fixture (often a multi-process run the file's tests read) runs once;
+    the SLURM tests share one group because they share one two-node cluster, started once a session."""
+    root = Path(__file__).parent
+    for item in items:
+        where = item.path.relative_to(root)
+        group = "slurm" if where.parts[0] == "slurm" else where.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -16,7 +16,6 @@ import itertools
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Dict, Iterator, List
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from support import forkserver
 
 from pipeckpt.app.config import register
 
@@ -201,11 +201,9 @@ def _plan_lines() -> List[object]:
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _plan_lines())
 def test_every_plan_command_runs(command: Block, tmp_path: Path):
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, *_argv(command.code)[1:]],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

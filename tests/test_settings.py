@@ -6,7 +6,6 @@ the strategy's signature and the Hydra schema are the settings' own fields.
 """
 
 import inspect
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from support import forkserver
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.app.config import PipeStrategyConfig, register
@@ -84,11 +84,9 @@ def test_the_same_bad_setting_gives_the_same_message_from_python_and_hydra(tmp_p
 @pytest.mark.parametrize("family", ["counts", "modes", "distributed-only", "schedule"])
 def test_the_command_line_prints_the_same_message_and_exits_1_before_training(tmp_path, family):
     kwargs, overrides, _ = CASES[family]
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "strategy.stages=null", *overrides],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert done.returncode == 1, done.stderr[-2000:]
@@ -134,9 +132,7 @@ def test_distributed_defaults_fill_in_only_for_the_distributed_engine():
 
 
 def test_help_lists_the_apps_groups_without_the_schemas():
-    done = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    done = forkserver.run([sys.executable, "train.py", "--help"], cwd=ROOT, timeout=120)
     assert done.returncode == 0
     groups = done.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "strategy: ddp, pipe, single" in groups

@@ -5,19 +5,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import forkserver
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _plan(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "pipeckpt.plan", *overrides],
         cwd=cwd,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
     )
 
 

@@ -1,4 +1,5 @@
-"""train.py end to end on CPU, as a user runs it: a subprocess, outputs in tmp_path."""
+"""train.py end to end on CPU, as a user runs it: a process of its own (forked by
+support.forkserver once the imports are done), outputs in tmp_path."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["trainer=fast", "trainer.enable_progress_bar=false", "threads=1"]
@@ -21,7 +23,7 @@ def train(
     command = [sys.executable, "train.py", *(["-m"] if multirun else []), *FAST, where, *overrides]
     # Outside any SLURM job, whatever the machine running the tests is in.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = forkserver.run(command, cwd=ROOT, env=env, timeout=300)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -153,11 +155,9 @@ def test_a_misspelled_override_exits_1_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_the_custom_module_example_learns(tmp_path):
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "examples" / "custom_module.py")],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from support import forkserver
 
 from pipeckpt.app.data import SyntheticVectors
 from pipeckpt.app.models import MLP
@@ -28,7 +29,7 @@ def train(out: Path, *overrides: str, slurm: bool = False) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PL_"))}
     env.update(PYTHONPATH=str(ROOT), **(SLURM if slurm else {}))
     command = [sys.executable, "train.py", *SMALL, f"hydra.run.dir={out}", *overrides]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = forkserver.run(command, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

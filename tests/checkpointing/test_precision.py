@@ -7,15 +7,13 @@ the forward's autocast again; gradients, weights (the master copy) and optimizer
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 from precision_worker import DtypeRecorder
+from support import ranks
 from support.paths import REPO, worker_pythonpath
 from support.toy import ToyModule, fit
 
@@ -66,27 +64,15 @@ def test_distributed_engine_bf16_mixed_keeps_activations_bf16_and_gradients_weig
         PYTHONWARNINGS="ignore",
         PYTHONPATH=worker_pythonpath(),
     )
-    procs = []
+    procs: List[ranks.Rank] = []
     try:
         for rank in range(2):
-            log = open(tmp_path / f"rank{rank}.log", "w")
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "precision_worker.py"), str(tmp_path), mode],
-                    env=dict(env, LOCAL_RANK=str(rank)),
-                    cwd=REPO,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            log.close()
+            worker, log = HERE / "precision_worker.py", tmp_path / f"rank{rank}.log"
+            env_r = dict(env, LOCAL_RANK=str(rank))
+            procs.append(ranks.spawn(worker, [str(tmp_path), mode], env_r, rank, REPO, log))
         codes = [p.wait(timeout=300) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        ranks.stop(procs)
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(2))
     assert codes == [0, 0], logs
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Tuple
 import lightning as L
 import pytest
 import torch
+from support import forkserver
 
 from pipeckpt import PipeckptCheckpointError, PipelineStrategy
 from pipeckpt.app.data import SyntheticVectors
@@ -41,7 +42,7 @@ def run_train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, "train.py", *FAST, f"hydra.run.dir={out}", *overrides]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return forkserver.run(command, cwd=ROOT, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +135,10 @@ def test_trainer_fit_resume_runs_nothing_and_names_the_file_and_class(plain, tmp
 def test_convert_runs_nothing_and_names_the_file_and_class(plain, tmp_path, where):
     marker = tmp_path / "ran"
     ckpt, holder = plant(where, plain, tmp_path, marker)
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "pipeckpt.convert", str(ckpt), str(tmp_path / "out.ckpt")],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert not marker.exists(), "the payload ran"

@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 from sharded_worker import STAGES, build, names, train
-from support.paths import worker_pythonpath
+from support import ranks
+from support.paths import REPO, worker_pythonpath
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -75,35 +76,22 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _stop(procs: List[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
 def _run_pipeline(world: int, out: Path) -> Path:
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
-    procs = []
+    procs: List[ranks.Rank] = []
     try:
         for rank in range(world):
-            with open(out / f"rank{rank}.log", "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(WORKER), "pipeline", str(out)],
-                        env=dict(env, RANK=str(rank)),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+            log = out / f"rank{rank}.log"
+            procs.append(
+                ranks.spawn(WORKER, ["pipeline", str(out)], dict(env, RANK=str(rank)), rank, REPO, log)
+            )
         deadline = time.time() + DEADLINE_S
         for p in procs:
             p.wait(timeout=max(1, deadline - time.time()))
     except subprocess.TimeoutExpired:
         pass
     finally:
-        _stop(procs)
+        ranks.stop(procs)
     logs = "\n".join(f"--- rank {r}\n{(out / f'rank{r}.log').read_text()[-4000:]}" for r in range(world))
     assert [p.returncode for p in procs] == [0] * world, logs
     return out
@@ -261,22 +249,18 @@ def test_a_kill_at_any_moment_leaves_a_whole_checkpoint_at_the_path(tmp_path):
     for trial in range(6):
         out = tmp_path / str(trial)
         out.mkdir()
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "overwrite", str(out)],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        log = tmp_path / f"{trial}.log"
+        proc = ranks.spawn(WORKER, ["overwrite", str(out)], _env(), 0, REPO, log)
         try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()  # one save done: now kill it somewhere in the next ones
-            assert first == "saved 0\n", first
+            deadline = time.time() + DEADLINE_S
+            while "saved 0\n" not in log.read_text():  # one save done: now kill it in the next ones
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.6))
             os.killpg(proc.pid, signal.SIGKILL)
-            done = [int(line.split()[1]) for line in proc.stdout.read().splitlines()]
         finally:
-            _stop([proc])
+            ranks.stop([proc])
+        done = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("saved ")]
         loaded = sharded.load(out / "ckpt")
         number = loaded["epoch"]
         assert number >= (done[-1] if done else 0)

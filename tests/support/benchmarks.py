@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional
 
+from support import forkserver
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -14,11 +16,9 @@ def run_benchmark(
     script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 600
 ) -> "subprocess.CompletedProcess[str]":
     """``python benchmarks/<script> <args>``; ``env`` adds to this process's environment."""
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env=None if env is None else {**os.environ, **env},
     )

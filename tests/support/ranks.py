@@ -1,8 +1,11 @@
 """Real worker processes for the multi-process tests: one per rank, gloo on CPU.
 
 Each test file names its worker script and hands it a JSON spec of runs; every process runs in
-a session of its own, so a test can always kill a rank and everything it started."""
+a session of its own, so a test can always kill a rank and everything it started. Ranks are forked
+from a server that has done the imports once (:mod:`support.forkserver`; ``PIPECKPT_TEST_FORK=0``
+starts fresh interpreters)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -11,12 +14,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Union
 
 import pytest
 
-from support import trainers
+from support import forkserver, trainers
 from support.paths import REPO, worker_pythonpath
+
+# A rank process: forked by the server, or a fresh interpreter.
+Rank = Union[subprocess.Popen, forkserver.Forked]
 
 
 def free_port() -> int:
@@ -25,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
+def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> List[Rank]:
     """Starts ``world`` ranks of ``worker`` on ``runs``; each writes ``out/rank<r>.log``."""
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
@@ -40,20 +46,31 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
         PYTHONWARNINGS="ignore",
         PYTHONPATH=worker_pythonpath(),
     )
-    procs = []
+    procs: List[Rank] = []
     for rank in range(world):
-        with open(out / f"rank{rank}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(worker), str(spec)],
-                    env=dict(env, LOCAL_RANK=str(rank)),
-                    cwd=REPO,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        log = out / f"rank{rank}.log"
+        procs.append(spawn(worker, [str(spec)], dict(env, LOCAL_RANK=str(rank)), rank, REPO, log))
     return procs
+
+
+def spawn(worker: Path, args: List[str], env: Dict[str, str], rank: int, cwd: Path, log: Path) -> Rank:
+    """``python worker args`` as ``rank`` in a session of its own, stdout and stderr to ``log``: forked
+    from the fork server, or a fresh interpreter when ``PIPECKPT_TEST_FORK=0``."""
+    return (forkserver.start if forkserver.enabled() else _fresh)(worker, args, env, rank, cwd, log)
+
+
+def _fresh(
+    worker: Path, args: List[str], env: Dict[str, str], rank: int, cwd: Path, log: Path
+) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(
+            [sys.executable, str(worker), *args],
+            env=env,
+            cwd=cwd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def quiet_trainer(strategy: Any, world: int, **options: Any) -> Any:
@@ -78,11 +95,12 @@ def serve(run: Callable[[Dict[str, Any], str, int], None]) -> None:
         run(one, spec["out"], world)
 
 
-def stop(procs: List[subprocess.Popen]) -> None:
+def stop(procs: List[Rank]) -> None:
     """Kills every rank still alive, with all it started, and reaps it."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended since: only its status is due
+                os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 

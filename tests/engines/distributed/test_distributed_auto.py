@@ -9,7 +9,6 @@ each): a 7-layer GPT (d 128, seq 64, batch 16, 4 micro-batches, AdamW) cut into 
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -22,6 +21,7 @@ import torch
 from distributed_auto_worker import build
 from distributed_fsdp_worker import build as fsdp_build
 from distributed_fsdp_worker import replica_rows
+from support import forkserver
 from test_distributed_fsdp import AUTO as fsdp_auto_run
 
 from pipeckpt import PipelineStrategy
@@ -243,14 +243,11 @@ def test_the_plan_command_under_the_distributed_engine_prints_the_per_rank_plan_
         "strategy.schedule=1f1b",
         f"memory.png={tmp_path / 'plan.png'}",
     ]
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "pipeckpt.plan", *overrides],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

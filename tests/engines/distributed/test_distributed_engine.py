@@ -159,7 +159,7 @@ def test_logged_values_are_reduced_over_microbatches_like_lightning_would():
 # -- real processes ------------------------------------------------------------------------
 
 
-def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[subprocess.Popen]:
+def _start(world: int, runs: List[Dict[str, Any]], out: Path) -> List[ranks.Rank]:
     return ranks.start(WORKER, world, runs, out)
 
 

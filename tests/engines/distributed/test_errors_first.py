@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import support.ranks as ranks
+from support import forkserver
 from support.paths import REPO, worker_pythonpath
 from support.toy import ToyModule, toy_loader
 
@@ -86,7 +87,7 @@ def test_a_configuration_error_prints_the_same_under_both_engines(tmp_path):
         command += ["trainer.devices=2", "strategy.timeout=20"] if engine == "distributed" else []
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PL_"))}
         env["PYTHONPATH"] = worker_pythonpath()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = forkserver.run(command, cwd=ROOT, env=env, timeout=300)
         assert done.returncode == 1, done.stderr[-3000:]
         lines = [line for line in done.stderr.splitlines() if line.startswith("Configuration error")]
         assert lines, done.stderr[-3000:]
