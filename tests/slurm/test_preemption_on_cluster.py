@@ -28,7 +28,9 @@ pytestmark = pytest.mark.slow
 
 SEED = 11
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
-JOB_TIMEOUT_S = 230
+# A hang detector, not a speed check: 9-11 runs of 2 ranks, each importing torch and Lightning afresh,
+# measured 140-215 s beside the rest of the suite on 2 cores.
+JOB_TIMEOUT_S = 420
 
 
 @dataclass(frozen=True)
