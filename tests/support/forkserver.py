@@ -190,7 +190,10 @@ def _serve(status: Path) -> None:
     import threading
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # transformers is a test extra: a child imports what it needs itself
+            print(f"fork server: {name} not preloaded", file=sys.stderr)
     # A fork copies one thread: anything the imports started would be missing from every rank.
     assert threading.active_count() == 1, threading.enumerate()
     reply = os.fdopen(os.dup(1), "w", buffering=1)
@@ -268,6 +271,10 @@ def _run_child(request: Dict[str, Any], reply: Any, ready: int) -> None:
         os.environ.update(request["env"])
         _settings()
         code = _run_main(request["argv"])
+    except BaseException:  # before the command ran: its log says why
+        import traceback
+
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
