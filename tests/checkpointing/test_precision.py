@@ -6,15 +6,13 @@ the forward's autocast again; gradients, weights (the master copy) and optimizer
 """
 
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 from precision_worker import DtypeRecorder
 from support import ranks
-from support.paths import REPO, worker_pythonpath
+from support.paths import REPO
 from support.toy import ToyModule, fit
 
 from pipeckpt import PipelineStrategy
@@ -43,27 +41,12 @@ def test_local_engine_bf16_mixed_keeps_activations_bf16_and_gradients_weights_st
     assert {str(p.dtype) for p in module.parameters()} == set(FP32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["always"])
 def test_distributed_engine_bf16_mixed_keeps_activations_bf16_and_gradients_weights_state_fp32(
     tmp_path, mode
 ):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE="2",
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=worker_pythonpath(),
-    )
+    env = ranks.rank_env(2)
     procs: List[ranks.Rank] = []
     try:
         for rank in range(2):

@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,12 +62,6 @@ def _adam_by_name(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[st
 # -- processes -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
     env.update(PYTHONPATH=worker_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -77,7 +70,7 @@ def _env(**extra: str) -> Dict[str, str]:
 
 
 def _run_pipeline(world: int, out: Path) -> Path:
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ranks.free_port()), WORLD_SIZE=str(world))
     procs: List[ranks.Rank] = []
     try:
         for rank in range(world):

@@ -35,6 +35,17 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
     """Starts ``world`` ranks of ``worker`` on ``runs``; each writes ``out/rank<r>.log``."""
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    env = rank_env(world)
+    procs: List[Rank] = []
+    for rank in range(world):
+        log = out / f"rank{rank}.log"
+        procs.append(spawn(worker, [str(spec)], dict(env, LOCAL_RANK=str(rank)), rank, REPO, log))
+    return procs
+
+
+def rank_env(world: int) -> Dict[str, str]:
+    """The environment of one group of ``world`` ranks on this machine (a fresh port), outside any
+    launcher's (SLURM, torchrun, Lightning); each rank adds its ``LOCAL_RANK``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -46,11 +57,7 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
         PYTHONWARNINGS="ignore",
         PYTHONPATH=worker_pythonpath(),
     )
-    procs: List[Rank] = []
-    for rank in range(world):
-        log = out / f"rank{rank}.log"
-        procs.append(spawn(worker, [str(spec)], dict(env, LOCAL_RANK=str(rank)), rank, REPO, log))
-    return procs
+    return env
 
 
 def spawn(worker: Path, args: List[str], env: Dict[str, str], rank: int, cwd: Path, log: Path) -> Rank:
