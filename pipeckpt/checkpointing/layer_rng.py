@@ -10,9 +10,10 @@ several times the cost. Cost: ``benchmarks/RESULTS_layer_rng.md``; the design an
 weighed: docs/DESIGN.md, checkpointing/layer_rng.
 """
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -121,6 +122,7 @@ class _Unseeded(AfterLayers):
 
 
 NO_STREAMS: AfterLayers = _Unseeded()
+_NO_KEY = contextlib.nullcontext()
 
 
 class _Draws:
@@ -149,6 +151,7 @@ class LayerStreams:
         self._call_key = 0
         self._current = _Current()
         self._attached: List[Tuple[nn.Module, Callable[..., Any], Optional[Any], _Draws]] = []
+        self._seeding = 0  # attached layers that draw or are not known yet; none: no key is needed
 
     @property
     def enabled(self) -> bool:
@@ -169,8 +172,11 @@ class LayerStreams:
             self.start()
         self._call_key = _mix(_mix(self.seed & _MASK) ^ self.calls)  # type: ignore[operator]
 
-    def microbatch(self, index: int) -> _Microbatch:
-        """The context in which a stage runs micro-batch ``index`` of the current call."""
+    def microbatch(self, index: int) -> ContextManager[None]:
+        """The context in which a stage runs micro-batch ``index`` of the current call (nothing to
+        enter once every layer is known not to draw: no layer reads the key)."""
+        if not self._seeding:
+            return _NO_KEY
         return _Microbatch(self._current, _mix(self._call_key ^ index))
 
     def after_layers(self, index: int, devices: Sequence[torch.device]) -> AfterLayers:
@@ -202,9 +208,10 @@ class LayerStreams:
         for index, (layer, device) in enumerate(zip(layers, devices)):
             own = layer.__dict__.get("forward")
             draws = _Draws(True if self.scope == "all" else None)
-            wrapped = self._seeded(layer, index, device, layer.forward, draws)
+            wrapped = self._seeded(layer, index, device, layer.forward, draws, own)
             layer.forward = wrapped
             self._attached.append((layer, wrapped, own, draws))
+            self._seeding += 1
 
     def detach(self) -> None:
         """Every wrapped layer gets back the forward it had (unless another wrapper replaced ours)."""
@@ -215,6 +222,7 @@ class LayerStreams:
                 else:
                     layer.forward = own
         self._attached = []
+        self._seeding = 0
 
     @property
     def seeded_layers(self) -> List[nn.Module]:
@@ -234,6 +242,7 @@ class LayerStreams:
         device: torch.device,
         forward: Callable[..., Any],
         draws: "_Draws",
+        own: Optional[Any],
     ) -> Callable[..., Any]:
         salt = _mix(index ^ 0x5EED)
         current = self._current
@@ -258,9 +267,22 @@ class LayerStreams:
             finally:
                 if seeded is not None:  # auto, first training call: did the layer draw?
                     draws.known = not torch.equal(generator.get_state(), seeded)
+                    if not draws.known:
+                        self._runs_as_it_is(layer, in_own_stream, own)
                 generator.set_state(saved)
 
         return in_own_stream
+
+    def _runs_as_it_is(self, layer: nn.Module, wrapped: Callable[..., Any], own: Optional[Any]) -> None:
+        """A layer found not to draw gets its own forward back, unless another wrapper took the
+        place of ours (``pipeline_of``'s routing keeps calling ours, which passes straight through):
+        a dispatch-bound stage pays for every Python call per layer and micro-batch."""
+        self._seeding -= 1
+        if layer.__dict__.get("forward") is wrapped:
+            if own is None:
+                del layer.__dict__["forward"]
+            else:
+                layer.forward = own
 
     # -- checkpoints ------------------------------------------------------------------
 

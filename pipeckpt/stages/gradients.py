@@ -27,15 +27,18 @@ def gradients_set_aside(
     old gradient back, except those of ``drop``, whose old gradient is gone (``None``) from the
     start; the yielded list holds ``(parameter, gradient)`` for the gradients computed within."""
     params = list(params)
-    dropped = {id(p) for p in drop}
-    held = [None if id(p) in dropped else p.grad for p in params]
+    if drop:
+        dropped = {id(p) for p in drop}
+        held = [None if id(p) in dropped else p.grad for p in params]
+    else:
+        held = [p.grad for p in params]
     for p in params:
         p.grad = None
     computed: List[Tuple[nn.Parameter, Tensor]] = []
     try:
         yield computed
     finally:
-        computed.extend((p, p.grad) for p in params if p.grad is not None)
+        computed.extend([(p, p.grad) for p in params if p.grad is not None])
         for p, g in zip(params, held):
             p.grad = g
 

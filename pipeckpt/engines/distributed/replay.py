@@ -8,8 +8,7 @@ output (:func:`answering`); side inputs are captured on each rank, which holds t
 (docs/DESIGN.md, engines/distributed/replay).
 """
 
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -171,16 +170,41 @@ class _Answer:
         return self.output
 
 
-@contextmanager
+class _Answering:
+    """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``.
+    A class, not a ``@contextmanager`` generator: it runs once per micro-batch on the last stage."""
+
+    __slots__ = ("answer", "logging", "module", "routed")
+
+    def __init__(
+        self,
+        module: LightningModule,
+        sequential: nn.Sequential,
+        output: Any,
+        hook: str,
+        recorder: LogRecorder,
+    ) -> None:
+        self.module = module
+        self.answer = _Answer(output, hook)
+        self.routed = _routed(sequential, self.answer)
+        self.logging = _logging_to(module, recorder.log)
+
+    def __enter__(self) -> None:
+        self.routed.__enter__()
+        self.logging.__enter__()
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self.logging.__exit__()
+        self.routed.__exit__()
+        if kind is None and self.answer.calls == 0:
+            raise _never_called(self.module, self.answer.hook)
+
+
 def answering(
     module: LightningModule, sequential: nn.Sequential, output: Any, hook: str, recorder: LogRecorder
-) -> Iterator[None]:
+) -> _Answering:
     """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``."""
-    answer = _Answer(output, hook)
-    with _routed(sequential, answer), _logging_to(module, recorder.log):
-        yield
-    if answer.calls == 0:
-        raise _never_called(module, hook)
+    return _Answering(module, sequential, output, hook, recorder)
 
 
 def step_loss(output: Any, hook: str) -> Tensor:

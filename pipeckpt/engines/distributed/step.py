@@ -89,7 +89,7 @@ class PipelinedStep:
         self._warned = False
         self._last_batch_checked = False
         self._outcome: Optional[StepOutcome] = None  # made at the first training step
-        self._owners: List[nn.Module] = []  # every module of this rank's stages (see _trained)
+        self._candidates: Tuple[nn.Parameter, ...] = ()  # this rank's parameters (see _trained)
         self._owners_of: Tuple[int, ...] = ()
         self._arange: Dict[int, Tensor] = {}
 
@@ -162,20 +162,16 @@ class PipelinedStep:
 
     def _trained(self) -> List[nn.Parameter]:
         """The parameters this rank trains, each once (a tied weight that two stages of this rank
-        share is one parameter), read afresh every step (``requires_grad`` may change) from the
-        stages' modules that own parameters (found once)."""
-        key = tuple(map(id, self.modules))
+        share is one parameter), filtered afresh every step (``requires_grad`` may change) from
+        the parameters of this rank's stages and of ``outside``, found once (as a stage's own
+        ``_trainable`` does: parameters are made at build, not between steps)."""
+        key = (*map(id, self.modules), id(self.outside), len(self.outside))
         if key != self._owners_of:
-            self._owners = [
-                mod
-                for sm in self.modules
-                for mod in sm.modules()
-                if next(mod.parameters(recurse=False), None) is not None
-            ]
+            held = {id(p): p for sm in self.modules for p in sm.parameters()}
+            held.update((id(p), p) for p in self.outside)
+            self._candidates = tuple(held.values())
             self._owners_of = key
-        held = {id(p): p for mod in self._owners for p in mod.parameters(recurse=False) if p.requires_grad}
-        held.update((id(p), p) for p in self.outside if p.requires_grad)
-        return list(held.values())
+        return [p for p in self._candidates if p.requires_grad]
 
     def _targets(self, m: int) -> Tensor:
         """The schedule's ``target`` on the last stage: micro-batch ``i``'s is ``i``."""
@@ -287,8 +283,11 @@ class PipelinedStep:
         if run.last is None or not run.last.ran(output):
             return shape_inference_loss(output)
         output = run.last.boundaries.rebuild_output(run.last.stage_index, output)
+        # Micro-batch i's target is ``arange(m)[i:i + 1]``, a view (torch splits the target with
+        # tensor_split): its offset is i, read without a tensor operation in this per-micro-batch
+        # path; a target a schedule moved off the CPU is read.
+        i = int(target.storage_offset()) if target.is_cpu else int(target[0])
         with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
-            i = int(target[0])
             returned = self.module.training_step(run.microbatches[i], *run.rest, **run.kwargs)
         loss = step_loss(returned, run.hook)
         if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m
