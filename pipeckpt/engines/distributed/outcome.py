@@ -69,6 +69,7 @@ class StepOutcome:
         self._last = dist.get_rank() == src
         self._peers = [r for r in dist.get_process_group_ranks(group) if r != src]
         self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
+        self._buffers: Dict[Any, Tensor] = {}  # message buffers by use (see _buffer)
 
     def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
         """The loss and the records, given on the last stage (None elsewhere), on every rank."""
@@ -97,28 +98,36 @@ class StepOutcome:
         back to each, so every rank leaves knowing every rank's requests of this step."""
         k = len(outcome)
         if self._last:
-            sent = torch.tensor(outcome + requests, dtype=torch.float64, device=self.device)
-            if requests:
-                rows = [
-                    torch.empty(len(requests), dtype=torch.float64, device=self.device) for _ in self._peers
-                ]
+            agreed = requests
+            if requests:  # every other rank's requests, then any rank's, in plain floats
+                rows = [self._buffer(("peer", peer), len(requests)) for peer in self._peers]
                 for work in [self._recv(row, peer) for row, peer in zip(rows, self._peers)]:
                     work.wait()
-                sent[k:] = torch.stack([sent[k:], *rows]).amax(dim=0)
+                agreed = [max(column) for column in zip(requests, *(row.tolist() for row in rows))]
+            sent = torch.tensor(outcome + agreed, dtype=torch.float64, device=self.device)
             for sending in [self._send(sent, peer) for peer in self._peers]:
                 sending.wait()
-            received = sent
+            values = outcome + agreed
         else:
-            mine = torch.tensor(requests, dtype=torch.float64, device=self.device)
-            told = self._send(mine, self.src) if requests else None
-            received = torch.empty(k + len(requests), dtype=torch.float64, device=self.device)
+            told = None
+            if requests:
+                told = self._send(torch.tensor(requests, dtype=torch.float64, device=self.device), self.src)
+            received = self._buffer("received", k + len(requests))
             self._recv(received, self.src).wait()
             if told is not None:
                 told.wait()
-        values = received.tolist()
+            values = received.tolist()
         for stop, request in zip(self.stops, values[k:]):
             stop.carry(request > 0)
         return values[:k]
+
+    def _buffer(self, key: Any, n: int) -> Tensor:
+        """A float64 message buffer of ``n`` values, kept between steps (each step waits for its
+        messages before the next one reuses it)."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() != n:
+            buffer = self._buffers[key] = torch.empty(n, dtype=torch.float64, device=self.device)
+        return buffer
 
     def _send(self, tensor: Tensor, peer: int) -> dist.Work:
         work = dist.isend(tensor, dst=peer, group=self.group, tag=_TAG)
