@@ -26,11 +26,19 @@ Commands::
 
     python benchmarks/bench_host_cost.py --rounds 9 --out /tmp/host_cost.md   # ~1.5 min, idle 2 cores
     python benchmarks/bench_host_cost.py --quick --out /tmp/host_cost.md      # seconds: checks the harness
+    python benchmarks/bench_host_cost.py --calls --out /tmp/host_calls.md     # ~1 min: Python calls per step
+
+``--calls`` counts instead of timing: the Python and builtin function calls (cProfile's count) each
+rank makes per step, the same on every run and under any load, where the CPU ratios of this 2-core
+machine resolve about +-0.03. A count weighs every call alike, a tensor operation made by an operator
+not at all: it tells where the engine's own Python went, the CPU ratio what it costs.
 """
 
+import cProfile
 import json
 import math
 import os
+import pstats
 import resource
 import statistics
 import time
@@ -82,7 +90,10 @@ def loader(spec: Dict[str, Any], steps: int) -> DataLoader:
 class Clock:
     """CPU and wall time at the start of every step, and the CPU spent inside the schedule's part."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: Dict[str, Any]) -> None:
+        self.warmup, self.count_timed = spec["warmup"], spec["timed"]
+        self.profiler = cProfile.Profile() if spec.get("calls") else None
+        self.calls = 0  # function calls made in the timed steps (``--calls``)
         self.cpu: List[float] = []
         self.main: List[float] = []  # the main thread's CPU (the process's less gloo's threads)
         self.sys: List[float] = []  # the process's CPU in the kernel
@@ -94,6 +105,12 @@ class Clock:
         self.main.append(time.thread_time())
         self.sys.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime)
         self.wall.append(time.perf_counter())
+        if self.profiler is not None:  # count the calls of the timed steps (the main thread's)
+            if len(self.cpu) == self.warmup + 1:
+                self.profiler.enable()
+            elif len(self.cpu) == self.warmup + self.count_timed + 1:
+                self.profiler.disable()
+                self.calls = sum(row[1] for row in pstats.Stats(self.profiler).stats.values())  # type: ignore[attr-defined]
 
     def timed(self, fn: Callable[..., Any], warmup: int, timed: int) -> Callable[..., Any]:
         """``fn``, its CPU time added to ``inner`` during the timed steps."""
@@ -116,6 +133,7 @@ class Clock:
             "sys": (self.sys[warmup + timed] - self.sys[warmup]) / timed,
             "wall": (self.wall[warmup + timed] - self.wall[warmup]) / timed,
             "inner": self.inner / timed,
+            "calls": self.calls / timed,
         }
 
 
@@ -141,7 +159,7 @@ def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tenso
     torch.manual_seed(0)
     part, schedule = half_schedule(Proxy(spec["depth"], spec["width"]).layers, m)
     optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
-    clock, losses = Clock(), []
+    clock, losses = Clock(spec), []
     step = clock.timed(schedule.step, warmup, timed)
     for x, y in loader(spec, warmup + timed + 1):
         clock.tick()
@@ -194,7 +212,7 @@ class _HandWritten(Proxy):
 def lightning(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
     """The raw script's schedule inside Lightning's loop."""
     warmup, timed = spec["warmup"], spec["timed"]
-    clock = Clock()
+    clock = Clock(spec)
     measure = _Measure(clock, warmup, timed, engine=False)
     torch.manual_seed(0)
     module = _HandWritten(spec, clock)
@@ -231,7 +249,7 @@ class _Measure(Callback):
 def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tensor]]:
     """The same work through a Trainer and the distributed engine."""
     warmup, timed = spec["warmup"], spec["timed"]
-    clock = Clock()
+    clock = Clock(spec)
     measure = _Measure(clock, warmup, timed)
     torch.manual_seed(0)
     module = Proxy(spec["depth"], spec["width"])
@@ -373,12 +391,38 @@ def report(
     return "\n".join(lines)
 
 
+def report_calls(spec: Dict[str, Any], rows: List[Dict[str, Any]], elapsed: float) -> str:
+    """``--calls``: each method's function calls per step on each rank, and their ratios."""
+    calls = {(row["method"], row["rank"]): row["calls"] for row in rows}
+    total = {m: calls[m, 0] + calls[m, 1] for m in METHODS}
+    lines = [
+        "## Host cost as a count: Python calls per step (`benchmarks/bench_host_cost.py --calls`)",
+        "",
+        f"Machine: {machine()}. Wall time of the run: {elapsed / 60:.1f} min. Same model, data and "
+        f"methods as the timed run ({spec['depth']} x `Linear({spec['width']}, {spec['width']})`, batch "
+        f"{spec['batch']}, 2 processes, 1F1B over {spec['chunks']} micro-batches); per step, the mean "
+        f"over {spec['timed']} steps after {spec['warmup']} warm-up steps, of the Python and builtin "
+        "function calls cProfile counts in each rank's main thread (a count, the same on every run; "
+        "its timings are not used).",
+        "",
+        "| method | rank 0 (first stage) | rank 1 (last stage) | both | / raw | / (Lightning + raw) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in METHODS:
+        lines.append(
+            f"| {m} | {calls[m, 0]:.0f} | {calls[m, 1]:.0f} | {total[m]:.0f} | "
+            f"{total[m] / total['raw']:.3f} | {total[m] / total['lightning']:.3f} |"
+        )
+    return "\n".join([*lines, ""])
+
+
 def main() -> None:
     parser = ranks_arguments(__doc__.splitlines()[0], out="/tmp/host_cost.md", rounds=9, batch=64)
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--pin", action="store_true", help="each rank on a core of its own")
+    parser.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
     parser.set_defaults(warmup=5, timed=30)
     args = parser.parse_args()
     if args.worker:
@@ -386,14 +430,19 @@ def main() -> None:
         return
     if args.quick:
         args.depth, args.width, args.batch, args.warmup, args.timed, args.rounds = 4, 16, 8, 1, 2, 1
+    if args.calls:  # a count: one round gives it
+        args.rounds = 1
     spec = {
         k: getattr(args, k)
-        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick", "pin")
+        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick", "pin", "calls")
     }
     began, loads = time.time(), [load_average()]
     rows = run_ranks(__file__, 2, spec, timeout=args.timeout)
     loads.append(load_average())
-    text = report(spec, per_round(rows, args.rounds), loads, time.time() - began)
+    if args.calls:
+        text = report_calls(spec, rows, time.time() - began)
+    else:
+        text = report(spec, per_round(rows, args.rounds), loads, time.time() - began)
     with open(args.out, "w") as f:
         f.write(text)
     print(text)

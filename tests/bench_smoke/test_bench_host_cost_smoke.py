@@ -17,3 +17,15 @@ def test_quick_run_matches_the_raw_script_and_reports_every_row(tmp_path: Path) 
     for name in ROWS:
         (row,) = [r for r in rows if r.startswith(f"| {name}")]
         assert float(row.split("|")[-2]) > 0, row
+
+
+@pytest.mark.slow
+def test_calls_mode_counts_every_methods_python_calls_per_step_on_each_rank(tmp_path: Path) -> None:
+    out = tmp_path / "host_calls.md"
+    run_benchmark("bench_host_cost.py", "--quick", "--calls", "--out", str(out))
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in lines}
+    for method in ("raw", "lightning", "pipeckpt"):
+        rank0, rank1, both = (float(cell) for cell in rows[method])
+        # each figure is rounded on its own
+        assert rank0 > 0 and rank1 > 0 and abs(both - (rank0 + rank1)) <= 1, (method, rows[method])
