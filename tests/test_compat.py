@@ -285,6 +285,13 @@ def test_pipeline_stage_runs_local_backward_through_its_one_chunk_methods():
         assert params[:2] == ["self", "bwd_chunk_id"], (name, params)
 
 
+def test_pipeline_stage_sends_the_input_gradients_waiting_in_bwd_cache_from_get_bwd_send_ops():
+    method, cache = _compat.BWD_SEND
+    send = getattr(PipelineStage, method)
+    assert list(inspect.signature(send).parameters) == ["self", "bwd_chunk_id"]
+    assert f"self.{cache}.pop(bwd_chunk_id)" in inspect.getsource(send)
+
+
 @pytest.mark.skipif(not _compat.STAGE_META_HOOKS, reason="this torch infers shapes in one method")
 def test_pipeline_stage_passes_shape_metadata_through_send_and_recv_meta():
     send, recv = (list(inspect.signature(getattr(PipelineStage, n)).parameters) for n in _compat.STAGE_META)

@@ -27,6 +27,7 @@ from pipeckpt._compat.lightning_private import (
 )
 from pipeckpt._compat.torch_private import (
     BACKWARD_ONE_CHUNK,
+    BWD_SEND,
     FORWARD_ONE_CHUNK,
     MODULE_STATES,
     SAC_SAVED_OP_NAMES,
@@ -83,6 +84,7 @@ __all__ = [
     "STAGE_META_HOOKS",
     "is_view",
     "BACKWARD_ONE_CHUNK",
+    "BWD_SEND",
     "accumulate_gradients",
     "accumulate_keeping_graph",
     "FORWARD_ONE_CHUNK",

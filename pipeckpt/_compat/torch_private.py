@@ -241,6 +241,9 @@ FORWARD_ONE_CHUNK = "forward_one_chunk"
 # Likewise, the local backward of one micro-batch (its input and weight parts), which the
 # engine overrides to tell a stage's own errors from a peer's failure.
 BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
+# The input gradients of a micro-batch's backward wait in ``bwd_cache`` until ``get_bwd_send_ops``
+# sends them; overriding it is the one place to make them contiguous before they go (no public hook).
+BWD_SEND = ("get_bwd_send_ops", "bwd_cache")
 # Shape inference hands a stage's output shapes to the next process through these two; overriding
 # them is the only way to send the output's pytree structure along (no public hook carries metadata).
 STAGE_META = ("_send_meta", "_recv_meta")

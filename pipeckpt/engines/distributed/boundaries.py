@@ -137,10 +137,20 @@ class Boundaries:
             "tensor (e.g. torch.tensor(n))",
         )
 
-    def rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
+    def rebuild(self, index: int, tensors: Sequence[Tensor], *, inferring: bool = False) -> Any:
         """The value stage ``index`` returned, around the tensors that carry it (received from its
-        process: their gradients go back to it, so they are made contiguous, see :func:`sendable`)."""
-        return self._rebuild(index, [_ContiguousGradient.apply(t) if t.requires_grad else t for t in tensors])
+        process). Their gradients go back to it, and a process group sends only contiguous tensors:
+        while ``inferring`` shapes, each goes through :class:`_ContiguousGradient`, since torch takes
+        the gradients' strides for the sender's receive buffers from that pass; afterwards through
+        a plain view (``wiring.LiveStage.get_bwd_send_ops`` makes them contiguous before they go),
+        which a dispatch-bound stage pays far less for than an autograd Function on every tensor of
+        every micro-batch. The view keeps a tensor a stage hands on unchanged from being the very
+        tensor torch detaches in place at the end of the last stage's forward."""
+        if inferring:
+            return self._rebuild(
+                index, [_ContiguousGradient.apply(t) if t.requires_grad else t for t in tensors]
+            )
+        return self._rebuild(index, [t.view_as(t) if t.requires_grad else t for t in tensors])
 
     def _rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
         structure = self._by_stage.get(index)

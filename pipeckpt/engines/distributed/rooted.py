@@ -197,7 +197,7 @@ class RootStageModule(StageModule):
         if j == 0:
             call = self._root_entry(inputs)
         else:
-            received = self.boundaries.rebuild(j - 1, inputs)
+            received = self.boundaries.rebuild(j - 1, inputs, inferring=not live)
             if not live:
                 received = _usable(received)
             call = self._calls(i)

@@ -86,7 +86,7 @@ class StageModule(nn.Module):
         if self._entry is not None:
             x, side = self._entry(inputs)
         else:
-            x = self.boundaries.rebuild(j - 1, inputs)
+            x = self.boundaries.rebuild(j - 1, inputs, inferring=not self.live)
             side = self._sides(j, i) if self._sides is not None else None
         if self.live:
             out = self.stage(x, side)
@@ -171,6 +171,15 @@ class LiveStage(PipelineStage):
             _, meta, structure = meta
             self.boundaries.put(src_stage, structure)
         return meta
+
+    @override
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> List[dist.P2POp]:  # named in pipeckpt._compat
+        # A received tensor read through a transpose (or an expand) gets a gradient with strides of
+        # its own; a process group sends only contiguous tensors (Boundaries.rebuild).
+        grads = self.bwd_cache.get(bwd_chunk_id)
+        if grads is not None and not all(g is None or g.is_contiguous() for g in grads):
+            self.bwd_cache[bwd_chunk_id] = tuple(g if g is None else g.contiguous() for g in grads)
+        return super().get_bwd_send_ops(bwd_chunk_id)
 
     @override
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
