@@ -8,7 +8,7 @@ output (:func:`answering`); side inputs are captured on each rank, which holds t
 (docs/DESIGN.md, engines/distributed/replay).
 """
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -46,6 +46,10 @@ class Microbatches:
         self.size: int = size
         self.count = num_microbatches
         self._chunks = [torch.tensor_split(leaves[i], num_microbatches) for i in self._where]
+        # A tuple or list of tensors (most batches) is rebuilt as one, without the pytree's walk:
+        # this runs for every micro-batch on the first and the last stage.
+        flat = type(batch) in (tuple, list) and all(isinstance(leaf, Tensor) for leaf in batch)
+        self._plain: Optional[type] = type(batch) if flat else None
 
     @property
     def tensors(self) -> Tuple[Tensor, ...]:
@@ -60,6 +64,8 @@ class Microbatches:
 
     def rebuild(self, tensors: Sequence[Tensor]) -> Any:
         """A batch of the user's structure around the given tensor leaves."""
+        if self._plain is not None:
+            return self._plain(tensors)
         leaves = list(self._leaves)
         for i, t in zip(self._where, tensors):
             leaves[i] = t
