@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 import torch
 from kill_worker import WRITE_KINDS
-from support.paths import REPO, worker_pythonpath
+from support.paths import REPO, launcher_free, worker_pythonpath
 from support.toy import assert_bitwise_equal
 
 from pipeckpt.state import sharded
@@ -83,7 +83,7 @@ def run_phase(phase: str, plan: Dict[str, Any], root: Path) -> Dict[str, Any]:
     path = root / f"plan-{phase}.json"
     path.write_text(json.dumps(plan))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    env = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
+    env = launcher_free(env)
     env["PYTHONPATH"] = worker_pythonpath()  # this checkout and the tests' helpers
     log_path = root / f"{phase}.log"
     orphans = False

@@ -19,7 +19,7 @@ import pytest
 import torch
 from sharded_worker import STAGES, build, names, train
 from support import ranks
-from support.paths import REPO, worker_pythonpath
+from support.paths import REPO, launcher_free, worker_pythonpath
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -63,7 +63,7 @@ def _adam_by_name(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[st
 
 
 def _env(**extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
+    env = launcher_free(os.environ)
     env.update(PYTHONPATH=worker_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

@@ -133,11 +133,11 @@ def enabled() -> bool:
 
 def _server(parity: int) -> Server:
     """This process's server for ranks of ``parity``, started on first use."""
-    from support.paths import REPO, worker_pythonpath
+    from support.paths import REPO, launcher_free, worker_pythonpath
 
     server = _servers.get(parity)
     if server is None or not server.alive():
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
+        env = launcher_free(os.environ)
         for name in ("PYTHONWARNINGS", "OMP_NUM_THREADS"):  # each request's own, in the child
             env.pop(name, None)
         # A hash seed of its own for each server: set orders differ between neighbouring ranks.

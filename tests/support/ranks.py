@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Union
 import pytest
 
 from support import forkserver, trainers
-from support.paths import REPO, worker_pythonpath
+from support.paths import REPO, launcher_free, worker_pythonpath
 
 # A rank process: forked by the server, or a fresh interpreter.
 Rank = Union[subprocess.Popen, forkserver.Forked]
@@ -46,7 +46,7 @@ def start(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path) -> Li
 def rank_env(world: int) -> Dict[str, str]:
     """The environment of one group of ``world`` ranks on this machine (a fresh port), outside any
     launcher's (SLURM, torchrun, Lightning); each rank adds its ``LOCAL_RANK``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "PL_"))}
+    env = launcher_free(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
