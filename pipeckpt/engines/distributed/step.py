@@ -90,7 +90,7 @@ class PipelinedStep:
         self._last_batch_checked = False
         self._outcome: Optional[StepOutcome] = None  # made at the first training step
         self._candidates: Tuple[nn.Parameter, ...] = ()  # this rank's parameters (see _trained)
-        self._owners_of: Tuple[int, ...] = ()
+        self._candidates_of: Tuple[int, ...] = ()
         self._arange: Dict[int, Tensor] = {}
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
@@ -166,11 +166,11 @@ class PipelinedStep:
         the parameters of this rank's stages and of ``outside``, found once (as a stage's own
         ``_trainable`` does: parameters are made at build, not between steps)."""
         key = (*map(id, self.modules), id(self.outside), len(self.outside))
-        if key != self._owners_of:
+        if key != self._candidates_of:
             held = {id(p): p for sm in self.modules for p in sm.parameters()}
             held.update((id(p), p) for p in self.outside)
             self._candidates = tuple(held.values())
-            self._owners_of = key
+            self._candidates_of = key
         return [p for p in self._candidates if p.requires_grad]
 
     def _targets(self, m: int) -> Tensor:
