@@ -224,6 +224,26 @@ class LayerStreams:
         self._attached = []
         self._seeding = 0
 
+    def release(self, layers: Sequence[nn.Module]) -> None:
+        """``layers`` run in no stage of this process (the other ranks' layers of a distributed
+        pipeline): they get their own forward back and no longer count as not known, so that once
+        this process's own layers are known not to draw, its micro-batches enter no key."""
+        gone = {id(layer) for layer in layers}
+        kept = []
+        for entry in self._attached:
+            layer, wrapped, own, draws = entry
+            if id(layer) not in gone:
+                kept.append(entry)
+                continue
+            if draws.known is not False:
+                self._seeding -= 1
+            if layer.__dict__.get("forward") is wrapped:
+                if own is None:
+                    del layer.__dict__["forward"]
+                else:
+                    layer.forward = own
+        self._attached = kept
+
     @property
     def seeded_layers(self) -> List[nn.Module]:
         """The layers in streams: every layer, unless ``off``."""

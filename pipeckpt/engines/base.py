@@ -135,7 +135,10 @@ class Engine(ABC):
 
     def use_layer_streams(self, stages: Sequence[Stage]) -> None:
         """Stages holding a seeded layer run their micro-batches in the streams; the others need
-        not pay for entering them."""
+        not pay for entering them. Layers that no stage of this process holds (another rank's)
+        are released: they never run here."""
+        held = {id(m) for stage in stages for m in stage.partition.modules()}
+        self.layer_rng.release([layer for layer in self.layer_rng.seeded_layers if id(layer) not in held])
         seeded = {id(layer) for layer in self.layer_rng.seeded_layers}
         for stage in stages:
             mine = any(id(m) in seeded for m in stage.partition.modules())

@@ -119,6 +119,23 @@ def test_auto_keeps_seeding_the_layers_that_drew_at_their_first_training_call_an
         streams.detach()
 
 
+def test_layers_released_to_other_processes_run_as_they_are_and_need_no_key_once_the_rest_are_known():
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])  # none draws
+    streams = LayerStreams("auto")
+    streams.start(0)
+    streams.attach(list(layers), CPU * 4)
+    streams.release(list(layers[2:]))  # another rank's half of a distributed pipeline
+    assert all("forward" not in m.__dict__ for m in layers[2:])
+    assert streams.seeded_layers == list(layers[:2])
+    streams.next_call()
+    with streams.microbatch(0):
+        assert streams.current() is not None  # this process's layers are not known yet
+        layers[:2](torch.randn(2, 4))
+    with streams.microbatch(1):
+        assert streams.current() is None  # both known not to draw: no key is entered
+    assert all("forward" not in m.__dict__ for m in layers)
+
+
 @pytest.mark.parametrize("scope", ["auto", "all"])
 def test_a_layer_that_draws_in_its_own_code_gets_a_stream_of_its_own(scope):
     def noisy(balance: List[int], scope: str, caller_seed: int) -> Tensor:
