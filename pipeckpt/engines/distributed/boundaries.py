@@ -141,16 +141,17 @@ class Boundaries:
         """The value stage ``index`` returned, around the tensors that carry it (received from its
         process). Their gradients go back to it, and a process group sends only contiguous tensors:
         while ``inferring`` shapes, each goes through :class:`_ContiguousGradient`, since torch takes
-        the gradients' strides for the sender's receive buffers from that pass; afterwards through
-        a plain view (``wiring.LiveStage.get_bwd_send_ops`` makes them contiguous before they go),
-        which a dispatch-bound stage pays far less for than an autograd Function on every tensor of
-        every micro-batch. The view keeps a tensor a stage hands on unchanged from being the very
-        tensor torch detaches in place at the end of the last stage's forward."""
+        the gradients' strides for the sender's receive buffers from that pass; afterwards they are
+        used as they are, as a hand-written pipeline uses them (``wiring.LiveStage.get_bwd_send_ops``
+        makes their gradients contiguous before they go): a dispatch-bound stage pays for any
+        operation on every tensor of every micro-batch. A stage that hands a received tensor on
+        unchanged needs no copy either: torch detaches the last stage's outputs in place only after
+        their backward, and marks its receive buffers as needing a gradient at every receive."""
         if inferring:
             return self._rebuild(
                 index, [_ContiguousGradient.apply(t) if t.requires_grad else t for t in tensors]
             )
-        return self._rebuild(index, [t.view_as(t) if t.requires_grad else t for t in tensors])
+        return self._rebuild(index, tensors)
 
     def _rebuild(self, index: int, tensors: Sequence[Tensor]) -> Any:
         structure = self._by_stage.get(index)

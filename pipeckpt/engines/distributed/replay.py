@@ -45,7 +45,9 @@ class Microbatches:
         assert size is not None
         self.size: int = size
         self.count = num_microbatches
-        self._chunks = [torch.tensor_split(leaves[i], num_microbatches) for i in self._where]
+        # Split at first use: the first stage takes its micro-batches from the schedule's own split
+        # and needs these only for side inputs; the last stage takes every one.
+        self._chunks: Optional[List[Tuple[Tensor, ...]]] = None
         # A tuple or list of tensors (most batches) is rebuilt as one, without the pytree's walk:
         # this runs for every micro-batch on the first and the last stage.
         flat = type(batch) in (tuple, list) and all(isinstance(leaf, Tensor) for leaf in batch)
@@ -60,6 +62,8 @@ class Microbatches:
         return tuple((tuple(t.shape), t.dtype) for t in self.tensors)
 
     def tensors_of(self, index: int) -> Tuple[Tensor, ...]:
+        if self._chunks is None:
+            self._chunks = [torch.tensor_split(self._leaves[i], self.count) for i in self._where]
         return tuple(chunks[index] for chunks in self._chunks)
 
     def rebuild(self, tensors: Sequence[Tensor]) -> Any:
