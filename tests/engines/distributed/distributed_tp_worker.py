@@ -106,10 +106,14 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         module, loader(replica_rows(batches(), replica, dp)), ckpt_path=resume and os.path.join(out, resume)
     )
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
-    held = {
+    held: Dict[str, Any] = {
         "mesh": module.mesh_seen,
         "params": {n: _sizes(p) for n, p in module.named_parameters() if not p.is_meta},
     }
+    if strategy.auto_plan is not None:  # checkpoint="auto": the modes rank 0 chose and this rank built
+        assert strategy.plan is not None
+        held["chosen"] = [m.name for m in strategy.auto_plan.choice.modes]
+        held["built"] = [m.name for m in strategy.plan.modes]
     torch.save(held, os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.pt"))
 
 

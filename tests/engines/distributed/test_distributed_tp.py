@@ -8,22 +8,28 @@ Replica r reads rows 4r..4r+3 of every batch of 8; the weights after 6 AdamW ste
 the module trained in this process on the whole batches: within 1e-5 relative. The local engine
 resumes the split run's checkpoint for a third epoch: within 1e-6 of the uninterrupted run. In the
 same launch, hybrid sharding (pp2 x (replicate 2 x shard 2), ``dp_shard=2``) resumes the pp2 x fsdp4
-epoch too: 4 replicas of 2 rows each, the same 1e-5.
+epoch too: 4 replicas of 2 rows each, the same 1e-5. And pp2 x tp2 x fsdp2 under checkpoint='auto'
+trains an epoch within a budget that a stage split by the plan fits and one held by FSDP alone does
+not: every rank builds rank 0's choice, and the weights match the same 1e-5.
 """
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterator
 
 import pytest
 import support.ranks as ranks
 import torch
-from distributed_tp_worker import PLAN, TinyLlama, batches, loader
+from distributed_tp_worker import PLAN, TinyLlama, batches, loader, replica_rows
 from support.toy import max_relative_difference
+from test_distributed_auto import _smallest_budget
 from test_distributed_pytree import _state
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed.engine import DistributedEngine
+from pipeckpt.memory.sharding import Layout
 from pipeckpt.settings import PipeSettings
 
 HERE = Path(__file__).resolve().parent
@@ -69,6 +75,16 @@ HYBRID = dict(
 )
 HYBRID_RUN = dict(
     name="pp2_hsdp", steps=2 * EPOCH, clip=CLIP, strategy=HYBRID, resume="pp2_fsdp4/epoch=0-step=3.ckpt"
+)
+
+# checkpoint="auto" with the stages split by the plan: a budget (bytes per rank) that a stage held as
+# tp2 x fsdp2 fits and one held as fsdp2 alone does not (smallest feasible: about 1.20 and 1.45 MB).
+TP_BUDGET = 1_330_000
+AUTO_RUN = dict(
+    name="pp2_tp2_fsdp2_auto",
+    steps=EPOCH,
+    clip=CLIP,
+    strategy=dict(SPLIT, checkpoint="auto", memory_budget=TP_BUDGET),
 )
 
 # -- without processes -------------------------------------------------------------------
@@ -171,12 +187,26 @@ def test_a_plan_entry_that_names_no_layer_is_refused_naming_the_entry():
         check_plan(list(module.layers), {"layer.attn.q": "colwise"})
 
 
+def test_the_auto_budget_fits_a_stage_split_by_tensor_parallel_and_not_one_held_by_fsdp_alone():
+    module = TinyLlama()
+    x, _ = replica_rows(batches(), 0, DP)[0]  # what rank 0 profiles: its replica's first batch
+
+    def smallest(settings: PipeSettings, processes: int) -> int:
+        engine = DistributedEngine(settings)
+        engine.configure_world(World(num_nodes=1, num_processes=processes))
+        return _smallest_budget(settings, Layout(**engine.memory_layout()), module, x)
+
+    split = PipeSettings(engine="distributed", **AUTO_RUN["strategy"])
+    unsplit = replace(split, tensor_parallel=1, tensor_parallel_plan=None)
+    assert smallest(split, WORLD) < TP_BUDGET < smallest(unsplit, WORLD // TP)
+
+
 # -- eight real processes ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def eight_processes(tmp_path_factory) -> Iterator[Path]:
-    runs = [FIRST, RUN, HYBRID_RUN]
+    runs = [FIRST, RUN, HYBRID_RUN, AUTO_RUN]
     yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("tp"), within_s=START_S)
 
 
@@ -261,3 +291,17 @@ def test_under_hsdp_each_process_holds_half_of_each_weight_shared_with_its_shard
             assert held["mesh"] == ["dp_replicate", "dp_shard"]
             assert held["placements"] == ["Replicate()", "Shard(dim=0)"]
             assert held["groups"] == [t.replicate_group(rank), t.shard_group(rank)]
+
+
+@pytest.mark.slow
+def test_under_auto_every_rank_builds_rank_zeros_choice_and_a_stage_checkpoints(eight_processes):
+    held = [torch.load(eight_processes / f"pp2_tp2_fsdp2_auto.rank{r}.pt") for r in range(WORLD)]
+    chosen = held[0]["chosen"]
+    assert all(h["chosen"] == chosen and h["built"] == chosen for h in held)
+    assert any(mode != "never" for mode in chosen), chosen  # the budget binds
+
+
+@pytest.mark.slow
+def test_pp2_tp2_fsdp2_under_auto_trains_like_one_process_on_the_joined_batch(eight_processes):
+    got = _state(eight_processes / "pp2_tp2_fsdp2_auto.ckpt")["state_dict"]
+    assert max_relative_difference(got, _reference(EPOCH)) < 1e-5  # checkpointing never changes the math
