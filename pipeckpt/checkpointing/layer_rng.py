@@ -125,6 +125,16 @@ NO_STREAMS: AfterLayers = _Unseeded()
 _NO_KEY = contextlib.nullcontext()
 
 
+def _unwrapped(layer: nn.Module, wrapped: Callable[..., Any], own: Optional[Any]) -> None:
+    """``layer`` gets back the forward it had before ``wrapped``, unless another wrapper has taken
+    the place of ours since (it keeps calling ours, which then passes straight through)."""
+    if layer.__dict__.get("forward") is wrapped:
+        if own is None:
+            del layer.__dict__["forward"]
+        else:
+            layer.forward = own
+
+
 class _Draws:
     """Whether one layer draws random numbers: True (seeded), False (run as it is), None (not known
     yet: ``auto`` before the layer's first training call)."""
@@ -216,11 +226,7 @@ class LayerStreams:
     def detach(self) -> None:
         """Every wrapped layer gets back the forward it had (unless another wrapper replaced ours)."""
         for layer, wrapped, own, _ in reversed(self._attached):
-            if layer.__dict__.get("forward") is wrapped:
-                if own is None:
-                    del layer.__dict__["forward"]
-                else:
-                    layer.forward = own
+            _unwrapped(layer, wrapped, own)
         self._attached = []
         self._seeding = 0
 
@@ -237,11 +243,7 @@ class LayerStreams:
                 continue
             if draws.known is not False:
                 self._seeding -= 1
-            if layer.__dict__.get("forward") is wrapped:
-                if own is None:
-                    del layer.__dict__["forward"]
-                else:
-                    layer.forward = own
+            _unwrapped(layer, wrapped, own)
         self._attached = kept
 
     @property
@@ -298,11 +300,7 @@ class LayerStreams:
         place of ours (``pipeline_of``'s routing keeps calling ours, which passes straight through):
         a dispatch-bound stage pays for every Python call per layer and micro-batch."""
         self._seeding -= 1
-        if layer.__dict__.get("forward") is wrapped:
-            if own is None:
-                del layer.__dict__["forward"]
-            else:
-                layer.forward = own
+        _unwrapped(layer, wrapped, own)
 
     # -- checkpoints ------------------------------------------------------------------
 
