@@ -10,7 +10,9 @@ resumes the split run's checkpoint for a third epoch: within 1e-6 of the uninter
 same launch, hybrid sharding (pp2 x (replicate 2 x shard 2), ``dp_shard=2``) resumes the pp2 x fsdp4
 epoch too: 4 replicas of 2 rows each, the same 1e-5. And pp2 x tp2 x fsdp2 under checkpoint='auto'
 trains an epoch within a budget that a stage split by the plan fits and one held by FSDP alone does
-not: every rank builds rank 0's choice, and the weights match the same 1e-5.
+not: every rank builds rank 0's choice, and the weights match the same 1e-5. A launch of 16
+processes trains hybrid sharding and tensor parallelism together (pp2 x (replicate 2 x shard 2) x
+tp2): a split weight is a quarter per process, the rest half, and the weights match the same 1e-5.
 """
 
 import functools
@@ -86,6 +88,16 @@ AUTO_RUN = dict(
     clip=CLIP,
     strategy=dict(SPLIT, checkpoint="auto", memory_budget=TP_BUDGET),
 )
+
+# Hybrid sharding and tensor parallelism together: pp2 x (replicate 2 x shard 2) x tp2, 16 processes.
+HYBRID_TP_WORLD = 16
+HYBRID_TP_RUN = dict(
+    name="pp2_hsdp_tp2",
+    steps=EPOCH,
+    clip=CLIP,
+    strategy=dict(HYBRID, tensor_parallel=TP, tensor_parallel_plan=PLAN),
+)
+SPLIT_BY_PLAN = ("_proj.",)  # the parameters the plan splits (attention's and the MLP's projections)
 
 # -- without processes -------------------------------------------------------------------
 
@@ -210,6 +222,12 @@ def eight_processes(tmp_path_factory) -> Iterator[Path]:
     yield ranks.launch(WORKER, WORLD, runs, tmp_path_factory.mktemp("tp"), within_s=START_S)
 
 
+@pytest.fixture(scope="module")
+def sixteen_processes(tmp_path_factory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("hsdp_tp")
+    yield ranks.launch(WORKER, HYBRID_TP_WORLD, [HYBRID_TP_RUN], out, within_s=START_S)
+
+
 @functools.cache
 def _reference(steps: int) -> Dict[str, torch.Tensor]:
     """The module trained uninterrupted in this process on the replicas' rows joined (the whole
@@ -305,3 +323,38 @@ def test_under_auto_every_rank_builds_rank_zeros_choice_and_a_stage_checkpoints(
 def test_pp2_tp2_fsdp2_under_auto_trains_like_one_process_on_the_joined_batch(eight_processes):
     got = _state(eight_processes / "pp2_tp2_fsdp2_auto.ckpt")["state_dict"]
     assert max_relative_difference(got, _reference(EPOCH)) < 1e-5  # checkpointing never changes the math
+
+
+@pytest.mark.slow
+def test_pp2_hsdp_x_tp2_trains_like_one_process_on_the_joined_batch(sixteen_processes):
+    got = _state(sixteen_processes / "pp2_hsdp_tp2.ckpt")["state_dict"]
+    expected = _reference(EPOCH)
+    assert sorted(got) == sorted(expected)
+    assert max_relative_difference(got, expected) < 1e-5
+
+
+@pytest.mark.slow
+def test_under_hsdp_x_tp_a_split_weight_is_a_quarter_per_process_and_the_rest_half(sixteen_processes):
+    from pipeckpt.engines.distributed.schedules import lookup
+    from pipeckpt.engines.distributed.topology import resolve
+
+    t = resolve(
+        world=HYBRID_TP_WORLD, stages=2, virtual_stages=1, dp=HDP, chunks=2, kind=lookup("1f1b"),
+        tp=TP, dp_shard=SHARD,
+    )  # fmt: skip
+    for rank in range(HYBRID_TP_WORLD):
+        params = torch.load(sixteen_processes / f"pp2_hsdp_tp2.rank{rank}.pt")["params"]
+        split = {n: held for n, held in params.items() if any(key in n for key in SPLIT_BY_PLAN)}
+        assert split and len(split) < len(params), sorted(params)
+        tp_pair = [rank - rank % TP + k for k in range(TP)]
+        for name, held in params.items():
+            groups = [t.replicate_group(rank), t.shard_group(rank)]
+            if name in split:
+                assert held["local"] * SHARD * TP == held["whole"], name
+                assert held["mesh"] == ["dp_replicate", "dp_shard", "tp"] and held["groups"] == [
+                    *groups,
+                    tp_pair,
+                ]
+            else:
+                assert held["local"] * SHARD == held["whole"], name
+                assert held["mesh"] == ["dp_replicate", "dp_shard"] and held["groups"] == groups
