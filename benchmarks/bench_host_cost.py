@@ -91,7 +91,7 @@ class Clock:
     """CPU and wall time at the start of every step, and the CPU spent inside the schedule's part."""
 
     def __init__(self, spec: Dict[str, Any]) -> None:
-        self.warmup, self.count_timed = spec["warmup"], spec["timed"]
+        self.warmup, self.steps = spec["warmup"], spec["timed"]  # the window of timed steps
         self.profiler = cProfile.Profile() if spec.get("calls") else None
         self.calls = 0  # function calls made in the timed steps (``--calls``)
         self.cpu: List[float] = []
@@ -108,15 +108,15 @@ class Clock:
         if self.profiler is not None:  # count the calls of the timed steps (the main thread's)
             if len(self.cpu) == self.warmup + 1:
                 self.profiler.enable()
-            elif len(self.cpu) == self.warmup + self.count_timed + 1:
+            elif len(self.cpu) == self.warmup + self.steps + 1:
                 self.profiler.disable()
                 self.calls = sum(row[1] for row in pstats.Stats(self.profiler).stats.values())  # type: ignore[attr-defined]
 
-    def timed(self, fn: Callable[..., Any], warmup: int, timed: int) -> Callable[..., Any]:
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, its CPU time added to ``inner`` during the timed steps."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if not warmup < len(self.cpu) <= warmup + timed:
+            if not self.warmup < len(self.cpu) <= self.warmup + self.steps:
                 return fn(*args, **kwargs)
             start = time.process_time()
             try:
@@ -126,7 +126,8 @@ class Clock:
 
         return run
 
-    def per_step(self, warmup: int, timed: int) -> Dict[str, float]:
+    def per_step(self) -> Dict[str, float]:
+        warmup, timed = self.warmup, self.steps
         return {
             "cpu": (self.cpu[warmup + timed] - self.cpu[warmup]) / timed,
             "main": (self.main[warmup + timed] - self.main[warmup]) / timed,
@@ -160,7 +161,7 @@ def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tenso
     part, schedule = half_schedule(Proxy(spec["depth"], spec["width"]).layers, m)
     optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
     clock, losses = Clock(spec), []
-    step = clock.timed(schedule.step, warmup, timed)
+    step = clock.timed(schedule.step)
     for x, y in loader(spec, warmup + timed + 1):
         clock.tick()
         optimizer.zero_grad()
@@ -172,7 +173,7 @@ def raw(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[Tenso
             losses.append(step_loss(out, m).item())
         optimizer.step()
     clock.tick()
-    return clock.per_step(warmup, timed), losses, [p.detach().clone() for p in part.parameters()]
+    return clock.per_step(), losses, [p.detach().clone() for p in part.parameters()]
 
 
 class _HandWritten(Proxy):
@@ -186,7 +187,7 @@ class _HandWritten(Proxy):
         m = spec["chunks"]
         part, schedule = half_schedule(self.layers, m)
         self.rank, self.chunks, self.part = dist.get_rank(), m, [part]
-        self.step = clock.timed(schedule.step, spec["warmup"], spec["timed"])
+        self.step = clock.timed(schedule.step)
 
     def training_step(self, batch: Tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -213,26 +214,26 @@ def lightning(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List
     """The raw script's schedule inside Lightning's loop."""
     warmup, timed = spec["warmup"], spec["timed"]
     clock = Clock(spec)
-    measure = _Measure(clock, warmup, timed, engine=False)
+    measure = _Measure(clock, engine=False)
     torch.manual_seed(0)
     module = _HandWritten(spec, clock)
     trainer = L.Trainer(devices=1, max_steps=warmup + timed + 1, callbacks=[measure], **QUIET_CPU)
     trainer.fit(module, loader(spec, warmup + timed + 1))
     weights = [p.detach().clone() for p in module.part[0].parameters()]
-    return clock.per_step(warmup, timed), measure.losses, weights
+    return clock.per_step(), measure.losses, weights
 
 
 class _Measure(Callback):
-    def __init__(self, clock: Clock, warmup: int, timed: int, engine: bool = True) -> None:
-        self.clock, self.warmup, self.timed, self.engine = clock, warmup, timed, engine
+    def __init__(self, clock: Clock, engine: bool = True) -> None:
+        self.clock, self.engine = clock, engine
         self.losses: List[float] = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if not self.engine:
             return
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        engine.run = self.clock.timed(engine.run, self.warmup, self.timed)
-        engine.take_step_gradients = self.clock.timed(engine.take_step_gradients, self.warmup, self.timed)
+        engine.run = self.clock.timed(engine.run)
+        engine.take_step_gradients = self.clock.timed(engine.take_step_gradients)
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.clock.tick()
@@ -250,7 +251,7 @@ def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[
     """The same work through a Trainer and the distributed engine."""
     warmup, timed = spec["warmup"], spec["timed"]
     clock = Clock(spec)
-    measure = _Measure(clock, warmup, timed)
+    measure = _Measure(clock)
     torch.manual_seed(0)
     module = Proxy(spec["depth"], spec["width"])
     half = spec["depth"] // 2
@@ -267,7 +268,7 @@ def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[
     trainer.fit(module, loader(spec, warmup + timed + 1))
     layers = module.layers
     part = layers[:half] if dist.get_rank() == 0 else layers[half:]
-    return clock.per_step(warmup, timed), measure.losses, [p.detach().clone() for p in part.parameters()]
+    return clock.per_step(), measure.losses, [p.detach().clone() for p in part.parameters()]
 
 
 def worker(spec_path: str) -> None:

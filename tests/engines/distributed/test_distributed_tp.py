@@ -346,7 +346,7 @@ def test_under_hsdp_x_tp_a_split_weight_is_a_quarter_per_process_and_the_rest_ha
         params = torch.load(sixteen_processes / f"pp2_hsdp_tp2.rank{rank}.pt")["params"]
         split = {n: held for n, held in params.items() if any(key in n for key in SPLIT_BY_PLAN)}
         assert split and len(split) < len(params), sorted(params)
-        tp_pair = [rank - rank % TP + k for k in range(TP)]
+        tp_pair = [t.global_rank(t.replica_of(rank), t.pipeline_rank_of(rank), k) for k in range(TP)]
         for name, held in params.items():
             groups = [t.replicate_group(rank), t.shard_group(rank)]
             if name in split:
