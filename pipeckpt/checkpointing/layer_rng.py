@@ -167,6 +167,11 @@ class LayerStreams:
     def enabled(self) -> bool:
         return self.scope != "off"
 
+    @property
+    def seeding(self) -> bool:
+        """Whether a micro-batch needs a key: some attached layer draws or is not known yet."""
+        return self._seeding > 0
+
     def start(self, seed: Optional[int] = None) -> None:
         """Fixes the seed: ``seed``, else one restored from a checkpoint, else ``torch.initial_seed()``."""
         if seed is not None:

@@ -10,8 +10,7 @@ caller that knows they are about to be zeroed (the first batch of an
 accumulation window) drops them instead (:func:`window_starts` decides).
 """
 
-from contextlib import contextmanager
-from typing import Collection, Iterable, Iterator, List, Tuple
+from typing import Any, Collection, Iterable, List, Optional, Tuple
 
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
@@ -19,28 +18,42 @@ from torch import Tensor, nn
 __all__ = ["gradients_set_aside", "window_starts", "zeroed_by_lightning", "zeroes_its_own_way"]
 
 
-@contextmanager
+class GradientsAside:
+    """The context of :func:`gradients_set_aside`: a class, not ``@contextmanager``, since the
+    distributed engine enters it every step and a generator-based context costs several Python
+    calls a use."""
+
+    __slots__ = ("computed", "drop", "held", "params")
+
+    def __init__(self, params: Iterable[nn.Parameter], drop: Collection[nn.Parameter]) -> None:
+        self.params, self.drop = list(params), drop
+        self.held: List[Optional[Tensor]] = []
+        self.computed: List[Tuple[nn.Parameter, Tensor]] = []
+
+    def __enter__(self) -> List[Tuple[nn.Parameter, Tensor]]:
+        params = self.params
+        if self.drop:
+            dropped = {id(p) for p in self.drop}
+            self.held = [None if id(p) in dropped else p.grad for p in params]
+        else:
+            self.held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return self.computed
+
+    def __exit__(self, *exc: Any) -> None:
+        self.computed.extend([(p, p.grad) for p in self.params if p.grad is not None])
+        for p, g in zip(self.params, self.held):
+            p.grad = g
+
+
 def gradients_set_aside(
     params: Iterable[nn.Parameter], *, drop: Collection[nn.Parameter] = ()
-) -> Iterator[List[Tuple[nn.Parameter, Tensor]]]:
+) -> GradientsAside:
     """Within: every parameter of ``params`` starts with no gradient. After: each has its
     old gradient back, except those of ``drop``, whose old gradient is gone (``None``) from the
-    start; the yielded list holds ``(parameter, gradient)`` for the gradients computed within."""
-    params = list(params)
-    if drop:
-        dropped = {id(p) for p in drop}
-        held = [None if id(p) in dropped else p.grad for p in params]
-    else:
-        held = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    computed: List[Tuple[nn.Parameter, Tensor]] = []
-    try:
-        yield computed
-    finally:
-        computed.extend([(p, p.grad) for p in params if p.grad is not None])
-        for p, g in zip(params, held):
-            p.grad = g
+    start; the list it yields holds ``(parameter, gradient)`` for the gradients computed within."""
+    return GradientsAside(params, drop)
 
 
 def window_starts(trainer: Trainer) -> bool:

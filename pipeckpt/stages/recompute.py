@@ -193,7 +193,7 @@ class _Recompute(torch.autograd.Function):
 # Attributes of a stage or segment that never hold a Parameter, Module or buffer.
 _PLAIN_ATTRIBUTES = frozenset(
     {"forward_calls", "_microbatch", "_structure", "_num_microbatches", "_caller", "_keep", "checkpointed"}
-    | {"_step", "_params", "streams", "chain", "weight_passes"}
+    | {"_step", "_params", "streams", "chain", "weight_passes", "_planned", "_plain"}
 )
 
 

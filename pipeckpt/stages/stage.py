@@ -9,7 +9,7 @@ every mode; ``offload`` keeps the Function's input in host memory
 """
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, List, Optional, Sequence, cast
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -65,6 +65,11 @@ class Stage(Recomputable):
         # (the distributed engine's whole-backward schedules): autograd then adds each kept
         # micro-batch's gradients to ``.grad`` in micro-batch order itself, as the Function would.
         self.backward_per_microbatch = False
+        # What begin_step finds from its arguments, kept while they stay the same (a training run
+        # repeats them every step): (micro-batches, order, mode) -> (kept, recomputes per step).
+        self._planned: Optional[Tuple[Tuple[Any, ...], FrozenSet[int], int]] = None
+        # Whether this step's micro-batches go straight to the layers (see begin_step).
+        self._plain = False
 
     @property
     def next_microbatch(self) -> int:
@@ -99,12 +104,31 @@ class Stage(Recomputable):
         self._microbatch = 0
         self._num_microbatches = num_microbatches
         self._caller = caller
-        self._keep = self._kept(num_microbatches, order)
+        key = (num_microbatches, id(order), id(self.mode), self.mode)
+        if self._planned is None or self._planned[0] != key:
+            self._planned = (
+                key,
+                self._kept(num_microbatches, order),
+                self.recomputes_per_step(num_microbatches, order=order),
+            )
+        _, self._keep, recomputes = self._planned
         self.checkpointed = []
-        self._step = (
-            step if step is not None else StepCasts(self.recomputes_per_step(num_microbatches, order=order))
-        )
+        if step is not None:
+            self._step = step
+        elif recomputes or self._step.remaining:  # one with no recomputes to count is never changed
+            self._step = StepCasts(recomputes)
         self._params = None  # found again at the first checkpointed micro-batch of the step
+        # Nothing between a micro-batch and the layers this step: no checkpointing (nor the Function
+        # that orders kept micro-batches' gradients), no caller state to apply on another thread, no
+        # layer that needs a random-stream key (none attached, or all known not to draw). Such a
+        # micro-batch skips forward's checks: a dispatch-bound stage pays for every Python call of
+        # every micro-batch (benchmarks/bench_host_cost.py).
+        self._plain = (
+            not self.mode.checkpoints
+            and (self.streams is None or not self.streams.seeding)
+            and not (caller.autocast or caller.dispatch_modes)
+            and not self._keeps_order()
+        )
         for segment in self._segment_list or ():
             segment._params = None
         if self.offloads:
@@ -122,7 +146,11 @@ class Stage(Recomputable):
         """Runs the next micro-batch. ``input`` is any pytree; ``side`` holds this
         micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""
         i = self._microbatch
-        self._microbatch += 1
+        own = self.__dict__  # the counters are plain attributes (Recomputable.__setattr__)
+        own["_microbatch"] = i + 1
+        if self._plain and not side:
+            own["forward_calls"] += 1
+            return self.partition(value(input))
         with self._layer_streams(i):
             if self._caller.needs_applying():
                 with self._caller.applied():

@@ -264,3 +264,41 @@ def test_an_input_a_hook_kept_carries_no_gradient_after_the_stage_backward(mode:
     seq[2].register_forward_pre_hook(lambda module, args: kept.append(args[0]))
     engine.forward(torch.randn(4, 8, requires_grad=True)).sum().backward()
     assert kept and all(x.grad is None for x in kept)
+
+
+def test_a_stage_with_nothing_between_a_microbatch_and_its_layers_hands_it_straight_to_them(monkeypatch):
+    stage = lone_stage(NEVER)
+    stage.backward_per_microbatch = True  # each micro-batch's backward its own: no Function to order them
+    stage.begin_step(3)
+
+    def checked(*args):
+        raise AssertionError("the micro-batch went through forward's checks")
+
+    monkeypatch.setattr(stage, "_forward", checked)
+    x = torch.randn(2, 8)
+    assert all(torch.equal(stage(x), stage.partition(x)) for _ in range(3))
+    assert (stage.next_microbatch, stage.forward_calls) == (3, 3)
+
+
+@pytest.mark.parametrize("what", ["checkpointing", "autocast on the caller's thread", "ordered gradients"])
+def test_a_stage_with_something_between_a_microbatch_and_its_layers_runs_forwards_checks(what, monkeypatch):
+    stage = lone_stage(ALWAYS if what == "checkpointing" else NEVER)
+    stage.backward_per_microbatch = what != "ordered gradients"
+    caller = CallerState(autocast=(("cpu", torch.bfloat16),)) if what.startswith("autocast") else CallerState()
+    stage.begin_step(2, caller)
+    seen = []
+    forward = stage._forward
+    monkeypatch.setattr(stage, "_forward", lambda *args: seen.append(args[0]) or forward(*args))
+    [stage(torch.randn(2, 8, requires_grad=True)) for _ in range(2)]
+    assert seen == [0, 1]
+
+
+def test_a_stage_plans_its_step_afresh_when_its_mode_changes_between_steps():
+    stage = lone_stage(NEVER)
+    runs = []
+    for mode in (NEVER, ALWAYS, NEVER):
+        stage.mode, calls = mode, stage.forward_calls
+        stage.begin_step(2)
+        torch.stack([stage(torch.randn(2, 8, requires_grad=True)) for _ in range(2)]).sum().backward()
+        runs.append(stage.forward_calls - calls)
+    assert runs == [2, 4, 2]  # always recomputes both micro-batches

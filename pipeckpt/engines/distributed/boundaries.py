@@ -106,6 +106,8 @@ class Boundaries:
     def flatten(self, index: int, output: Any, *, inferring: bool, names: Sequence[str] = ()) -> Flat:
         """Stage ``index``'s ``output`` as tensors to send; while ``inferring``, its structure is
         recorded, afterwards it must match the recorded one."""
+        if not inferring and isinstance(output, Tensor) and self._by_stage.get(index, False) is None:
+            return output if output.is_contiguous() else output.contiguous()  # the usual case, in short
         if isinstance(output, Tensor):
             structure: Optional[Structure] = None
             flat: Flat = output

@@ -12,7 +12,9 @@ at the boundary after the step in which any rank was signalled (:mod:`pipeckpt.s
 Why messages rather than a collective: on gloo a small all-reduce costs about 1 ms of CPU per rank,
 an all-gather about two thirds of it (both go through the process group's worker thread), and a
 send and a receive about a quarter; this runs every step on every rank
-(``benchmarks/bench_host_cost.py``).
+(``benchmarks/bench_host_cost.py``). The messages go through the process group's own ``send`` and
+``recv`` rather than ``dist.isend``/``dist.irecv``, whose checks and group lookups each cost about
+30 us of Python per call measured here, more where the step's computation has left the code cold.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -67,9 +69,12 @@ class StepOutcome:
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self.stops = list(stops)
         self._last = dist.get_rank() == src
-        self._peers = [r for r in dist.get_process_group_ranks(group) if r != src]
+        # The peers and the last stage as ranks of ``group``, the ranks its own send and recv take.
+        self._peers = [dist.get_group_rank(group, r) for r in dist.get_process_group_ranks(group) if r != src]
+        self._src = dist.get_group_rank(group, src)
         self._known: List[Tuple[str, Dict[str, Any]]] = []  # the records' names and options last sent
         self._buffers: Dict[Any, Tensor] = {}  # message buffers by use (see _buffer)
+        self._sent_requests: Optional[List[float]] = None  # what the "requests" buffer holds
 
     def share(self, loss: Optional[Tensor], records: Optional[List[Record]]) -> Tuple[Tensor, List[Record]]:
         """The loss and the records, given on the last stage (None elsewhere), on every rank."""
@@ -111,15 +116,23 @@ class StepOutcome:
         else:
             told = None
             if requests:
-                told = self._send(torch.tensor(requests, dtype=torch.float64, device=self.device), self.src)
+                told = self._send(self._requests(requests), self._src)
             received = self._buffer("received", k + len(requests))
-            self._recv(received, self.src).wait()
+            self._recv(received, self._src).wait()
             if told is not None:
                 told.wait()
             values = received.tolist()
         for stop, request in zip(self.stops, values[k:]):
             stop.carry(request > 0)
         return values[:k]
+
+    def _requests(self, requests: List[float]) -> Tensor:
+        """``requests`` as the message that carries them: the last step's tensor while they are
+        the same (they change once a run, if ever), as the step waited for its send to finish."""
+        if requests != self._sent_requests:
+            self._buffers["requests"] = torch.tensor(requests, dtype=torch.float64, device=self.device)
+            self._sent_requests = requests
+        return self._buffers["requests"]
 
     def _buffer(self, key: Any, n: int) -> Tensor:
         """A float64 message buffer of ``n`` values, kept between steps (each step waits for its
@@ -130,14 +143,12 @@ class StepOutcome:
         return buffer
 
     def _send(self, tensor: Tensor, peer: int) -> dist.Work:
-        work = dist.isend(tensor, dst=peer, group=self.group, tag=_TAG)
-        assert work is not None
-        return work
+        """Sends ``tensor`` to ``peer`` (a rank of the group)."""
+        return self.group.send([tensor], peer, _TAG)
 
     def _recv(self, into: Tensor, peer: int) -> dist.Work:
-        work = dist.irecv(into, src=peer, group=self.group, tag=_TAG)
-        assert work is not None
-        return work
+        """Receives from ``peer`` (a rank of the group) into ``into``."""
+        return self.group.recv([into], peer, _TAG)
 
     def _objects(self, records: Optional[List[Record]]) -> List[Record]:
         box: List[Any] = [records]

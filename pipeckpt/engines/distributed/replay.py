@@ -25,7 +25,13 @@ class Microbatches:
     """The micro-batches of one batch: every tensor leaf split along dim 0."""
 
     def __init__(self, batch: Any, num_microbatches: int) -> None:
-        leaves, self._spec = tree_flatten(batch)
+        # A tuple or list of tensors (most batches) is its own leaves, and is rebuilt as one,
+        # without the pytree's walk: the batch is cut every step, and rebuilt for every micro-batch
+        # on the first and the last stage.
+        flat = type(batch) in (tuple, list) and all(isinstance(leaf, Tensor) for leaf in batch)
+        self._plain: Optional[type] = type(batch) if flat else None
+        self._spec: Any = None
+        leaves, self._spec = (list(batch), None) if flat else tree_flatten(batch)
         self._leaves: List[Any] = leaves
         self._where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         if not self._where:
@@ -48,10 +54,6 @@ class Microbatches:
         # Split at first use: the first stage takes its micro-batches from the schedule's own split
         # and needs these only for side inputs; the last stage takes every one.
         self._chunks: Optional[List[Tuple[Tensor, ...]]] = None
-        # A tuple or list of tensors (most batches) is rebuilt as one, without the pytree's walk:
-        # this runs for every micro-batch on the first and the last stage.
-        flat = type(batch) in (tuple, list) and all(isinstance(leaf, Tensor) for leaf in batch)
-        self._plain: Optional[type] = type(batch) if flat else None
 
     @property
     def tensors(self) -> Tuple[Tensor, ...]:
@@ -180,7 +182,7 @@ class _Answer:
         return self.output
 
 
-class _Answering:
+class Answering:
     """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``.
     A class, not a ``@contextmanager`` generator: it runs once per micro-batch on the last stage."""
 
@@ -199,6 +201,12 @@ class _Answering:
         self.routed = _routed(sequential, self.answer)
         self.logging = _logging_to(module, recorder.log)
 
+    def again(self, output: Any) -> "Answering":
+        """The same context for the step's next micro-batch, answering ``output``: made once per
+        step rather than once per micro-batch."""
+        self.answer.output, self.answer.calls = output, 0
+        return self
+
     def __enter__(self) -> None:
         self.routed.__enter__()
         self.logging.__enter__()
@@ -212,9 +220,9 @@ class _Answering:
 
 def answering(
     module: LightningModule, sequential: nn.Sequential, output: Any, hook: str, recorder: LogRecorder
-) -> _Answering:
+) -> Answering:
     """Within: the user's step sees ``output`` from its Sequential call and logs into ``recorder``."""
-    return _Answering(module, sequential, output, hook, recorder)
+    return Answering(module, sequential, output, hook, recorder)
 
 
 def step_loss(output: Any, hook: str) -> Tensor:

@@ -11,8 +11,9 @@
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,18 @@ from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
 from pipeckpt.boundaries.microbatch import gather
 from pipeckpt.boundaries.scalars import LossWeights, loss_weights, shifts_labels, step_weights, weigh
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
-from pipeckpt.engines.distributed.liveness import user_code
+from pipeckpt.engines.distributed.liveness import mark_own, user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
 from pipeckpt.engines.distributed.outcome import StepOutcome
 from pipeckpt.engines.distributed.processes import ProcessGroups
-from pipeckpt.engines.distributed.replay import Call, Microbatches, answering, capture_call, step_loss
+from pipeckpt.engines.distributed.replay import (
+    Answering,
+    Call,
+    Microbatches,
+    answering,
+    capture_call,
+    step_loss,
+)
 from pipeckpt.engines.distributed.schedules import Schedules, microbatch_rule
 from pipeckpt.engines.distributed.ties import Ties
 from pipeckpt.engines.distributed.topology import microbatches_for
@@ -57,6 +65,7 @@ class _Run:
     calls: Dict[int, Call] = field(default_factory=dict)  # micro-batch -> its captured call (side inputs)
     weights: Optional[LossWeights] = None  # the losses' weights by the calls' labels (None: 1/m each)
     weighed: bool = False
+    answering: Optional[Answering] = None  # the last stage's, made at the first micro-batch
 
     def __post_init__(self) -> None:
         self.recorder = LogRecorder(self.hook)
@@ -92,6 +101,9 @@ class PipelinedStep:
         self._candidates: Tuple[nn.Parameter, ...] = ()  # this rank's parameters (see _trained)
         self._candidates_of: Tuple[int, ...] = ()
         self._arange: Dict[int, Tensor] = {}
+        self._counts: Dict[Tuple[int, bool], int] = {}  # (batch size, train) -> micro-batches, as found
+        # id(schedule) -> (the schedule, its last stage of this rank, whether it has the first)
+        self._ends: Dict[int, Tuple[Callable[[], Any], Optional[LiveStage], bool]] = {}
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -116,7 +128,14 @@ class PipelinedStep:
         if m != self.chunks:
             microbatches = Microbatches(batch, m)
         schedule, stages = schedules.get(train=train, microbatches=m, signature=microbatches.signature())
-        last = next((s for s in stages if s.is_last), None)
+        ends = self._ends.get(id(schedule))
+        if ends is None or ends[0]() is not schedule:  # a weak reference: Schedules may drop it
+            ends = self._ends[id(schedule)] = (
+                weakref.ref(schedule),
+                next((s for s in stages if s.is_last), None),
+                any(s.is_first for s in stages),
+            )
+        _, last, first = ends
         run = _Run(hook, microbatches, rest, kwargs, last)
         if train:
             run.scale = 1.0 / (m * module.trainer.accumulate_grad_batches)
@@ -125,7 +144,7 @@ class PipelinedStep:
         for stage_module in self.modules:
             own = stage_module.stage
             own.begin_step(m, caller, order=orders.get(own.index))
-        inputs = microbatches.tensors if any(s.is_first for s in stages) else ()
+        inputs = microbatches.tensors if first else ()
         result = None
         self._run = run
         try:
@@ -222,9 +241,12 @@ class PipelinedStep:
         run = self._run
         assert run is not None
         batch = run.microbatches.rebuild(tensors)
-        with user_code():
+        try:
             args, kwargs = capture_call(self.module, self.sequential, run.hook, batch, run.rest, run.kwargs)
             side = self._side_of(0, args, kwargs)
+        except BaseException as error:  # the user's step: an error here is this rank's
+            mark_own(error)
+            raise
         return args[0], side
 
     def root_call(self, tensors: Tuple[Tensor, ...]) -> Call:
@@ -287,15 +309,23 @@ class PipelinedStep:
         # tensor_split): its offset is i, read without a tensor operation in this per-micro-batch
         # path; a target a schedule moved off the CPU is read.
         i = int(target.storage_offset()) if target.is_cpu else int(target[0])
-        with user_code(), answering(self.module, self.sequential, output, run.hook, run.recorder):
-            returned = self.module.training_step(run.microbatches[i], *run.rest, **run.kwargs)
+        within = run.answering
+        if within is None:
+            within = run.answering = answering(self.module, self.sequential, output, run.hook, run.recorder)
+        try:
+            with within.again(output):
+                returned = self.module.training_step(run.microbatches[i], *run.rest, **run.kwargs)
+        except BaseException as error:  # the user's step: an error here is this rank's
+            mark_own(error)
+            raise
         loss = step_loss(returned, run.hook)
         if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m
             rooted = not isinstance(self.sequential, nn.Sequential)  # a pipeline_of model's root
             run.weights = step_weights(self._calls(run), self.sequential) if rooted else None
             run.weighed = True
         if run.weights is None:
-            run.losses.append(loss.detach().float())
+            kept = loss.detach()
+            run.losses.append(kept if kept.dtype == torch.float32 else kept.float())
             return loss * run.scale
         weight = run.weights.weights[i] * run.microbatches.count  # losses.mean() below
         run.losses.append(weigh(loss.detach().float(), weight))
@@ -305,6 +335,12 @@ class PipelinedStep:
         return [self.call_of(i) for i in range(run.microbatches.count)]
 
     def _microbatches_for(self, size: int, train: bool) -> int:
+        m = self._counts.get((size, train))
+        if m is None:  # found once per batch size (every batch but an epoch's last has the same)
+            m = self._counts[size, train] = self._count_for(size, train)
+        return m
+
+    def _count_for(self, size: int, train: bool) -> int:
         topology = self.processes.topology
         assert topology is not None
         try:

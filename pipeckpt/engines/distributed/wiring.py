@@ -25,7 +25,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.checkpointing.compiling import compile_layers
 from pipeckpt.engines.distributed.boundaries import Boundaries, announced
-from pipeckpt.engines.distributed.liveness import user_code
+from pipeckpt.engines.distributed.liveness import mark_own
 from pipeckpt.engines.distributed.tensor_parallel import check_plan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
@@ -80,29 +80,41 @@ class StageModule(nn.Module):
             super().__setattr__(name, value)
 
     def forward(self, *inputs: Tensor) -> Any:
+        if not self.live:
+            return self._inferring(inputs)
         j = self.stage.index
-        i = self.stage.next_microbatch if self.live else 0  # shape inference runs on micro-batch 0
         side: Side = None
         if self._entry is not None:
             x, side = self._entry(inputs)
         else:
-            x = self.boundaries.rebuild(j - 1, inputs, inferring=not self.live)
-            side = self._sides(j, i) if self._sides is not None else None
-        if self.live:
-            out = self.stage(x, side)
+            x = self.boundaries.rebuild(j - 1, inputs)
+            if self._sides is not None:
+                side = self._sides(j, self.stage.next_microbatch)
+        flat = self.boundaries.flatten(j, self.stage(x, side), inferring=False, names=self.names)
+        return self._unviewed(flat) if self.no_views else flat
+
+    def _inferring(self, inputs: Tuple[Tensor, ...]) -> Any:
+        """Shape inference's call: micro-batch 0's side inputs, statistics untouched, the output's
+        structure recorded and its floating tensors announced as needing a gradient."""
+        j = self.stage.index
+        side: Side = None
+        if self._entry is not None:
+            x, side = self._entry(inputs)
         else:
-            if self._entry is None:
-                x = _usable(x)
-            partition = self.stage.partition
-            with _statistics_untouched(partition):
-                out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
-        flat = self.boundaries.flatten(j, out, inferring=not self.live, names=self.names)
-        flat = flat if self.live else announced(flat)
-        if self.no_views:  # torch's input pass detaches outputs in place, which a view refuses
-            if isinstance(flat, Tensor):
-                return flat.clone() if is_view(flat) else flat
-            return tuple(t.clone() if is_view(t) else t for t in flat)
-        return flat
+            x = _usable(self.boundaries.rebuild(j - 1, inputs, inferring=True))
+            side = self._sides(j, 0) if self._sides is not None else None
+        partition = self.stage.partition
+        with _statistics_untouched(partition):
+            out = self.stage.chain(x, side) if side and self.stage.chain is not None else partition(x)
+        flat = announced(self.boundaries.flatten(j, out, inferring=True, names=self.names))
+        return self._unviewed(flat) if self.no_views else flat
+
+    @staticmethod
+    def _unviewed(flat: Any) -> Any:
+        """``flat`` without views: torch's input pass detaches outputs in place, which a view refuses."""
+        if isinstance(flat, Tensor):
+            return flat.clone() if is_view(flat) else flat
+        return tuple(t.clone() if is_view(t) else t for t in flat)
 
 
 @contextmanager
@@ -146,12 +158,15 @@ class LiveStage(PipelineStage):
     @override
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
         # Arguments pass through untouched: their list changed across torch releases.
-        self.stage_module.live = True
+        live = self.stage_module.__dict__  # a plain attribute, set without nn.Module's checks
+        live["live"] = True
         try:
-            with user_code():  # this stage's own computation: an error here is this rank's
-                output = super().forward_one_chunk(*args, **kwargs)
+            output = super().forward_one_chunk(*args, **kwargs)
+        except BaseException as error:  # this stage's own computation: an error here is this rank's
+            mark_own(error)
+            raise
         finally:
-            self.stage_module.live = False
+            live["live"] = False
         self.last_output = output
         if self.is_last and not torch.is_grad_enabled():
             self.outputs.append(output)
@@ -176,20 +191,28 @@ class LiveStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> List[dist.P2POp]:  # named in pipeckpt._compat
         # A received tensor read through a transpose (or an expand) gets a gradient with strides of
         # its own; a process group sends only contiguous tensors (Boundaries.rebuild).
-        grads = self.bwd_cache.get(bwd_chunk_id)
-        if grads is not None and not all(g is None or g.is_contiguous() for g in grads):
-            self.bwd_cache[bwd_chunk_id] = tuple(g if g is None else g.contiguous() for g in grads)
+        grads = self.bwd_cache.get(bwd_chunk_id) or ()
+        for g in grads:  # a loop, not all(generator): this runs for every micro-batch
+            if g is not None and not g.is_contiguous():
+                self.bwd_cache[bwd_chunk_id] = tuple(g if g is None else g.contiguous() for g in grads)
+                break
         return super().get_bwd_send_ops(bwd_chunk_id)
 
     @override
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
-        with user_code():  # local backward (recomputes included); sends and receives are apart
+        try:  # local backward (recomputes included); sends and receives are apart
             return super().backward_one_chunk(*args, **kwargs)
+        except BaseException as error:
+            mark_own(error)
+            raise
 
     @override
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
-        with user_code():
+        try:
             return super().backward_weight_one_chunk(*args, **kwargs)
+        except BaseException as error:
+            mark_own(error)
+            raise
 
     def ran(self, output: Any) -> bool:
         """Whether ``output`` came from a micro-batch (not from shape inference)."""
