@@ -284,7 +284,9 @@ def test_a_stage_with_nothing_between_a_microbatch_and_its_layers_hands_it_strai
 def test_a_stage_with_something_between_a_microbatch_and_its_layers_runs_forwards_checks(what, monkeypatch):
     stage = lone_stage(ALWAYS if what == "checkpointing" else NEVER)
     stage.backward_per_microbatch = what != "ordered gradients"
-    caller = CallerState(autocast=(("cpu", torch.bfloat16),)) if what.startswith("autocast") else CallerState()
+    caller = (
+        CallerState(autocast=(("cpu", torch.bfloat16),)) if what.startswith("autocast") else CallerState()
+    )
     stage.begin_step(2, caller)
     seen = []
     forward = stage._forward
