@@ -1,7 +1,8 @@
 """Processes and mesh of the distributed engine: who runs which stage, and the groups they talk in.
 
 The world is ``pp x dp x tp`` processes on one ``DeviceMesh`` ``("dp", "pp", "tp")`` (``("dp",
-"pp")`` without tensor parallelism; :mod:`~pipeckpt.engines.distributed.topology`). This module resolves the
+"pp")`` without tensor parallelism, ``("pp",)`` without data or tensor parallelism, where the
+pipeline is the whole world; :mod:`~pipeckpt.engines.distributed.topology`). This module resolves the
 topology as soon as the Trainer knows the world size (so bad combinations fail
 before any process starts), picks the launcher, opens the process groups, and
 starts the liveness beat that names a lost rank.
@@ -92,7 +93,9 @@ class ProcessGroups:
         self.topology: Optional[Topology] = None
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
-        self.mesh: Optional[DeviceMesh] = None  # ("dp", "pp"[, "tp"]), on this process's device type
+        self.mesh: Optional[DeviceMesh] = (
+            None  # ("dp", "pp"[, "tp"]) or ("pp",), on this process's device type
+        )
         self.liveness: Optional[Liveness] = None
 
     def configure(self, world: World) -> Topology:
@@ -136,9 +139,20 @@ class ProcessGroups:
             options["device_id"] = device
         init_dist_connection(environment, default_process_group_backend(device), **options)
         t = self.topology
-        shape, names = ((t.dp, t.pp, t.tp), ("dp", "pp", "tp")) if t.tp > 1 else ((t.dp, t.pp), ("dp", "pp"))
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        if t.dp == 1 and t.tp == 1 and self.settings.data_parallel != "fsdp":
+            # The pipeline is the whole world and nothing else needs a dimension: a mesh of
+            # ``pp`` alone, whose group is the default one. A ``dp`` dimension of one process
+            # would open a process group on every process that nothing uses (on gloo three threads,
+            # one waking every 10 ms), kept until the process ends: a process that fits several
+            # Trainers gathered one per fit (benchmarks/RESULTS.md, host cost, 2026-11-27).
+            mesh = init_device_mesh(device.type, (t.pp,), mesh_dim_names=("pp",))
+            self.pp_group, self.dp_group = mesh.get_group(), None
+        else:
+            shape, names = (
+                ((t.dp, t.pp, t.tp), ("dp", "pp", "tp")) if t.tp > 1 else ((t.dp, t.pp), ("dp", "pp"))
+            )
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         self.mesh = mesh
         self.liveness = Liveness(default_store(), rank=self.rank, world_size=self.world.size)
         self.liveness.start()

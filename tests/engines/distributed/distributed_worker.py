@@ -19,6 +19,7 @@ from typing import Any, Dict, List
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support.ranks import quiet_trainer, serve
 from support.toy import ToyModule, toy_loader
@@ -135,6 +136,11 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "batch_norm_at_start": probe.at_start,
         "batch_norm_at_first_microbatch": probe.at_first,
+        # the process groups the engine opened: its mesh's dimensions, and whether the pipeline
+        # talks in the default group
+        "mesh": list(trainer.strategy.engine.processes.mesh.mesh_dim_names),
+        "pipeline_in_default_group": trainer.strategy.engine.processes.pp_group.group_name
+        == dist.group.WORLD.group_name,
     }
     if spec.get("validate"):
         trainer.validate(

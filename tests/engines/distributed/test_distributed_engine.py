@@ -341,6 +341,22 @@ def four_processes(launch) -> Path:
 
 
 @pytest.mark.slow
+def test_a_pipeline_that_is_the_whole_world_talks_in_the_default_group_on_a_mesh_of_pp_alone(two_processes):
+    # No dp dimension of one process each: that would open a process group per process that
+    # nothing uses (an idle gloo group beside the pipeline's costs every step, bench_host_cost.py).
+    for rank in range(2):
+        seen = json.loads((two_processes / f"gpipe.rank{rank}.json").read_text())
+        assert (seen["mesh"], seen["pipeline_in_default_group"]) == (["pp"], True)
+
+
+@pytest.mark.slow
+def test_replicas_of_a_pipeline_keep_a_mesh_with_a_data_parallel_dimension(four_processes):
+    for rank in range(4):
+        seen = json.loads((four_processes / f"dp2_pp2.rank{rank}.json").read_text())
+        assert (seen["mesh"], seen["pipeline_in_default_group"]) == (["dp", "pp"], False)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name, settings, local, depth", TWO, ids=[t[0] for t in TWO])
 def test_two_processes_train_like_the_local_engine(two_processes, name, settings, local, depth):
     reference = fit(ToyModule(depth=depth), _local(**local), steps=STEPS)
