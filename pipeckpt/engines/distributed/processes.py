@@ -93,9 +93,8 @@ class ProcessGroups:
         self.topology: Optional[Topology] = None
         self.pp_group: Optional[dist.ProcessGroup] = None
         self.dp_group: Optional[dist.ProcessGroup] = None
-        self.mesh: Optional[DeviceMesh] = (
-            None  # ("dp", "pp"[, "tp"]) or ("pp",), on this process's device type
-        )
+        # ("dp", "pp"[, "tp"]), or ("pp",) for a pipeline alone; on this process's device type
+        self.mesh: Optional[DeviceMesh] = None
         self.liveness: Optional[Liveness] = None
 
     def configure(self, world: World) -> Topology:

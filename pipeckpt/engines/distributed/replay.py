@@ -30,8 +30,8 @@ class Microbatches:
         # on the first and the last stage.
         flat = type(batch) in (tuple, list) and all(isinstance(leaf, Tensor) for leaf in batch)
         self._plain: Optional[type] = type(batch) if flat else None
-        self._spec: Any = None
-        leaves, self._spec = (list(batch), None) if flat else tree_flatten(batch)
+        leaves, spec = (list(batch), None) if flat else tree_flatten(batch)
+        self._spec: Any = spec  # None for a plain tuple or list
         self._leaves: List[Any] = leaves
         self._where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         if not self._where:
