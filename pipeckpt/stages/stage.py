@@ -66,7 +66,8 @@ class Stage(Recomputable):
         # micro-batch's gradients to ``.grad`` in micro-batch order itself, as the Function would.
         self.backward_per_microbatch = False
         # What begin_step finds from its arguments, kept while they stay the same (a training run
-        # repeats them every step): (micro-batches, order, mode) -> (kept, recomputes per step).
+        # repeats them every step): (micro-batches, order, mode) -> (kept, recomputes per step); the
+        # same order list (the schedule's, kept by the engine) compares at once, by identity.
         self._planned: Optional[Tuple[Tuple[Any, ...], FrozenSet[int], int]] = None
         # Whether this step's micro-batches go straight to the layers (see begin_step).
         self._plain = False
@@ -104,7 +105,7 @@ class Stage(Recomputable):
         self._microbatch = 0
         self._num_microbatches = num_microbatches
         self._caller = caller
-        key = (num_microbatches, id(order), id(self.mode), self.mode)
+        key = (num_microbatches, order, self.mode)  # held, not by id: an id may be reused
         if self._planned is None or self._planned[0] != key:
             self._planned = (
                 key,
