@@ -55,11 +55,14 @@ class CallerState:
     dispatch_modes: Tuple[TorchDispatchMode, ...] = ()
     thread: Optional[int] = None
 
+    @property
+    def active(self) -> bool:
+        """Whether the caller had autocast or a dispatch mode active."""
+        return bool(self.autocast or self.dispatch_modes)
+
     def needs_applying(self) -> bool:
         """False on the caller's own thread, or when the caller had nothing active."""
-        if not self.autocast and not self.dispatch_modes:
-            return False
-        return self.thread != threading.get_ident()
+        return self.active and self.thread != threading.get_ident()
 
     def applied(self) -> ContextManager[None]:
         if not self.needs_applying():

@@ -127,7 +127,7 @@ class Stage(Recomputable):
         self._plain = (
             not self.mode.checkpoints
             and (self.streams is None or not self.streams.seeding)
-            and not (caller.autocast or caller.dispatch_modes)
+            and not caller.active
             and not self._keeps_order()
         )
         for segment in self._segment_list or ():

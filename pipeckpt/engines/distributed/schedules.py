@@ -147,6 +147,8 @@ class Schedules:
         self._cache: OrderedDict[Tuple[Any, ...], Tuple[Any, List[LiveStage]]] = OrderedDict()
         self._orders: weakref.WeakKeyDictionary[Any, Tuple[int, Dict[int, List[Op]]]]
         self._orders = weakref.WeakKeyDictionary()  # schedule -> (micro-batches, its orders)
+        self._ends: weakref.WeakKeyDictionary[Any, Tuple[Optional[LiveStage], bool]]
+        self._ends = weakref.WeakKeyDictionary()  # schedule -> (this process's last stage, a first?)
 
     def get(
         self, *, train: bool, microbatches: int, signature: Tuple[Any, ...]
@@ -190,6 +192,17 @@ class Schedules:
             stage.stage_module.boundaries = stage.boundaries
             stage.stage_module.stage.weight_passes = _WEIGHT_PASSES.get(id(stage))
 
+    def ends(self, schedule: Any, stages: Sequence[LiveStage]) -> Tuple[Optional[LiveStage], bool]:
+        """``schedule``'s last stage among this process's ``stages`` (None: it holds none), and
+        whether it holds the first: found once per schedule, not every step."""
+        found = self._ends.get(schedule)
+        if found is None:
+            found = self._ends[schedule] = (
+                next((s for s in stages if s.is_last), None),
+                any(s.is_first for s in stages),
+            )
+        return found
+
     def orders(self, schedule: Any, microbatches: int) -> Dict[int, List[Op]]:
         """For each of this process's stages, the ops its device runs in one training step, in
         order (see :mod:`pipeckpt.checkpointing.order`): a looped schedule's own ``pipeline_order`` for this
@@ -216,6 +229,7 @@ class Schedules:
     def clear(self) -> None:
         self._cache.clear()
         self._orders.clear()
+        self._ends.clear()
 
 
 # A split schedule's stage -> where its Stage leaves the weight passes while that schedule runs (by

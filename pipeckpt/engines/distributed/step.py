@@ -11,9 +11,8 @@
     take_gradients()                 (in the strategy's backward) adds the step's gradients to .grad
 """
 
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,8 +101,6 @@ class PipelinedStep:
         self._candidates_of: Tuple[int, ...] = ()
         self._arange: Dict[int, Tensor] = {}
         self._counts: Dict[Tuple[int, bool], int] = {}  # (batch size, train) -> micro-batches, as found
-        # id(schedule) -> (the schedule, its last stage of this rank, whether it has the first)
-        self._ends: Dict[int, Tuple[Callable[[], Any], Optional[LiveStage], bool]] = {}
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -128,14 +125,7 @@ class PipelinedStep:
         if m != self.chunks:
             microbatches = Microbatches(batch, m)
         schedule, stages = schedules.get(train=train, microbatches=m, signature=microbatches.signature())
-        ends = self._ends.get(id(schedule))
-        if ends is None or ends[0]() is not schedule:  # a weak reference: Schedules may drop it
-            ends = self._ends[id(schedule)] = (
-                weakref.ref(schedule),
-                next((s for s in stages if s.is_last), None),
-                any(s.is_first for s in stages),
-            )
-        _, last, first = ends
+        last, first = schedules.ends(schedule, stages)
         run = _Run(hook, microbatches, rest, kwargs, last)
         if train:
             run.scale = 1.0 / (m * module.trainer.accumulate_grad_batches)
