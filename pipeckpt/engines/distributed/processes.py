@@ -10,7 +10,7 @@ starts the liveness beat that names a lost rank.
 
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from pipeckpt._compat import (
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed.auto_plan import check_auto
+from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
 from pipeckpt.engines.distributed.sharding import check_data_parallel
@@ -138,19 +139,26 @@ class ProcessGroups:
             options["device_id"] = device
         init_dist_connection(environment, default_process_group_backend(device), **options)
         t = self.topology
+        shape: Tuple[int, ...]
+        names: Tuple[str, ...]
         if t.dp == 1 and t.tp == 1 and self.settings.data_parallel != "fsdp":
             # The pipeline is the whole world and nothing else needs a dimension: a mesh of
             # ``pp`` alone, whose group is the default one. A ``dp`` dimension of one process
             # would open a process group on every process that nothing uses (on gloo three threads,
-            # one waking every 10 ms), kept until the process ends: a process that fits several
-            # Trainers gathered one per fit (benchmarks/RESULTS.md, host cost, 2026-11-27).
-            mesh = init_device_mesh(device.type, (t.pp,), mesh_dim_names=("pp",))
+            # one waking every 10 ms; benchmarks/RESULTS.md, host cost, 2026-11-27).
+            shape, names = (t.pp,), ("pp",)
+        elif t.tp > 1:
+            shape, names = (t.dp, t.pp, t.tp), ("dp", "pp", "tp")
+        else:
+            shape, names = (t.dp, t.pp), ("dp", "pp")
+        # made once per process and default group, for every fit (kept_groups: why)
+        mesh = kept(
+            ("mesh", device.type, shape, names),
+            lambda: init_device_mesh(device.type, shape, mesh_dim_names=names),
+        )
+        if names == ("pp",):
             self.pp_group, self.dp_group = mesh.get_group(), None
         else:
-            shape, names = (
-                ((t.dp, t.pp, t.tp), ("dp", "pp", "tp")) if t.tp > 1 else ((t.dp, t.pp), ("dp", "pp"))
-            )
-            mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         self.mesh = mesh
         self.liveness = Liveness(default_store(), rank=self.rank, world_size=self.world.size)

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from pipeckpt._compat import make_fsdp_root, split_mesh_dim
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.engines.distributed.ties import Replicas
 from pipeckpt.settings import PipeSettings
@@ -119,7 +120,9 @@ class Sharding:
         dp, k = mesh["dp"], s.dp_shard
         sharded_over = dp
         if k is not None and k < dp.size():  # HSDP: the replicas as (dp / dp_shard) x dp_shard
-            sharded_over = split_mesh_dim(dp, (dp.size() // k, k), ("dp_replicate", "dp_shard"))
+            sizes, names = (dp.size() // k, k), ("dp_replicate", "dp_shard")
+            # made once per mesh (kept_groups: why); the kept mesh keeps its id
+            sharded_over = kept(("split", id(mesh), sizes, names), lambda: split_mesh_dim(dp, sizes, names))
         policy = mixed_precision(precision)
         tp = TensorParallel.of(s, mesh)
         return cls(sharded_over, dp, bool(s.reshard_after_forward), policy, tp)

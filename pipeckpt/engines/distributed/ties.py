@@ -9,12 +9,14 @@ wrapping a stage would not see (docs/DESIGN.md, engines/distributed/ties).
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.stages.partition import StagePlan, split
 
@@ -98,7 +100,7 @@ def find_ties(
         for replica in range(topology.dp):
             for t in range(topology.tp):  # one group per tensor-parallel rank: each holds its own split
                 ranks = [topology.global_rank(replica, r, t) for r in holders]
-                group = dist.new_group(ranks)
+                group = kept(("group", tuple(ranks)), partial(dist.new_group, ranks))  # kept_groups: why
                 if rank in ranks:
                     mine.append(_Tie(name, params[i], stages, group, src=ranks[0], primary=rank == ranks[0]))
     return Ties(mine)

@@ -39,6 +39,18 @@ def replica_loader(dp: int, replica: int) -> DataLoader:
     return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=share, shuffle=False)
 
 
+def gloo_groups() -> int:
+    """The gloo process groups open in this process: each runs one thread named ``gloo_tcp_loop``."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
 def die_mid_step(
     module: L.LightningModule, step: int, microbatch: int, hang: bool = False, raises: bool = False
 ) -> None:
@@ -141,6 +153,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         "mesh": list(trainer.strategy.engine.processes.mesh.mesh_dim_names),
         "pipeline_in_default_group": trainer.strategy.engine.processes.pp_group.group_name
         == dist.group.WORLD.group_name,
+        "gloo_groups": gloo_groups(),
     }
     if spec.get("validate"):
         trainer.validate(

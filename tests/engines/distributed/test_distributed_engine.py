@@ -337,7 +337,10 @@ def two_processes(launch, local_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def four_processes(launch) -> Path:
-    return launch(4, [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in FOUR])
+    runs = [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in FOUR]
+    # the replicas' layout fitted again in the same processes: its mesh's groups are not made twice
+    runs.append(dict(runs[-1], name="dp2_pp2_again", steps=1))
+    return launch(4, runs)
 
 
 @pytest.mark.slow
@@ -354,6 +357,17 @@ def test_replicas_of_a_pipeline_keep_a_mesh_with_a_data_parallel_dimension(four_
     for rank in range(4):
         seen = json.loads((four_processes / f"dp2_pp2.rank{rank}.json").read_text())
         assert (seen["mesh"], seen["pipeline_in_default_group"]) == (["dp", "pp"], False)
+
+
+@pytest.mark.slow
+def test_a_process_that_fits_the_same_layout_again_opens_no_new_process_group(four_processes):
+    # torch frees a mesh's groups only with the default group: made at every fit, a process
+    # fitting one Trainer after another would gather a set per fit (engines/distributed/kept_groups)
+    for rank in range(4):
+        first = json.loads((four_processes / f"dp2_pp2.rank{rank}.json").read_text())
+        again = json.loads((four_processes / f"dp2_pp2_again.rank{rank}.json").read_text())
+        assert first["gloo_groups"] >= 3  # the default group, and this rank's dp and pp groups
+        assert again["gloo_groups"] == first["gloo_groups"]
 
 
 @pytest.mark.slow
