@@ -84,9 +84,12 @@ class Stage(Recomputable):
         """Runs of ``_Recompute`` one step makes: one per recomputed micro-batch and segment
         (selective checkpointing runs torch's checkpoint instead: none). ``order``: see
         :meth:`begin_step`."""
+        return self._recomputes(num_microbatches, self._kept(num_microbatches, order))
+
+    def _recomputes(self, num_microbatches: int, keep: FrozenSet[int]) -> int:
+        """:meth:`recomputes_per_step` with the kept micro-batches ``keep`` already found."""
         if self.mode.selective:
             return 0
-        keep = self._kept(num_microbatches, order)
         n = sum(self.mode.recomputes(i, num_microbatches, keep=keep) for i in range(num_microbatches))
         return n * len(self._segments()) if self.mode.every is not None else n
 
@@ -107,11 +110,8 @@ class Stage(Recomputable):
         self._caller = caller
         key = (num_microbatches, order, self.mode)  # held, not by id: an id may be reused
         if self._planned is None or self._planned[0] != key:
-            self._planned = (
-                key,
-                self._kept(num_microbatches, order),
-                self.recomputes_per_step(num_microbatches, order=order),
-            )
+            keep = self._kept(num_microbatches, order)
+            self._planned = (key, keep, self._recomputes(num_microbatches, keep))
         _, self._keep, recomputes = self._planned
         self.checkpointed = []
         if step is not None:
