@@ -28,6 +28,17 @@ Commands::
     python benchmarks/bench_host_cost.py --quick --out /tmp/host_cost.md      # seconds: checks the harness
     python benchmarks/bench_host_cost.py --calls --out /tmp/host_calls.md     # ~1 min: Python calls per step
 
+``--parts`` splits a step of Lightning + raw and of pipeckpt into its parts, by the main thread's
+CPU time (``time.thread_time``) spent in each of a few methods that both runs call: the schedule's
+``step``, the stage's ``forward_one_chunk`` and ``backward_one_chunk``, and the strategy's
+``training_step``, ``backward`` and ``optimizer_step`` (which runs the closure: training_step,
+zeroing, backward, then the optimizer; Lightning + raw zeroes inside its ``training_step``, as the
+raw script does, pipeckpt in Lightning's own zeroing). Rounds alternate which runs first; each
+part's difference is the median of the per-round differences, per rank: where the engine's own
+cost sits.
+
+    python benchmarks/bench_host_cost.py --parts --rounds 14 --out /tmp/host_parts.md  # ~1 min
+
 ``--calls`` counts instead of timing: the Python and builtin function calls (cProfile's count) each
 rank makes per step, the same on every run and under any load, where the CPU ratios of this 2-core
 machine resolve about +-0.03. A count weighs every call alike, a tensor operation made by an operator
@@ -42,7 +53,7 @@ import pstats
 import resource
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning as L
 import torch
@@ -52,6 +63,7 @@ from harness.machine import machine
 from harness.ranks import ranks_arguments, run_ranks
 from harness.trainers import QUIET_CPU
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.utils.data import DataLoader, TensorDataset
@@ -90,7 +102,11 @@ def loader(spec: Dict[str, Any], steps: int) -> DataLoader:
 class Clock:
     """CPU and wall time at the start of every step, and the CPU spent inside the schedule's part."""
 
+    parts: Optional["Parts"] = None  # ``--parts``: times its methods in every clock's timed steps
+    last: Optional["Clock"] = None  # the clock made last
+
     def __init__(self, spec: Dict[str, Any]) -> None:
+        Clock.last = self
         self.warmup, self.steps = spec["warmup"], spec["timed"]  # the window of timed steps
         self.profiler = cProfile.Profile() if spec.get("calls") else None
         self.calls = 0  # function calls made in the timed steps (``--calls``)
@@ -101,6 +117,8 @@ class Clock:
         self.inner = 0.0
 
     def tick(self) -> None:
+        if Clock.parts is not None:
+            Clock.parts.turn(self)
         self.cpu.append(time.process_time())
         self.main.append(time.thread_time())
         self.sys.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime)
@@ -271,6 +289,68 @@ def pipeckpt(spec: Dict[str, Any]) -> Tuple[Dict[str, float], List[float], List[
     return clock.per_step(), measure.losses, [p.detach().clone() for p in part.parameters()]
 
 
+class Parts:
+    """Main-thread CPU per step in each of the methods named in the module's docstring (``--parts``),
+    over the timed steps of the run whose ``Clock`` it watches; a method re-entered from within
+    itself (an override calling its parent) counts once."""
+
+    METHODS = (
+        ("schedule", Schedule1F1B, "step"),
+        ("forward chunks", PipelineStage, "forward_one_chunk"),
+        ("backward chunks", PipelineStage, "backward_one_chunk"),
+        ("training_step", Strategy, "training_step"),
+        ("training_step", PipelineStrategy, "training_step"),
+        ("backward", Strategy, "backward"),
+        ("backward", PipelineStrategy, "backward"),
+        ("optimizer_step", Strategy, "optimizer_step"),
+    )
+
+    def __init__(self) -> None:
+        self.on = False
+        self.cpu: Dict[str, float] = {}
+        self._inside: Dict[str, int] = {}
+        for key, owner, name in self.METHODS:
+            setattr(owner, name, self._timed(key, getattr(owner, name)))
+
+    def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.on or self._inside.get(key):
+                return fn(*args, **kwargs)
+            self._inside[key] = 1
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu[key] = self.cpu.get(key, 0.0) + time.thread_time() - start
+                self._inside[key] = 0
+
+        return run
+
+    def turn(self, clock: Clock) -> None:
+        """At a tick of ``clock`` (before it is counted): on at its first timed step, off after its last."""
+        ticks = len(clock.cpu) + 1
+        if ticks == clock.warmup + 1:
+            self.cpu, self.on = {}, True
+        elif ticks == clock.warmup + clock.steps + 1:
+            self.on = False
+
+    def per_step(self, clock: Clock) -> Dict[str, float]:
+        c = {key: self.cpu.get(key, 0.0) / clock.steps for key, _, _ in self.METHODS}
+        step = clock.per_step()["main"]
+        return {
+            "the schedule: forward chunks": c["forward chunks"],
+            "the schedule: backward chunks": c["backward chunks"],
+            "the schedule: the rest (losses, messages, its own logic)": c["schedule"]
+            - c["forward chunks"]
+            - c["backward chunks"],
+            "training_step outside the schedule": c["training_step"] - c["schedule"],
+            "the backward hook": c["backward"],
+            "the optimizer and zeroing": c["optimizer_step"] - c["training_step"] - c["backward"],
+            "the loop outside optimizer_step": step - c["optimizer_step"],
+            "whole step (main thread)": step,
+        }
+
+
 def worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     with open(spec_path) as f:
@@ -279,6 +359,31 @@ def worker(spec_path: str) -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    if spec.get("parts"):
+        rows = parts_rows(spec)
+    else:
+        rows = timed_rows(spec)
+    with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def parts_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``--parts``: each round's parts of a step, Lightning + raw and pipeckpt, first in turn."""
+    parts, rows = Parts(), []
+    Clock.parts = parts
+    for r in range(spec["rounds"]):
+        for method in ("lightning", "pipeckpt") if r % 2 == 0 else ("pipeckpt", "lightning"):
+            dist.barrier()
+            {"lightning": lightning, "pipeckpt": pipeckpt}[method](spec)
+            assert Clock.last is not None
+            rows.append({"round": r, "method": method, "rank": dist.get_rank(), **parts.per_step(Clock.last)})
+    return rows
+
+
+def timed_rows(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each round's per-step times of every method (each first in turn), checked equal in losses
+    and weights to the raw script's."""
     rows = []
     for r in range(spec["rounds"]):
         order = METHODS[r % 3 :] + METHODS[: r % 3]  # each method first in turn
@@ -293,9 +398,7 @@ def worker(spec_path: str) -> None:
                 assert torch.equal(a, b), f"{method}'s weights differ from the raw script's"
         for method in METHODS:
             rows.append({"round": r, "method": method, "rank": dist.get_rank(), **ran[method][0]})
-    with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
-        json.dump(rows, f)
-    dist.destroy_process_group()
+    return rows
 
 
 def per_round(rows: List[Dict[str, Any]], rounds: int) -> List[Dict[str, Dict[str, float]]]:
@@ -417,6 +520,43 @@ def report_calls(spec: Dict[str, Any], rows: List[Dict[str, Any]], elapsed: floa
     return "\n".join([*lines, ""])
 
 
+def report_parts(spec: Dict[str, Any], rows: List[Dict[str, Any]], elapsed: float) -> str:
+    """``--parts``: per rank, each part's CPU ms per step under both runs and the median difference."""
+    med = statistics.median
+    names = [k for k in rows[0] if k not in ("round", "method", "rank")]
+    lines = [
+        "## Where a step's host time goes: Lightning + raw against pipeckpt, part by part "
+        "(`benchmarks/bench_host_cost.py --parts`)",
+        "",
+        f"Machine: {machine()}. Wall time of the run: {elapsed / 60:.1f} min. Same model, data and "
+        f"methods as the timed run ({spec['depth']} x `Linear({spec['width']}, {spec['width']})`, "
+        f"batch {spec['batch']}, 2 processes, 1F1B over {spec['chunks']} micro-batches); the main "
+        f"thread's CPU ms per step, mean of {spec['timed']} steps after {spec['warmup']} warm-up steps; "
+        f"{spec['rounds']} rounds, which run goes first alternating; median over rounds, and the "
+        "median of the per-round differences (pipeckpt - Lightning + raw), which is steadier.",
+        "",
+        "| part of a step | rank | Lightning + raw ms | pipeckpt ms | difference ms (median) | "
+        "difference / Lightning + raw's step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        for rank in (0, 1):
+            mine = {(x["round"], x["method"]): x[name] for x in rows if x["rank"] == rank}
+            steps = {
+                (x["round"], x["method"]): x["whole step (main thread)"] for x in rows if x["rank"] == rank
+            }
+            rounds = range(spec["rounds"])
+            light = med(mine[r, "lightning"] for r in rounds)
+            piped = med(mine[r, "pipeckpt"] for r in rounds)
+            diff = med(mine[r, "pipeckpt"] - mine[r, "lightning"] for r in rounds)
+            share = diff / med(steps[r, "lightning"] for r in rounds)
+            lines.append(
+                f"| {name} | {rank} | {light * 1e3:.3f} | {piped * 1e3:.3f} "
+                f"| {diff * 1e3:+.3f} | {share * 100:+.1f}% |"
+            )
+    return "\n".join([*lines, ""])
+
+
 def main() -> None:
     parser = ranks_arguments(__doc__.splitlines()[0], out="/tmp/host_cost.md", rounds=9, batch=64)
     parser.add_argument("--depth", type=int, default=32)
@@ -424,6 +564,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--pin", action="store_true", help="each rank on a core of its own")
     parser.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
+    parser.add_argument(
+        "--parts", action="store_true", help="split a step into parts by the main thread's CPU"
+    )
     parser.set_defaults(warmup=5, timed=30)
     args = parser.parse_args()
     if args.worker:
@@ -435,13 +578,27 @@ def main() -> None:
         args.rounds = 1
     spec = {
         k: getattr(args, k)
-        for k in ("depth", "width", "batch", "chunks", "warmup", "timed", "rounds", "quick", "pin", "calls")
+        for k in (
+            "depth",
+            "width",
+            "batch",
+            "chunks",
+            "warmup",
+            "timed",
+            "rounds",
+            "quick",
+            "pin",
+            "calls",
+            "parts",
+        )
     }
     began, loads = time.time(), [load_average()]
     rows = run_ranks(__file__, 2, spec, timeout=args.timeout)
     loads.append(load_average())
     if args.calls:
         text = report_calls(spec, rows, time.time() - began)
+    elif args.parts:
+        text = report_parts(spec, rows, time.time() - began)
     else:
         text = report(spec, per_round(rows, args.rounds), loads, time.time() - began)
     with open(args.out, "w") as f:
