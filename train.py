@@ -108,7 +108,7 @@ def _final_checkpoint(trainer: L.Trainer, output_dir: str) -> str:
     if written or last:
         return written[0] if written else last
     path = os.path.join(output_dir, "final.ckpt")
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=False)  # the whole state; saying so silences Lightning's note
     return path
 
 

@@ -28,7 +28,7 @@ def save_final(trainer: Trainer) -> List[str]:
         if saved_step(callback) == trainer.global_step and callback.last_model_path:
             continue
         path = os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state, to resume from
         callback.last_model_path = path
         set_saved_step(callback, trainer.global_step)
         written.append(path)

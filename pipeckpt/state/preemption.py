@@ -136,7 +136,8 @@ class PreemptionCallback(Callback):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see the module's docstring
         for logger in trainer.loggers:
             logger.finalize("finished")
-        trainer.save_checkpoint(path)  # every rank's part is written when it returns (Lightning's barrier)
+        # the whole state; every rank's part is written when it returns (Lightning's barrier)
+        trainer.save_checkpoint(path, weights_only=False)
         requeued = requeue() if trainer.is_global_zero else True
         print(
             f"pipeckpt: rank {trainer.global_rank} preempted: saved {path} at global_step="

@@ -61,7 +61,7 @@ class TerminationCallback(PreemptionCallback):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save
         for logger in trainer.loggers:
             logger.finalize("finished")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state, to resume from
         print(
             f"pipeckpt: rank {trainer.global_rank} terminated by SIGTERM: saved {path} at "
             f"global_step={trainer.global_step}; exiting with {EXIT_CODE}",

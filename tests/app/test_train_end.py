@@ -43,6 +43,14 @@ def test_last_ckpt_holds_the_final_step(tmp_path):
     assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 53
 
 
+def test_a_run_saves_its_whole_state_without_lightnings_weights_only_note(tmp_path):
+    # Saving with weights_only unset makes Lightning print "`weights_only` was not set, defaulting to
+    # `False`", which reads as a warning about unpickling; the run says what it saves instead.
+    done = train(tmp_path, "trainer.max_steps=3", "validate=false")
+    assert "weights_only" not in done.stdout + done.stderr
+    assert "optimizer_states" in torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+
+
 def test_a_requeued_run_reports_its_final_weights_and_its_own_steps(tmp_path):
     train(tmp_path / "first", "trainer.max_steps=8", "trainer.val_check_interval=4", "validate=false")
     requeued = tmp_path / "requeued"
