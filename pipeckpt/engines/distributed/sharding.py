@@ -121,8 +121,11 @@ class Sharding:
         sharded_over = dp
         if k is not None and k < dp.size():  # HSDP: the replicas as (dp / dp_shard) x dp_shard
             sizes, names = (dp.size() // k, k), ("dp_replicate", "dp_shard")
-            # made once per mesh (kept_groups: why); the kept mesh keeps its id
-            sharded_over = kept(("split", id(mesh), sizes, names), lambda: split_mesh_dim(dp, sizes, names))
+            # made once per mesh (kept_groups: why), keyed by the mesh's id and holding the mesh,
+            # so that its id cannot pass to another mesh while the split is kept
+            _, sharded_over = kept(
+                ("split", id(mesh), sizes, names), lambda: (mesh, split_mesh_dim(dp, sizes, names))
+            )
         policy = mixed_precision(precision)
         tp = TensorParallel.of(s, mesh)
         return cls(sharded_over, dp, bool(s.reshard_after_forward), policy, tp)
