@@ -29,3 +29,16 @@ def test_calls_mode_counts_every_methods_python_calls_per_step_on_each_rank(tmp_
         rank0, rank1, both = (float(cell) for cell in rows[method])
         # each figure is rounded on its own
         assert rank0 > 0 and rank1 > 0 and abs(both - (rank0 + rank1)) <= 1, (method, rows[method])
+
+
+@pytest.mark.slow
+def test_cold_calls_probe_reports_each_call_after_the_kernels_and_warm(tmp_path: Path) -> None:
+    out = tmp_path / "cold_calls.md"
+    run_benchmark("bench_cold_calls.py", "--rounds", "3", "--out", str(out))
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ")]
+    calls = rows[1:]  # below the header
+    assert len(calls) == 5, rows
+    empty = calls[-1]
+    assert float(empty[1]) > 0 and float(empty[2]) > 0, empty  # the timer's own cost, measured
+    for _, cold, warm, _ in calls[:-1]:
+        float(cold), float(warm)  # every call measured both ways (its time less the timer's)
