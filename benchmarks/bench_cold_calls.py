@@ -4,8 +4,8 @@ Why this exists: ``bench_host_cost.py --parts`` finds the distributed engine's h
 ten pieces of 0.03-0.45 ms a step, each several times what the same Python costs in a warm loop.
 A stage's kernels (here one micro-batch's forward and backward through the dispatch-bound proxy's
 half: 16 x ``Linear(256, 256)``) evict the caches the interpreter and torch's dispatcher run from,
-so the first call after them pays for its code and data again. This measures that price for the
-calls the engine adds after a schedule, one process, one torch thread:
+so the first call after them pays for its code and data again. This measures that price for
+calls that follow a schedule's kernels, in one process of one torch thread:
 
 - ``optimizer.zero_grad()`` with every gradient already ``None``: Lightning's zeroing after the
   engine's schedule, which has nothing left to zero;
@@ -17,7 +17,7 @@ Each round runs the kernels, times one call (cold), then times it again at once 
 thread's CPU clock; the timer's own cost (an empty call, timed the same way) is subtracted. Rounds
 interleave the calls; medians are reported. ::
 
-    python benchmarks/bench_cold_calls.py --out /tmp/cold_calls.md   # ~20 s
+    python benchmarks/bench_cold_calls.py --out /tmp/cold_calls.md   # ~10 s
 """
 
 import argparse
