@@ -37,6 +37,9 @@ def _kernels(layers: nn.Sequential, x: torch.Tensor, params: List[nn.Parameter])
         p.grad = None
 
 
+EMPTY = "an empty call (the timer's own cost, subtracted from the rows above)"
+
+
 def _calls(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> Dict[str, Callable[[], object]]:
     def record() -> None:
         with torch.autograd.profiler.record_function("probe"):
@@ -52,7 +55,7 @@ def _calls(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> Dict
         "`record_function` entered and left": record,
         "a Python loop setting 32 `.grad` to None": plain_zeroing,
         "`torch.tensor` of 3 floats, then `.tolist()`": lambda: torch.tensor([1.0, 2.0, 3.0]).tolist(),
-        "an empty call (the timer's own cost, subtracted from the rows above)": lambda: None,
+        EMPTY: lambda: None,
     }
 
 
@@ -85,7 +88,7 @@ def measure(rounds: int) -> Dict[str, Tuple[float, float]]:
 
 
 def report(results: Dict[str, Tuple[float, float]], rounds: int, elapsed: float) -> str:
-    empty_cold, empty_warm = list(results.values())[-1]
+    empty_cold, empty_warm = results[EMPTY]
     lines = [
         "## A small call right after a stage's kernels, against the same call warm "
         "(`benchmarks/bench_cold_calls.py`)",
@@ -99,7 +102,7 @@ def report(results: Dict[str, Tuple[float, float]], rounds: int, elapsed: float)
         "|---|---|---|---|",
     ]
     for name, (c, w) in results.items():
-        if name.startswith("an empty call"):
+        if name == EMPTY:
             lines.append(f"| {name} | {c:.1f} | {w:.1f} | |")
             continue
         c, w = c - empty_cold, w - empty_warm

@@ -539,17 +539,18 @@ def report_parts(spec: Dict[str, Any], rows: List[Dict[str, Any]], elapsed: floa
         "difference / Lightning + raw's step |",
         "|---|---|---|---|---|---|",
     ]
+    rounds = range(spec["rounds"])
+    # each rank's whole step under Lightning + raw, the denominator of every part's share
+    light_rows = [x for x in rows if x["method"] == "lightning"]
+    step = "whole step (main thread)"
+    steps = {rank: med(x[step] for x in light_rows if x["rank"] == rank) for rank in (0, 1)}
     for name in names:
         for rank in (0, 1):
             mine = {(x["round"], x["method"]): x[name] for x in rows if x["rank"] == rank}
-            steps = {
-                (x["round"], x["method"]): x["whole step (main thread)"] for x in rows if x["rank"] == rank
-            }
-            rounds = range(spec["rounds"])
             light = med(mine[r, "lightning"] for r in rounds)
             piped = med(mine[r, "pipeckpt"] for r in rounds)
             diff = med(mine[r, "pipeckpt"] - mine[r, "lightning"] for r in rounds)
-            share = diff / med(steps[r, "lightning"] for r in rounds)
+            share = diff / steps[rank]
             lines.append(
                 f"| {name} | {rank} | {light * 1e3:.3f} | {piped * 1e3:.3f} "
                 f"| {diff * 1e3:+.3f} | {share * 100:+.1f}% |"

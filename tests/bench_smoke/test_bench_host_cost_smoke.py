@@ -32,6 +32,19 @@ def test_calls_mode_counts_every_methods_python_calls_per_step_on_each_rank(tmp_
 
 
 @pytest.mark.slow
+def test_parts_mode_reports_every_part_of_a_step_on_each_rank(tmp_path: Path) -> None:
+    out = tmp_path / "host_parts.md"
+    run_benchmark("bench_host_cost.py", "--quick", "--parts", "--out", str(out))
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ")]
+    parts = {(row[0].strip(), row[1].strip()) for row in rows[1:]}  # below the header
+    for rank in ("0", "1"):
+        assert ("whole step (main thread)", rank) in parts
+        assert ("the optimizer and zeroing", rank) in parts
+    (step,) = [row for row in rows[1:] if row[:2] == [" whole step (main thread) ", " 0 "]]
+    assert float(step[2]) > 0 and float(step[3]) > 0, step  # both runs' steps measured
+
+
+@pytest.mark.slow
 def test_cold_calls_probe_reports_each_call_after_the_kernels_and_warm(tmp_path: Path) -> None:
     out = tmp_path / "cold_calls.md"
     run_benchmark("bench_cold_calls.py", "--rounds", "3", "--out", str(out))
