@@ -418,6 +418,7 @@ def test_dcp_metadata_names_the_private_classes_dcp_pickles_and_the_extents_of_i
         and extents["__0_0.distcp"] == (tmp_path / "__0_0.distcp").stat().st_size
     )
     assert _compat.dcp_file_extents(metadata, set()) == {}
+    assert _compat.dcp_files(metadata) == {"w": "__0_0.distcp", "note": "__0_0.distcp"}
 
 
 def test_saved_step_reads_and_sets_the_step_model_checkpoint_saved_last(tmp_path):

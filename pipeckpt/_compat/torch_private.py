@@ -217,6 +217,16 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMem
 from torch.serialization import _get_layout as layout_by_name  # noqa: E402
 
 
+def dcp_files(metadata: Any) -> Dict[str, Any]:
+    """The file each item of a DCP checkpoint is stored in (its path relative to the checkpoint
+    directory), by DCP's flat key; None for an entry that is not DCP's private ``_StorageInfo``
+    (only a crafted ``.metadata`` holds one)."""
+    return {
+        index.fqn: info.relative_path if isinstance(info, DcpStorageInfo) else None
+        for index, info in metadata.storage_data.items()
+    }
+
+
 def dcp_file_extents(metadata: Any, keys: Any) -> Dict[str, int]:
     """The bytes each shard file of a DCP checkpoint must hold at least (the furthest end of the
     items of DCP's flat ``keys``), by file name relative to the checkpoint directory:
@@ -301,6 +311,7 @@ __all__ = [
     "apply_function",
     "apply_to_tensors",
     "dcp_file_extents",
+    "dcp_files",
     "default_store",
     "dispatch_mode_stack",
     "keep_buffers_out_of_state_dict",

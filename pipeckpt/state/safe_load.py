@@ -37,6 +37,7 @@ from torch.futures import Future
 
 from pipeckpt._compat import DcpMemoryFormat, DcpStorageInfo, layout_by_name
 from pipeckpt._errors import PipeckptCheckpointError, checkpoint_error
+from pipeckpt.state import confined
 
 __all__ = [
     "SafeLoadPlanner",
@@ -243,9 +244,23 @@ class _RecordingFileSystem(FileSystem):
             yield stream
 
 
+def _key_of(metadata: Metadata) -> Callable[[str], str]:
+    """The module's own key of DCP's flat key ``fqn`` where the checkpoint maps it (a model entry),
+    else ``fqn``."""
+    nested = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+
+    def key_of(fqn: str) -> str:
+        path = nested.get(fqn)
+        return str(path[1]) if isinstance(path, tuple) and len(path) == 2 else fqn
+
+    return key_of
+
+
 class SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`, and whose refusals
-    of a shard's content (with :class:`SafeLoadPlanner`) name the shard file."""
+    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`, that opens no file
+    outside its directory (:mod:`pipeckpt.state.confined`: every file the metadata names is checked
+    before any is read), and whose refusals of a shard's content (with :class:`SafeLoadPlanner`)
+    name the shard file."""
 
     def __init__(self, path: PathLike) -> None:
         super().__init__(path)
@@ -255,7 +270,9 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = read_dcp_metadata(Path(self.path) / name)
+        index = confined.inside(self.path, name, "DCP's index of the shards")
+        metadata = read_dcp_metadata(index)
+        confined.require_inside(self.path, confined.storage_files(self.path, metadata, _key_of(metadata)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

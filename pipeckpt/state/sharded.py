@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from pipeckpt._compat import dcp_file_extents
 from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, checkpoint_error, config_error
-from pipeckpt.state import safe_load
+from pipeckpt.state import confined, safe_load
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import atomic_write
 
@@ -281,8 +281,9 @@ def load(
     ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does.
     """
     root = _require_sharded(path)
-    checkpoint = safe_load.load_torch_file(root / META_FILE, weights_only=weights_only)
-    metadata = safe_load.SafeReader(root).read_metadata()
+    metadata = safe_load.SafeReader(root).read_metadata()  # refuses files outside root, reads none
+    rest = confined.inside(root, META_FILE, "rank 0's part of the checkpoint")
+    checkpoint = safe_load.load_torch_file(rest, weights_only=weights_only)
     stored = metadata.state_dict_metadata
     paths: dict[str, tuple[str | int, ...]] = metadata.planner_data  # DCP's key -> our nested path
     if keys is not None:
