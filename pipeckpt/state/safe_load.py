@@ -16,7 +16,6 @@ import re
 import zipfile
 from contextlib import contextmanager
 from functools import lru_cache
-from pathlib import Path
 from typing import IO, Any, Callable, FrozenSet, Generator, List, Optional, Tuple, Union
 
 import torch

@@ -166,7 +166,7 @@ def test_resuming_under_the_local_engine_refuses_before_any_step(plant, checkpoi
     module = ToyModule(seed=5)
     before = params(module)
     del _opened[:]
-    with pytest.raises(PipeckptCheckpointError, match="absolute path|symbolic link"):
+    with pytest.raises(PipeckptCheckpointError, match=r"absolute path|symbolic link"):
         fit(module, PipelineStrategy(**STRATEGY), steps=4, ckpt_path=checkpoint)
     assert _outside_reads(outside) == []
     after = params(module)
