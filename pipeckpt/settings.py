@@ -143,6 +143,10 @@ class PipeSettings:
     timeout: Optional[float] = field(
         default=None, metadata=_engine_help("distributed: seconds a rank may wait for another; default 60")
     )
+    start_timeout: Optional[float] = field(
+        default=None,
+        metadata=_engine_help("distributed: seconds every process may take to start; default 600"),
+    )
     data_parallel: Optional[str] = field(
         default=None,
         metadata=_engine_help(
@@ -257,6 +261,7 @@ class PipeSettingsArgs(TypedDict, total=False):
     dp: Optional[int]
     virtual_stages: Optional[int]
     timeout: Optional[float]
+    start_timeout: Optional[float]
     data_parallel: Optional[str]
     reshard_after_forward: Optional[bool]
     dp_shard: Optional[int]

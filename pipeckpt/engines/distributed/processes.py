@@ -10,7 +10,7 @@ starts the liveness beat that names a lost rank.
 
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
 from pipeckpt.engines.distributed.sharding import check_data_parallel
+from pipeckpt.engines.distributed.startup import rendezvous
 from pipeckpt.engines.distributed.tensor_parallel import check_tensor_parallel
 from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
 from pipeckpt.settings import PipeSettings
@@ -42,6 +43,7 @@ SETTINGS: Dict[str, Any] = {
     "dp": None,
     "virtual_stages": 1,
     "timeout": 60.0,
+    "start_timeout": 600.0,
     "data_parallel": "ddp",
     "reshard_after_forward": False,
     "dp_shard": None,
@@ -63,15 +65,19 @@ def check_process_settings(s: PipeSettings) -> None:
             "a pipeline rank holds an integer number >= 1 of stages",
             "set virtual_stages >= 1",
         )
-    timeout: Union[float, int, str, None] = s.timeout
-    if timeout is not None and (
-        isinstance(timeout, (bool, str)) or not 0 < timeout <= timedelta.max.total_seconds()
-    ):
-        raise config_error(
-            f"timeout={timeout:g}" if isinstance(timeout, (int, float)) else f"timeout={timeout!r}",
-            "a collective needs a positive, finite time limit",
-            "set timeout in seconds, e.g. 60",
-        )
+    limits = {
+        "timeout": (s.timeout, "a collective", 60),
+        "start_timeout": (s.start_timeout, "the start-up", 600),
+    }
+    for name, (limit, what, example) in limits.items():
+        if limit is not None and (
+            isinstance(limit, (bool, str)) or not 0 < limit <= timedelta.max.total_seconds()
+        ):
+            raise config_error(
+                f"{name}={limit:g}" if isinstance(limit, (int, float)) else f"{name}={limit!r}",
+                f"{what} needs a positive, finite time limit",
+                f"set {name} in seconds, e.g. {example}",
+            )
     check_data_parallel(s)
     check_tensor_parallel(s)
     assert s.schedule is not None and s.virtual_stages is not None
@@ -135,6 +141,15 @@ class ProcessGroups:
     def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
         assert self.topology is not None and self.settings.timeout is not None
         options: Dict[str, Any] = {"timeout": timedelta(seconds=self.settings.timeout)}
+        if not dist.is_initialized():  # the step timeout for collectives, start_timeout to start
+            assert self.settings.start_timeout is not None
+            options["store"] = rendezvous(
+                environment,
+                rank=self.rank,
+                world_size=self.world.size,
+                window_s=float(self.settings.start_timeout),
+                describe=self.topology.describe,
+            )
         if device.type != "cpu":
             options["device_id"] = device
         init_dist_connection(environment, default_process_group_backend(device), **options)

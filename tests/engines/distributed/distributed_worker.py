@@ -107,6 +107,8 @@ class BatchNormProbe(L.Callback):
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
+    # `start_late`: {rank: seconds} this rank sleeps before it starts (a slow node, slow imports)
+    time.sleep(spec.get("start_late", {}).get(os.environ["LOCAL_RANK"], 0))
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     module = ToyModule(
         depth=spec.get("depth", 6), dropout=spec.get("dropout", 0.0), batch_norm=spec.get("batch_norm", False)

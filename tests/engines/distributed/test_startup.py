@@ -1,0 +1,81 @@
+"""Start-up (pipeckpt/engines/distributed/startup.py): every rank waits for the others to start
+within ``start_timeout`` (600 s by default), apart from the step ``timeout`` (60 s), so a rank that
+starts late is waited for, and one that never starts is named by every rank that waited for it."""
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import support.ranks as ranks
+from support.paths import REPO
+
+from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.engines.distributed.processes import SETTINGS
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "distributed_worker.py"
+STRATEGY = dict(balance=[3, 3], chunks=4, schedule="1f1b")
+
+
+def _only(ranks_started: List[int], runs: List[Dict[str, Any]], out: Path, *, within_s: float) -> Any:
+    """Starts ``ranks_started`` of a world of 2 (the others never start); waits for them to exit,
+    and always stops them; returns the processes, seconds until the last exited and the logs."""
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    env = ranks.rank_env(2)
+    procs = [
+        ranks.spawn(WORKER, [str(spec)], dict(env, LOCAL_RANK=str(r)), r, REPO, out / f"rank{r}.log")
+        for r in ranks_started
+    ]
+    begun = time.monotonic()
+    try:
+        for p in procs:
+            p.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        elapsed = time.monotonic() - begun
+        alive = [p.poll() is None for p in procs]
+        ranks.stop(procs)
+    logs = "\n".join((out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in ranks_started)
+    return procs, elapsed, alive, logs
+
+
+def test_the_start_up_window_defaults_to_600_s_apart_from_the_step_timeout():
+    assert SETTINGS["start_timeout"] == 600.0 and SETTINGS["timeout"] == 60.0
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), "soon", True])
+def test_a_start_timeout_that_is_not_a_positive_finite_number_is_refused(value):
+    with pytest.raises(PipeckptConfigError, match=r"start_timeout=.*HINT: set start_timeout in seconds"):
+        PipelineStrategy(engine="distributed", stages=2, start_timeout=value)
+
+
+@pytest.mark.slow
+def test_a_rank_that_starts_90_s_late_is_waited_for_under_the_default_settings(tmp_path):
+    runs = [dict(name="late", strategy=STRATEGY, steps=2, start_late={"1": 90})]
+    ranks.launch(WORKER, 2, runs, tmp_path, within_s=90 + 240)
+    assert (tmp_path / "late.rank0.json").is_file() and (tmp_path / "late.rank1.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("started, missing", [([0], 1), ([1], 0)])
+def test_a_rank_that_never_starts_is_named_within_the_window_and_no_process_is_left(
+    tmp_path, started, missing
+):
+    window = 20
+    runs = [dict(name="alone", strategy=dict(STRATEGY, start_timeout=window), steps=2)]
+    procs, elapsed, alive, logs = _only(started, runs, tmp_path, within_s=window + 90)
+    assert alive == [False], logs  # it exited on its own
+    assert procs[0].returncode != 0 and elapsed < window + 60, logs
+    stage = missing  # one replica: rank r runs stage r
+    assert re.search(
+        rf"rank {missing} \(pipeline stage {stage} of data-parallel replica 0\) did not join the run "
+        rf"within start_timeout={window}s",
+        logs,
+    ), logs
+    assert "HINT: look at the output of rank" in logs, logs
