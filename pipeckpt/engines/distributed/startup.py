@@ -41,14 +41,19 @@ def rendezvous(
     host, port = environment.main_address, int(environment.main_port)
     begun = time.monotonic()
     window = timedelta(seconds=window_s)
+    # Under torchrun the agent hosts the store and every rank is its client, as in torch's own rendezvous.
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=window, wait_for_workers=False)
+        store = dist.TCPStore(
+            host, port, world_size, hosts, timeout=window, wait_for_workers=False, multi_tenant=True
+        )
     except (RuntimeError, dist.DistError) as error:  # rank 0 never opened the store, or closed it
         raise _missing(
             [0], me=rank, window_s=window_s, describe=describe, where=f"{host}:{port}", why=str(error)
         ) from None
-    store.set(f"{_PREFIX}{rank}", str(os.getpid()))
-    keys = [f"{_PREFIX}{other}" for other in range(world_size)]
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent's store outlives a restart
+    keys = [f"{_PREFIX}{attempt}/{other}" for other in range(world_size)]
+    store.set(keys[rank], str(os.getpid()))
     left = max(0.001, window_s - (time.monotonic() - begun))
     try:
         store.wait(keys, timedelta(seconds=left))
