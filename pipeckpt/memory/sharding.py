@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.predict import Prediction
-from pipeckpt.memory.walk import StageMemory, optimizer_state_bytes
+from pipeckpt.memory.walk import StageMemory
 
 __all__ = [
     "Layout",
@@ -174,7 +175,7 @@ def rank_state(
     Args:
         units: the stage's layers, one FSDP2 unit each (torchtitan wraps every block).
         layout: degrees, reshard policy and precision.
-        optimizer: whose state to count (:func:`~pipeckpt.memory.walk.optimizer_state_bytes`).
+        optimizer: whose state to count (:func:`~pipeckpt.memory.optimizer_state.optimizer_state_bytes`).
     """
     master = torch.empty((), dtype=layout.master_dtype).element_size()
     compute = torch.empty((), dtype=layout.compute_dtype).element_size()
