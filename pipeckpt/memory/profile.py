@@ -36,9 +36,9 @@ class LayerProfile:
     are unique within one :class:`ModelProfile`; their sizes are in ``ModelProfile.storage_bytes``."""
 
     name: str
-    param_bytes: int
-    param_tensors: int
-    largest_param: int  # bytes of its largest parameter (the gradient summed out of place)
+    param_bytes: int  # bytes of its trained parameters (each gets a gradient and optimizer state)
+    param_tensors: int  # how many trained parameter tensors
+    largest_param: int  # bytes of its largest trained parameter (the gradient summed out of place)
     inputs: Tuple[int, ...]  # storages of the layer's input tensors
     outputs: Tuple[int, ...]  # storages of its output tensors
     saved: Tuple[int, ...]  # storages it saves for backward (parameters excluded)
@@ -58,6 +58,8 @@ class LayerProfile:
     # a Function's backward holds it while the layer that ends its segment runs inside (None: as
     # ``backward_peak``, not measured).
     backward_held_peak: Optional[int] = None
+    # Bytes of its frozen parameters (``requires_grad`` False: LoRA's base): held, no gradient, no state.
+    frozen_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,13 @@ class _LossLayer(nn.Module):
         return self.loss_fn(output, self.target)
 
 
-def _param_bytes(module: nn.Module) -> Tuple[int, int, int]:
+def _param_bytes(module: nn.Module) -> Tuple[int, int, int, int]:
+    """(bytes, tensors, largest) of the trained parameters, and the bytes of the frozen ones."""
     params = outside_parameters(module)
     params = list(module.parameters()) if params is None else params
     sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
-    return sum(sizes), len(sizes), max(sizes, default=0)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    return sum(sizes), len(sizes), max(sizes, default=0), frozen
 
 
 @contextmanager
@@ -172,13 +176,14 @@ def profile(
     profiles = []
     for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
         module = loss if loss is not None and i == len(layers) else layers[i]
-        pbytes, ptensors, largest = _param_bytes(module) if module is not None else (0, 0, 0)
+        pbytes, ptensors, largest, frozen = _param_bytes(module) if module is not None else (0, 0, 0, 0)
         profiles.append(
             LayerProfile(
                 name=type(sequential[i]).__name__ if i < len(layers) else "loss",
                 param_bytes=pbytes,
                 param_tensors=ptensors,
                 largest_param=largest,
+                frozen_bytes=frozen,
                 inputs=record["inputs"],
                 outputs=record["outputs"],
                 saved=tuple(sorted(record["saved"])),

@@ -26,7 +26,7 @@ class StageMemory:
     stage: int
     layers: Tuple[int, int]  # (start, stop) in the Sequential
     mode: str
-    params: int
+    params: int  # every parameter it holds, trained and frozen
     grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
     optimizer: int
     activations: int  # held for backward by the micro-batches in flight, at the peak
@@ -37,6 +37,7 @@ class StageMemory:
     recomputed: int  # micro-batches recomputed per step
     time_s: float  # the stage's own compute per step, recompute included
     peak_at: str  # the op at which the peak falls, e.g. "B3 layer 5"
+    frozen: int = 0  # of ``params``, those that need no gradient: no gradient, no optimizer state
 
 
 @dataclass
@@ -108,7 +109,7 @@ class _StageWalk:
         m, local = chunks, s.local
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
-        self.static = s.param_bytes + self.opt
+        self.static = s.param_bytes + s.frozen_bytes + self.opt
         after = [s.profile.loss] if s.last and s.profile.loss is not None else []
         largest = max((layer.largest_param for layer in [*s.layers, *after]), default=0)
         self.step_work = optimizer_step_bytes(optimizer, largest)
@@ -333,7 +334,8 @@ class _StageWalk:
             stage=self.j,
             layers=(s.start, s.stop),
             mode=mode.name,
-            params=s.param_bytes,
+            params=s.param_bytes + s.frozen_bytes,
+            frozen=s.frozen_bytes,
             grads=held_grads,
             optimizer=self.opt,
             activations=acts,
