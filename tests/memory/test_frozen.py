@@ -9,7 +9,7 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.stage_memory import StageTracker, split_batch
+from harness.stage_memory import StageTracker, measure_local_step, split_batch
 from support.frozen_models import FROZEN, LoraLlama, frozen_toy, lora_loader, trained_names
 from support.toy import fit, params
 from support.trainers import quiet_trainer
@@ -137,6 +137,27 @@ def test_the_whole_step_peak_with_frozen_layers_is_predicted_within_ten_percent(
         # A gradient and Adam's two moments for the frozen weights would miss by far more.
         assert (predicted + 3 * frozen) / measured > 1 + 3 * TOLERANCE
     assert all(abs(r - 1) <= TOLERANCE for r in off.values()), off
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_each_stages_peak_with_frozen_layers_is_predicted_within_ten_percent(mode) -> None:
+    # One forward and backward, each stage's own storages (benchmarks/harness/stage_memory.py), as
+    # tests/memory/test_memory.py measures it; SGD: no optimizer state.
+    seq = _frozen_mlp()
+    x, y = _data()
+    for chunks in (1, 2):
+        fitted = profile(
+            seq, split_batch(x, chunks), loss_fn=F.cross_entropy, target=split_batch(y, chunks), rounds=1
+        )
+        stage_plan = plan(seq, devices=[CPU], balance=[3, 4], checkpoint=mode, chunks=chunks)
+        predicted = predict(fitted, stage_plan, chunks=chunks, optimizer="sgd").stages
+        measured, _ = measure_local_step(
+            seq, stage_plan, chunks=chunks, batch=x, loss_fn=lambda out: F.cross_entropy(out, y)
+        )
+        errors = [(p.peak - m) / m for p, m in zip(predicted, measured)]
+        assert all(abs(e) <= TOLERANCE for e in errors), ([p.peak for p in predicted], measured, chunks)
+        # A gradient for the frozen weights would miss by far more.
+        assert all((p.peak + p.frozen) / m > 1 + 3 * TOLERANCE for p, m in zip(predicted, measured))
 
 
 # -- checkpoint="auto" with a real Trainer, the local engine ----------------------------------------
