@@ -229,8 +229,8 @@ def train_one(name: str, schedule: str, mode: str) -> Dict[str, Any]:
         "recomputes": windows.recomputes,
         "previous_grads": windows.previous_grads,
         "order": windows.order,
-        "param_bytes": sum(
-            p.numel() * p.element_size() for s in strategy.stages for p in s.parameters() if p.requires_grad
+        "param_bytes": sum(  # every parameter the rank holds, frozen ones too
+            p.numel() * p.element_size() for s in strategy.stages for p in s.parameters()
         ),
     }
 

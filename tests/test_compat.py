@@ -339,6 +339,20 @@ def test_module_memory_reads_memtrackers_per_module_snapshots():
     assert snap["Peak-Forward"] - snap["Pre-Forward"] == 4 * 8 * 4  # ReLU's output, float32
 
 
+def test_memtracker_tracks_a_module_with_a_frozen_parameter():
+    # torch's own registers a gradient hook on every parameter of a module it enters, which a frozen
+    # one refuses; pipeckpt's counts it as a parameter and hooks only the trained ones.
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    layers[0].requires_grad_(False)
+    x = torch.randn(4, 8)
+    with _compat.MemTracker() as tracker:
+        layers(x).sum().backward()
+    assert layers[0].weight.grad is None and layers[1].weight.grad is not None
+    assert not layers[0].weight._backward_hooks  # nothing left behind
+    snap = _compat.module_memory(tracker, layers[1])
+    assert snap["Peak-Forward"] - snap["Pre-Forward"] == 4 * 8 * 4  # its output, float32
+
+
 def test_schedule_op_order_reads_torchs_schedule_ir():
     from torch.distributed.pipelining.schedules import ScheduleGPipe
 

@@ -127,9 +127,7 @@ def measure_local_step(
     finally:
         for h in handles:
             h.remove()
-    params = [
-        sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad) for stage in stages
-    ]
+    params = [sum(p.numel() * p.element_size() for p in stage.parameters()) for stage in stages]  # frozen too
     sequential.zero_grad(set_to_none=True)
     return [p + peak for p, peak in zip(params, tracker.peak)], tracker.total_peak
 

@@ -131,7 +131,31 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 # torch's per-operator memory accounting lives only in torch.distributed._tools (no public module
 # counts the bytes of every tensor an operator creates, nor snapshots them per module).
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker as _TorchMemTracker  # noqa: E402
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+class MemTracker(_TorchMemTracker):
+    """torch's MemTracker, for modules with frozen parameters too. Entering a module, torch's
+    registers a gradient hook on each of its parameters, which one that needs no gradient refuses
+    (``cannot register a hook on a tensor that doesn't require gradient``: PEFT LoRA's base, any
+    ``requires_grad_(False)``). A frozen parameter is entered in its private table of hooks (which
+    ``_track_module_params_and_buffers`` reads and ``__exit__`` empties) as hooked already: it is
+    still counted as a parameter, and no gradient of it comes to be tracked."""
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> Tuple[int, int]:
+        hooked = self._param_to_grad_hook_handles
+        for param in module.parameters():
+            if not param.requires_grad and hooked.get(param) is None:
+                hooked[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
 
 # The module states MemTracker snapshots, by the values of its private ``_ModState`` enum.
 MODULE_STATES = ("Pre-Forward", "Peak-Forward", "Post-Forward", "Pre-Backward", "Peak-Backward")

@@ -285,21 +285,22 @@ def _compose(
     stages: Sequence[StageMemory], held: Sequence[int], chunks: int, stale_grads: bool = False
 ) -> int:
     """The process peak from per-stage peaks: while stage j peaks (in its backward), the stages
-    before it hold all they kept, those after it their gradients and the micro-batches their drain
-    has not reached (stage j + d is about d micro-batches ahead of stage j). ``stale_grads``: a
-    peak in the forward also has the gradients of the stages before it from the step before."""
+    before it hold all they kept, those after it their gradients (frozen parameters have none) and
+    the micro-batches their drain has not reached (stage j + d is about d micro-batches ahead of
+    stage j). ``stale_grads``: a peak in the forward also has the gradients of the stages before it
+    from the step before."""
     static = sum(s.params + s.optimizer for s in stages)
     worst = 0
     for j, s in enumerate(stages):
         own = s.peak - s.params - s.optimizer
         if s.peak_at == "optimizer step":  # every gradient made, nothing else held
-            worst = max(worst, own + sum(t.params for k, t in enumerate(stages) if k != j))
+            worst = max(worst, own + sum(t.params - t.frozen for k, t in enumerate(stages) if k != j))
             continue
         before = sum(held[:j])
         if stale_grads and (s.peak_at.startswith("F") or s.peak_at == "gather"):
-            before += sum(stages[k].params for k in range(j))
+            before += sum(stages[k].params - stages[k].frozen for k in range(j))
         after = sum(
-            stages[k].params + held[k] * max(0, chunks - 1 - (k - j)) // chunks
+            stages[k].params - stages[k].frozen + held[k] * max(0, chunks - 1 - (k - j)) // chunks
             for k in range(j + 1, len(stages))
         )
         worst = max(worst, own + before + after)

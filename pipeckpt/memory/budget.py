@@ -20,10 +20,10 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
+from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
-from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
 from pipeckpt.stages.partition import plan as make_plan

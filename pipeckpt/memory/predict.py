@@ -69,7 +69,7 @@ def predict(
             (:func:`~pipeckpt.memory.profile.profile`).
         plan: the balance and a checkpoint mode per stage.
         chunks: micro-batches per step.
-        optimizer: whose state to count (:func:`~pipeckpt.memory.walk.optimizer_state_bytes`).
+        optimizer: whose state to count (:func:`~pipeckpt.memory.optimizer_state.optimizer_state_bytes`).
         schedule: ``local``, ``gpipe`` or ``1f1b`` (:data:`~pipeckpt.memory.schedule.SCHEDULES`).
         accumulating: ``.grad`` already holds gradients when the step starts (gradient
             accumulation), so they count from the first op.

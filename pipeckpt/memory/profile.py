@@ -8,25 +8,18 @@ above what was live before it. Under ``fake=True`` the same runs on fake tensors
 allocated). docs/MEMORY.md, "memory/profile.py", says more.
 """
 
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from pipeckpt._compat import (
-    FakeTensorMode,
-    MemTracker,
-    TorchDispatchMode,
-    module_memory,
-    sac_saved_ops,
-    tree_flatten,
-)
+from pipeckpt._compat import FakeTensorMode, tree_flatten
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.memory.memory_pass import Storages, memory_pass
 from pipeckpt.memory.outside import OutsideMemory
 from pipeckpt.memory.rooted import RootInput, measure_outside, outside_parameters, root_chain
 from pipeckpt.memory.timing import _flop_pass, _selective_pass, _timing_pass
@@ -43,9 +36,9 @@ class LayerProfile:
     are unique within one :class:`ModelProfile`; their sizes are in ``ModelProfile.storage_bytes``."""
 
     name: str
-    param_bytes: int
-    param_tensors: int
-    largest_param: int  # bytes of its largest parameter (the gradient summed out of place)
+    param_bytes: int  # bytes of its trained parameters (each gets a gradient and optimizer state)
+    param_tensors: int  # how many trained parameter tensors
+    largest_param: int  # bytes of its largest trained parameter (the gradient summed out of place)
     inputs: Tuple[int, ...]  # storages of the layer's input tensors
     outputs: Tuple[int, ...]  # storages of its output tensors
     saved: Tuple[int, ...]  # storages it saves for backward (parameters excluded)
@@ -65,6 +58,8 @@ class LayerProfile:
     # a Function's backward holds it while the layer that ends its segment runs inside (None: as
     # ``backward_peak``, not measured).
     backward_held_peak: Optional[int] = None
+    # Bytes of its frozen parameters (``requires_grad`` False: LoRA's base): held, no gradient, no state.
+    frozen_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,32 +85,6 @@ class ModelProfile:
         return out
 
 
-class _Storages:
-    """Names every storage it is shown with a small integer, remembering its size."""
-
-    def __init__(self, exclude: Sequence[Tensor]) -> None:
-        self._ids: Dict[int, int] = {}
-        self._keep: List[Any] = []  # the storages, alive for as long as the profile runs
-        self.bytes: Dict[int, int] = {}
-        self._excluded = {id(t.untyped_storage()) for t in exclude}
-        self._keep.extend(t.untyped_storage() for t in exclude)
-
-    def ids(self, value: Any) -> Tuple[int, ...]:
-        out = []
-        for t in tree_flatten(value)[0]:
-            if not isinstance(t, Tensor):
-                continue
-            st = t.untyped_storage()
-            if id(st) in self._excluded:
-                continue
-            if id(st) not in self._ids:
-                self._ids[id(st)] = len(self._ids)
-                self._keep.append(st)
-                self.bytes[self._ids[id(st)]] = st.nbytes()
-            out.append(self._ids[id(st)])
-        return tuple(dict.fromkeys(out))
-
-
 class _LossLayer(nn.Module):
     """The loss as a module, so that MemTracker snapshots it like a layer."""
 
@@ -127,11 +96,13 @@ class _LossLayer(nn.Module):
         return self.loss_fn(output, self.target)
 
 
-def _param_bytes(module: nn.Module) -> Tuple[int, int, int]:
+def _param_bytes(module: nn.Module) -> Tuple[int, int, int, int]:
+    """(bytes, tensors, largest) of the trained parameters, and the bytes of the frozen ones."""
     params = outside_parameters(module)
     params = list(module.parameters()) if params is None else params
     sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
-    return sum(sizes), len(sizes), max(sizes, default=0)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    return sum(sizes), len(sizes), max(sizes, default=0), frozen
 
 
 @contextmanager
@@ -145,126 +116,6 @@ def _state_kept(sequential: nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for k, b in sequential.named_buffers():
                     b.copy_(buffers[k])
-
-
-class _LayerRecorder(nn.Module):
-    """The layers (and loss) under one root, so that MemTracker names each by its own path
-    (``layers.3``) even where several layers share a class; ``forward`` notes what each layer
-    takes, returns and saves."""
-
-    def __init__(self, layers: List[nn.Module], loss: Optional[nn.Module], storages: _Storages) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([*layers, *([loss] if loss is not None else [])])
-        self.storages = storages
-        self.records: List[Dict[str, Any]] = []
-
-    def pack(self, t: Tensor) -> Tensor:
-        if self.records and "outputs" not in self.records[-1]:
-            self.records[-1]["saved"].update(self.storages.ids(t))
-        return t
-
-    def forward(self, x: Any) -> Any:
-        h = x
-        for layer in self.layers:
-            record: Dict[str, Any] = {"inputs": self.storages.ids(h), "saved": set(), "sac": set()}
-            self.records.append(record)
-            h = layer(h)
-            record["outputs"] = self.storages.ids(h)
-        return h
-
-
-class _SacOutputs(TorchDispatchMode):
-    """Notes, for the layer the probe is running, the storages of the outputs of the ops that
-    selective checkpointing's policy keeps, and times every op (the ops SAC keeps apart)."""
-
-    def __init__(self, probe: _LayerRecorder) -> None:
-        super().__init__()
-        self.probe = probe
-        self.saved_ops = frozenset(sac_saved_ops())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        took = time.perf_counter() - t0
-        records = self.probe.records
-        if records and "outputs" not in records[-1]:
-            record = records[-1]
-            kept = getattr(func, "overloadpacket", func) in self.saved_ops
-            record["op_s"] = record.get("op_s", 0.0) + took
-            if kept:
-                record["sac"].update(self.probe.storages.ids(out))
-                record["sac_op_s"] = record.get("sac_op_s", 0.0) + took
-        return out
-
-
-def _memory_pass(
-    layers: List[nn.Module], x: Any, loss: Optional[nn.Module], storages: _Storages
-) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
-    """Two forward and backward passes: one with a saved-tensor hook naming every storage each
-    layer saves (and a dispatch mode naming what selective checkpointing would keep), one under
-    MemTracker for each layer's peaks (apart: a hook that keeps the saved tensor changes when
-    autograd frees it)."""
-    batch_inputs = storages.ids(x)
-    probe = _LayerRecorder(layers, loss, storages)
-    with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack), _SacOutputs(probe):
-        _forward_backward(probe, x)
-    records, probe.records = probe.records, []
-    tracker = MemTracker()
-    with tracker:
-        _forward_backward(probe, x)
-    for module, record in zip(probe.layers, records):
-        snap = module_memory(tracker, module)
-        record["forward_peak"] = snap.get("Peak-Forward", 0) - snap.get("Pre-Forward", 0)
-        record["backward_peak"] = snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0)
-    for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
-        record["backward_held_peak"] = held_peak
-    return records, batch_inputs
-
-
-def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:
-    """Each layer's backward peak above what was live before it, with the gradient that arrived
-    for its output held through its backward. Plain autograd frees that gradient once the layer's
-    first node has used it; the stage's Function (stages/recompute.py ``_Recompute``) holds it through
-    the whole backward run inside it, and a layer ending a segment runs there. Every such gradient is
-    held until the pass ends: one freed during a later layer's backward would lower that layer's
-    peak below what was live before it. Measured, not added: where a layer's peak comes before its
-    first node is done, holding the gradient changes nothing."""
-    held: List[Tensor] = []
-    handles = [m.register_forward_hook(_hold_output_gradient(held.append)) for m in probe.layers]
-    tracker = MemTracker()
-    try:
-        with tracker:
-            _forward_backward(probe, x)
-    finally:
-        for handle in handles:
-            handle.remove()
-        held.clear()
-    out = []
-    for module in probe.layers:
-        snap = module_memory(tracker, module)
-        out.append(snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0))
-    return out
-
-
-def _hold_output_gradient(hold: Callable[[Tensor], None]) -> Callable[..., None]:
-    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(hold)
-
-    return hook
-
-
-def _forward_backward(module: nn.Module, x: Any) -> None:
-    h = module(x)
-    outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
-    del h
-    if outputs:
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t
 
 
 def profile(
@@ -304,10 +155,10 @@ def profile(
         layers, microbatch, loss, first = _chain(sequential, microbatch, loss_fn, target, fake)
         leaves = [t for t in first if isinstance(t, Tensor) and t.dim()]
         size = int(leaves[0].shape[0]) if leaves else 1
-        storages = _Storages([*owner.parameters(), *owner.buffers()])
+        storages = Storages([*owner.parameters(), *owner.buffers()])
         data = storages.ids(first) if owner is not sequential else None
         with _state_kept(owner):
-            records, batch_inputs = _memory_pass(layers, microbatch, loss, storages)
+            records, batch_inputs = memory_pass(layers, microbatch, loss, storages)
         with _state_kept(owner):
             outside = measure_outside(loss) if loss is not None else None
         with _state_kept(owner):
@@ -325,13 +176,14 @@ def profile(
     profiles = []
     for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
         module = loss if loss is not None and i == len(layers) else layers[i]
-        pbytes, ptensors, largest = _param_bytes(module) if module is not None else (0, 0, 0)
+        pbytes, ptensors, largest, frozen = _param_bytes(module) if module is not None else (0, 0, 0, 0)
         profiles.append(
             LayerProfile(
                 name=type(sequential[i]).__name__ if i < len(layers) else "loss",
                 param_bytes=pbytes,
                 param_tensors=ptensors,
                 largest_param=largest,
+                frozen_bytes=frozen,
                 inputs=record["inputs"],
                 outputs=record["outputs"],
                 saved=tuple(sorted(record["saved"])),

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.predict import Prediction
-from pipeckpt.memory.walk import StageMemory, optimizer_state_bytes
+from pipeckpt.memory.walk import StageMemory
 
 __all__ = [
     "Layout",
@@ -92,9 +93,9 @@ class Layout:
 class RankState:
     """Bytes of one rank's share of a stage's training state (rank 0: the largest shards)."""
 
-    params: int  # master parameters, sharded
-    grads: int  # their gradients, sharded, after the reduce-scatter
-    optimizer: int  # optimizer state of the sharded parameters
+    params: int  # master parameters, sharded (frozen ones too)
+    grads: int  # the trained ones' gradients, sharded, after the reduce-scatter
+    optimizer: int  # optimizer state of the trained sharded parameters
     unsharded: int  # compute-dtype parameters gathered and held at the peak
     collectives: int  # one block's unsharded gradient and its reduce-scatter input
 
@@ -174,24 +175,25 @@ def rank_state(
     Args:
         units: the stage's layers, one FSDP2 unit each (torchtitan wraps every block).
         layout: degrees, reshard policy and precision.
-        optimizer: whose state to count (:func:`~pipeckpt.memory.walk.optimizer_state_bytes`).
+        optimizer: whose state to count (:func:`~pipeckpt.memory.optimizer_state.optimizer_state_bytes`).
     """
     master = torch.empty((), dtype=layout.master_dtype).element_size()
     compute = torch.empty((), dtype=layout.compute_dtype).element_size()
     shapes = [split_shapes(unit, layout) for unit in units]
     params = [shape for unit in shapes for shape, trained in unit if trained]
-    shards = sum(shard_numel(shape, layout.fsdp) for shape in params)
-    sharded = shards * master
+    sharded = sum(shard_numel(shape, layout.fsdp) for shape in params) * master
+    # Frozen parameters are sharded and held like the rest, with no gradient and no optimizer state.
+    held = sharded + sum(shard_numel(s, layout.fsdp) for u in shapes for s, t in u if not t) * master
     if layout.fsdp == 1:  # no FSDP: the master parameters are the ones computed with
-        return RankState(sharded, sharded, optimizer_state_bytes(optimizer, sharded, len(params)), 0, 0)
+        return RankState(held, sharded, optimizer_state_bytes(optimizer, sharded, len(params)), 0, 0)
     gathered = [sum(shard_numel(shape, layout.fsdp) * layout.fsdp for shape, _ in u) for u in shapes]
     largest = max(gathered, default=0)
-    held = 2 * largest if layout.reshard_after_forward else sum(gathered)  # running + prefetched
+    gathered_held = 2 * largest if layout.reshard_after_forward else sum(gathered)  # running + prefetched
     return RankState(
-        params=sharded,
+        params=held,
         grads=sharded,
         optimizer=optimizer_state_bytes(optimizer, sharded, len(params)),
-        unsharded=held * compute,
+        unsharded=gathered_held * compute,
         collectives=largest * (compute + master),
     )
 
@@ -206,7 +208,8 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
         stage: the walk's prediction for the stage, parameters in the compute dtype.
         state: :func:`rank_state` of the stage's layers.
     """
-    share = stage.grads / stage.params if stage.params else 0.0
+    trained = stage.params - stage.frozen
+    share = stage.grads / trained if trained else 0.0
     grads = round(share * state.grads)
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
     peak = rest + state.params + grads + state.optimizer + state.unsharded + state.collectives
@@ -240,13 +243,14 @@ def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = N
         state = replace(
             state,
             params=state.params + extra,
-            grads=state.grads + extra,
+            grads=state.grads + stage.params - stage.frozen - whole.grads,
             optimizer=state.optimizer + stage.optimizer - whole.optimizer,
         )
     rank = per_rank(stage, state)
     return replace(
         stage,
         params=rank.state.params + rank.state.unsharded,
+        frozen=state.params - state.grads,
         grads=rank.state.grads,
         optimizer=rank.state.optimizer,
         working=stage.working + rank.state.collectives,

@@ -35,10 +35,12 @@ class _StageModel:
         self.input_bytes = p.bytes_of(self.inputs)
         self.outputs: Set[int] = set(self.layers[-1].outputs)
         self.output_bytes = p.bytes_of(self.outputs)
-        # The last stage holds what runs after the layers (a pipeline_of model's own parameters).
+        # The last stage holds what runs after the layers (a pipeline_of model's own parameters). Trained
+        # parameters get gradients and optimizer state; frozen ones are only held.
         after = [p.loss] if self.last and p.loss is not None else []
         self.param_bytes = sum(layer.param_bytes for layer in [*self.layers, *after])
         self.param_tensors = sum(layer.param_tensors for layer in [*self.layers, *after])
+        self.frozen_bytes = sum(layer.frozen_bytes for layer in [*self.layers, *after])
         self.forward_s = sum(layer.forward_s for layer in self.layers)
         self.backward_s = sum(layer.backward_s for layer in self.layers)
 

@@ -12,12 +12,11 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.memory.optimizer_state import optimizer_state_bytes, optimizer_step_bytes
 from pipeckpt.memory.stage_model import _StageModel
-from pipeckpt.sizes import OPTIMIZERS
 
-__all__ = ["StageMemory", "optimizer_state_bytes", "optimizer_step_bytes"]
+__all__ = ["StageMemory"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class StageMemory:
     stage: int
     layers: Tuple[int, int]  # (start, stop) in the Sequential
     mode: str
-    params: int
+    params: int  # every parameter it holds, trained and frozen
     grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
     optimizer: int
     activations: int  # held for backward by the micro-batches in flight, at the peak
@@ -38,51 +37,7 @@ class StageMemory:
     recomputed: int  # micro-batches recomputed per step
     time_s: float  # the stage's own compute per step, recompute included
     peak_at: str  # the op at which the peak falls, e.g. "B3 layer 5"
-
-
-def optimizer_state_bytes(
-    optimizer: Union[str, torch.optim.Optimizer, type], param_bytes: int, tensors: int
-) -> int:
-    """State an optimizer keeps for ``tensors`` parameter tensors of ``param_bytes`` in all:
-    SGD none, SGD with momentum one buffer, Adam(W) two moments and a 4-byte step per tensor.
-
-    Args:
-        optimizer: a name of :data:`pipeckpt.sizes.OPTIMIZERS`, an optimizer, or its class.
-        param_bytes: the parameters' bytes.
-        tensors: how many parameter tensors they are.
-    """
-    name = _optimizer_name(optimizer)
-    extra = 4 * tensors if name in ("adam", "adamw") else 0
-    return int(OPTIMIZERS[name] * param_bytes) + extra
-
-
-def optimizer_step_bytes(optimizer: Union[str, torch.optim.Optimizer, type], largest_param: int) -> int:
-    """What one step of the optimizer allocates beside parameters, gradients and state: Adam(W)'s
-    update of one parameter at a time (torch's default on CPU) makes its denominator from two
-    temporaries of the parameter's size, so twice its largest parameter; SGD updates in place.
-
-    Args:
-        optimizer: a name of :data:`pipeckpt.sizes.OPTIMIZERS`, an optimizer, or its class.
-        largest_param: the bytes of the largest parameter it updates.
-    """
-    return 2 * largest_param if _optimizer_name(optimizer) in ("adam", "adamw") else 0
-
-
-def _optimizer_name(optimizer: Union[str, torch.optim.Optimizer, type]) -> str:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if isinstance(optimizer, torch.optim.SGD):
-            return "momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
-        optimizer = type(optimizer)
-    if isinstance(optimizer, type):
-        optimizer = optimizer.__name__
-    name = str(optimizer).lower()
-    if name not in OPTIMIZERS:
-        raise config_error(
-            f"optimizer {optimizer!r}",
-            f"the memory model knows the state of {list(OPTIMIZERS)}",
-            "name one of those (or pass the optimizer object)",
-        )
-    return name
+    frozen: int = 0  # of ``params``, those that need no gradient: no gradient, no optimizer state
 
 
 @dataclass
@@ -154,7 +109,7 @@ class _StageWalk:
         m, local = chunks, s.local
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
-        self.static = s.param_bytes + self.opt
+        self.static = s.param_bytes + s.frozen_bytes + self.opt
         after = [s.profile.loss] if s.last and s.profile.loss is not None else []
         largest = max((layer.largest_param for layer in [*s.layers, *after]), default=0)
         self.step_work = optimizer_step_bytes(optimizer, largest)
@@ -379,7 +334,8 @@ class _StageWalk:
             stage=self.j,
             layers=(s.start, s.stop),
             mode=mode.name,
-            params=s.param_bytes,
+            params=s.param_bytes + s.frozen_bytes,
+            frozen=s.frozen_bytes,
             grads=held_grads,
             optimizer=self.opt,
             activations=acts,

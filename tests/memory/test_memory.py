@@ -22,10 +22,10 @@ from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models.convnet import convnet_layers
 from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
+from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.memory.schedule import op_order
-from pipeckpt.memory.walk import optimizer_state_bytes
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.partition import StagePlan, plan
 
