@@ -77,7 +77,11 @@ def refused(
     code = int(cause.errno or errno.EIO)
     target = os.fspath(path)
     by = f"{who} " if who else ""
-    writing = f" ({by}writing {human(needed)}, {needed} bytes)" if needed else (f" ({who})" if who else "")
+    writing = (
+        f" ({by}writing at least {human(needed)}: {needed} bytes of tensors)"
+        if needed
+        else (f" ({who})" if who else "")
+    )
     where = (
         f" at {os.fspath(cause.filename)!r}" if cause.filename and os.fspath(cause.filename) != target else ""
     )

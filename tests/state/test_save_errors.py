@@ -41,7 +41,9 @@ def test_each_refusal_of_the_filesystem_is_named_with_its_fix_and_the_intact_pre
     monkeypatch.setattr(os, "fsync", real_fsync)
     what, fix = REFUSED[code]
     assert raised.value.errno == code
-    assert str(raised.value).startswith(f"checkpoint {str(path)!r}: {what} (writing 3 B, 3 bytes)")
+    assert str(raised.value).startswith(
+        f"checkpoint {str(path)!r}: {what} (writing at least 3 B: 3 bytes of tensors)"
+    )
     assert f"HINT: {fix}" in str(raised.value)
     assert f"the previous checkpoint {str(path)!r} is intact" in str(raised.value)
     assert path.read_bytes() == b"previous"
@@ -54,7 +56,7 @@ def test_a_full_disk_under_torch_save_is_named_not_torchs_unexpected_pos(tmp_pat
             AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1000)}, tmp_path / "a.ckpt")
     finally:
         empty()
-    assert "(writing 3.9 KiB, 4000 bytes)" in str(raised.value)
+    assert "(writing at least 3.9 KiB: 4000 bytes of tensors)" in str(raised.value)
     assert os.listdir(tmp_path) == []
 
 
