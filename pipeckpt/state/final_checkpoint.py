@@ -5,7 +5,8 @@ validation, every ``every_n_train_steps``), so a run of 53 steps validated every
 ``last.ckpt`` at step 50 and its last 3 steps in no checkpoint. This callback writes it once more
 when training ends, if the final step is not in it yet, through the strategy (atomic, sharded
 under the distributed engine). Under the name the ModelCheckpoint gave this run: ``last-v1.ckpt``
-when another run's ``last.ckpt`` is in the directory, which this run must not overwrite.
+when another run's ``last.ckpt`` is in the directory, which this run must not overwrite; and a run
+that starts while another trains in the same directory is refused (:mod:`pipeckpt.state.run_lock`).
 """
 
 from typing import List
@@ -14,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeckpt._compat import last_checkpoint_path, saved_step, set_saved_step
+from pipeckpt.state.run_lock import RunLock
 
 __all__ = ["FinalCheckpoint", "save_final"]
 
@@ -37,7 +39,20 @@ def save_final(trainer: Trainer) -> List[str]:
 
 
 class FinalCheckpoint(Callback):
-    """Saves this run's last checkpoint at the end of training when the final step is not in it yet."""
+    """Saves this run's last checkpoint at the end of training when the final step is not in it yet;
+    holds its checkpoint directories meanwhile, refusing to start where another run trains."""
+
+    def __init__(self) -> None:
+        self._lock = RunLock()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._lock.claim(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         save_final(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._lock.release()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._lock.release()
