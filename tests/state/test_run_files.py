@@ -1,8 +1,9 @@
 """A run writes only its own files (issue 37): two runs one after the other in one checkpoint
 directory, under the local engine. The end-of-fit save and the SIGTERM save use the name Lightning's
 ModelCheckpoint gave the run (``last-v1.ckpt`` when another run owns ``last.ckpt``), so each run's
-final checkpoint holds its own final step and the other run's file is left as it was. The
-distributed engine's runs are in test_run_files_distributed.py."""
+final checkpoint holds its own final step and the other run's file is left as it was; a run that
+starts while another trains there is refused. The distributed engine's runs are in
+test_run_files_distributed.py, runs at once in separate processes in test_runs_at_once.py."""
 
 import os
 import signal
@@ -15,7 +16,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from support.toy import ToyModule, fit
 
+from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.state.final_checkpoint import FinalCheckpoint
+from pipeckpt.state.run_lock import LOCK_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,3 +72,32 @@ def test_a_second_run_stopped_by_sigterm_saves_into_its_own_file(first_run):
     assert stopped.value.code == 143 and stopped.value.path == str(first_run / "last-v1.ckpt")
     assert step_of(first_run / "last-v1.ckpt") == 3
     assert step_of(first_run / "last.ckpt") == 8
+
+
+class _SecondRunStarts(L.Callback):
+    """Another run's FinalCheckpoint starting in the same directory while this run trains."""
+
+    def __init__(self) -> None:
+        self.refusal = ""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2 and not self.refusal:
+            with pytest.raises(PipeckptConfigError) as refused:
+                FinalCheckpoint().on_train_start(trainer, pl_module)
+            self.refusal = str(refused.value)
+
+
+def test_a_run_that_starts_while_another_trains_in_the_directory_is_refused_naming_both(tmp_path):
+    second = _SecondRunStarts()
+    run(tmp_path, 3, second)
+    assert second.refusal.startswith(f"checkpoint directory {str(tmp_path)!r}: another run is writing to it")
+    assert (
+        f"process {os.getpid()}" in second.refusal
+        and "HINT: give this run a directory of its own" in second.refusal
+    )
+
+
+def test_a_lock_file_left_by_a_killed_run_does_not_block_the_next_and_goes_with_it(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("left by a run killed with -9")
+    run(tmp_path, 3)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
