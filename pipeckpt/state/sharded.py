@@ -35,7 +35,7 @@ from pipeckpt._errors import (
 from pipeckpt.state import safe_load
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import atomic_write
-from pipeckpt.state.save_errors import NamingWriter, checkpoint_bytes, not_written, refused, storage_error
+from pipeckpt.state.save_errors import NamingWriter, checkpoint_bytes, named, not_written
 
 __all__ = [
     "META_FILE",
@@ -167,8 +167,7 @@ def save(
         try:
             tmp = temporary_beside(target)
         except OSError as error:  # a read-only or forbidden directory, named on every rank
-            cause = storage_error(error)
-            refusal = error if cause is None else refused(target, cause, needed=None, who="rank 0")
+            refusal = named(error, target, who="rank 0") or error
     sizes = [checkpoint_bytes(tensors)]
     if distributed:  # agree on the directory, and stop together when one rank's input is refused
         everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -187,19 +186,13 @@ def save(
         raise refusal
     assert tmp is not None
     _write(
-        tensors,
-        Path(tmp),
-        checkpoint,
-        target,
-        distributed=distributed,
-        is_zero=is_zero,
-        group=group,
-        sizes=sizes,
+        tensors, sizes, Path(tmp), checkpoint, target, distributed=distributed, is_zero=is_zero, group=group
     )
 
 
 def _write(
     tensors: dict[str, Any],
+    sizes: list[int],
     tmp: Path,
     checkpoint: Mapping[str, Any],
     target: Path,
@@ -207,7 +200,6 @@ def _write(
     distributed: bool,
     is_zero: bool,
     group: ProcessGroup | None,
-    sizes: list[int],
 ) -> None:
     """Every rank's shards into ``tmp`` (DCP), then rank 0's part and the rename onto ``target``.
     A failure is raised on every rank as this rank's own (outside DCP's collective that told it),
@@ -230,7 +222,7 @@ def _write(
         failed = not_written(target, error.failures, sizes, str(error))
     if failed is not None:
         raise failed
-    failure: tuple[int | None, str] | None = None
+    failure: tuple[int | None, str] | None = None  # (errno of a refusal, message)
     if is_zero:
         try:
             # Rank 0's part; atomic_write also makes the directory's entries (DCP's files) durable.
@@ -238,13 +230,11 @@ def _write(
             swap_into_place(tmp, target)
         except BaseException as error:  # every rank must hear of it: broadcast, then raised
             shutil.rmtree(tmp, ignore_errors=True)
-            cause = storage_error(error)
-            if cause is not None:
-                failure = (cause.errno, str(refused(target, cause, needed=None, who="rank 0")))
-            elif not distributed:
+            refusal = named(error, target, who="rank 0")
+            if refusal is None and not distributed:
                 raise
-            else:
-                failure = (None, f"rank 0 could not commit the sharded checkpoint {str(target)!r}: {error!r}")
+            why = f"rank 0 could not commit the sharded checkpoint {str(target)!r}: {error!r}"
+            failure = (None, why) if refusal is None else (refusal.errno, str(refusal))
     if distributed:
         outcome = [failure]
         dist.broadcast_object_list(outcome, group=group, group_src=0)
