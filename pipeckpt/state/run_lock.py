@@ -5,12 +5,12 @@ runs one after the other apart (:mod:`pipeckpt.state.final_checkpoint`), but two
 find no file, pick the same names and overwrite each other's checkpoints. Here global rank 0 holds
 an advisory lock (``flock``) on a hidden file of each checkpoint directory while the run trains; the
 kernel drops it when the process ends, however it ends, so a killed run never blocks the next. A
-filesystem without locks (some network filesystems) is left unguarded.
+filesystem without locks (some network filesystems), or a system without ``flock``, is left
+unguarded.
 """
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -22,6 +22,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeckpt._errors import config_error
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["LOCK_NAME", "RunLock"]
 
@@ -80,6 +85,8 @@ class RunLock:
 
     def _lock(self, directory: str) -> Optional[Tuple[str, str]]:
         """Takes the lock of ``directory``; (directory, its holder) when another run holds it."""
+        if fcntl is None:
+            return None
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
         while True:
