@@ -32,3 +32,16 @@ def config_error(what: str, rule: str, hint: str) -> PipeckptConfigError:
 def checkpoint_error(what: str, rule: str, hint: str) -> PipeckptCheckpointError:
     """:func:`config_error`'s message, for a checkpoint that cannot be used."""
     return PipeckptCheckpointError(f"{what}: {rule}. HINT: {hint}")
+
+
+class PipeckptSaveError(OSError):
+    """A checkpoint could not be written: the filesystem refused it (full, over quota, read-only,
+    no permission). An ``OSError`` with the filesystem's ``errno``, whose text is pipeckpt's message."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def save_error(code: int, what: str, rule: str, hint: str) -> PipeckptSaveError:
+    """:func:`config_error`'s message, for a save the filesystem refused with ``code`` (an errno)."""
+    return PipeckptSaveError(code, f"{what}: {rule}. HINT: {hint}")

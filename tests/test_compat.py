@@ -446,6 +446,26 @@ def test_saved_step_reads_and_sets_the_step_model_checkpoint_saved_last(tmp_path
     assert _compat.saved_step(callback) == 3
 
 
+def test_last_checkpoint_path_is_the_name_model_checkpoint_gives_this_runs_last_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run() -> tuple:
+        callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+        return callback, Trainer(max_steps=2, callbacks=[callback], logger=False, enable_progress_bar=False)
+
+    callback, trainer = run()
+    assert _compat.last_checkpoint_path(callback, trainer) == str(tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").write_bytes(b"another run's")
+    assert _compat.last_checkpoint_path(callback, trainer) == str(tmp_path / "last-v1.ckpt")
+    callback.last_model_path = str(tmp_path / "last.ckpt")  # this run's own file keeps its name
+    assert _compat.last_checkpoint_path(callback, trainer) == str(tmp_path / "last.ckpt")
+    (tmp_path / "last-v1.ckpt").write_bytes(b"a third run's")
+    callback, trainer = run()
+    named = _compat.last_checkpoint_path(callback, trainer)
+    trainer.fit(_Tiny())  # ModelCheckpoint names it itself
+    assert named == callback.last_model_path == str(tmp_path / "last-v2.ckpt")
+
+
 class _Tiny(LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -75,6 +75,24 @@ def set_saved_step(callback: Any, step: int) -> None:
     callback._last_global_step_saved = step
 
 
+def last_checkpoint_path(callback: Any, trainer: Any) -> str:
+    """The path a ``save_last`` ModelCheckpoint gives this run's last checkpoint now: the one it
+    wrote (``last_model_path``), else ``last.ckpt`` under its template (``CHECKPOINT_NAME_LAST``),
+    versioned ``last-v1.ckpt``, ``last-v2.ckpt``, ... past the files another run owns. The same
+    steps as its private ``_save_last_checkpoint``, which picks the name only while it saves; the
+    metrics the template reads come from its private ``_monitor_candidates``, and whether it
+    versions at all from ``_enable_version_counter``. A collective (``file_exists``): every rank
+    calls it."""
+    metrics = callback._monitor_candidates(trainer)
+    path = str(callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST))
+    if callback._enable_version_counter:
+        version = callback.STARTING_VERSION
+        while callback.file_exists(path, trainer) and path != callback.last_model_path:
+            path = str(callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST, ver=version))
+            version += 1
+    return path
+
+
 def fit_train_loader(trainer: Any) -> Any:
     """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
     or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
@@ -132,6 +150,7 @@ __all__ = [
     "give_device_mesh",
     "hpc_checkpoint_path",
     "init_dist_connection",
+    "last_checkpoint_path",
     "loader_shuffles",
     "optimizers_to_device",
     "sampler_follows_loader",

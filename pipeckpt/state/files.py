@@ -22,6 +22,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from pipeckpt._errors import config_error
+from pipeckpt.state.save_errors import checkpoint_bytes, named
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -63,7 +64,7 @@ def fsync_dir(directory: PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: PathLike, write: Callable[[BinaryIO], None], *, needed: Optional[int] = None) -> None:
     """Writes a file that appears under ``path`` only once complete.
 
     ``write`` receives a binary file open on a temporary file in ``path``'s
@@ -72,9 +73,21 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
     and the directory is fsynced. If ``write`` (or anything after it) raises, the
     temporary file is removed and ``path`` is left exactly as it was.
 
-    Missing parent directories are created. Only local paths are supported.
+    Missing parent directories are created. Only local paths are supported. A filesystem that
+    refuses the file (full, over quota, read-only, no permission) raises
+    :class:`~pipeckpt._errors.PipeckptSaveError` naming it, ``path`` and ``needed`` (the bytes to
+    write, if known), whatever ``write`` made of the ``OSError`` (torch's zip writer buries it).
     """
-    target = os.path.abspath(os.fspath(path))
+    try:
+        _atomic_write(os.path.abspath(os.fspath(path)), write)
+    except BaseException as error:
+        refusal = named(error, path, needed=needed)
+        if refusal is None or refusal is error:
+            raise
+        raise refusal from error
+
+
+def _atomic_write(target: str, write: Callable[[BinaryIO], None]) -> None:
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     # Hand-written rather than tempfile.mkstemp: mkstemp creates the file with mode 0600,
@@ -202,4 +215,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local is None:  # remote storage, or storage_options (which the parent refuses clearly)
             super().save_checkpoint(checkpoint, str(path), storage_options=storage_options)
             return
-        atomic_write(local, lambda file: torch.save(checkpoint, file))
+        atomic_write(local, lambda file: torch.save(checkpoint, file), needed=checkpoint_bytes(checkpoint))

@@ -25,10 +25,17 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from pipeckpt._compat import dcp_file_extents
-from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, checkpoint_error, config_error
+from pipeckpt._errors import (
+    PipeckptCheckpointError,
+    PipeckptConfigError,
+    PipeckptSaveError,
+    checkpoint_error,
+    config_error,
+)
 from pipeckpt.state import confined, safe_load
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import atomic_write
+from pipeckpt.state.save_errors import NamingWriter, checkpoint_bytes, named, not_written
 
 __all__ = [
     "META_FILE",
@@ -150,27 +157,42 @@ def save(
     target = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
     is_zero = not distributed or dist.get_rank(group) == 0
-    refusal: PipeckptConfigError | None = None
+    refusal: BaseException | None = None
     try:
         tensors = _tensors_to_write(checkpoint)
     except PipeckptConfigError as error:
         refusal, tensors = error, {}
-    tmp = temporary_beside(target) if is_zero else None
+    tmp: str | None = None
+    if is_zero and refusal is None:
+        try:
+            tmp = temporary_beside(target)
+        except OSError as error:  # a read-only or forbidden directory, named on every rank
+            refusal = named(error, target, who="rank 0") or error
+    sizes = [checkpoint_bytes(tensors)]
     if distributed:  # agree on the directory, and stop together when one rank's input is refused
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (tmp, None if refusal is None else str(refusal)), group=group)
-        tmp = everyone[0][0]
-        refused = [(rank, why) for rank, (_, why) in enumerate(everyone) if why is not None]
-        if refusal is None and refused:
-            refusal = PipeckptConfigError(f"rank {refused[0][0]} of the group: {refused[0][1]}")
+        mine = None if refusal is None else (str(refusal), getattr(refusal, "errno", None))
+        dist.all_gather_object(everyone, (tmp, mine, sizes[0]), group=group)
+        tmp, sizes = everyone[0][0], [size for _, _, size in everyone]
+        refused_by = [(rank, why) for rank, (_, why, _) in enumerate(everyone) if why is not None]
+        if refusal is None and refused_by:
+            rank, (why, code) = refused_by[0]
+            refusal = (
+                PipeckptConfigError(f"rank {rank} of the group: {why}")
+                if code is None
+                else PipeckptSaveError(code, why)
+            )
     if refusal is not None:
         raise refusal
     assert tmp is not None
-    _write(tensors, Path(tmp), checkpoint, target, distributed=distributed, is_zero=is_zero, group=group)
+    _write(
+        tensors, sizes, Path(tmp), checkpoint, target, distributed=distributed, is_zero=is_zero, group=group
+    )
 
 
 def _write(
     tensors: dict[str, Any],
+    sizes: list[int],
     tmp: Path,
     checkpoint: Mapping[str, Any],
     target: Path,
@@ -179,23 +201,28 @@ def _write(
     is_zero: bool,
     group: ProcessGroup | None,
 ) -> None:
-    """Every rank's shards into ``tmp`` (DCP), then rank 0's part and the rename onto ``target``."""
+    """Every rank's shards into ``tmp`` (DCP), then rank 0's part and the rename onto ``target``.
+    A failure is raised on every rank as this rank's own (outside DCP's collective that told it),
+    naming the rank whose write failed first; ``sizes``: each rank's bytes of tensors."""
+    failed: BaseException | None = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
             dcp.save(
                 tensors,
-                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                storage_writer=NamingWriter(tmp, sync_files=True, overwrite=False),
                 process_group=group,
                 no_dist=not distributed,
             )
     except BaseException as error:  # DCP raises on every rank when one fails
         if is_zero:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, dcp.CheckpointException):  # a BaseException: `except Exception` misses it
-            raise RuntimeError(f"the sharded checkpoint {str(target)!r} was not written: {error}") from error
-        raise
-    failure: str | None = None
+        if not isinstance(error, dcp.CheckpointException):  # a BaseException: `except Exception` misses it
+            raise
+        failed = not_written(target, error.failures, sizes, str(error))
+    if failed is not None:
+        raise failed
+    failure: tuple[int | None, str] | None = None  # (errno of a refusal, message)
     if is_zero:
         try:
             # Rank 0's part; atomic_write also makes the directory's entries (DCP's files) durable.
@@ -203,15 +230,18 @@ def _write(
             swap_into_place(tmp, target)
         except BaseException as error:  # every rank must hear of it: broadcast, then raised
             shutil.rmtree(tmp, ignore_errors=True)
-            if not distributed:
+            refusal = named(error, target, who="rank 0")
+            if refusal is None and not distributed:
                 raise
-            failure = f"rank 0 could not commit the sharded checkpoint {str(target)!r}: {error!r}"
+            why = f"rank 0 could not commit the sharded checkpoint {str(target)!r}: {error!r}"
+            failure = (None, why) if refusal is None else (refusal.errno, str(refusal))
     if distributed:
         outcome = [failure]
         dist.broadcast_object_list(outcome, group=group, group_src=0)
         failure = outcome[0]
     if failure is not None:
-        raise RuntimeError(failure)
+        code, message = failure
+        raise RuntimeError(message) if code is None else PipeckptSaveError(code, message)
 
 
 # -- load ----------------------------------------------------------------------------------------

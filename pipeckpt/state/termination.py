@@ -4,19 +4,19 @@ Why: Lightning's own handler raises ``SIGTERMException``, a ``SystemExit`` with 
 interrupted run exits 0 with no checkpoint (and under the distributed engine starts a broadcast
 inside the handler). Here the handler only records the signal (as
 :class:`pipeckpt.state.preemption.PreemptionCallback` does), the ranks agree on it after each
-optimizer step, every rank saves (``last.ckpt`` of a ``save_last`` ModelCheckpoint, else Lightning's
-``hpc_ckpt_N.ckpt``), and the process exits with 143 (128 + SIGTERM). A SIGTERM after training
-ends is left to the handler that was there before, so the exit is non-zero whenever it came.
+optimizer step, every rank saves (the last checkpoint of a ``save_last`` ModelCheckpoint, under the
+name it gives this run, else Lightning's ``hpc_ckpt_N.ckpt``), and the process exits with 143
+(128 + SIGTERM). A SIGTERM after training ends is left to the handler that was there before, so
+the exit is non-zero whenever it came.
 """
 
-import os
 import signal
 from typing import List, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
-from pipeckpt._compat import hpc_checkpoint_path
+from pipeckpt._compat import hpc_checkpoint_path, last_checkpoint_path
 from pipeckpt.state.preemption import Preempted, PreemptionCallback
 
 __all__ = ["EXIT_CODE", "Terminated", "TerminationCallback", "install"]
@@ -33,11 +33,14 @@ class Terminated(Preempted):
 
 
 def _target(trainer: Trainer) -> str:
-    """``last.ckpt`` of the first ``save_last`` ModelCheckpoint (what a user resumes from), else the
-    next ``hpc_ckpt_N.ckpt``."""
+    """This run's last checkpoint of the first ``save_last`` ModelCheckpoint (what a user resumes
+    from; ``last-v1.ckpt`` when another run owns ``last.ckpt``), else the next ``hpc_ckpt_N.ckpt``.
+    A collective: every rank calls it."""
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath is not None:
-            return os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+            path = last_checkpoint_path(callback, trainer)
+            callback.last_model_path = path  # the run's own from now on, as if the callback had saved it
+            return path
     return hpc_checkpoint_path(trainer)
 
 
