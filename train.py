@@ -39,7 +39,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeckpt import PipeckptCheckpointError, PipeckptConfigError
-from pipeckpt.app.checks import check_config
+from pipeckpt.app.checks import check_config, check_overrides
 from pipeckpt.app.config import register
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
@@ -166,4 +166,8 @@ def _refuse(mistake: BaseException) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:])  # what Hydra's parser would refuse without saying why
+    except PipeckptConfigError as mistake:
+        _refuse(mistake)
     main()

@@ -11,13 +11,13 @@ the schedule's name). Every refusal names the setting as typed on the command li
 
 import math
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 
-__all__ = ["Range", "check_config"]
+__all__ = ["Range", "check_config", "check_overrides"]
 
 
 @dataclass(frozen=True)
@@ -211,3 +211,26 @@ def _check_world(cfg: DictConfig) -> None:
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_overrides(args: Sequence[str]) -> None:
+    """Command-line overrides Hydra's grammar refuses because a value holds a character outside
+    ASCII (a path ``données``): Hydra's lexer names the position, not that quoting fixes it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = None
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg or arg.split("=", 1)[1].isascii():
+            continue
+        parser = parser or OverridesParser.create()
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            key, value = arg.split("=", 1)
+            odd = next(c for c in value if not c.isascii())
+            raise config_error(
+                arg,
+                f"Hydra's override grammar takes characters outside ASCII ({odd!r}) only inside quotes",
+                f"quote the value, and quote the quotes for the shell: \"{key}='{value}'\"",
+            ) from None

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from support import forkserver
 
 from pipeckpt import PipeckptConfigError
-from pipeckpt.app.checks import Range, check_config
+from pipeckpt.app.checks import Range, check_config, check_overrides
 from pipeckpt.app.config import register
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,6 +149,18 @@ def test_an_unknown_schedule_is_refused_under_the_distributed_engine_too(tmp_pat
     assert message.startswith("strategy.schedule='nonsense'")
 
 
+def test_a_non_ascii_override_value_is_refused_with_a_hint_to_quote_it():
+    with pytest.raises(PipeckptConfigError) as error:
+        check_overrides(["trainer=fast", "data.path=/tmp/données"])
+    message = str(error.value)
+    assert message.startswith("data.path=/tmp/données: ") and "'é'" in message
+    assert "HINT: quote the value" in message and "\"data.path='/tmp/données'\"" in message
+
+
+def test_quoted_non_ascii_values_and_flags_pass():
+    check_overrides(["data.path='/tmp/données'", "-m", "--config-name=train", "seed=1"])
+
+
 @pytest.mark.parametrize(
     "span,inside,outside",
     [
@@ -172,3 +184,10 @@ def test_train_py_refuses_a_zero_sequence_length_with_exit_1_and_no_traceback(tm
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
     assert "Configuration error: data.seq_len=0: must be >= 1" in done.stderr
+
+
+def test_train_py_hints_to_quote_a_non_ascii_path_with_exit_1_and_no_traceback(tmp_path):
+    done = run_train(tmp_path, "data.path=/tmp/données")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert "HINT: quote the value" in done.stderr
