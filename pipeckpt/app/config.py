@@ -78,6 +78,17 @@ class ConvNetConfig:
     weight_decay: float = _in(_AT_LEAST_0)
 
 
+@dataclass
+class LlamaConfig:
+    _target_: str = "pipeckpt.app.models.llama.Llama"
+    size: str = MISSING  # a key of pipeckpt.app.models.llama.LLAMA_SIZES: tiny, 8B, 70B, 405B
+    seq_len: int = _in(_COUNT)
+    vocab_size: int = _in(_COUNT)  # the data's token range, within the size's vocabulary
+    lr: float = _in(_RATE)
+    weight_decay: float = _in(_AT_LEAST_0)
+    tensor_parallel: int = _in(_COUNT, 1)  # build one tensor-parallel rank's share (pipeckpt.plan)
+
+
 # -- data/ ----------------------------------------------------------------------------
 
 
@@ -222,6 +233,7 @@ _SCHEMAS: dict[tuple[Optional[str], str], Any] = {
     ("model", "gpt_schema"): GPTConfig,
     ("model", "mlp_schema"): MLPConfig,
     ("model", "convnet_schema"): ConvNetConfig,
+    ("model", "llama_schema"): LlamaConfig,
     ("data", "text_schema"): TextDataConfig,
     ("data", "synthetic_schema"): SyntheticTokensConfig,
     ("data", "synthetic_vectors_schema"): SyntheticVectorsConfig,

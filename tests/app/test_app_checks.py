@@ -104,6 +104,7 @@ def test_a_numeric_setting_out_of_its_range_is_refused_naming_it_and_the_range(t
         (["model=convnet", "data.image_size=1"], "data.image_size=1"),
         (["model=convnet", "data.noise=-1.0"], "data.noise=-1.0"),
         (["data=synthetic", "data.steps=0"], "data.steps=0"),
+        (["model=llama3", "model.seq_len=0"], "model.seq_len=0"),
     ],
 )
 def test_the_other_models_and_data_have_their_ranges_too(tmp_path, overrides, named):
