@@ -174,6 +174,13 @@ def test_a_range_holds_its_values_and_no_other(span, inside, outside):
     assert all(span.holds(v) for v in inside) and not any(span.holds(v) for v in outside)
 
 
+def test_the_plan_command_runs_the_same_checks():
+    from pipeckpt.plan import run
+
+    with pytest.raises(PipeckptConfigError, match=r"^data\.seq_len=0: must be >= 1"):
+        run(["data.seq_len=0"])
+
+
 def run_train(tmp_path: Path, *overrides: str):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "train.py", "trainer=fast", f"hydra.run.dir={tmp_path}", *overrides]
