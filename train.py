@@ -39,6 +39,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeckpt import PipeckptCheckpointError, PipeckptConfigError
+from pipeckpt.app.checks import check_config, check_overrides
 from pipeckpt.app.config import register
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
@@ -146,18 +147,27 @@ def _config_error(error: Optional[BaseException]) -> Optional[BaseException]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
+        check_config(cfg)  # before anything is built: a bad value costs no corpus, model or Trainer
         summary = train(cfg)
     except Exception as error:
         mistake = _config_error(error)
         if mistake is None:
             raise
-        # A configuration mistake is the user's to fix: the message says how; a traceback would bury it.
-        kind = "Checkpoint error" if isinstance(mistake, PipeckptCheckpointError) else "Configuration error"
-        print(f"{kind}: {mistake}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _refuse(mistake)
     if summary["is_global_zero"]:
         print(_summary_line(summary), flush=True)
 
 
+def _refuse(mistake: BaseException) -> None:
+    """A configuration mistake is the user's to fix: the message says how; a traceback would bury it."""
+    kind = "Checkpoint error" if isinstance(mistake, PipeckptCheckpointError) else "Configuration error"
+    print(f"{kind}: {mistake}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:])  # what Hydra's parser would refuse without saying why
+    except PipeckptConfigError as mistake:
+        _refuse(mistake)
     main()

@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.app.checks import check_config
 from pipeckpt.app.config import register
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
@@ -150,6 +151,7 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
+    check_config(cfg)  # train.py's checks, before the data and the model are built
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

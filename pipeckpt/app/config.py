@@ -2,7 +2,8 @@
 
 Why not YAML alone: it accepts any key and value, so ``chunk: 4`` or ``max_steps: ten`` would surface
 late or never; registered in Hydra's ConfigStore, these dataclasses make them fail when the config is
-composed. They check names and types only; pipeckpt's own validation checks values together. The
+composed. Hydra checks names and types; each numeric field also carries its range, checked with the
+rules across groups by :func:`pipeckpt.app.checks.check_config` before anything is built. The
 app's defaults live in the YAML files (fields here are ``MISSING``), except the strategy's settings
 (``strategy``, ``ckpt``, ``memory``), generated from :class:`pipeckpt.settings.PipeSettings`
 (with its defaults).
@@ -15,9 +16,27 @@ from typing import Any, Dict, List, Optional, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from pipeckpt.app.checks import Range
 from pipeckpt.settings import PipeSettings
 
 __all__ = ["TrainConfig", "register"]
+
+
+def _in(span: Range, default: Any = MISSING) -> Any:
+    """A numeric field whose values lie in ``span``: :func:`pipeckpt.app.checks.check_config` refuses
+    any other, naming the setting (a type is Hydra's to check, a value is not)."""
+    return field(default=default, metadata={"range": span})
+
+
+_COUNT = Range(low=1)
+_AT_LEAST_0 = Range(low=0)
+_AT_LEAST_MINUS_1 = Range(low=-1)  # Lightning's -1: no limit (max_steps, max_epochs), all (sanity steps)
+_RATE = Range(low=0, low_open=True)
+_DROPOUT = Range(low=0, high=1, high_open=True)
+_FRACTION = Range(low=0, high=1, low_open=True, high_open=True)
+_STEPS_OR_FRACTION = Range(low=1, or_fraction=True)
+_BATCHES_OR_FRACTION = Range(low=0, or_fraction=True)
+_SEED = Range(low=0, high=2**32 - 1)  # what Lightning's seed_everything (numpy's seed) takes
 
 
 # -- model/ ---------------------------------------------------------------------------
@@ -27,36 +46,47 @@ __all__ = ["TrainConfig", "register"]
 class GPTConfig:
     _target_: str = "pipeckpt.app.models.GPT"
     size: str = MISSING  # a key of pipeckpt.app.models.SIZES: tiny, mini, small
-    vocab_size: int = MISSING
-    seq_len: int = MISSING  # also the data's window length
-    dropout: float = MISSING
-    lr: float = MISSING  # peak learning rate, after warm-up
-    weight_decay: float = MISSING
-    warmup_steps: int = MISSING
-    d_model: Optional[int] = None  # None: the size's value
-    n_heads: Optional[int] = None
-    n_layers: Optional[int] = None
+    vocab_size: int = _in(_COUNT)
+    seq_len: int = _in(_COUNT)  # also the data's window length
+    dropout: float = _in(_DROPOUT)
+    lr: float = _in(_RATE)  # peak learning rate, after warm-up
+    weight_decay: float = _in(_AT_LEAST_0)
+    warmup_steps: int = _in(_AT_LEAST_0)
+    d_model: Optional[int] = _in(_COUNT, None)  # None: the size's value
+    n_heads: Optional[int] = _in(_COUNT, None)
+    n_layers: Optional[int] = _in(_COUNT, None)
 
 
 @dataclass
 class MLPConfig:
     _target_: str = "pipeckpt.app.models.MLP"
-    in_features: int = MISSING
-    hidden: int = MISSING
-    depth: int = MISSING  # hidden Linear+ReLU pairs
-    num_classes: int = MISSING
-    lr: float = MISSING
-    weight_decay: float = MISSING
+    in_features: int = _in(_COUNT)
+    hidden: int = _in(_COUNT)
+    depth: int = _in(_COUNT)  # hidden Linear+ReLU pairs
+    num_classes: int = _in(_COUNT)
+    lr: float = _in(_RATE)
+    weight_decay: float = _in(_AT_LEAST_0)
 
 
 @dataclass
 class ConvNetConfig:
     _target_: str = "pipeckpt.app.models.ConvNet"
-    in_channels: int = MISSING
-    width: int = MISSING  # channels of the first conv; doubled twice
-    num_classes: int = MISSING
-    lr: float = MISSING
-    weight_decay: float = MISSING
+    in_channels: int = _in(_COUNT)
+    width: int = _in(_COUNT)  # channels of the first conv; doubled twice
+    num_classes: int = _in(_COUNT)
+    lr: float = _in(_RATE)
+    weight_decay: float = _in(_AT_LEAST_0)
+
+
+@dataclass
+class LlamaConfig:
+    _target_: str = "pipeckpt.app.models.llama.Llama"
+    size: str = MISSING  # a key of pipeckpt.app.models.llama.LLAMA_SIZES: tiny, 8B, 70B, 405B
+    seq_len: int = _in(_COUNT)
+    vocab_size: int = _in(_COUNT)  # the data's token range, within the size's vocabulary
+    lr: float = _in(_RATE)
+    weight_decay: float = _in(_AT_LEAST_0)
+    tensor_parallel: int = _in(_COUNT, 1)  # build one tensor-parallel rank's share (pipeckpt.plan)
 
 
 # -- data/ ----------------------------------------------------------------------------
@@ -67,45 +97,45 @@ class TextDataConfig:
     _target_: str = "pipeckpt.app.data.TextDataModule"
     path: Optional[str] = MISSING  # None: the Python standard library's sources
     pattern: str = MISSING  # file-name glob inside a directory
-    seq_len: int = MISSING
-    batch_size: int = MISSING
-    max_bytes: int = MISSING  # corpus cap, read in file order
-    val_fraction: float = MISSING  # the held-out tail of the corpus
-    num_workers: int = MISSING
+    seq_len: int = _in(_COUNT)
+    batch_size: int = _in(_COUNT)
+    max_bytes: int = _in(_COUNT)  # corpus cap, read in file order
+    val_fraction: float = _in(_FRACTION)  # the held-out tail of the corpus
+    num_workers: int = _in(_AT_LEAST_0)
 
 
 @dataclass
 class _SyntheticConfig:
     """What every synthetic data set takes: its size, batch size and seed."""
 
-    num_samples: int = MISSING
-    val_samples: int = MISSING
-    batch_size: int = MISSING
-    seed: int = MISSING
+    num_samples: int = _in(_COUNT)
+    val_samples: int = _in(_COUNT)
+    batch_size: int = _in(_COUNT)
+    seed: int = _in(_SEED)
 
 
 @dataclass
 class SyntheticTokensConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.app.data.SyntheticTokens"
-    seq_len: int = MISSING
-    vocab_size: int = MISSING
-    steps: int = MISSING
+    seq_len: int = _in(_COUNT)
+    vocab_size: int = _in(_COUNT)
+    steps: int = _in(_COUNT)
 
 
 @dataclass
 class SyntheticVectorsConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.app.data.SyntheticVectors"
-    in_features: int = MISSING
-    num_classes: int = MISSING
+    in_features: int = _in(_COUNT)
+    num_classes: int = _in(_COUNT)
 
 
 @dataclass
 class SyntheticImagesConfig(_SyntheticConfig):
     _target_: str = "pipeckpt.app.data.SyntheticImages"
-    in_channels: int = MISSING
-    image_size: int = MISSING
-    num_classes: int = MISSING
-    noise: float = MISSING
+    in_channels: int = _in(_COUNT)
+    image_size: int = _in(Range(low=2))
+    num_classes: int = _in(_COUNT)
+    noise: float = _in(_AT_LEAST_0)
 
 
 # -- strategy/ and ckpt/ --------------------------------------------------------------
@@ -160,18 +190,20 @@ class TrainerConfig:
     _target_: str = "lightning.pytorch.Trainer"
     accelerator: str = MISSING
     devices: Any = MISSING  # "auto", a count or a list of indices (set by the strategy config)
-    num_nodes: int = MISSING
+    num_nodes: int = _in(_COUNT)
     precision: str = MISSING  # 32-true, bf16-mixed, 16-mixed
-    max_steps: int = MISSING
-    max_epochs: Optional[int] = MISSING
-    val_check_interval: Any = MISSING  # steps (int) or fraction of an epoch (float)
-    check_val_every_n_epoch: Optional[int] = MISSING
-    limit_val_batches: Any = MISSING
-    limit_train_batches: Any = MISSING
-    log_every_n_steps: int = MISSING
-    num_sanity_val_steps: int = MISSING
-    gradient_clip_val: Optional[float] = MISSING
-    accumulate_grad_batches: int = MISSING
+    max_steps: int = _in(_AT_LEAST_MINUS_1)
+    max_epochs: Optional[int] = _in(_AT_LEAST_MINUS_1)
+    # steps (int) or fraction of an epoch (float); field() itself, as ruff reads any other call on an
+    # Any-typed field as a shared mutable default
+    val_check_interval: Any = field(default=MISSING, metadata={"range": _STEPS_OR_FRACTION})
+    check_val_every_n_epoch: Optional[int] = _in(_COUNT)
+    limit_val_batches: Any = field(default=MISSING, metadata={"range": _BATCHES_OR_FRACTION})
+    limit_train_batches: Any = field(default=MISSING, metadata={"range": _BATCHES_OR_FRACTION})
+    log_every_n_steps: int = _in(_AT_LEAST_0)
+    num_sanity_val_steps: int = _in(_AT_LEAST_MINUS_1)
+    gradient_clip_val: Optional[float] = _in(_AT_LEAST_0)
+    accumulate_grad_batches: int = _in(_COUNT)
     enable_progress_bar: bool = MISSING
     deterministic: Any = MISSING
     default_root_dir: str = MISSING
@@ -190,8 +222,8 @@ class TrainConfig:
     logger: Any = None  # a Lightning logger (_target_), or None for none
     callbacks: Any = None  # name -> callback (_target_)
     output_dir: str = MISSING  # the run directory; logs, checkpoints and the stage report go here
-    seed: int = MISSING
-    threads: Optional[int] = MISSING  # torch.set_num_threads; None keeps torch's default
+    seed: int = _in(_SEED)
+    threads: Optional[int] = _in(_COUNT)  # torch.set_num_threads; None keeps torch's default
     ckpt_path: Optional[str] = MISSING  # a checkpoint to resume from
     validate: bool = MISSING  # validate before and after training, and print both losses
 
@@ -201,6 +233,7 @@ _SCHEMAS: dict[tuple[Optional[str], str], Any] = {
     ("model", "gpt_schema"): GPTConfig,
     ("model", "mlp_schema"): MLPConfig,
     ("model", "convnet_schema"): ConvNetConfig,
+    ("model", "llama_schema"): LlamaConfig,
     ("data", "text_schema"): TextDataConfig,
     ("data", "synthetic_schema"): SyntheticTokensConfig,
     ("data", "synthetic_vectors_schema"): SyntheticVectorsConfig,

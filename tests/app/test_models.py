@@ -68,6 +68,11 @@ def test_gpt_overrides_replace_the_size_and_none_keeps_it():
     assert model.layers[0].token.embedding_dim == SIZES["tiny"]["d_model"]
 
 
+def test_gpt_hyper_parameters_hold_the_sizes_it_built_not_none():
+    assert {k: GPT(size="tiny").hparams[k] for k in SIZES["tiny"]} == SIZES["tiny"]
+    assert GPT(size="tiny", n_layers=2, n_heads=None).hparams["n_layers"] == 2
+
+
 def test_gpt_unknown_override_names_the_allowed_ones():
     with pytest.raises(TypeError, match="n_layers"):
         GPT(size="tiny", n_layer=2)

@@ -185,6 +185,8 @@ class GPT(L.LightningModule):
         self.weight_decay = weight_decay
         self.warmup_steps = warmup_steps
         arch = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
+        # The sizes built, not None for "the size's": a resume of another model names the real values.
+        self.hparams.update(arch)
         self.layers = gpt_layers(vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, **arch)
 
     def configure_pipeline(self) -> nn.Sequential:

@@ -20,6 +20,8 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.base import optimizer_param_names
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.state import safe_load, sharded
+from pipeckpt.state.fit import check_fits
+from pipeckpt.state.sharded_index import model_index
 
 __all__: List[str] = []
 
@@ -87,8 +89,19 @@ class StateIO:
 
     @staticmethod
     def load_sharded(path: Any, module: LightningModule, weights_only: Any) -> Dict[str, Any]:
-        """A sharded checkpoint as far as this process needs it: its stages' keys only."""
-        return sharded.load(path, keys=list(StateIO.module_state_dict(module)), weights_only=weights_only)
+        """A sharded checkpoint as far as this process needs it: its stages' keys only. Its index is
+        checked against the module first, by the local engine's check (a checkpoint of another model
+        named by its differing keys and hyper-parameters); without ``strict_loading``, the keys the
+        checkpoint lacks are left as they are, as Lightning's non-strict load does."""
+        mine = StateIO.module_state_dict(module)
+        keys = list(mine)
+        if sharded.is_sharded(path):  # an incomplete one is named by sharded.load
+            index, hparams = model_index(path, weights_only=weights_only)
+            strict = bool(getattr(module, "strict_loading", True))
+            found = {"state_dict": index, "hyper_parameters": hparams}
+            check_fits(module, mine, found, strict=strict, source=str(path))
+            keys = keys if strict else [key for key in keys if key in index]
+        return sharded.load(path, keys=keys, weights_only=weights_only)
 
     @staticmethod
     def load_module_state(module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
