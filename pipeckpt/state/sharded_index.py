@@ -15,12 +15,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pipeckpt.state import safe_load
+from pipeckpt.state import confined, safe_load
 from pipeckpt.state.sharded import META_FILE
 
 __all__ = ["model_index"]
 
-_DCP_METADATA = ".metadata"  # DCP's index of the shards (sharded.py writes it through DCP)
 _MODEL = "state_dict"  # the model's entries: DCP paths ("state_dict", key)
 
 
@@ -31,10 +30,10 @@ def model_index(
     hyper_parameters)`` of the sharded checkpoint at ``path`` (a directory that
     :func:`pipeckpt.state.sharded.is_sharded` accepts)."""
     root = Path(path)
-    metadata = safe_load.read_dcp_metadata(root / _DCP_METADATA)
+    metadata = safe_load.SafeReader(root).read_metadata()  # refuses files outside root, reads none
     keys: Dict[str, Any] = {}
     for dcp_key, nested in metadata.planner_data.items():
-        if nested[0] != _MODEL:
+        if not (isinstance(nested, tuple) and len(nested) == 2 and nested[0] == _MODEL):
             continue
         item = metadata.state_dict_metadata[dcp_key]
         keys[str(nested[1])] = (
@@ -42,6 +41,7 @@ def model_index(
             if isinstance(item, TensorStorageMetadata)
             else None
         )
-    meta = safe_load.load_torch_file(root / META_FILE, weights_only=weights_only)
+    rest = confined.inside(root, META_FILE, "rank 0's part of the checkpoint")
+    meta = safe_load.load_torch_file(rest, weights_only=weights_only)
     hparams = meta.get("hyper_parameters") if isinstance(meta, dict) else None
     return keys, hparams
