@@ -38,7 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from pipeckpt import PipeckptCheckpointError, PipeckptConfigError
+from pipeckpt import PipeckptCheckpointError, PipeckptConfigError, PipeckptSaveError
 from pipeckpt.app.checks import check_config, check_overrides
 from pipeckpt.app.config import register
 from pipeckpt.report.render import format_table
@@ -136,9 +136,10 @@ def _summary_line(summary: dict[str, Any]) -> str:
 
 def _config_error(error: Optional[BaseException]) -> Optional[BaseException]:
     """The configuration mistake behind ``error``, if it is one (Hydra's
-    instantiate wraps the errors of the objects it builds)."""
+    instantiate wraps the errors of the objects it builds), or a checkpoint the
+    filesystem refused (full, over quota, read-only): pipeckpt's message says it all."""
     while error is not None:
-        if isinstance(error, (PipeckptConfigError, FileNotFoundError)):
+        if isinstance(error, (PipeckptConfigError, PipeckptSaveError, FileNotFoundError)):
             return error
         error = error.__cause__ or error.__context__
     return None
@@ -160,7 +161,8 @@ def main(cfg: DictConfig) -> None:
 
 def _refuse(mistake: BaseException) -> None:
     """A configuration mistake is the user's to fix: the message says how; a traceback would bury it."""
-    kind = "Checkpoint error" if isinstance(mistake, PipeckptCheckpointError) else "Configuration error"
+    kinds = {PipeckptCheckpointError: "Checkpoint error", PipeckptSaveError: "Checkpoint not saved"}
+    kind = next((name for cls, name in kinds.items() if isinstance(mistake, cls)), "Configuration error")
     print(f"{kind}: {mistake}", file=sys.stderr, flush=True)
     sys.exit(1)
 

@@ -4,7 +4,7 @@ Importing the package registers the ``"pipe"`` strategy, so
 ``Trainer(strategy="pipe")`` works.
 """
 
-from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, PipeckptWarning
+from pipeckpt._errors import PipeckptCheckpointError, PipeckptConfigError, PipeckptSaveError, PipeckptWarning
 from pipeckpt.boundaries.pipeline_of import pipeline_of
 from pipeckpt.checkpointing.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.settings import PipeSettings
@@ -21,6 +21,7 @@ __all__ = [
     "OFFLOAD",
     "PipeckptCheckpointError",
     "PipeckptConfigError",
+    "PipeckptSaveError",
     "PipeckptWarning",
 ]
 __version__ = "0.1.0"
