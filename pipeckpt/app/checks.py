@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.engines import engine_class
 
 __all__ = ["Range", "check_config", "check_overrides"]
 
@@ -176,8 +177,10 @@ def _check_world(cfg: DictConfig) -> None:
     s = cfg.strategy
     tp = _count(s.get("tensor_parallel"))
     world = _world(cfg.trainer)
-    if s.get("engine") != "distributed" or tp is None or tp == 1 or world is None:
+    if tp is None or tp == 1 or world is None:
         return
+    if "tensor_parallel" not in engine_class(s.get("engine", "local")).own_settings:
+        return  # the engine refuses the setting itself
     on = (
         f"trainer.devices={cfg.trainer.devices} x trainer.num_nodes={cfg.trainer.num_nodes} = {world} "
         "processes"

@@ -55,9 +55,14 @@ def checkpoint_bytes(checkpoint: Any) -> int:
 
     def walk(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            if not value.is_meta:
-                storage = value.untyped_storage()
+            if value.is_meta:
+                return
+            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's
+            try:
+                storage = local.untyped_storage()
                 storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a subclass without one storage of its own
+                storages[("tensor", id(local))] = local.numel() * local.element_size()
         elif isinstance(value, dict):
             for item in value.values():
                 walk(item)
