@@ -3,10 +3,12 @@ safetensors shards; nothing downloaded), the model ``from_pretrained`` makes of 
 LightningModule that builds its model on the meta device in ``configure_model`` and fills it from
 the directory (:func:`pipeckpt.pretrained`). Shared by the pretrained tests and their workers."""
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Set
+from typing import Any, Dict, Iterator, List, Set
 
 import lightning as L
+import safetensors
 import torch
 import transformers
 from torch import Tensor, nn
@@ -50,6 +52,44 @@ def reference(path: Path) -> nn.Module:
 def tensor_keys(model: nn.Module) -> Set[str]:
     """The keys of ``model``'s tensors as its checkpoint names them (a tied one under either name)."""
     return set(model.state_dict())
+
+
+@contextmanager
+def keys_read() -> Iterator[List[str]]:
+    """Every key read through ``safetensors.safe_open``."""
+    read: List[str] = []
+    original = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = original(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+        def get_slice(self, key):
+            read.append(key)
+            return self.inner.get_slice(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    safetensors.safe_open = Recording
+    try:
+        yield read
+    finally:
+        safetensors.safe_open = original
 
 
 class FromPretrained(L.LightningModule):

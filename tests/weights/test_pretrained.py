@@ -5,15 +5,13 @@ code; a process that keeps some tensors reads exactly those keys; plain state-di
 prefix rule too; what cannot fill the module is refused by name."""
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List
 
 import pytest
 import safetensors
 import torch
 import transformers
-from support.pretrained_models import config, reference, save
+from support.pretrained_models import config, keys_read, reference, save
 from support.toy import assert_bitwise_equal
 
 import pipeckpt
@@ -26,37 +24,6 @@ CPU = torch.device("cpu")
 def _on_meta(path: Path, kind=transformers.AutoModelForCausalLM, **kwargs) -> torch.nn.Module:
     with torch.device("meta"):
         return kind.from_config(transformers.AutoConfig.from_pretrained(path), dtype=torch.float32, **kwargs)
-
-
-@contextmanager
-def _keys_read() -> Iterator[List[str]]:
-    """Every key read through ``safetensors.safe_open``."""
-    read: List[str] = []
-    original = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = original(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, key):
-            read.append(key)
-            return self.inner.get_tensor(key)
-
-    safetensors.safe_open = Recording
-    try:
-        yield read
-    finally:
-        safetensors.safe_open = original
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
@@ -104,7 +71,7 @@ def test_a_process_keeping_some_layers_reads_exactly_their_keys(saved):
     model = pipeckpt.pretrained(_on_meta(path), path)
     layers = model.transformer.h if name == "gpt2" else model.model.layers
     kept = {id(t) for t in (*layers[2:].parameters(), *layers[2:].buffers())}
-    with _keys_read() as read:
+    with keys_read() as read:
         materialize(model, CPU, keep=lambda t: id(t) in kept)
     prefix = "transformer.h" if name == "gpt2" else "model.layers"
     want = {k for k in reference(path).state_dict() if k.startswith((f"{prefix}.2.", f"{prefix}.3."))}
