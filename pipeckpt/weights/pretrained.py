@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.state.confined import inside
+from pipeckpt.state.safe_load import weights_only_load
 
 __all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint"]
 
@@ -50,6 +51,13 @@ def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> 
     if missing not in MISSING:
         raise config_error(
             f"pretrained(missing={missing!r})", f"missing is one of {MISSING}", "use 'error' or 'init'"
+        )
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        raise config_error(
+            f"pretrained({type(module).__name__}, {str(path)!r}) on a module whose tensors are real",
+            "pretrained fills a module built on the meta device, where the pipe strategy makes it real",
+            "build it in configure_model under the pipe strategy (or under "
+            "trainer.init_module(empty_init=True)), or load it eagerly with from_pretrained",
         )
     _marks[module] = Pretrained(Path(path), missing)
     return module
@@ -94,7 +102,9 @@ class Pretrained:
 
             with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
                 return {k: file for k in f.keys()}
-        self._state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        self._state = weights_only_load(  # refusals of a pickled object in pipeckpt's words
+            file, lambda: torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        )
         if not isinstance(self._state, dict) or not all(isinstance(v, Tensor) for v in self._state.values()):
             raise config_error(
                 f"pretrained checkpoint {str(file)!r}",

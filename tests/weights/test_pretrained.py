@@ -158,4 +158,13 @@ def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
 
 def test_missing_takes_error_or_init_only():
     with pytest.raises(PipeckptConfigError, match=r"pretrained\(missing='zero'\)"):
-        pipeckpt.pretrained(torch.nn.Linear(2, 2), "x", missing="zero")
+        with torch.device("meta"):
+            pipeckpt.pretrained(torch.nn.Linear(2, 2), "x", missing="zero")
+
+
+def test_a_module_built_eagerly_is_refused_as_nothing_would_fill_it(tmp_path):
+    with pytest.raises(
+        PipeckptConfigError,
+        match=r"pretrained\(Linear, .*\) on a module whose tensors are real.*configure_model",
+    ):
+        pipeckpt.pretrained(torch.nn.Linear(2, 2), tmp_path)
