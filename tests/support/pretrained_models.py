@@ -120,3 +120,19 @@ class FromPretrained(L.LightningModule):
 def loader() -> DataLoader:
     """Three batches of HF's dicts, each a step."""
     return DataLoader(batches(3), batch_size=None)
+
+
+class FromScratch(FromPretrained):
+    """Pretrains model ``name`` from its config's own initialisation, seeded with ``seed``: built
+    on the meta device in ``configure_model`` (``build='meta'``) or eagerly in ``__init__``."""
+
+    def __init__(self, name: str, build: str = "meta", seed: int = 5) -> None:
+        L.LightningModule.__init__(self)
+        self.name, self.seed, self.model = name, seed, None
+        if build == "eager":
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(self.seed)
+            self.model = transformers.AutoModelForCausalLM.from_config(config(self.name))

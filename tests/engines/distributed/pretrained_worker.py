@@ -3,7 +3,8 @@
 
 Each run of the spec fine-tunes ``model`` from the pretrained directory ``path`` under
 ``engine="distributed"`` with ``strategy``: built on the meta device and filled from the directory
-(``build='meta'``), or ``from_pretrained`` in every process (``build='eager'``). Each rank saves to
+(``build='meta'``), or ``from_pretrained`` in every process (``build='eager'``); a ``scratch`` run
+builds the model from its config, seeded, on meta or eagerly, with no directory. Each rank saves to
 ``<run>_rank<r>.pt`` the keys it read from the directory's shards, its stages, and the tensors it
 holds for real (an FSDP shard gathered whole) at fit start and after training."""
 
@@ -12,7 +13,7 @@ from typing import Any, Dict
 
 import lightning as L
 import torch
-from support.pretrained_models import FromPretrained, keys_read, loader
+from support.pretrained_models import FromPretrained, FromScratch, keys_read, loader
 from support.ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
@@ -41,7 +42,10 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     at_start = AtStart()
     trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[at_start])
-    module = FromPretrained(spec["model"], Path(spec["path"]), build=spec["build"])
+    if spec.get("scratch"):
+        module: FromPretrained = FromScratch(spec["model"], build=spec["build"])
+    else:
+        module = FromPretrained(spec["model"], Path(spec["path"]), build=spec["build"])
     with keys_read() as read:
         trainer.fit(module, loader())
     stages = [stage.index for stage in strategy.stages]

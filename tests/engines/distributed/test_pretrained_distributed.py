@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator
 import pytest
 import support.ranks as ranks
 import torch
-from support.pretrained_models import LAYERS, reference, save
+from support.pretrained_models import LAYERS, FromScratch, reference, save
 from support.toy import assert_bitwise_equal, max_relative_difference
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +25,7 @@ LAYOUTS = {  # name: processes, settings, models
     "pp2": (2, PP2, ("llama", "gpt2")),
     "pp2_fsdp2": (4, dict(PP2, dp=2, data_parallel="fsdp"), ("llama",)),
 }
-LEGS = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
+SCRATCH = ("llama", "qwen2")  # pretraining from the config's own initialisation, pp2
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -38,6 +38,12 @@ def launched(request, tmp_path_factory) -> Iterator[Any]:
         for model in models
         for build in ("meta", "eager")
     ]
+    if request.param == "pp2":
+        runs += [
+            dict(name=f"{model}_scratch_{build}", model=model, build=build, scratch=True, strategy=settings)
+            for model in SCRATCH
+            for build in ("meta", "eager")
+        ]
     yield request.param, world, ranks.launch(WORKER, world, runs, out, within_s=START_S)
 
 
@@ -45,12 +51,13 @@ def _saved(out: Path, run: str, rank: int) -> Dict[str, Any]:
     return torch.load(out / f"{run}_rank{rank}.pt", weights_only=True)
 
 
-def _own_keys(out: Path, model: str, stage: int) -> set:
+def _own_keys(out: Path, model: str, stage: int, *, scratch: bool = False) -> set:
     """The checkpoint's keys of the tensors a process of stage ``stage`` holds: its layers, and
     everything outside the layers."""
     first, stop = sum(BALANCE[:stage]), sum(BALANCE[: stage + 1])
     prefix = LAYERS[model] + "."
-    keys = set(reference(out / model).state_dict())
+    whole = FromScratch(model, build="eager").model if scratch else reference(out / model)
+    keys = set(whole.state_dict())
     return {
         k for k in keys if not k.startswith(prefix) or first <= int(k[len(prefix) :].split(".")[0]) < stop
     }
@@ -89,3 +96,19 @@ def test_fine_tuning_matches_the_run_from_pretrained_in_every_process(launched):
     for model, rank, out, saved, _ in _legs(launched):
         eager = _saved(out, f"{model}_eager", rank)["trained"]
         assert max_relative_difference(saved["trained"], eager) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", SCRATCH)
+def test_a_model_built_on_meta_from_its_config_starts_bitwise_at_the_eager_build(launched, model):
+    layout, world, out = launched
+    if layout != "pp2":
+        pytest.skip("pretraining from scratch runs under pp2")
+    for rank in range(world):
+        meta = _saved(out, f"{model}_scratch_meta", rank)
+        eager = _saved(out, f"{model}_scratch_eager", rank)
+        (stage,) = meta["stages"]
+        assert set(meta["at_start"]) == _own_keys(out, model, stage, scratch=True)
+        assert_bitwise_equal(meta["at_start"], eager["at_start"])
+        assert meta["read"] == []
+        assert max_relative_difference(meta["trained"], eager["trained"]) <= 1e-5
