@@ -1,14 +1,15 @@
 """Fine-tuning from a pretrained directory under the local engine: the model built on the meta
 device in ``configure_model`` and filled from a bf16 directory in many shards starts bitwise at
 ``from_pretrained(dir, dtype=float32)``, trains as that eagerly-built module does (within 1e-5),
-and a resume takes precedence over the directory's weights."""
+and a resume takes precedence over the directory's weights. Built on meta from its config alone, a
+Llama or Qwen2 starts and trains bitwise as the eager build with the same seed."""
 
 from typing import Any, Dict
 
 import lightning as L
 import pytest
 import torch
-from support.pretrained_models import FromPretrained, loader, reference, save
+from support.pretrained_models import FromPretrained, FromScratch, loader, reference, save
 from support.toy import assert_bitwise_equal, max_relative_difference, params
 from support.trainers import quiet_trainer
 
@@ -68,3 +69,13 @@ def test_a_resume_takes_precedence_over_the_directorys_weights(saved, tmp_path):
     trainer = quiet_trainer(PipelineStrategy(balance=[2, 2], chunks=2), max_steps=2)
     trainer.fit(resumed, loader(), ckpt_path=tmp_path / "run.ckpt")  # nothing left to train
     assert_bitwise_equal(params(resumed), params(first))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_model_built_on_meta_from_its_config_trains_bitwise_as_the_eager_build(name):
+    built = FromScratch(name)
+    at_start = _fit(built)
+    eager = FromScratch(name, build="eager")
+    eager_start = _fit(eager)
+    assert_bitwise_equal(at_start.weights, eager_start.weights)
+    assert_bitwise_equal(params(built), params(eager))
