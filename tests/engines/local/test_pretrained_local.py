@@ -79,3 +79,15 @@ def test_a_model_built_on_meta_from_its_config_trains_bitwise_as_the_eager_build
     eager_start = _fit(eager)
     assert_bitwise_equal(at_start.weights, eager_start.weights)
     assert_bitwise_equal(params(built), params(eager))
+
+
+def test_a_module_built_under_init_module_empty_init_is_filled_alike(saved):
+    name, path = saved
+    at_start = AtStart()
+    trainer = quiet_trainer(PipelineStrategy(balance=[2, 2], chunks=2), max_steps=1, callbacks=[at_start])
+    with trainer.init_module(empty_init=True):
+        module = FromPretrained(name, path)
+        module.configure_model()  # built here, on the meta device
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader())
+    assert_bitwise_equal(at_start.weights, reference(path).state_dict())
