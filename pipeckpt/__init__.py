@@ -9,11 +9,13 @@ from pipeckpt.boundaries.pipeline_of import pipeline_of
 from pipeckpt.checkpointing.modes import ALWAYS, EXCEPT_LAST, NEVER, OFFLOAD, CheckpointMode
 from pipeckpt.settings import PipeSettings
 from pipeckpt.strategy import PipelineStrategy, register
+from pipeckpt.weights.pretrained import pretrained
 
 __all__ = [
     "PipelineStrategy",
     "PipeSettings",
     "pipeline_of",
+    "pretrained",
     "CheckpointMode",
     "NEVER",
     "EXCEPT_LAST",

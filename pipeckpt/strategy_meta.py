@@ -15,10 +15,12 @@ from typing_extensions import override
 from pipeckpt._errors import config_error
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.materialize import (
+    build_pending,
     built_on_meta,
     check_materializable,
     claim_build,
     materialize,
+    on_meta,
     remember_build,
 )
 from pipeckpt.strategy_processes import ProcessStrategy
@@ -31,6 +33,18 @@ class MetaBuildStrategy(ProcessStrategy):
     calls :meth:`_materialize` before anything reads the weights."""
 
     settings: PipeSettings
+    _restore_late = False  # a module built on meta: restored after set-up (set once seen)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A module built on meta is restored once made real: a resume's values then replace the
+        initial ones (a checkpoint's too, :func:`pipeckpt.pretrained`), where loading into meta
+        tensors would keep nothing."""
+        module = self.lightning_module
+        if module is not None and build_pending() and on_meta(module):
+            self._restore_late = True  # asked again after set-up, when the build is made real
+        return super().restore_checkpoint_after_setup or self._restore_late
 
     @contextmanager
     @override

@@ -563,3 +563,24 @@ def test_sigterm_broadcast_turns_lightnings_per_batch_broadcast_off_and_on_for_o
     _compat.sigterm_broadcast(trainer, on=True)
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
     assert sent == [0, 0]
+
+
+def test_hf_init_weights_initialises_one_module_of_a_hugging_face_model():
+    from support.hf_models import llama
+
+    model = llama()
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.zero_()
+        model.model.norm.weight.zero_()
+    _compat.hf_init_weights(model)(norm)
+    assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+    assert torch.equal(model.model.norm.weight, torch.zeros_like(model.model.norm.weight))  # only that one
+
+
+def test_is_hf_model_tells_a_pretrained_model_from_its_layers():
+    from support.hf_models import gpt2
+
+    model = gpt2()
+    assert _compat.is_hf_model(model) and _compat.is_hf_model(model.transformer)
+    assert not _compat.is_hf_model(model.transformer.h[0])

@@ -1,5 +1,6 @@
-"""Every reach into a private name of torch, Lightning or torchgpipe, in one place: this package, a
-module per library (``torch_private``, ``lightning_private``, ``torchgpipe_private``).
+"""Every reach into a private name of torch, Lightning, torchgpipe or transformers, in one place: this
+package, a module per library (``torch_private``, ``lightning_private``, ``torchgpipe_private``,
+``transformers_private``).
 
 Each entry says why no public API serves. ``tests/test_compat.py`` checks every
 one by name and behaviour, so an upgrade that removes or changes one fails there,
@@ -80,6 +81,7 @@ from pipeckpt._compat.torchgpipe_private import (
     join_dependency,
     microbatch,
 )
+from pipeckpt._compat.transformers_private import hf_init_weights, is_hf_model
 
 __all__ = [
     "STAGE_META",
@@ -150,4 +152,6 @@ __all__ = [
     "fit_train_loader",
     "configured_optimizers",
     "give_device_mesh",
+    "hf_init_weights",
+    "is_hf_model",
 ]

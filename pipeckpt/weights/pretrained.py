@@ -1,0 +1,211 @@
+"""A module built on the meta device, filled from a pretrained checkpoint where it is made real.
+
+Why: ``from_pretrained`` in every process reads the whole checkpoint in each, and a model built on
+the meta device (the way to build one larger than a process) had no way to get pretrained values.
+:func:`pretrained` marks a module; when a process makes its own stages real
+(:mod:`pipeckpt.stages.materialize`), every tensor it keeps is read from the checkpoint by its key
+alone (``safetensors.safe_open`` per file, only the keys needed; a plain state-dict file is mapped,
+weights only), converted to the module's dtype. What the checkpoint does not hold and the module
+does not save (rotary frequencies, masks) comes from the module's own initialisation.
+"""
+
+import json
+import weakref
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar, Union
+
+import torch
+from torch import Tensor, nn
+
+from pipeckpt._compat import own_tensors, set_own_tensor
+from pipeckpt._errors import config_error
+from pipeckpt.state.confined import inside
+from pipeckpt.state.safe_load import weights_only_load
+
+__all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint"]
+
+M = TypeVar("M", bound=nn.Module)
+MISSING = ("error", "init")
+_INDEX, _SINGLE, _TORCH = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
+_marks: "weakref.WeakKeyDictionary[nn.Module, Pretrained]" = weakref.WeakKeyDictionary()
+
+
+def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> M:
+    """``module``, to be filled from the checkpoint at ``path`` when the ``pipe`` strategy makes it
+    real (build it on the meta device: in ``configure_model``, or under
+    ``trainer.init_module(empty_init=True)``).
+
+    Args:
+        module: the model, e.g. ``AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))``.
+        path: a Hugging Face directory (``model.safetensors.index.json`` and its shards, or
+            ``model.safetensors``), a ``.safetensors`` file, or a file ``torch.save`` wrote a state
+            dict to. Keys are ``module``'s own (``state_dict()``); a Hugging Face checkpoint saved
+            with or without the model's ``base_model_prefix`` fits either way, as in ``from_pretrained``.
+        missing: ``"error"``: a parameter or saved buffer the checkpoint lacks is an error naming
+            it; ``"init"``: it is initialised as a build from scratch initialises it.
+
+    Returns:
+        ``module`` itself. A resume (``trainer.fit(ckpt_path=...)``) takes precedence: its values
+        replace the pretrained ones.
+    """
+    if missing not in MISSING:
+        raise config_error(
+            f"pretrained(missing={missing!r})", f"missing is one of {MISSING}", "use 'error' or 'init'"
+        )
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        raise config_error(
+            f"pretrained({type(module).__name__}, {str(path)!r}) on a module whose tensors are real",
+            "pretrained fills a module built on the meta device, where the pipe strategy makes it real",
+            "build it in configure_model under the pipe strategy (or under "
+            "trainer.init_module(empty_init=True)), or load it eagerly with from_pretrained",
+        )
+    _marks[module] = Pretrained(Path(path), missing)
+    return module
+
+
+def marked_in(module: nn.Module) -> List[Tuple[nn.Module, "Pretrained"]]:
+    """The modules in ``module`` (itself included) that :func:`pretrained` marked, with their source."""
+    return [(m, _marks[m]) for m in module.modules() if m in _marks]
+
+
+class Pretrained:
+    """A pretrained checkpoint: which file holds each key, and reading a few keys of it."""
+
+    def __init__(self, path: Path, missing: str) -> None:
+        self.path, self.missing = path, missing
+        self._where: Optional[Dict[str, Path]] = None
+        self._state: Optional[Dict[str, Tensor]] = None  # a torch state-dict file, mapped
+
+    def where(self) -> Dict[str, Path]:
+        """Each key of the checkpoint -> the file holding it."""
+        if self._where is None:
+            self._where = self._listing()
+        return self._where
+
+    def _listing(self) -> Dict[str, Path]:
+        p = self.path
+        if p.is_dir() and (p / _INDEX).is_file():
+            weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
+            files = {f: inside(p, f, f"{_INDEX}'s weight_map") for f in set(weight_map.values())}
+            return {k: files[f] for k, f in weight_map.items()}
+        file = next((p / n for n in (_SINGLE, _TORCH) if (p / n).is_file()), None) if p.is_dir() else p
+        if file is None or not file.is_file():
+            found = "a directory without them" if p.is_dir() else "no file"
+            raise config_error(
+                f"pretrained checkpoint {str(p)!r}",
+                f"a pretrained checkpoint is a directory holding {_INDEX} (with its shards), {_SINGLE} "
+                f"or {_TORCH}, or one such file; this is {found}",
+                "pass the directory save_pretrained wrote, or the state-dict file",
+            )
+        if file.suffix == ".safetensors":
+            import safetensors
+
+            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+                return {k: file for k in f.keys()}
+        self._state = weights_only_load(  # refusals of a pickled object in pipeckpt's words
+            file, lambda: torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        )
+        if not isinstance(self._state, dict) or not all(isinstance(v, Tensor) for v in self._state.values()):
+            raise config_error(
+                f"pretrained checkpoint {str(file)!r}",
+                "a file that is not safetensors must hold a state dict (names -> tensors)",
+                "save model.state_dict() with torch.save, or pass a save_pretrained directory",
+            )
+        return {k: file for k in self._state}
+
+    def read(self, wanted: Dict[str, Tensor]) -> None:
+        """Copies each key's tensor into its destination (converting the dtype), reading nothing else."""
+        by_file: Dict[Path, List[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.where()[key], []).append(key)
+        for file, keys in by_file.items():
+            if self._state is not None:
+                for key in keys:
+                    _copy(wanted[key], self._state[key], key, file)
+                continue
+            import safetensors
+
+            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in keys:
+                    _copy(wanted[key], f.get_tensor(key), key, file)
+
+
+def _copy(dest: Tensor, source: Tensor, key: str, file: Path) -> None:
+    if dest.shape != source.shape:
+        raise config_error(
+            f"{key} in {str(file)!r} has shape {tuple(source.shape)}, the module's {tuple(dest.shape)}",
+            "a pretrained checkpoint fills a module of the same configuration",
+            "build the module from the checkpoint's own config (AutoConfig.from_pretrained(path))",
+        )
+    dest.copy_(source)
+
+
+def _candidates(model: nn.Module, name: str) -> List[str]:
+    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not isinstance(prefix, str) or not prefix:
+        return [name]
+    if name.startswith(prefix + "."):
+        return [name, name[len(prefix) + 1 :]]
+    return [name, f"{prefix}.{name}"]
+
+
+def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
+    """The meta tensors of every marked module in ``module`` that ``keep`` accepts made real on
+    ``device`` from their checkpoints; returns the ids of the meta tensors left for the module's
+    own initialisation (buffers it does not save; missing weights under ``missing='init'``)."""
+    left: Set[int] = set()
+    for model, source in marked_in(module):
+        names: Dict[int, List[str]] = {}
+        slots: Dict[int, List[Tuple[nn.Module, str, bool]]] = {}
+        for prefix, owner in model.named_modules(remove_duplicate=False):
+            for slot, t, is_param in own_tensors(owner):
+                if t.is_meta and (keep is None or keep(t)):
+                    names.setdefault(id(t), []).append(f"{prefix}.{slot}" if prefix else slot)
+                    slots.setdefault(id(t), []).append((owner, slot, is_param))
+        saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
+        where = source.where()
+        keys = {
+            i: next((k for n in ns for k in _candidates(model, n) if k in where), None)
+            for i, ns in names.items()
+        }
+        missing = sorted(names[i][0] for i, k in keys.items() if k is None and i in saved)
+        if missing and source.missing == "error":
+            shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} in all)" if len(missing) > 4 else "")
+            raise config_error(
+                f"{str(source.path)!r} lacks {shown} of {type(model).__name__}",
+                "a module filled from a pretrained checkpoint finds every parameter and saved buffer "
+                "there (buffers it does not save, such as rotary frequencies, come from its own code)",
+                "build the module from the checkpoint's own config, or pretrained(..., missing='init') "
+                "to initialise the missing ones as a build from scratch does",
+            )
+        wanted: Dict[str, Tensor] = {}
+        for i, key in keys.items():
+            if key is None:
+                left.add(i)
+                continue
+            owner, slot, is_param = slots[i][0]
+            meta = owner._parameters[slot] if is_param else owner._buffers[slot]
+            real = torch.empty_like(meta, device=device)  # type: ignore[arg-type]
+            wanted[key] = real
+            value = nn.Parameter(real, meta.requires_grad) if is_param else real  # type: ignore[union-attr]
+            for owner, slot, is_param in slots[i]:  # a tied tensor stays one
+                set_own_tensor(owner, slot, value, is_param)
+        with torch.no_grad():
+            source.read(wanted)
+    return left
+
+
+def in_checkpoint(module: nn.Module) -> Set[int]:
+    """The ids of the meta tensors of the marked modules in ``module`` that their checkpoints hold
+    (every process's, not only its own: a refusal is the same on every process)."""
+    found: Set[int] = set()
+    for model, source in marked_in(module):
+        where = source.where()
+        for name, t in (
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ):
+            if t.is_meta and any(k in where for k in _candidates(model, name)):
+                found.add(id(t))
+    return found
