@@ -14,6 +14,7 @@ is written beside ``out`` and renamed onto it whole (:mod:`pipeckpt.state.direct
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Type, Union
@@ -29,6 +30,11 @@ __all__ = ["export_hf", "resolve_dtype"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 WEIGHTS_INDEX = "model.safetensors.index.json"
+#: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
+_EXPORT_FILES = re.compile(
+    r"(config|generation_config|adapter_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+    r"|model\.safetensors\.index\.json|adapter_model\.safetensors|README\.md"
+)
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -88,6 +94,22 @@ def _model_class(config: Any, model_class: Any) -> Type[nn.Module]:
             )
         model_class = getattr(transformers, name)
     return model_class
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuses an ``out`` that holds anything but an earlier export: the export replaces it whole."""
+    if not os.path.lexists(target):
+        return
+    if target.is_dir() and not target.is_symlink():
+        others = sorted(p.name for p in target.iterdir() if not _EXPORT_FILES.fullmatch(p.name))
+    else:
+        others = [target.name]
+    if others:
+        raise config_error(
+            f"out={str(target)!r}",
+            f"holds {others[:5]}, which no export writes, and an export replaces its directory whole",
+            "export into a new directory, or into an earlier export's",
+        )
 
 
 def skeleton(config: Any, model_class: Type[nn.Module]) -> nn.Module:
@@ -178,6 +200,7 @@ def export_hf(
     ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
     No process holds more than one shard's tensors. Returns ``out``."""
     target = Path(out)
+    _check_replaceable(target)
     cast = resolve_dtype(dtype)
     source = CheckpointSource(checkpoint)
     hf_config = _config(config)

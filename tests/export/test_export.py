@@ -49,6 +49,13 @@ def trained(tmp_path_factory) -> Dict[str, object]:
     return out
 
 
+def _export(module, ckpt: Path, tmp_path: Path, **options) -> Path:
+    model = module.model
+    return export_hf(
+        ckpt, tmp_path / "hf", prefix="model.", config=model.config, model_class=type(model), **options
+    )
+
+
 def _hf_state(module) -> Dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in module.model.state_dict().items()}
 
@@ -56,9 +63,7 @@ def _hf_state(module) -> Dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_from_pretrained_loads_the_trained_weights_exactly_and_gives_equal_logits(trained, name, tmp_path):
     module, ckpt = trained[name]
-    out = export_hf(
-        ckpt, tmp_path / "hf", prefix="model.", config=module.model.config, model_class=type(module.model)
-    )
+    out = _export(module, ckpt, tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded) is type(module.model)
     got, want = loaded.state_dict(), _hf_state(module)
@@ -71,36 +76,16 @@ def test_from_pretrained_loads_the_trained_weights_exactly_and_gives_equal_logit
 
 def test_a_tied_copy_is_left_out_as_save_pretrained_leaves_it(trained, tmp_path):
     module, ckpt = trained["gpt2"]
-    out = export_hf(
-        ckpt, tmp_path / "hf", prefix="model.", config=module.model.config, model_class=type(module.model)
-    )
+    out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in index and "transformer.wte.weight" in index
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
-    index = (
-        json.loads((out / "model.safetensors.index.json").read_text())
-        if (out / "model.safetensors.index.json").exists()
-        else None
-    )
-    from safetensors import safe_open
-
-    names = set()
-    for file in out.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            names |= set(f.keys())
-    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
-    assert index is None or "lm_head.weight" not in index["weight_map"]
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
 
 
 def test_a_small_max_shard_size_gives_several_shards_and_an_index_naming_each_key(trained, tmp_path):
     module, ckpt = trained["llama"]
-    out = export_hf(
-        ckpt,
-        tmp_path / "hf",
-        prefix="model.",
-        config=module.model.config,
-        model_class=type(module.model),
-        max_shard_size=SMALL_SHARD,
-    )
+    out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 2
     assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -111,14 +96,7 @@ def test_a_small_max_shard_size_gives_several_shards_and_an_index_naming_each_ke
 
 def test_the_export_holds_no_optimizer_state_only_config_and_weights(trained, tmp_path):
     module, ckpt = trained["llama"]
-    out = export_hf(
-        ckpt,
-        tmp_path / "hf",
-        prefix="model.",
-        config=module.model.config,
-        model_class=type(module.model),
-        max_shard_size=SMALL_SHARD,
-    )
+    out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     files = {p.name for p in out.iterdir()}
     assert files - {"config.json", "generation_config.json", "model.safetensors.index.json"} == {
         p.name for p in out.glob("model-*-of-*.safetensors")
@@ -138,14 +116,7 @@ def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, t
         "read",
         lambda self, keys: reads.append(list(keys)) or original(self, keys),
     )
-    out = export_hf(
-        ckpt,
-        tmp_path / "hf",
-        prefix="model.",
-        config=module.model.config,
-        model_class=type(module.model),
-        max_shard_size=SMALL_SHARD,
-    )
+    out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(reads) == len(set(index.values())) > 2
     for keys in reads:
@@ -154,14 +125,7 @@ def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, t
 
 def test_bfloat16_export_casts_every_weight_and_says_so_in_the_config(trained, tmp_path):
     module, ckpt = trained["llama"]
-    out = export_hf(
-        ckpt,
-        tmp_path / "hf",
-        prefix="model.",
-        config=module.model.config,
-        model_class=type(module.model),
-        dtype="bfloat16",
-    )
+    out = _export(module, ckpt, tmp_path, dtype="bfloat16")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     want = _hf_state(module)
     assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in loaded.state_dict().items())
@@ -220,3 +184,37 @@ def test_lora_adapters_load_with_peft_and_equal_the_trained_ones(quiet_trainer, 
     ids = batches(1)[0]["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids).logits, peft_model.eval()(ids).logits)
+
+
+def test_an_export_replaces_an_earlier_export_whole(trained, tmp_path):
+    module, ckpt = trained["llama"]
+    _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
+    out = _export(module, ckpt, tmp_path)  # one file now: the shards and index of the first are gone
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+
+
+def test_a_directory_holding_other_files_is_refused_and_left_as_it_was(trained, tmp_path):
+    module, ckpt = trained["llama"]
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(PipeckptConfigError, match=r"out=.*\['notes.txt'\].*replaces its directory whole"):
+        _export(module, ckpt, tmp_path)
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]
+
+
+def test_the_callback_refuses_a_dtype_before_training():
+    with pytest.raises(PipeckptConfigError, match=r"dtype='float16'.*float32 or bfloat16"):
+        HFExport("out", dtype="float16")
+
+
+def test_the_cli_names_a_wrong_prefix_and_exits_2(trained, tmp_path, capsys):
+    module, ckpt = trained["gpt2"]
+    module.model.config.save_pretrained(tmp_path / "cfg")
+    argv = [str(ckpt), str(tmp_path / "hf"), "--prefix", "gpt.", "--config", str(tmp_path / "cfg")]
+    with pytest.raises(SystemExit) as exit:
+        cli([*argv, "--model-class", "GPT2LMHeadModel"])
+    assert exit.value.code == 2 and "prefix='gpt.'" in capsys.readouterr().err
