@@ -1,8 +1,9 @@
 """The export to Hugging Face under the distributed engine: tiny random GPT-2 (tied), Llama and PEFT
-LoRA on the Llama trained 3 steps in 2 pipeline processes, and in 2 pipeline stages x 2 FSDP2
-replicas (gloo on CPU, tests/export/export_worker.py), with ``HFExport`` writing the export when
-``fit`` ends. ``from_pretrained`` (``PeftModel.from_pretrained`` for LoRA) loads exactly the weights
-of the run's sharded checkpoint; an export from that checkpoint reads one shard's keys at a time."""
+LoRA on the Llama trained 3 steps in 2 pipeline processes, and in 2 pipeline stages x 2 replicas (DDP
+for GPT-2, FSDP2 for the others; gloo on CPU, tests/export/export_worker.py), with ``HFExport``
+writing the export when ``fit`` ends. ``from_pretrained`` (``PeftModel.from_pretrained`` for LoRA)
+loads exactly the weights of the run's sharded checkpoint; an export from that checkpoint reads one
+shard's keys at a time."""
 
 import json
 from pathlib import Path
@@ -25,11 +26,13 @@ WORKER = Path(__file__).resolve().parent / "export_worker.py"
 START_S = 480
 SMALL_SHARD = 20_000  # bytes: the tiny models' ~100 KiB in several shards
 PP2 = dict(balance=[2, 2], chunks=2, schedule="1f1b")
+DDP2 = dict(PP2, dp=2)
 FSDP2 = dict(PP2, dp=2, data_parallel="fsdp")
 RUNS: List[Dict[str, Any]] = [
     dict(name="gpt2_pp2", model="gpt2", world=2, strategy=PP2),
     dict(name="llama_pp2", model="llama", world=2, strategy=PP2),
     dict(name="lora_pp2", model="lora", world=2, strategy=PP2),
+    dict(name="gpt2_pp2_ddp2", model="gpt2", world=4, strategy=DDP2),
     dict(name="llama_pp2_fsdp2", model="llama", world=4, strategy=FSDP2),
     dict(name="lora_pp2_fsdp2", model="lora", world=4, strategy=FSDP2),
 ]
