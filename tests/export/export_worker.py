@@ -8,10 +8,12 @@ lists trainings run one after the other in the same processes:
 
 Each run trains ``model`` ("gpt2" or "llama" of tests/support/hf_models.py, or "lora": PEFT LoRA on
 the Llama) for ``steps`` steps under engine="distributed" with ``HFExport`` writing `<name>-hf` into
-the spec's `out` directory when training ends, then saves the sharded checkpoint `<name>.ckpt`.
+the spec's `out` directory when training ends, then saves the sharded checkpoint `<name>.ckpt`. A
+run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`.
 """
 
 import os
+from pathlib import Path
 from typing import Any, Dict
 
 from support.frozen_models import LoraLlama
@@ -28,7 +30,16 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     module = LoraLlama() if spec["model"] == "lora" else HFModule(spec["model"], whole)
     export = HFExport(os.path.join(out, f"{spec['name']}-hf"), max_shard_size=spec["max_shard_size"])
     trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[export])
-    trainer.fit(module, DataLoader(batches(spec["steps"]), batch_size=None))
+    data = DataLoader(batches(spec["steps"]), batch_size=None)
+    if spec.get("fails"):
+        try:
+            trainer.fit(module, data)
+        except Exception as error:
+            rank = os.environ["LOCAL_RANK"]
+            Path(out, f"{spec['name']}.rank{rank}.error").write_text(f"{type(error).__name__}: {error}")
+            return
+        raise AssertionError(f"{spec['name']}: fit did not fail")
+    trainer.fit(module, data)
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
 
 

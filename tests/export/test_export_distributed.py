@@ -32,6 +32,9 @@ RUNS: List[Dict[str, Any]] = [
     dict(name="gpt2_pp2", model="gpt2", world=2, strategy=PP2),
     dict(name="llama_pp2", model="llama", world=2, strategy=PP2),
     dict(name="lora_pp2", model="lora", world=2, strategy=PP2),
+    dict(
+        name="refused_pp2", model="gpt2", world=2, strategy=PP2, fails=True
+    ),  # last: it ends its ranks' group
     dict(name="gpt2_pp2_ddp2", model="gpt2", world=4, strategy=DDP2),
     dict(name="llama_pp2_fsdp2", model="llama", world=4, strategy=FSDP2),
     dict(name="lora_pp2_fsdp2", model="lora", world=4, strategy=FSDP2),
@@ -44,6 +47,9 @@ def runs(tmp_path_factory) -> Iterator[Path]:
     for world in (2, 4):
         mine = [dict(r, steps=3, max_shard_size=SMALL_SHARD) for r in RUNS if r["world"] == world]
         (out / f"world{world}").mkdir()
+        if world == 2:  # the refused run's export directory holds a file of the user's
+            (out / "world2" / "refused_pp2-hf").mkdir()
+            (out / "world2" / "refused_pp2-hf" / "notes.txt").write_text("mine")
         ranks.launch(WORKER, world, mine, out / f"world{world}", within_s=START_S)
     yield out
 
@@ -59,7 +65,9 @@ def _trained(runs: Path, run: Dict[str, Any]) -> Dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [r for r in RUNS if r["model"] != "lora"], ids=lambda r: r["name"])
+@pytest.mark.parametrize(
+    "run", [r for r in RUNS if r["model"] != "lora" and not r.get("fails")], ids=lambda r: r["name"]
+)
 def test_from_pretrained_loads_the_runs_weights_exactly_and_gives_equal_logits(runs, run):
     export = _checkpoint(runs, run).with_name(f"{run['name']}-hf")
     assert json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
@@ -120,3 +128,13 @@ def test_an_export_of_a_sharded_checkpoint_reads_one_shards_keys_at_a_time(runs,
     assert all(keys is not None for keys in loaded_calls) and len(loaded_calls) == len(reads)
     for keys in reads:
         assert len({index[k.removeprefix("model.")] for k in keys}) == 1
+
+
+@pytest.mark.slow
+def test_an_export_refused_on_rank_0_is_raised_on_every_rank_and_nothing_is_replaced(runs):
+    where = runs / "world2"
+    errors = [(where / f"refused_pp2.rank{rank}.error").read_text() for rank in (0, 1)]
+    assert "notes.txt" in errors[0] and "replaces its directory whole" in errors[0]
+    assert "global rank 0 could not export" in errors[1] and "notes.txt" in errors[1]
+    assert [p.name for p in (where / "refused_pp2-hf").iterdir()] == ["notes.txt"]
+    assert not [p.name for p in where.iterdir() if p.name.startswith(".pipeckpt-")]  # no staged weights left
