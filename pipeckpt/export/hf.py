@@ -25,6 +25,7 @@ from torch import nn
 from pipeckpt._errors import config_error
 from pipeckpt.export.source import CheckpointSource
 from pipeckpt.state.directories import swap_into_place, temporary_beside
+from pipeckpt.state.files import fsync_tree
 
 __all__ = ["export_hf", "resolve_dtype"]
 
@@ -140,8 +141,9 @@ def write_weights(
     prefix: str,
     dtype: Optional[torch.dtype],
     max_shard_size: Union[int, str],
-) -> None:
-    """The model's safetensors shards and index into ``tmp``, one shard's keys read at a time."""
+) -> torch.dtype:
+    """The model's safetensors shards and index into ``tmp``, one shard's keys read at a time;
+    returns the dtype written."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -164,6 +166,7 @@ def write_weights(
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return next(iter(cast.values())).dtype
 
 
 def _config_files(tmp: Path, model: Any, dtype: torch.dtype) -> None:
@@ -198,7 +201,8 @@ def export_hf(
     With ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the
     module at ``prefix`` is a PEFT model and ``out`` holds its adapters, for
     ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
-    No process holds more than one shard's tensors. Returns ``out``."""
+    Reads and writes one shard at a time: the export holds two to three of its largest shard at its
+    peak (safetensors serialises a shard in memory), never the model. Returns ``out``."""
     target = Path(out)
     _check_replaceable(target)
     cast = resolve_dtype(dtype)
@@ -213,10 +217,11 @@ def export_hf(
 
             write_adapters(source, tmp, model, adapter_config, prefix=prefix, dtype=cast)
         else:
-            write_weights(source, tmp, model, prefix=prefix, dtype=cast, max_shard_size=max_shard_size)
-            first = next(iter(source.shapes.values()), None)
-            stored = first.dtype if first is not None else torch.float32
-            _config_files(tmp, model, cast or stored)
+            written = write_weights(
+                source, tmp, model, prefix=prefix, dtype=cast, max_shard_size=max_shard_size
+            )
+            _config_files(tmp, model, written)
+        fsync_tree(tmp)  # the files as durable as the name the rename gives them
         swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
