@@ -28,8 +28,8 @@ class CheckpointSource:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self._file: Dict[str, Any] = {}
-        if sharded.is_sharded(self.path):
-            index, _ = model_index(self.path, weights_only=True)
+        if self.path.is_dir():
+            index, _ = model_index(sharded.require_sharded(self.path), weights_only=True)
             self.shapes = {k: v for k, v in index.items() if isinstance(v, torch.Tensor)}
         elif self.path.is_file():
             checkpoint = safe_load.load_torch_file(self.path, weights_only=True, mmap=True)

@@ -218,3 +218,10 @@ def test_the_cli_names_a_wrong_prefix_and_exits_2(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         cli([*argv, "--model-class", "GPT2LMHeadModel"])
     assert exit.value.code == 2 and "prefix='gpt.'" in capsys.readouterr().err
+
+
+def test_an_incomplete_sharded_directory_is_refused_naming_what_it_lacks(tmp_path):
+    (tmp_path / "run.ckpt").mkdir()
+    (tmp_path / "run.ckpt" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(PipeckptConfigError, match=r"has no \.metadata .* and no pipeckpt-meta\.pt"):
+        export_hf(tmp_path / "run.ckpt", tmp_path / "hf", prefix="model.", config=transformers.GPT2Config())
