@@ -1,16 +1,17 @@
-"""Every reach into Hugging Face transformers' private names (its per-module weight initialisation).
+"""Every reach into Hugging Face transformers' private names: its per-module weight initialisation,
+and the rule ``save_pretrained`` uses to leave out tied copies.
 
-transformers is optional: nothing here imports it; a module is a Hugging Face model only if
-transformers is already imported (a model of it cannot exist otherwise). ``tests/test_compat.py``
-checks each name by behaviour.
+transformers is optional: nothing here imports it at import time; a module is a Hugging Face model
+only if transformers is already imported (a model of it cannot exist otherwise).
+``tests/test_compat.py`` and ``tests/test_compat_transformers.py`` check each name by behaviour.
 """
 
 import sys
-from typing import Callable, List
+from typing import Any, Callable, Dict, List
 
 from torch import nn
 
-__all__: List[str] = ["is_hf_model", "hf_init_weights"]
+__all__: List[str] = ["drop_tied_copies", "hf_init_weights", "is_hf_model"]
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -26,3 +27,13 @@ def hf_init_weights(model: nn.Module) -> Callable[[nn.Module], None]:
     holding some stages needs."""
     init: Callable[[nn.Module], None] = model._init_weights  # type: ignore[assignment]
     return init
+
+
+def drop_tied_copies(state_dict: Dict[str, Any], model: Any) -> Dict[str, Any]:
+    """``state_dict`` without the tied copies ``save_pretrained`` leaves out (GPT-2's
+    ``lm_head.weight``), keeping the name ``from_pretrained`` re-ties from. Why not public: the
+    rule lives in ``transformers.modeling_utils.remove_tied_weights_from_state_dict``, which
+    ``save_pretrained`` calls and the documentation does not name; it accepts meta tensors."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    return remove_tied_weights_from_state_dict(dict(state_dict), model)

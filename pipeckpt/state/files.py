@@ -29,6 +29,7 @@ __all__ = [
     "atomic_replace_dir",
     "atomic_write",
     "fsync_dir",
+    "fsync_tree",
     "hidden_sibling_prefix",
     "temporary_dir_beside",
 ]
@@ -126,7 +127,7 @@ def temporary_dir_beside(path: PathLike) -> str:
             continue
 
 
-def _fsync_tree(root: str) -> None:
+def fsync_tree(root: PathLike) -> None:
     """fsyncs every file and directory under ``root``, so that after the rename the
     directory's content is as durable as its name."""
     for directory, _, files in os.walk(root):
@@ -166,7 +167,7 @@ def atomic_replace_dir(tmp_dir: PathLike, path: PathLike) -> None:
             f"it is on another filesystem than {os.fspath(path)!r}, so it cannot be renamed in one step",
             "create it with temporary_dir_beside(path), which puts it next to the target",
         )
-    _fsync_tree(source)
+    fsync_tree(source)
     aside: Optional[str] = None
     if os.path.lexists(target):
         aside = _fresh_name(target, tag="old-")

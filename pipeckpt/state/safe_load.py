@@ -141,12 +141,13 @@ def weights_only_load(path: PathLike, load: Callable[[], Any]) -> Any:
         raise mine from None
 
 
-def load_torch_file(path: PathLike, *, weights_only: Optional[bool] = None) -> Any:
+def load_torch_file(path: PathLike, *, weights_only: Optional[bool] = None, mmap: bool = False) -> Any:
     """``torch.load(path)`` onto the CPU, weights-only unless the caller passes ``weights_only=False``
-    (a file it trusts), after :func:`check_torch_file`."""
+    (a file it trusts), after :func:`check_torch_file`; ``mmap``: tensors map the file and are read
+    only where touched (a reader that wants a few of them at a time)."""
     check_torch_file(path)
     safe = weights_only is not False
-    return weights_only_load(path, lambda: torch.load(path, map_location="cpu", weights_only=safe))
+    return weights_only_load(path, lambda: torch.load(path, map_location="cpu", weights_only=safe, mmap=mmap))
 
 
 def load_with(io: Any, path: Any, weights_only: Optional[bool]) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from pipeckpt._errors import PipeckptSaveError, save_error
 from pipeckpt.sizes import human
@@ -55,14 +56,11 @@ def checkpoint_bytes(checkpoint: Any) -> int:
 
     def walk(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            if value.is_meta:
-                return
-            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's
-            try:
-                storage = local.untyped_storage()
+            if isinstance(value, DTensor):  # a wrapper without storage: this rank writes its shard
+                value = value.to_local()
+            if not value.is_meta:
+                storage = value.untyped_storage()
                 storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # a subclass without one storage of its own
-                storages[("tensor", id(local))] = local.numel() * local.element_size()
         elif isinstance(value, dict):
             for item in value.values():
                 walk(item)

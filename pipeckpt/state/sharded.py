@@ -43,6 +43,7 @@ __all__ = [
     "load",
     "optimizer_state_by_index",
     "optimizer_state_by_name",
+    "require_sharded",
     "save",
     "to_torch_save",
 ]
@@ -253,7 +254,8 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return root.is_dir() and (root / _DCP_METADATA).is_file() and (root / META_FILE).is_file()
 
 
-def _require_sharded(path: str | os.PathLike) -> Path:
+def require_sharded(path: str | os.PathLike) -> Path:
+    """``path``, refused naming what is missing unless it is a whole sharded checkpoint directory."""
     root = Path(path)
     missing = [name for name in (_DCP_METADATA, META_FILE) if not (root / name).is_file()]
     if root.is_dir() and missing and (len(missing) == 1 or any(root.glob("*.distcp"))):
@@ -310,7 +312,7 @@ def load(
     those of them that are parameters, keyed by name; only those tensors' bytes are read, onto the CPU.
     ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does.
     """
-    root = _require_sharded(path)
+    root = require_sharded(path)
     metadata = safe_load.SafeReader(root).read_metadata()  # refuses files outside root, reads none
     rest = confined.inside(root, META_FILE, "rank 0's part of the checkpoint")
     checkpoint = safe_load.load_torch_file(rest, weights_only=weights_only)

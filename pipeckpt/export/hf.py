@@ -1,0 +1,245 @@
+"""A run's checkpoint as a Hugging Face directory that ``from_pretrained`` loads, one shard at a time.
+
+Why not ``save_pretrained``: it takes the whole state dict at once, and no process of a pipelined
+run holds the whole model. The plan is the library's own, made on a model built on the meta device
+(no memory): transformers' ``remove_tied_weights_from_state_dict`` drops the tied copies its loader
+re-ties (GPT-2's ``lm_head.weight``), huggingface_hub's ``split_torch_state_dict_into_shards`` cuts
+the rest into ``model-0000k-of-0000n.safetensors`` and names the index; then each shard's keys are
+read from the checkpoint (:class:`~pipeckpt.export.source.CheckpointSource`), cast, written with
+safetensors' ``save_file`` and dropped before the next. Why not DCP's ``HuggingFaceStorageWriter``:
+it writes what one ``dcp.save`` call holds, i.e. the whole model in one process here. The directory
+is written beside ``out`` and renamed onto it whole (:mod:`pipeckpt.state.directories`).
+"""
+
+import copy
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Type, Union
+
+import torch
+from torch import nn
+
+from pipeckpt._errors import config_error
+from pipeckpt.export.source import CheckpointSource
+from pipeckpt.state.directories import swap_into_place, temporary_beside
+from pipeckpt.state.files import fsync_tree
+
+__all__ = ["export_hf", "resolve_dtype"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+WEIGHTS_INDEX = "model.safetensors.index.json"
+#: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
+_EXPORT_FILES = re.compile(
+    r"(config|generation_config|adapter_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+    r"|model\.safetensors\.index\.json|adapter_model\.safetensors|README\.md"
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``None`` or ``"keep"``: the checkpoint's dtype; else float32 or bfloat16 (a name or a dtype)."""
+    if dtype is None or dtype == "keep":
+        return None
+    found = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
+    if found not in (torch.float32, torch.bfloat16):
+        raise config_error(
+            f"dtype={dtype!r}",
+            "an export keeps the checkpoint's dtype or casts to float32 or bfloat16",
+            "pass dtype=None (keep), 'float32' or 'bfloat16'",
+        )
+    return found
+
+
+def _config(config: Any) -> Any:
+    """A ``PretrainedConfig``, or one read from a directory holding config.json or that file."""
+    import transformers
+
+    if isinstance(config, transformers.PretrainedConfig):
+        return copy.deepcopy(config)  # the export names its class and dtype in it
+    if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
+        return transformers.AutoConfig.from_pretrained(os.fspath(config))
+    raise config_error(
+        f"config={config!r}",
+        "the export's config is a transformers PretrainedConfig, or a local directory or config.json",
+        "pass the run's model config (model.config) or the pretrained directory it started from",
+    )
+
+
+def _model_class(config: Any, model_class: Any) -> Type[nn.Module]:
+    import transformers
+
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise config_error(
+                f"a {type(config).__name__} with architectures={names!r}",
+                "the export needs the model class, and the config names none that transformers has",
+                "pass model_class (e.g. transformers.LlamaForCausalLM, --model-class LlamaForCausalLM)",
+            )
+    elif isinstance(model_class, str):
+        name = model_class.rsplit(".", 1)[-1]
+        if not hasattr(transformers, name):
+            raise config_error(
+                f"model_class={model_class!r}",
+                "is not a model class of transformers",
+                "name one such as LlamaForCausalLM or GPT2LMHeadModel",
+            )
+        model_class = getattr(transformers, name)
+    return model_class
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuses an ``out`` that holds anything but an earlier export: the export replaces it whole."""
+    if not os.path.lexists(target):
+        return
+    if target.is_dir() and not target.is_symlink():
+        others = sorted(p.name for p in target.iterdir() if not _EXPORT_FILES.fullmatch(p.name))
+    else:
+        others = [target.name]
+    if others:
+        raise config_error(
+            f"out={str(target)!r}",
+            f"holds {others[:5]}, which no export writes, and an export replaces its directory whole",
+            "export into a new directory, or into an earlier export's",
+        )
+
+
+def skeleton(config: Any, model_class: Type[nn.Module]) -> nn.Module:
+    """The model built on the meta device: its keys, shapes and ties, and no memory."""
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def _under(source: CheckpointSource, prefix: str, keys: List[str]) -> None:
+    """Refuses a checkpoint that lacks any of the model's ``keys`` under ``prefix``."""
+    missing = [key for key in keys if prefix + key not in source.shapes]
+    if missing:
+        found = sorted({key.split(".", 1)[0] + "." for key in source.shapes})
+        raise config_error(
+            f"prefix={prefix!r}",
+            f"the checkpoint {str(source.path)!r} holds no {[prefix + k for k in missing[:3]]} "
+            f"({len(missing)} of the model's {len(keys)} keys missing; its keys start with {found[:5]})",
+            "pass the attribute path of the Hugging Face model in your LightningModule with a "
+            "trailing dot (self.model -> prefix='model.'), and the config of the model trained",
+        )
+
+
+def write_weights(
+    source: CheckpointSource,
+    tmp: Path,
+    model: nn.Module,
+    *,
+    prefix: str,
+    dtype: Optional[torch.dtype],
+    max_shard_size: Union[int, str],
+) -> torch.dtype:
+    """The model's safetensors shards and index into ``tmp``, one shard's keys read at a time;
+    returns the dtype written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from pipeckpt._compat.transformers_private import drop_tied_copies
+
+    planned = drop_tied_copies(model.state_dict(), model)
+    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or []:
+        planned.pop(ignored, None)
+    _under(source, prefix, list(planned))
+    stored = {key: source.shapes[prefix + key] for key in planned}
+    cast = {key: value.to(dtype or value.dtype) for key, value in stored.items()}
+    split = split_torch_state_dict_into_shards(
+        cast, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    for filename, keys in split.filename_to_tensors.items():
+        read = source.read([prefix + key for key in keys])
+        shard = {key: read.pop(prefix + key).to(cast[key].dtype).contiguous() for key in keys}
+        save_file(shard, str(tmp / filename), metadata={"format": "pt"})
+        del shard, read
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return next(iter(cast.values())).dtype
+
+
+def _config_files(tmp: Path, model: Any, dtype: torch.dtype) -> None:
+    """config.json as ``save_pretrained`` writes it (the class and dtype named), and the
+    generation config where the model has one (``model``: a transformers PreTrainedModel)."""
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    config.save_pretrained(tmp)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(tmp)
+
+
+def export_hf(
+    checkpoint: PathLike,
+    out: PathLike,
+    *,
+    prefix: str,
+    config: Any,
+    model_class: Any = None,
+    adapter_config: Any = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    max_shard_size: Union[int, str] = "5GB",
+) -> Path:
+    """Writes the model in the Lightning ``checkpoint`` (a sharded directory of the distributed
+    engine, or a local engine's ``.ckpt``) as the directory ``out`` that ``from_pretrained`` loads:
+    config.json, model-only safetensors shards of at most ``max_shard_size`` and their index, no
+    optimizer state. ``prefix``: the Hugging Face model's attribute path in the LightningModule
+    (``self.model`` -> ``"model."``); ``config``: its ``PretrainedConfig``, or a local directory or
+    config.json; ``model_class``: its transformers class (default: the config's ``architectures``).
+    With ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the
+    module at ``prefix`` is a PEFT model and ``out`` holds its adapters, for
+    ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
+    Reads and writes one shard at a time: the export holds two to three of its largest shard at its
+    peak (safetensors serialises a shard in memory), never the model. Returns ``out``."""
+    target = Path(out)
+    _check_replaceable(target)
+    cast = resolve_dtype(dtype)
+    source = CheckpointSource(checkpoint)
+    hf_config = _config(config)
+    model = skeleton(hf_config, _model_class(hf_config, model_class))
+    tmp = Path(temporary_beside(target))
+    tmp.mkdir()
+    try:
+        if adapter_config is not None:
+            from pipeckpt.export.adapters import write_adapters
+
+            write_adapters(source, tmp, model, adapter_config, prefix=prefix, dtype=cast)
+        else:
+            written = write_weights(
+                source, tmp, model, prefix=prefix, dtype=cast, max_shard_size=max_shard_size
+            )
+            _config_files(tmp, model, written)
+        fsync_tree(tmp)  # the files as durable as the name the rename gives them
+        swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def peft_parts(module: nn.Module) -> Optional[Dict[str, Any]]:
+    """``{"base": the base model, "adapter_config": its PeftConfig}`` when ``module`` is a PEFT
+    model with one adapter, else None."""
+    configs = getattr(module, "peft_config", None)
+    get_base = getattr(module, "get_base_model", None)
+    if not isinstance(configs, dict) or get_base is None:
+        return None
+    if len(configs) != 1:
+        raise config_error(
+            f"a PEFT model with adapters {sorted(configs)}",
+            "an export writes one adapter",
+            "export from a model with one adapter (delete_adapter the others before training)",
+        )
+    return {"base": get_base(), "adapter_config": next(iter(configs.values()))}

@@ -1,0 +1,47 @@
+"""One process of a test run of tests/export/test_export_distributed.py (the pattern of
+tests/engines/distributed/distributed_hf_calls_worker.py).
+
+The test starts every rank with LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; a JSON spec
+lists trainings run one after the other in the same processes:
+
+    python tests/export/export_worker.py SPEC.json
+
+Each run trains ``model`` ("gpt2" or "llama" of tests/support/hf_models.py, or "lora": PEFT LoRA on
+the Llama) for ``steps`` steps under engine="distributed" with ``HFExport`` writing `<name>-hf` into
+the spec's `out` directory when training ends, then saves the sharded checkpoint `<name>.ckpt`. A
+run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`.
+"""
+
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+from support.frozen_models import LoraLlama
+from support.hf_models import HFModule, batches, whole
+from support.ranks import quiet_trainer, serve
+from torch.utils.data import DataLoader
+
+from pipeckpt import PipelineStrategy
+from pipeckpt.export import HFExport
+
+
+def run(spec: Dict[str, Any], out: str, world: int) -> None:
+    strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
+    module = LoraLlama() if spec["model"] == "lora" else HFModule(spec["model"], whole)
+    export = HFExport(os.path.join(out, f"{spec['name']}-hf"), max_shard_size=spec["max_shard_size"])
+    trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[export])
+    data = DataLoader(batches(spec["steps"]), batch_size=None)
+    if spec.get("fails"):
+        try:
+            trainer.fit(module, data)
+        except Exception as error:
+            rank = os.environ["LOCAL_RANK"]
+            Path(out, f"{spec['name']}.rank{rank}.error").write_text(f"{type(error).__name__}: {error}")
+            return
+        raise AssertionError(f"{spec['name']}: fit did not fail")
+    trainer.fit(module, data)
+    trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
+
+
+if __name__ == "__main__":
+    serve(run)

@@ -1,0 +1,140 @@
+"""The export to Hugging Face under the distributed engine: tiny random GPT-2 (tied), Llama and PEFT
+LoRA on the Llama trained 3 steps in 2 pipeline processes, and in 2 pipeline stages x 2 replicas (DDP
+for GPT-2, FSDP2 for the others; gloo on CPU, tests/export/export_worker.py), with ``HFExport``
+writing the export when ``fit`` ends. ``from_pretrained`` (``PeftModel.from_pretrained`` for LoRA)
+loads exactly the weights of the run's sharded checkpoint; an export from that checkpoint reads one
+shard's keys at a time."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import support.ranks as ranks
+import torch
+
+pytest.importorskip("peft")
+import transformers
+from peft import PeftModel
+from support.hf_models import batches
+
+from pipeckpt.export import export_hf
+from pipeckpt.export import source as export_source
+from pipeckpt.state import sharded
+
+WORKER = Path(__file__).resolve().parent / "export_worker.py"
+START_S = 480
+SMALL_SHARD = 20_000  # bytes: the tiny models' ~100 KiB in several shards
+PP2 = dict(balance=[2, 2], chunks=2, schedule="1f1b")
+DDP2 = dict(PP2, dp=2)
+FSDP2 = dict(PP2, dp=2, data_parallel="fsdp")
+RUNS: List[Dict[str, Any]] = [
+    dict(name="gpt2_pp2", model="gpt2", world=2, strategy=PP2),
+    dict(name="llama_pp2", model="llama", world=2, strategy=PP2),
+    dict(name="lora_pp2", model="lora", world=2, strategy=PP2),
+    dict(
+        name="refused_pp2", model="gpt2", world=2, strategy=PP2, fails=True
+    ),  # last: it ends its ranks' group
+    dict(name="gpt2_pp2_ddp2", model="gpt2", world=4, strategy=DDP2),
+    dict(name="llama_pp2_fsdp2", model="llama", world=4, strategy=FSDP2),
+    dict(name="lora_pp2_fsdp2", model="lora", world=4, strategy=FSDP2),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("export")
+    for world in (2, 4):
+        mine = [dict(r, steps=3, max_shard_size=SMALL_SHARD) for r in RUNS if r["world"] == world]
+        (out / f"world{world}").mkdir()
+        if world == 2:  # the refused run's export directory holds a file of the user's
+            (out / "world2" / "refused_pp2-hf").mkdir()
+            (out / "world2" / "refused_pp2-hf" / "notes.txt").write_text("mine")
+        ranks.launch(WORKER, world, mine, out / f"world{world}", within_s=START_S)
+    yield out
+
+
+def _checkpoint(runs: Path, run: Dict[str, Any]) -> Path:
+    return runs / f"world{run['world']}" / f"{run['name']}.ckpt"
+
+
+def _trained(runs: Path, run: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """The run's weights as its sharded checkpoint holds them, under the HF model's own keys."""
+    state = sharded.load(_checkpoint(runs, run), weights_only=True)["state_dict"]
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "run", [r for r in RUNS if r["model"] != "lora" and not r.get("fails")], ids=lambda r: r["name"]
+)
+def test_from_pretrained_loads_the_runs_weights_exactly_and_gives_equal_logits(runs, run):
+    export = _checkpoint(runs, run).with_name(f"{run['name']}-hf")
+    assert json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
+    want = _trained(runs, run)
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    reference = type(loaded)(loaded.config)
+    reference.load_state_dict(want)
+    ids = batches(1)[0]["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, reference.eval()(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [r for r in RUNS if r["model"] == "lora"], ids=lambda r: r["name"])
+def test_lora_adapters_load_with_peft_and_equal_the_runs_adapters(runs, run):
+    export = _checkpoint(runs, run).with_name(f"{run['name']}-hf")
+    trained = _trained(runs, run)
+    want = {k: v for k, v in trained.items() if "lora_" in k}
+    loaded = PeftModel.from_pretrained(transformers.LlamaForCausalLM(_llama_config()), export)
+    loaded.load_state_dict({k: v for k, v in trained.items() if k not in want}, strict=False)  # the base
+    got = loaded.state_dict()
+    assert want and all(torch.equal(got[k], v) for k, v in want.items())
+    assert any(v.abs().sum() > 0 for k, v in want.items() if "lora_B" in k)  # trained: B starts at 0
+
+
+def _llama_config() -> Any:
+    from support.frozen_models import LoraLlama
+
+    return LoraLlama().model.get_base_model().config
+
+
+@pytest.mark.slow
+def test_an_export_of_a_sharded_checkpoint_reads_one_shards_keys_at_a_time(runs, tmp_path, monkeypatch):
+    run = RUNS[1]
+    reads: List[List[str]] = []
+    original = export_source.CheckpointSource.read
+    monkeypatch.setattr(
+        export_source.CheckpointSource,
+        "read",
+        lambda self, keys: reads.append(list(keys)) or original(self, keys),
+    )
+    loaded_calls: List[List[str]] = []
+    load = sharded.load
+    monkeypatch.setattr(
+        export_source.sharded,
+        "load",
+        lambda path, keys=None, **kw: loaded_calls.append(keys) or load(path, keys=keys, **kw),
+    )
+    hf_config = transformers.AutoConfig.from_pretrained(_checkpoint(runs, run).with_name(f"{run['name']}-hf"))
+    out = export_hf(
+        _checkpoint(runs, run), tmp_path / "hf", prefix="model.", config=hf_config, max_shard_size=SMALL_SHARD
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(reads) == len(set(index.values())) > 2
+    assert all(keys is not None for keys in loaded_calls) and len(loaded_calls) == len(reads)
+    for keys in reads:
+        assert len({index[k.removeprefix("model.")] for k in keys}) == 1
+
+
+@pytest.mark.slow
+def test_an_export_refused_on_rank_0_is_raised_on_every_rank_and_nothing_is_replaced(runs):
+    where = runs / "world2"
+    errors = [(where / f"refused_pp2.rank{rank}.error").read_text() for rank in (0, 1)]
+    assert "notes.txt" in errors[0] and "replaces its directory whole" in errors[0]
+    assert "global rank 0 could not export" in errors[1] and "notes.txt" in errors[1]
+    assert [p.name for p in (where / "refused_pp2-hf").iterdir()] == ["notes.txt"]
+    assert not [p.name for p in where.iterdir() if p.name.startswith(".pipeckpt-")]  # no staged weights left
