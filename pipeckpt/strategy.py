@@ -173,18 +173,8 @@ class PipelineStrategy(MetaBuildStrategy):
 
     def _route_gradient_clipping(self) -> None:
         """Clipping by norm takes the norm of the whole model, which the engine may spread over processes."""
-        plugin, engine = self.precision_plugin, self.engine
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-            params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
-            norm = engine.total_norm([p.grad for p in params if p.grad is not None], self.root_device)
-            by_mesh: Dict[Any, List[Tensor]] = {}  # one foreach per mesh: it takes no mix of DTensor meshes
-            for p in params:
-                by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
-            for same in by_mesh.values():
-                torch.nn.utils.clip_grads_with_norm_(same, clip_val, norm)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = _clip_by_whole_norm(plugin, self.engine, self.root_device)  # type: ignore[method-assign]
 
     # -- the step ---------------------------------------------------------------
 
@@ -308,6 +298,21 @@ class PipelineStrategy(MetaBuildStrategy):
 
 # The signature tools read at run time (Hydra, help()): the settings' fields with their defaults.
 PipelineStrategy.__signature__ = PipeSettings.signature()  # type: ignore[attr-defined]
+
+
+def _clip_by_whole_norm(plugin: Precision, engine: Engine, device: torch.device) -> Any:
+    """``plugin``'s clip by norm, taking the norm of the whole model from ``engine``."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for p in plugin.main_params(optimizer) if p.grad is not None]
+        norm = engine.total_norm([p.grad for p in params if p.grad is not None], device)
+        by_mesh: Dict[Any, List[Tensor]] = {}  # one foreach per mesh: it takes no mix of DTensor meshes
+        for p in params:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        for same in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(same, clip_val, norm)
+
+    return clip_grad_by_norm
 
 
 def _optimizer_state_to_param_devices(optimizer: Optimizer) -> None:
