@@ -17,17 +17,16 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler
 
 from pipeckpt._compat import tree_map
-from pipeckpt._errors import PipeckptConfigError, PipeckptWarning, config_error
+from pipeckpt._errors import config_error
 from pipeckpt.boundaries.microbatch import gather
 from pipeckpt.boundaries.scalars import LossWeights, loss_weights, shifts_labels, step_weights, weigh
 from pipeckpt.boundaries.side_inputs import Chain, Signatures
 from pipeckpt.engines.distributed.liveness import mark_own, user_code
 from pipeckpt.engines.distributed.logs import LogRecorder, replay
+from pipeckpt.engines.distributed.microbatch_counts import MicrobatchCounts
 from pipeckpt.engines.distributed.outcome import StepOutcome
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import (
@@ -38,9 +37,8 @@ from pipeckpt.engines.distributed.replay import (
     capture_call,
     step_loss,
 )
-from pipeckpt.engines.distributed.schedules import Schedules, microbatch_rule
+from pipeckpt.engines.distributed.schedules import Schedules
 from pipeckpt.engines.distributed.ties import Ties
-from pipeckpt.engines.distributed.topology import microbatches_for
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
 from pipeckpt.stages.caller import capture_caller_state
 from pipeckpt.stages.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
@@ -94,13 +92,11 @@ class PipelinedStep:
         self._may_take: Set[int] = set()  # stages of this rank with a layer that declares keywords
         self._chains: Dict[FrozenSet[str], bool] = {}
         self._run: Optional[_Run] = None
-        self._warned = False
-        self._last_batch_checked = False
+        self.counts = MicrobatchCounts(processes, chunks)
         self._outcome: Optional[StepOutcome] = None  # made at the first training step
         self._candidates: Tuple[nn.Parameter, ...] = ()  # this rank's parameters (see _trained)
         self._candidates_of: Tuple[int, ...] = ()
         self._arange: Dict[int, Tensor] = {}
-        self._counts: Dict[Tuple[int, bool], int] = {}  # (batch size, train) -> micro-batches, as found
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -117,11 +113,11 @@ class PipelinedStep:
         module, schedules = self.module, self.schedules
         assert schedules is not None and args
         train = hook == "training_step"
-        if train and not self._last_batch_checked:
-            self._check_last_batch()
+        if train:
+            self.counts.check_last_batch(module)
         batch, rest = args[0], args[1:]
         microbatches = Microbatches(batch, self.chunks)  # the usual count; cut again if another fits
-        m = self._microbatches_for(microbatches.size, train)
+        m = self.counts.of(microbatches.size, train)
         if m != self.chunks:
             microbatches = Microbatches(batch, m)
         schedule, stages = schedules.get(train=train, microbatches=m, signature=microbatches.signature())
@@ -324,45 +320,6 @@ class PipelinedStep:
     def _calls(self, run: _Run) -> List[Call]:
         return [self.call_of(i) for i in range(run.microbatches.count)]
 
-    def _microbatches_for(self, size: int, train: bool) -> int:
-        m = self._counts.get((size, train))
-        if m is None:  # found once per batch size (every batch but an epoch's last has the same)
-            m = self._counts[size, train] = self._count_for(size, train)
-        return m
-
-    def _count_for(self, size: int, train: bool) -> int:
-        topology = self.processes.topology
-        assert topology is not None
-        try:
-            m = microbatches_for(size, chunks=self.chunks, topology=topology, train=train)
-        except PipeckptConfigError:
-            # No count up to chunks fits (5 samples, chunks=4, 1F1B on 2 ranks): more, smaller
-            # micro-batches may, each still equal (5 of 1 sample); else the refusal stands.
-            def fits(m: int) -> bool:
-                return size % m == 0 and not microbatch_rule(topology.kind, m, topology.pp, topology.stages)
-
-            m = next(filter(fits, range(self.chunks + 1, size + 1)), 0)
-            if not m:
-                raise
-        if m != self.chunks and not self._warned:
-            self._warned = True
-            rank_zero_warn(
-                f"a batch of {size} samples cannot be cut into chunks={self.chunks} equal "
-                f"micro-batches; it runs as {m} micro-batches (typically the last, smaller batch "
-                "of an epoch). HINT: use a batch size that is a multiple of chunks, or drop_last=True",
-                category=PipeckptWarning,
-            )
-        return m
-
-    def _check_last_batch(self) -> None:
-        """The train loader's last, smaller batch, cut into micro-batches at the first step: one that
-        no count of equal micro-batches fits is refused before training, not at the epoch's end."""
-        self._last_batch_checked = True
-        trainer = getattr(self.module, "_trainer", None)
-        size = last_batch_size(trainer.train_dataloader) if trainer is not None else None
-        if size:
-            self._microbatches_for(size, True)
-
     def clear(self) -> None:
         if self.schedules is not None:
             self.schedules.clear()
@@ -387,16 +344,3 @@ def check_backward_in_step(module: LightningModule, precision: Any) -> None:
             "the schedule runs backward inside training_step, where the scaler cannot scale it",
             "use precision='bf16-mixed' or '32-true' with the distributed engine",
         )
-
-
-def last_batch_size(loader: Any) -> Optional[int]:
-    """The size of ``loader``'s last batch where it is smaller than the others, or None (none
-    smaller, dropped, or a loader whose batches cannot be counted ahead)."""
-    batches = getattr(loader, "batch_sampler", None)
-    if not isinstance(batches, BatchSampler) or batches.drop_last or not isinstance(batches.batch_size, int):
-        return None
-    try:
-        samples = len(batches.sampler)  # type: ignore[arg-type]
-    except TypeError:  # a sampler without a length
-        return None
-    return samples % batches.batch_size or None

@@ -21,7 +21,8 @@ from test_distributed_pytree import _state
 
 from pipeckpt import PipeckptConfigError, PipeckptWarning, PipelineStrategy
 from pipeckpt.engines.distributed.boundaries import sendable
-from pipeckpt.engines.distributed.step import PipelinedStep, last_batch_size
+from pipeckpt.engines.distributed.microbatch_counts import last_batch_size
+from pipeckpt.engines.distributed.step import PipelinedStep
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "boundary_tensors_worker.py"
@@ -66,16 +67,16 @@ SCHEDULES += [("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 def test_a_short_batch_no_count_up_to_chunks_fits_runs_as_more_smaller_microbatches(quiet_trainer):
     step = _step(quiet_trainer, "1f1b")
     with pytest.warns(match=r"batch of 5 samples.*runs as 5 micro-batches"):
-        assert step._microbatches_for(5, train=True) == 5
+        assert step.counts.of(5, train=True) == 5
     with pytest.raises(PipeckptConfigError, match=r"batch of 1 samples.*HINT: .*drop_last"):
-        step._microbatches_for(1, train=True)  # one sample cannot fill two stages
+        step.counts.of(1, train=True)  # one sample cannot fill two stages
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES)
 def test_a_batch_of_5_with_chunks_4_runs_under_every_schedule(quiet_trainer, schedule, virtual):
     step = _step(quiet_trainer, schedule, virtual_stages=virtual, checkpoint="never")
     with pytest.warns(match=r"batch of 5 samples"):
-        assert 5 % step._microbatches_for(5, train=True) == 0
+        assert 5 % step.counts.of(5, train=True) == 0
 
 
 def test_the_last_batch_is_sized_ahead_from_the_loader():

@@ -99,15 +99,15 @@ def test_a_batch_chunks_does_not_divide_runs_with_fewer_microbatches_or_fails_cl
     engine = trainer(distributed(chunks=4, schedule="1f1b"), devices=2).strategy.engine
     step = PipelinedStep(None, None, [], engine.processes, chunks=4, device=torch.device("cpu"))
     with pytest.warns(PipeckptWarning, match=r"batch of 10 samples.*runs as 2 micro-batches.*HINT"):
-        assert step._microbatches_for(10, train=True) == 2
-    assert step._microbatches_for(3, train=True) == 3
+        assert step.counts.of(10, train=True) == 2
+    assert step.counts.of(3, train=True) == 3
     with pytest.raises(
         PipeckptConfigError,
         match=r"batch of 1 samples.*equal micro-batches.*at least as many "
         r"micro-batches as pipeline stages.*HINT: .*drop_last",
     ):
-        step._microbatches_for(1, train=True)
-    assert step._microbatches_for(1, train=False) == 1  # forward only: any count
+        step.counts.of(1, train=True)
+    assert step.counts.of(1, train=False) == 1  # forward only: any count
 
 
 def _slurm(monkeypatch: pytest.MonkeyPatch, name: str, per_node: int) -> None:
