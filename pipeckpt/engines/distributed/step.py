@@ -12,6 +12,7 @@
 """
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -96,7 +97,6 @@ class PipelinedStep:
         self._outcome: Optional[StepOutcome] = None  # made at the first training step
         self._candidates: Tuple[nn.Parameter, ...] = ()  # this rank's parameters (see _trained)
         self._candidates_of: Tuple[int, ...] = ()
-        self._arange: Dict[int, Tensor] = {}
 
     def configure(self, signatures: Signatures, ranges: Sequence[Tuple[int, int]]) -> None:
         """The layers' signatures (side inputs) and each stage's ``(start, end)`` layers."""
@@ -136,7 +136,7 @@ class PipelinedStep:
         try:
             if train:
                 with gradients_set_aside(self._trained(), drop=self._zeroed_after_this_step()) as computed:
-                    target = self._targets(m) if last is not None else None
+                    target = _targets(m) if last is not None else None
                     schedule.step(*inputs, target=target, return_outputs=False)
                 self.gradients = computed
             else:
@@ -177,13 +177,6 @@ class PipelinedStep:
             self._candidates = tuple(held.values())
             self._candidates_of = key
         return [p for p in self._candidates if p.requires_grad]
-
-    def _targets(self, m: int) -> Tensor:
-        """The schedule's ``target`` on the last stage: micro-batch ``i``'s is ``i``."""
-        target = self._arange.get(m)
-        if target is None:
-            target = self._arange[m] = torch.arange(m)
-        return target
 
     def _shared(self, payload: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """A training step's ``payload`` (the last stage's) on every rank of the pipeline
@@ -324,6 +317,12 @@ class PipelinedStep:
         if self.schedules is not None:
             self.schedules.clear()
         self._run = None
+
+
+@cache
+def _targets(m: int) -> Tensor:
+    """The schedule's ``target`` on the last stage: micro-batch ``i``'s is ``i`` (made once per count)."""
+    return torch.arange(m)
 
 
 def to_cpu(obj: Any) -> Any:
