@@ -3,7 +3,7 @@
 A rank holds one stage (or ``virtual_stages`` under a looped schedule) of the same
 :class:`~pipeckpt.stages.partition.StagePlan` the local engine builds, each wrapped in the same
 :class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means the same under both engines.
-This class composes the parts, one job each: :mod:`.processes`, :mod:`.schedules`, :mod:`.wiring`
+This class composes the parts, one job each: :mod:`.processes`, :mod:`.schedules`, :mod:`.building`, :mod:`.wiring`
 and :mod:`.rooted` (this rank's stages), :mod:`.step` and :mod:`.replay` (the user's step per
 micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state` and :mod:`.checkpoints` (files),
 :mod:`.liveness` (a lost rank), :mod:`.auto_plan` (``'auto'``), :mod:`.sharding` (FSDP2).
@@ -20,8 +20,6 @@ from torch import Tensor, nn
 
 from pipeckpt._compat import STAGE_META_HOOKS
 from pipeckpt._errors import config_error
-from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.boundaries.side_inputs import Signatures
 from pipeckpt.engines.base import Engine, World
 from pipeckpt.engines.distributed.auto_plan import (
     adopt,
@@ -29,34 +27,29 @@ from pipeckpt.engines.distributed.auto_plan import (
     same_on_every_rank,
     usable_chunks,
 )
+from pipeckpt.engines.distributed.building import EngineBuilding
 from pipeckpt.engines.distributed.checkpoints import EngineCheckpoints
 from pipeckpt.engines.distributed.processes import SETTINGS, ProcessGroups, check_process_settings
-from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
-from pipeckpt.engines.distributed.schedules import Schedules, lookup
+from pipeckpt.engines.distributed.rooted import RootRouting
+from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.engines.distributed.sharding import (
     Sharding,
-    refuse_ties,
 )
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep, check_backward_in_step
-from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
+from pipeckpt.engines.distributed.ties import Replicas, Ties
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
-    agreed_plan,
-    build_stages,
-    called_outside_a_step,
-    check_all_parameters_pipelined,
-    data_parallel,
 )
 from pipeckpt.settings import PipeSettings
-from pipeckpt.stages.partition import StagePlan, module_name
+from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 
 __all__ = ["DistributedEngine"]
 
 
-class DistributedEngine(EngineCheckpoints, Engine):
+class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
     """One process per pipeline rank; ``dp`` replicas of the pipeline average gradients with DDP
     or shard each stage with FSDP2."""
 
@@ -165,119 +158,6 @@ class DistributedEngine(EngineCheckpoints, Engine):
     def check_module(self, module: LightningModule, precision: Any) -> None:
         check_backward_in_step(module, precision)
         self._precision = str(getattr(precision, "precision", "32-true"))
-
-    # -- building -------------------------------------------------------------------
-
-    def build(
-        self, module: LightningModule, sequential: nn.Sequential, devices: Sequence[torch.device]
-    ) -> None:
-        if isinstance(sequential, ModulePipeline):
-            self._build_module_pipeline(module, sequential)
-            return
-        check_all_parameters_pipelined(module, sequential)
-        device = self._device  # this process's, from connect()
-        stage_plan = self._prepare(module, sequential)
-        step = PipelinedStep(
-            module, sequential, [], self.processes, chunks=self.settings.chunks, device=device
-        )
-        name = f"self.{module_name(module, sequential)}"
-        names = [f"{name[len('self.') :]}.{i}" for i in range(len(sequential))]
-        ties = find_ties(module, sequential, stage_plan, self.topology, self.processes.rank)
-        if ties and self.settings.data_parallel == "fsdp":
-            refuse_ties(ties.names())
-        self.modules = build_stages(
-            sequential,
-            stage_plan,
-            self.topology.stages_of(self.processes.rank),
-            device=device,
-            pin_memory=self.settings.pin_memory,
-            entry=step.first_stage_input,
-            sides=step.side_inputs,
-            names=names,
-        )
-        step.modules = self.modules
-        step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
-        trained = [self._data_parallel(m) for m in self.modules]
-        if self.sharding is None:  # a schedule's backward is one autograd call per micro-batch
-            for stage in self.stages:
-                stage.backward_per_microbatch = True
-        self._finish(module, sequential, step, ties, trained=trained, routed=sequential)
-
-    def _build_module_pipeline(self, module: LightningModule, spec: ModulePipeline) -> None:
-        """``pipeline_of``: every stage runs the model's forward (:func:`.rooted.build_rooted`)."""
-        s = self.settings
-        name = module_name(module, spec.root)
-        check_module_pipeline(name, s)
-        check_all_parameters_pipelined(module, spec.root)
-        names = [f"{name}.{n}" for n in spec.names]
-        stage_plan = self._prepare(module, spec, names=names)  # before the routing takes the layers' forward
-        step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=self._device)  # type: ignore[arg-type]
-        self.modules, self.routing, self.replicas, ties = build_rooted(
-            module, spec, stage_plan, step, names=names, processes=self.processes, pin_memory=s.pin_memory
-        )
-        if (sharding := self._sharding()) is not None:  # the layers sharded; the rest stays replicated
-            sharding.shard_layers(self.modules, self.replicas)
-        self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
-        self.root = spec.root
-
-    def _data_parallel(self, module: StageModule) -> nn.Module:
-        """``module`` as its replicas train it: under DDP, or sharded over them (:mod:`.sharding`)."""
-        if (sharding := self._sharding()) is None:
-            return data_parallel(module, self.processes.dp_group, self.topology.dp, self._device)
-        return sharding.shard(module, list(module.stage.partition.children()))
-
-    def _sharding(self) -> Optional[Sharding]:
-        p = self.processes
-        if self.sharding is None:
-            self.sharding = Sharding.of(self.settings, p.mesh, precision=self._precision)
-        return self.sharding
-
-    def _prepare(
-        self, module: LightningModule, layers: nn.Sequential, names: Optional[Sequence[str]] = None
-    ) -> StagePlan:
-        """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
-        each with its random stream (rank 0's seed; a resume restores its own later)."""
-        s, stages = self.settings, self.topology.stages
-        mine = self.topology.stages_of(self.processes.rank)
-        self.plan, seed = agreed_plan(
-            module, layers, s, stages=stages, device=self._device, names=names, mine=mine
-        )
-        self.seed_layers(layers, self.plan, seed=seed)
-        return self.plan
-
-    def _finish(
-        self,
-        module: LightningModule,
-        sequential: nn.Sequential,
-        step: PipelinedStep,
-        ties: Optional[Ties],
-        *,
-        trained: List[nn.Module],
-        routed: nn.Module,
-    ) -> None:
-        """What both kinds of pipeline end with once this rank's stages are built: ties made equal,
-        random streams handed to the stages, the schedules, and ``routed`` (what the user calls)
-        refusing calls outside a step."""
-        if ties:
-            ties.broadcast()
-            step.ties = ties
-        self.ties = ties
-        self.use_layer_streams(self.stages)
-        assert self.plan is not None and self.processes.pp_group is not None
-        step.schedules = Schedules(
-            kind=self.kind,
-            indices=[m.stage.index for m in self.modules],
-            modules=self.modules,
-            trained=trained,
-            num_stages=self.plan.stages,
-            device=self._device,
-            group=self.processes.pp_group,
-            loss_fn=step.microbatch_loss,
-        )
-        self.step = step
-        self.module = module
-        routed.forward = called_outside_a_step
-        self.sequential = sequential
 
     @property
     def stages(self) -> List[Stage]:
