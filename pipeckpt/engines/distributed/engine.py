@@ -3,8 +3,8 @@
 A rank holds one stage (or ``virtual_stages`` under a looped schedule) of the same
 :class:`~pipeckpt.stages.partition.StagePlan` the local engine builds, each wrapped in the same
 :class:`~pipeckpt.stages.stage.Stage`, so a checkpoint mode means the same under both engines.
-This class composes the parts, one job each: :mod:`.processes`, :mod:`.schedules`, :mod:`.building`, :mod:`.wiring`
-and :mod:`.rooted` (this rank's stages), :mod:`.step` and :mod:`.replay` (the user's step per
+This class composes the parts, one job each: :mod:`.processes`, :mod:`.schedules`, :mod:`.building`,
+:mod:`.wiring` and :mod:`.rooted` (this rank's stages), :mod:`.step` and :mod:`.replay` (the user's step per
 micro-batch), :mod:`.boundaries`, :mod:`.ties`, :mod:`.state` and :mod:`.checkpoints` (files),
 :mod:`.liveness` (a lost rank), :mod:`.auto_plan` (``'auto'``), :mod:`.sharding` (FSDP2).
 """
