@@ -302,6 +302,10 @@ class _StageWalk:
                 # backward inside it, beyond the layer's first node (plain autograd frees it there).
                 held_peak = s.profile.layers[k].backward_held_peak
                 work = work if held_peak is None else held_peak
+            first = s.profile.layers[k].first_backward_peak
+            if not self.grads_done and first is not None:
+                # The step's first backward of the layer keeps each weight gradient it makes.
+                work = max(work, first)
             total = static + recv_now + others + g + saved + self.tail + arriving + work
             parts = (others + saved, recv_now + self.tail + arriving, work)
             peak_see(total, parts, f"B{i} layer {k}")
