@@ -31,7 +31,10 @@ class _StageModel:
     def __post_init__(self) -> None:
         p = self.profile
         self.layers = p.layers[self.start : self.stop]
-        self.inputs: Set[int] = set() if self.first else set(self.layers[0].inputs)
+        # The first stage's input is the data's, except that a pipeline_of model's own code makes it
+        # per micro-batch on the local engine (its embeddings' output), held as every stage's input is.
+        made = self.local and p.outside is not None
+        self.inputs: Set[int] = set(self.layers[0].inputs) if made or not self.first else set()
         self.input_bytes = p.bytes_of(self.inputs)
         self.outputs: Set[int] = set(self.layers[-1].outputs)
         self.output_bytes = p.bytes_of(self.outputs)

@@ -120,6 +120,7 @@ class _StageWalk:
         self.rooted = outside is not None
         self.outside = outside if s.last else None
         self.embeddings = outside.before_backward if outside is not None and s.first else 0
+        self.head_grads = self.outside.after_grads if self.outside is not None else 0
         self.loss = s.profile.loss if s.last and not self.rooted else None
         self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
         # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
@@ -213,6 +214,8 @@ class _StageWalk:
                 parts = (others + cells[i], recv_now, o.after_forward)
                 peak_see(base + cells[i] + o.after_forward, parts, f"F{i} outside")
                 cells[i] += o.held + o.outputs
+                if not s.outputs <= self.kept_ids_of[recompute]:  # the head saved what the stage did not
+                    cells[i] += o.input_saved
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
                 peak_see(
                     base + cells[i] + loss.forward_peak,
@@ -283,7 +286,9 @@ class _StageWalk:
                 )
                 continue
             _, k, saved, own, work, after, last_segment, segment_end, _ = event
-            g = grads if self.grads_done else after
+            # Before the stage's first backward ends, its gradients are those of the layers after k
+            # and, on the last stage, those the head's backward made (a pipeline_of model's own).
+            g = grads if self.grads_done else after + self.head_grads
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stages/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
