@@ -18,8 +18,10 @@ from support.trainers import quiet_trainer
 from torch import Tensor, nn
 
 import pipeckpt
+from pipeckpt.checkpointing.modes import parse_mode
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
+from pipeckpt.memory.stage_model import _StageModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,3 +124,15 @@ def test_the_code_after_the_layers_saves_the_last_layers_output() -> None:
     assert fitted.outside is not None
     # GPT-2's final layer norm saves its input: one micro-batch's hidden state.
     assert fitted.outside.input_saved == BATCH // 2 * SEQ * WIDTH * 4
+
+
+def test_a_pipeline_of_stage_recomputes_layer_by_layer_whatever_the_mode() -> None:
+    fitted = _profile(chunks=2)
+    stage = _StageModel(fitted, 0, 2, first=True, last=False, local=True)
+    # Each layer call is its own checkpoint (stages/stage.py call_layer): every layer's input is kept,
+    # the first one too (the embeddings' output, made per micro-batch by the model's own code).
+    hidden = BATCH // 2 * SEQ * WIDTH * 4
+    for name in ("always", "always:2", "always:1"):
+        mode = parse_mode(name)
+        assert stage.segments(mode, True) == [(0, 1), (1, 2)]
+        assert stage.kept(mode, True) == 2 * hidden
