@@ -152,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     described: Dict[str, Tuple[str, float]] = {}
     if args.plain:
         first = fit(GPT2Module(per_block=False), None)
+        log(f"plain peak {first.peak} bytes at {first.peak_op}")
         peaks["plain"], times["plain"] = first.peak, list(first.times)
         runs["plain"] = lambda: fit(GPT2Module(per_block=False), None, track=False)
     for stages in args.stages:
