@@ -85,7 +85,7 @@ def _predict_stage(
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
     walk.step()
-    return walk.result()
+    return _result(walk)
 
 
 class _StageWalk:
@@ -333,29 +333,31 @@ class _StageWalk:
         self.device, self.around = device, around
         self._see(self.resting() + self.step_work, (0, 0, self.step_work), "optimizer step")
 
-    def result(self) -> StageMemory:
-        s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak
-        acts, boundary, working = peak.parts
-        held_grads = peak.value - self.static - acts - boundary - working  # the rest of every total
-        recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
-        time_s = sum(_op_times(s, mode, m, keep).values())
-        return StageMemory(
-            stage=self.j,
-            layers=(s.start, s.stop),
-            mode=mode.name,
-            params=s.param_bytes + s.frozen_bytes,
-            frozen=s.frozen_bytes,
-            grads=held_grads,
-            optimizer=self.opt,
-            activations=acts,
-            boundary=boundary,
-            working=working,
-            peak=peak.value,
-            in_flight=self.most,
-            recomputed=recomputed,
-            time_s=time_s,
-            peak_at=peak.at,
-        )
+
+def _result(walk: _StageWalk) -> StageMemory:
+    """The stage's memory and time once its walk is over."""
+    s, mode, m, keep, peak = walk.s, walk.mode, walk.m, walk.keep, walk.peak
+    acts, boundary, working = peak.parts
+    held_grads = peak.value - walk.static - acts - boundary - working  # the rest of every total
+    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
+    time_s = sum(_op_times(s, mode, m, keep).values())
+    return StageMemory(
+        stage=walk.j,
+        layers=(s.start, s.stop),
+        mode=mode.name,
+        params=s.param_bytes + s.frozen_bytes,
+        frozen=s.frozen_bytes,
+        grads=held_grads,
+        optimizer=walk.opt,
+        activations=acts,
+        boundary=boundary,
+        working=working,
+        peak=peak.value,
+        in_flight=walk.most,
+        recomputed=recomputed,
+        time_s=time_s,
+        peak_at=peak.at,
+    )
 
 
 def _op_times(
