@@ -149,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs: Dict[str, Callable[[], StepProbe]] = {
         "per-block": lambda: fit(GPT2Module(per_block=True), None, track=False)
     }
-    described: Dict[str, Tuple[str, float]] = {}
+    described: Dict[str, Tuple[str, int]] = {}
     if args.plain:
         first = fit(GPT2Module(per_block=False), None)
         log(f"plain peak {first.peak} bytes at {first.peak_op}")
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"auto peak {first.peak} bytes at {first.peak_op}")
         key = f"auto, {stages} stages"
         peaks[key], times[key] = first.peak, list(first.times)
-        described[key] = (plan.describe(), (plan.choice.process_peak or plan.choice.prediction.peak) / 2**20)
+        described[key] = (plan.describe(), plan.choice.process_peak or plan.choice.prediction.peak)
         chosen = plan.settings
         settings = dict(balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
         runs[key] = functools.partial(_fit_plan, settings)
@@ -190,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     b_peak = peaks["per-block"]
     for key in runs:
         ratios = [a / b for a, b in zip(times[key], times["per-block"])]
-        predicted = f"{described[key][1]:.1f}" if key in described else "-"
+        predicted = (
+            f"{described[key][1] / 2**20:.1f} ({described[key][1]} bytes)" if key in described else "-"
+        )
         print(
             f"| {key} | {predicted} | {peaks[key] / 2**20:.1f} ({peaks[key]} bytes) | "
             f"{peaks[key] / b_peak:.3f} | "
