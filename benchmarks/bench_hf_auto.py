@@ -11,16 +11,23 @@ time, interleaved rounds, medians::
 
     python benchmarks/bench_hf_auto.py --rounds 3
 
+Issue 36's activation-dominated shape (SGD: no optimizer state; plain training beside, and auto at 2
+and 4 stages, each plan's predicted peak printed beside its measured one)::
+
+    python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
+        --vocab 8192 --optimizer sgd --stages 2 4 --plain --rounds 3
+
 Auto chooses the modes and the chunk count (``memory_search``; ``--search modes`` keeps
 ``--chunks``): the step's peak, at the optimizer's update, is the same for every method, and more
 micro-batches add their own terms above it.
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -32,13 +39,15 @@ from torch.utils.data import DataLoader
 
 import pipeckpt
 
-SEQ, BATCH, STEPS = 128, 4, 5
+STEPS = 5
+#: The model and batch (set from the command line): GPT-2 small's shape, sequence 128, batch 4, AdamW.
+SHAPE: Dict[str, Any] = dict(layers=12, width=768, heads=12, seq=128, batch=4, vocab=50257, optimizer="adamw")
 
 
 def gpt2() -> transformers.GPT2LMHeadModel:
     config = transformers.GPT2Config(
-        n_layer=12, n_embd=768, n_head=12, n_positions=SEQ, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_layer=SHAPE["layers"], n_embd=SHAPE["width"], n_head=SHAPE["heads"], n_positions=SHAPE["seq"],
+        vocab_size=SHAPE["vocab"], use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
@@ -59,6 +68,8 @@ class GPT2Module(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if SHAPE["optimizer"] == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
@@ -95,9 +106,10 @@ class StepProbe(L.Callback):
 
 def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 50257, (BATCH * STEPS, SEQ), generator=g)
+    batch = SHAPE["batch"]
+    ids = torch.randint(0, SHAPE["vocab"], (batch * STEPS, SHAPE["seq"]), generator=g)
     batches = [
-        {"input_ids": ids[i : i + BATCH], "labels": ids[i : i + BATCH]} for i in range(0, len(ids), BATCH)
+        {"input_ids": ids[i : i + batch], "labels": ids[i : i + batch]} for i in range(0, len(ids), batch)
     ]
     return DataLoader(batches, batch_size=None)
 
@@ -116,56 +128,82 @@ def fit(module: L.LightningModule, strategy: Any, *, track: bool = True) -> Step
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="one auto plan per count")
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument(
         "--search",
         default="modes,chunks",
         help="what auto may choose (memory_search): modes, chunks, balance",
     )
+    parser.add_argument("--plain", action="store_true", help="plain training (no checkpointing) beside")
+    for key, value in SHAPE.items():
+        parser.add_argument(f"--{key}", type=type(value), default=value)
     args = parser.parse_args(argv)
+    SHAPE.update({key: getattr(args, key) for key in SHAPE})
     torch.set_num_threads(1)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     base = fit(GPT2Module(per_block=True), None)
     log(f"per-block peak {base.peak} bytes at {base.peak_op}")
-    auto = pipeckpt.PipelineStrategy(
-        stages=args.stages,
-        chunks=args.chunks,
-        checkpoint="auto",
-        memory_budget=base.peak,
-        memory_search=args.search.split(","),
-    )
-    t0 = time.perf_counter()
-    first = fit(GPT2Module(per_block=False), auto)
-    log(f"{auto.auto_plan.describe()} (planned in {time.perf_counter() - t0:.0f} s wall, fit included)")
-    log(f"auto peak {first.peak} bytes at {first.peak_op}")
-    chosen = auto.auto_plan.settings
-    plan = dict(stages=None, balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
-    peaks = {"per-block": [base.peak], "auto": [first.peak]}  # the later rounds: times only
-    times: Dict[str, List[float]] = {"per-block": list(base.times), "auto": list(first.times)}
-    for r in range(args.rounds - 1):
-        for key in ("auto", "per-block") if r % 2 == 0 else ("per-block", "auto"):
-            if key == "auto":
-                probe = fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(**plan), track=False)
-            else:
-                probe = fit(GPT2Module(per_block=True), None, track=False)
-            times[key].extend(probe.times)
+    peaks: Dict[str, int] = {"per-block": base.peak}
+    times: Dict[str, List[float]] = {"per-block": list(base.times)}
+    runs: Dict[str, Callable[[], StepProbe]] = {
+        "per-block": lambda: fit(GPT2Module(per_block=True), None, track=False)
+    }
+    described: Dict[str, Tuple[str, int]] = {}
+    if args.plain:
+        first = fit(GPT2Module(per_block=False), None)
+        log(f"plain peak {first.peak} bytes at {first.peak_op}")
+        peaks["plain"], times["plain"] = first.peak, list(first.times)
+        runs["plain"] = lambda: fit(GPT2Module(per_block=False), None, track=False)
+    for stages in args.stages:
+        auto = pipeckpt.PipelineStrategy(
+            stages=stages,
+            chunks=args.chunks,
+            checkpoint="auto",
+            memory_budget=base.peak,
+            memory_search=args.search.split(","),
+        )
+        t0 = time.perf_counter()
+        first = fit(GPT2Module(per_block=False), auto)
+        plan = auto.auto_plan
+        log(f"{plan.describe()} (planned in {time.perf_counter() - t0:.0f} s wall, fit included)")
+        log(f"auto peak {first.peak} bytes at {first.peak_op}")
+        key = f"auto, {stages} stages"
+        peaks[key], times[key] = first.peak, list(first.times)
+        described[key] = (plan.describe(), plan.choice.process_peak or plan.choice.prediction.peak)
+        chosen = plan.settings
+        settings = dict(balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
+        runs[key] = functools.partial(_fit_plan, settings)
+    for r in range(args.rounds - 1):  # the later rounds: times only
+        for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
+            times[key].extend(runs[key]().times)
         log(f"round {r + 2}: {times}")
-    ratios = [a / b for a, b in zip(times["auto"], times["per-block"])]
-    b_peak, a_peak = statistics.median(peaks["per-block"]), statistics.median(peaks["auto"])
     rounds = f"{args.rounds} interleaved rounds of {STEPS - 2} timed step(s)"
-    print(f"{machine()}; {rounds}, CPU time, medians [range]\n")
-    print(f"auto's plan: {auto.auto_plan.describe()}\n")
-    print("| method | peak bytes (whole step) | peak vs per-block | step CPU s | time vs per-block [range] |")
-    print("|---|---|---|---|---|")
-    base_s = statistics.median(times["per-block"])
-    print(f"| per-block torch.utils.checkpoint | {b_peak:.0f} | 1.000 | {base_s:.2f} | 1.00 |")
+    print(f"{machine()}; {rounds}, CPU time, medians [range]; shape {SHAPE}\n")
+    for key, (text, _) in described.items():
+        print(f"{key}: {text}\n")
     print(
-        f"| pipeckpt auto at that peak | {a_peak:.0f} | {a_peak / b_peak:.3f} | "
-        f"{statistics.median(times['auto']):.2f} | {statistics.median(ratios):.2f} "
-        f"[{min(ratios):.2f}-{max(ratios):.2f}] |"
+        "| method | predicted peak MiB | measured peak MiB (whole step) | peak vs per-block (the budget) "
+        "| step CPU s | time vs per-block [range] |"
     )
+    print("|---|---|---|---|---|---|")
+    b_peak = peaks["per-block"]
+    for key in runs:
+        ratios = [a / b for a, b in zip(times[key], times["per-block"])]
+        predicted = (
+            f"{described[key][1] / 2**20:.1f} ({described[key][1]} bytes)" if key in described else "-"
+        )
+        print(
+            f"| {key} | {predicted} | {peaks[key] / 2**20:.1f} ({peaks[key]} bytes) | "
+            f"{peaks[key] / b_peak:.3f} | "
+            f"{statistics.median(times[key]):.2f} | {statistics.median(ratios):.2f} "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
     return 0
+
+
+def _fit_plan(settings: Dict[str, Any]) -> StepProbe:
+    return fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(stages=None, **settings), track=False)
 
 
 if __name__ == "__main__":

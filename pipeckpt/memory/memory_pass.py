@@ -113,6 +113,12 @@ def memory_pass(
         record["backward_peak"] = snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0)
     for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
         record["backward_held_peak"] = held_peak
+    # A first micro-batch's backward makes each weight gradient anew and keeps it (later ones add
+    # theirs into ``.grad`` in place, a temporary at a time, as the passes above measured).
+    for p in probe.parameters():
+        p.grad = None
+    for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
+        record["first_backward_peak"] = held_peak
     return records, batch_inputs
 
 

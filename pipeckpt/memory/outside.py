@@ -13,7 +13,7 @@ under a count of live bytes marked where the layers start and end, and where the
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -46,6 +46,9 @@ class OutsideMemory:
             gradients are made.
         after_left: what the head's backward leaves above what was live when it started (its
             weight gradients made, what its forward saved freed): beside which that sum is made.
+        input_saved: the bytes of the last layer's output that the code after the layers saves
+            for backward (a final norm's or a head's input): held by each micro-batch from its
+            forward to its backward even where its last stage keeps nothing of its own (recompute).
     """
 
     after_forward: int
@@ -56,6 +59,7 @@ class OutsideMemory:
     before_grads: int = 0
     after_grads: int = 0
     after_left: int = 0
+    input_saved: int = 0
 
 
 class _Live(TorchDispatchMode):
@@ -115,6 +119,13 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
     inside = {id(p) for p in spec.parameters()}
     trained = [p for p in root.parameters() if p.requires_grad and id(p) not in inside]
     live = _Live([*root.parameters(), *root.buffers(), *data], trained)
+    saved_after: Set[int] = set()  # storages the code after the layers saves for backward
+
+    def pack(t: Tensor) -> Tensor:
+        if live.phase == "after":
+            saved_after.add(id(t.untyped_storage()))
+        return t
+
     marks: Dict[str, int] = {}
     carried: List[Tensor] = []
 
@@ -135,13 +146,14 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
     for i, (layer, recorded) in enumerate(zip(layers, calls)):
         layer.forward = passing(i, recorded)
     try:
-        with live:
+        with live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = root(*call.args, **call.kwargs)
             after_forward = live.peak - marks["head"]
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
             outputs = _storage_bytes(t for t in tensors if t.requires_grad)
             head_input = carried[0]
             kept_input = _storage_bytes(iter([head_input])) if head_input.requires_grad else 0
+            input_saved = kept_input if id(head_input.untyped_storage()) in saved_after else 0
             held = live.live - outputs - kept_input
             grads = [t for t in tensors if t.requires_grad]
             roots = [t for t in grads if t.dim() == 0] or grads
@@ -169,4 +181,5 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
         before_grads=_storage_bytes(p for k, p in live.used["before"].items() if k not in live.used["after"]),
         after_grads=_storage_bytes(iter(live.used["after"].values())),
         after_left=marks.get("left", 0),
+        input_saved=input_saved,
     )

@@ -18,7 +18,7 @@ from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order, sends_held, split_backward
 from pipeckpt.memory.stage_model import _StageModel
-from pipeckpt.memory.walk import StageMemory, _op_times, _Peak, _predict_stage, _StageWalk
+from pipeckpt.memory.walk import StageMemory, _op_times, _Peak, _predict_stage, _result, _StageWalk
 from pipeckpt.stages.partition import StagePlan
 
 __all__ = ["Prediction", "DeviceMemory", "predict", "predict_device", "predict_depth_first", "with_balance"]
@@ -161,7 +161,7 @@ def predict_device(
     for j, kind, i in ops:
         around = sum(w.resting() for k, w in walks.items() if k != j)
         walks[j].run(kind, i, device=device, around=around)
-    stages = tuple(w.result() for w in walks.values())
+    stages = tuple(_result(w) for w in walks.values())
     return DeviceMemory(
         stages=stages,
         params=sum(st.params for st in stages),
@@ -225,7 +225,7 @@ def predict_depth_first(
         walks[j].run(kind, i, device=device, around=around)
     for j, w in enumerate(walks):  # the step goes parameter by parameter: one's temporaries at a time
         w.step(device=device, around=sum(o.resting() for k, o in enumerate(walks) if k != j))
-    results = tuple(w.result() for w in walks)
+    results = tuple(_result(w) for w in walks)
     return DeviceMemory(
         stages=results,
         params=sum(st.params for st in results),

@@ -60,6 +60,10 @@ class LayerProfile:
     backward_held_peak: Optional[int] = None
     # Bytes of its frozen parameters (``requires_grad`` False: LoRA's base): held, no gradient, no state.
     frozen_bytes: int = 0
+    # ``backward_held_peak`` where its parameters have no gradient yet (a step's first backward of
+    # the layer): each weight gradient made is kept, not added into ``.grad`` and freed (None: as
+    # ``backward_held_peak``, not measured).
+    first_backward_peak: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ def profile(
                 forward_peak=max(0, record["forward_peak"]),
                 backward_peak=max(0, record["backward_peak"]),
                 backward_held_peak=max(0, record["backward_held_peak"]),
+                first_backward_peak=max(0, record["first_backward_peak"]),
                 forward_s=fwd,
                 backward_s=bwd,
                 sac_kept=tuple(sorted(record["sac"])),

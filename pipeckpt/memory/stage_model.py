@@ -31,7 +31,13 @@ class _StageModel:
     def __post_init__(self) -> None:
         p = self.profile
         self.layers = p.layers[self.start : self.stop]
-        self.inputs: Set[int] = set() if self.first else set(self.layers[0].inputs)
+        # The first stage's input is the data's, except that a pipeline_of model's own code makes it
+        # per micro-batch on the local engine (its embeddings' output), held as every stage's input is.
+        made = self.local and p.outside is not None
+        # A pipeline_of model's forward calls its layers one by one, each call its own checkpoint under
+        # the stage's mode (stages/stage.py ``call_layer``): a recompute keeps every layer's input.
+        self.layer_calls = p.outside is not None
+        self.inputs: Set[int] = set(self.layers[0].inputs) if made or not self.first else set()
         self.input_bytes = p.bytes_of(self.inputs)
         self.outputs: Set[int] = set(self.layers[-1].outputs)
         self.output_bytes = p.bytes_of(self.outputs)
@@ -50,10 +56,11 @@ class _StageModel:
     def segments(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """The layer ranges (absolute) a micro-batch is checkpointed in: one segment of the whole
         stage, or runs of ``mode.every`` layers when it is recomputed granularly (pipeckpt/stages/stage.py
-        ``_granular``: ``:k``, and ``+selective`` with or without ``:k``)."""
-        if not recompute or (mode.every is None and not mode.selective):
+        ``_granular``: ``:k``, and ``+selective`` with or without ``:k``); a ``pipeline_of`` model's
+        layers one by one, whatever the mode."""
+        if not recompute or (mode.every is None and not mode.selective and not self.layer_calls):
             return [(self.start, self.stop)]
-        every = mode.every or (self.stop - self.start)
+        every = 1 if self.layer_calls else mode.every or (self.stop - self.start)
         return [(a, min(a + every, self.stop)) for a in range(self.start, self.stop, every)]
 
     def _segment_input(self, a: int) -> Set[int]:

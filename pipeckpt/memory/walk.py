@@ -85,7 +85,7 @@ def _predict_stage(
     for n, (kind, i) in enumerate(ops):
         walk.run(kind, i, sent=sends[n] if sends is not None else (0, 0))
     walk.step()
-    return walk.result()
+    return _result(walk)
 
 
 class _StageWalk:
@@ -120,6 +120,7 @@ class _StageWalk:
         self.rooted = outside is not None
         self.outside = outside if s.last else None
         self.embeddings = outside.before_backward if outside is not None and s.first else 0
+        self.head_grads = self.outside.after_grads if self.outside is not None else 0
         self.loss = s.profile.loss if s.last and not self.rooted else None
         self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
         # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
@@ -213,6 +214,8 @@ class _StageWalk:
                 parts = (others + cells[i], recv_now, o.after_forward)
                 peak_see(base + cells[i] + o.after_forward, parts, f"F{i} outside")
                 cells[i] += o.held + o.outputs
+                if not s.outputs <= self.kept_ids_of[recompute]:  # the head saved what the stage did not
+                    cells[i] += o.input_saved
             if loss is not None and not local:  # torch computes each micro-batch's loss at once
                 peak_see(
                     base + cells[i] + loss.forward_peak,
@@ -283,7 +286,9 @@ class _StageWalk:
                 )
                 continue
             _, k, saved, own, work, after, last_segment, segment_end, _ = event
-            g = grads if self.grads_done else after
+            # Before the stage's first backward ends, its gradients are those of the layers after k
+            # and, on the last stage, those the head's backward made (a pipeline_of model's own).
+            g = grads if self.grads_done else after + self.head_grads
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stages/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
@@ -302,6 +307,10 @@ class _StageWalk:
                 # backward inside it, beyond the layer's first node (plain autograd frees it there).
                 held_peak = s.profile.layers[k].backward_held_peak
                 work = work if held_peak is None else held_peak
+            first = s.profile.layers[k].first_backward_peak
+            if not self.grads_done and first is not None:
+                # The step's first backward of the layer keeps each weight gradient it makes.
+                work = max(work, first)
             total = static + recv_now + others + g + saved + self.tail + arriving + work
             parts = (others + saved, recv_now + self.tail + arriving, work)
             peak_see(total, parts, f"B{i} layer {k}")
@@ -324,29 +333,31 @@ class _StageWalk:
         self.device, self.around = device, around
         self._see(self.resting() + self.step_work, (0, 0, self.step_work), "optimizer step")
 
-    def result(self) -> StageMemory:
-        s, mode, m, keep, peak = self.s, self.mode, self.m, self.keep, self.peak
-        acts, boundary, working = peak.parts
-        held_grads = peak.value - self.static - acts - boundary - working  # the rest of every total
-        recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
-        time_s = sum(_op_times(s, mode, m, keep).values())
-        return StageMemory(
-            stage=self.j,
-            layers=(s.start, s.stop),
-            mode=mode.name,
-            params=s.param_bytes + s.frozen_bytes,
-            frozen=s.frozen_bytes,
-            grads=held_grads,
-            optimizer=self.opt,
-            activations=acts,
-            boundary=boundary,
-            working=working,
-            peak=peak.value,
-            in_flight=self.most,
-            recomputed=recomputed,
-            time_s=time_s,
-            peak_at=peak.at,
-        )
+
+def _result(walk: _StageWalk) -> StageMemory:
+    """The stage's memory and time once its walk is over."""
+    s, mode, m, keep, peak = walk.s, walk.mode, walk.m, walk.keep, walk.peak
+    acts, boundary, working = peak.parts
+    held_grads = peak.value - walk.static - acts - boundary - working  # the rest of every total
+    recomputed = sum(1 for i in range(m) if mode.recomputes(i, m, keep=keep))
+    time_s = sum(_op_times(s, mode, m, keep).values())
+    return StageMemory(
+        stage=walk.j,
+        layers=(s.start, s.stop),
+        mode=mode.name,
+        params=s.param_bytes + s.frozen_bytes,
+        frozen=s.frozen_bytes,
+        grads=held_grads,
+        optimizer=walk.opt,
+        activations=acts,
+        boundary=boundary,
+        working=working,
+        peak=peak.value,
+        in_flight=walk.most,
+        recomputed=recomputed,
+        time_s=time_s,
+        peak_at=peak.at,
+    )
 
 
 def _op_times(
