@@ -276,7 +276,8 @@ def build_stages(
         else:
             module = StageModule(stage, entry=entry if j == 0 else None, sides=sides)
         a, b = plan.ranges[j]
-        module.names = tuple(names[a:b])
+        module.names = stage.layer_names = tuple(names[a:b])
+        stage.outputs_leave = j < len(plan.ranges) - 1
         modules.append(module)
     mark_shared_parameters([m.stage for m in modules])
     return modules

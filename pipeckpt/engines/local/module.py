@@ -45,6 +45,7 @@ class ModuleRunner:
         for j, ((a, b), mode, device) in enumerate(zip(plan.ranges, plan.modes, plan.devices)):
             part = nn.Sequential(*layers[a:b])
             self.stages.append(Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory))
+            self.stages[-1].layer_names = tuple(f"{name}.{n}" for n in spec.names[a:b])
             self._layer_counts.append(b - a)
         mark_shared_parameters(self.stages)
         self.several_devices = len(set(plan.devices)) > 1
