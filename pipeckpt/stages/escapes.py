@@ -92,15 +92,10 @@ class EscapeWatch:
         index: the stage's index in the pipeline.
         layers: the stage's layers.
         names: the user's names of ``layers`` (e.g. ``model.layers.1``).
-        returned_stay: whether what the call returns is used in this process (not under the
-            distributed engine's stages but the last, which send it on): then holding it is no escape.
     """
 
-    def __init__(
-        self, index: int, layers: Sequence[nn.Module], names: Sequence[str], *, returned_stay: bool = True
-    ) -> None:
+    def __init__(self, index: int, layers: Sequence[nn.Module], names: Sequence[str]) -> None:
         self.index = index
-        self.returned_stay = returned_stay
         self.names = {id(layer): name for layer, name in zip(layers, names)}
         self.layers = list(layers)
         self.recorder = _Recorder()
@@ -162,7 +157,9 @@ class EscapeWatch:
         made, self.recorder.made = self.recorder.made, []
         self.recorder._would.clear()
         ours, self.ours = self.ours, []
-        returned = {id(t) for t in _leaves(output)} if self.returned_stay else set()
+        containers: List[Any] = []  # the output's own tuples, lists and dicts hold what it returns
+        leaves = list(_leaves(output, containers))
+        returned = {id(t) for t in leaves}
         layers: Dict[int, str] = {}
         tensors: List[Tensor] = []
         for layer, ref, grad in made:
@@ -178,15 +175,29 @@ class EscapeWatch:
         del made
         if not tensors:
             return
-        mine: Set[int] = {id(tensors), *(id(c) for c in ours)}
-        for holder in gc.get_referrers(*tensors):
-            if id(holder) in mine or isinstance(holder, types.FrameType) or _is_args(holder, tensors):
-                continue
-            if isinstance(holder, dict) and _is_module_state(holder):
-                continue
-            for item in gc.get_referents(holder):
-                if id(item) in layers and any(item is t for t in tensors):
-                    raise _escaped(layers[id(item)], self.index, item, holder)
+        mine: Set[int] = {id(tensors), *(id(c) for c in ours), *(id(c) for c in containers)}
+        found = _held(tensors, layers, mine)
+        if found is not None:  # maybe garbage not yet collected (a cycle): look again without it
+            gc.collect()
+            found = _held(tensors, layers, mine)
+        if found is not None:
+            t, holder = found
+            raise _escaped(layers[id(t)], self.index, t, holder)
+
+
+def _held(tensors: List[Tensor], layers: Dict[int, str], mine: Set[int]) -> Optional[Tuple[Tensor, Any]]:
+    """One of ``tensors`` that an object not in ``mine`` (nor a frame) holds, and that object: the one
+    a user keeps rather than a tuple holding it on the way, when both do."""
+    found: List[Tuple[Tensor, Any]] = []
+    for holder in gc.get_referrers(*tensors):
+        if id(holder) in mine or isinstance(holder, types.FrameType) or _is_args(holder, tensors):
+            continue
+        if isinstance(holder, dict) and _is_module_state(holder):
+            continue
+        for item in gc.get_referents(holder):
+            if id(item) in layers and any(item is t for t in tensors):
+                found.append((item, holder))
+    return min(found, key=lambda pair: type(pair[1]) is tuple, default=None)
 
 
 def checked(stage: Any, call: Callable[..., Any], fn: Optional[Callable[..., Any]] = None) -> Any:
@@ -197,7 +208,7 @@ def checked(stage: Any, call: Callable[..., Any], fn: Optional[Callable[..., Any
     stage's next step after a layer's call (every layer call of the first micro-batch is checked)."""
     layers = list(stage.partition) if isinstance(stage.partition, nn.Sequential) else [stage.partition]
     names = stage.layer_names or [f"stage {stage.index}'s layer {k}" for k in range(len(layers))]
-    watch = EscapeWatch(stage.index, layers, names, returned_stay=not stage.outputs_leave)
+    watch = EscapeWatch(stage.index, layers, names)
     stage._watched, stage._watching, stage.watch = True, False, watch
     try:
         if fn is None:
@@ -230,18 +241,23 @@ def _is_module_state(holder: Dict[Any, Any]) -> bool:
     )
 
 
-def _leaves(value: Any) -> Iterator[Tensor]:
+def _leaves(value: Any, containers: List[Any]) -> Iterator[Tensor]:
+    """The tensors of ``value``; the containers walked through are added to ``containers``."""
     stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, Tensor):
             yield v
-        elif isinstance(v, (tuple, list)):
+            continue
+        if isinstance(v, (tuple, list)):
             stack.extend(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
-        elif hasattr(v, "tensors") and isinstance(v.tensors, tuple):  # a boundary's Flat
-            stack.extend(v.tensors)
+        elif isinstance(getattr(v, "tensors", None), tuple):  # a boundary's Flat
+            stack.append(v.tensors)
+        else:
+            continue
+        containers.append(v)
 
 
 def _escaped(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
@@ -255,7 +271,7 @@ def _escaped(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
         "around the stage's checkpoint: its gradient would be lost under checkpoint='always', backward "
         "would run the stage's graph twice under 'never', and under engine='distributed' it never "
         "reaches the last stage's loss",
-        "return the tensor from the layer (e.g. add the auxiliary loss to what it returns), or turn the "
-        "recording off (a Hugging Face model: output_router_logits=False, output_attentions=False; the "
-        "router's load-balancing loss is then not computed), or remove the hook that stores it",
+        "return the tensor from the layer (e.g. add the auxiliary loss to what it returns), keep a "
+        "detach()ed copy if it is only logged, or remove the hook that stores it (Hugging Face's own "
+        "recorders are carried when the model is pipelined with pipeline_of: see docs/REAL_MODELS.md)",
     )

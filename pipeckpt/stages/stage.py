@@ -73,8 +73,8 @@ class Stage(Recomputable):
         # Whether this step's micro-batches go straight to the layers (see begin_step).
         self._plain = False
         self.layer_names: Tuple[str, ...] = ()  # the user's names of the layers; set by the engine
-        # Whether the first micro-batch is checked for escapes (stages/escapes.py), the outputs sent on.
-        self._watching, self._watched, self.outputs_leave = True, False, False
+        # Whether the first micro-batch with gradients is to be / was checked (stages/escapes.py).
+        self._watching, self._watched = True, False
 
     @property
     def next_microbatch(self) -> int:

@@ -277,7 +277,6 @@ def build_stages(
             module = StageModule(stage, entry=entry if j == 0 else None, sides=sides)
         a, b = plan.ranges[j]
         module.names = stage.layer_names = tuple(names[a:b])
-        stage.outputs_leave = j < len(plan.ranges) - 1
         modules.append(module)
     mark_shared_parameters([m.stage for m in modules])
     return modules
