@@ -4,7 +4,7 @@ downloaded) with the routers' load-balancing loss on (``output_router_logits=Tru
 ``self.model(**batch).loss``; and the unpipelined reference that computes the same per-micro-batch
 losses and combines them as the pipeline does (docs/REAL_MODELS.md, "Mixture of experts")."""
 
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import lightning as L
 import torch
@@ -61,7 +61,8 @@ def per_microbatch_loss(model: nn.Module, batch: Dict[str, Tensor], chunks: int)
 
 class MoEModule(L.LightningModule):
     """A MoE model trained by SGD on HF's own loss; ``chunks`` set: the unpipelined reference that
-    combines per-micro-batch losses itself. Keeps each step's loss and the first step's router grads."""
+    combines per-micro-batch losses itself. Keeps the losses its step returns (per micro-batch under the
+    distributed engine), each step's reported loss, and the first step's router gradients."""
 
     def __init__(self, name: str, *, chunks: int = 0) -> None:
         super().__init__()
@@ -69,6 +70,7 @@ class MoEModule(L.LightningModule):
         self.model = MOE[name]()
         self.chunks = chunks
         self.losses: List[float] = []
+        self.step_losses: List[float] = []
         self.router_grads: Dict[str, Tensor] = {}
 
     def configure_pipeline(self) -> nn.Module:
@@ -80,6 +82,9 @@ class MoEModule(L.LightningModule):
         )
         self.losses.append(float(loss))
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.step_losses.append(float(outputs["loss"]))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.router_grads:
