@@ -3,7 +3,9 @@ Mixtral and Qwen3-MoE (tiny random configs) with the routers' load-balancing los
 ``self.model(**batch).loss``, 2 stages, chunks 2, under every checkpoint mode, equal within 1e-5 to the
 unpipelined model that computes the same per-micro-batch losses (each micro-batch's load-balancing
 loss is its own: it is not linear in the batch, like BatchNorm), router gradients included. Without
-carrying them, never and except_last failed in backward and always dropped the aux loss's gradient."""
+carrying them, never and except_last failed in backward and always dropped the aux loss's gradient.
+Hidden states (recorded on the layers' own outputs) carry their gradients too: a loss on a middle
+layer's trains as unpipelined."""
 
 from typing import Dict
 
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader
 import pipeckpt
 
 pytest.importorskip("transformers")
-from support.hf_models import batches
+from support.hf_models import HFModule, batches, whole
 from support.moe_models import MOE, MoEModule, is_router, per_microbatch_loss
 
 STEPS = 3
@@ -65,3 +67,28 @@ def test_the_aux_loss_moves_the_routers():
         per_microbatch_loss(model, batch, 2).backward()
         grads.append(torch.cat([p.grad.flatten() for k, p in model.named_parameters() if is_router(k)]))
     assert (grads[0] - grads[1]).abs().max() > 1e-4
+
+
+class HiddenStateLoss(HFModule):
+    """Llama trained on HF's loss plus a middle layer's hidden state's mean square (recorded by HF's
+    hooks on the layers themselves, output_hidden_states=True)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama", whole)
+
+    def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self.model(**batch, output_hidden_states=True)
+        return out.loss + 0.1 * out.hidden_states[2].pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_loss_on_a_middle_layers_hidden_state_trains_as_unpipelined(mode):
+    loader = DataLoader(batches(2), batch_size=None)
+    want, got = HiddenStateLoss(), HiddenStateLoss()
+    quiet_trainer(max_steps=2).fit(want, loader)
+    quiet_trainer(pipeckpt.PipelineStrategy(stages=2, chunks=2, checkpoint=mode), max_steps=2).fit(
+        got, loader
+    )
+    a, b = state(got), state(want)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
