@@ -168,7 +168,7 @@ class EscapeWatch:
             # tensors are alive too, but no Python object holds them (gc finds no referrer).
             if t is None or id(t) in returned or id(t) in layers or isinstance(t, nn.Parameter):
                 continue
-            if grad and not t.requires_grad:
+            if (grad and not t.requires_grad) or _through_function(t):
                 continue
             layers[id(t)] = layer
             tensors.append(t)
@@ -225,6 +225,12 @@ def _layer_of(fn: Callable[..., Any]) -> Any:
     while fn is not None and getattr(fn, "__self__", None) is None:
         fn = getattr(fn, "__wrapped__", None)  # type: ignore[assignment]
     return getattr(fn, "__self__", None)
+
+
+def _through_function(t: Tensor) -> bool:
+    """Whether ``t`` is an output of a checkpointed region's Function (a segment's, ``:k``, that the
+    next segment or the offloader keeps): its gradient goes through the Function, as an output's."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__ == "_RecomputeBackward"
 
 
 def _is_args(holder: Any, tensors: List[Tensor]) -> bool:

@@ -16,7 +16,7 @@ import pipeckpt
 from pipeckpt import PipeckptConfigError
 from pipeckpt.stages import escapes
 
-MODES = ["never", "except_last", "always", "always:1", "offload", "selective", "selective:1"]
+MODES = ["never", "except_last", "always", "offload", "selective", "selective:1"]
 
 
 def params(module: Any) -> Dict[str, Tensor]:
@@ -58,12 +58,6 @@ def test_a_copy_without_graph_is_no_escape_and_trains_as_unpipelined(mode):
     fit(got, mode, steps=2)
     a, b = params(got), params(want)
     assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in b)
-
-
-def test_what_the_last_stage_returns_may_be_kept_by_the_step(monkeypatch):
-    """The local engine: a stage's output is what the model goes on with, kept or not."""
-    module = SideChannel(at=3)
-    fit(module, "always", steps=1)
 
 
 def test_only_the_first_step_is_checked(monkeypatch):
