@@ -584,3 +584,23 @@ def test_is_hf_model_tells_a_pretrained_model_from_its_layers():
     model = gpt2()
     assert _compat.is_hf_model(model) and _compat.is_hf_model(model.transformer)
     assert not _compat.is_hf_model(model.transformer.h[0])
+
+
+def test_output_collector_is_the_dict_of_lists_transformers_hooks_append_recorded_outputs_to():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, use_cache=False,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    collector = _compat.output_collector()
+    assert collector is not None and collector.get() is None  # outside a forward
+    seen = []
+    layer = model.model.layers[0]
+    layer.register_forward_pre_hook(lambda m, args: seen.append(collector.get()))
+    out = model(torch.zeros(1, 3, dtype=torch.long), output_router_logits=True)
+    assert list(seen[0]) == ["router_logits"] and len(out.router_logits) == 1
+    assert out.router_logits[0] is seen[0]["router_logits"][0]  # the list the hooks appended to
+    token = collector.set({"router_logits": []})
+    collector.reset(token)
+    assert collector.get() is None

@@ -81,12 +81,13 @@ from pipeckpt._compat.torchgpipe_private import (
     join_dependency,
     microbatch,
 )
-from pipeckpt._compat.transformers_private import hf_init_weights, is_hf_model
+from pipeckpt._compat.transformers_private import hf_init_weights, is_hf_model, output_collector
 
 __all__ = [
     "STAGE_META",
     "STAGE_META_HOOKS",
     "is_view",
+    "output_collector",
     "BACKWARD_ONE_CHUNK",
     "BWD_SEND",
     "accumulate_gradients",

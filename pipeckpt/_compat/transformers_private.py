@@ -1,5 +1,5 @@
 """Every reach into Hugging Face transformers' private names: its per-module weight initialisation,
-and the rule ``save_pretrained`` uses to leave out tied copies.
+the context through which its models record outputs inside layers, and the rule ``save_pretrained`` uses to leave out tied copies.
 
 transformers is optional: nothing here imports it at import time; a module is a Hugging Face model
 only if transformers is already imported (a model of it cannot exist otherwise).
@@ -7,11 +7,11 @@ only if transformers is already imported (a model of it cannot exist otherwise).
 """
 
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
 
-__all__: List[str] = ["drop_tied_copies", "hf_init_weights", "is_hf_model"]
+__all__: List[str] = ["drop_tied_copies", "hf_init_weights", "is_hf_model", "output_collector"]
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -37,3 +37,14 @@ def drop_tied_copies(state_dict: Dict[str, Any], model: Any) -> Dict[str, Any]:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     return remove_tied_weights_from_state_dict(dict(state_dict), model)
+
+
+def output_collector() -> Optional[Any]:
+    """The context variable through which transformers' ``capture_outputs`` hands a model's forward
+    hooks the lists they append recorded outputs to (router logits, attentions, hidden states): its
+    ``get()`` is the running forward's dict of lists (None outside one), ``set(d)`` returns a token for
+    ``reset(token)``. Private: transformers has no API to record a layer call's outputs apart, which a
+    pipeline stage needs to return them through its autograd Function. None when transformers' output
+    capturing is not imported (no model could be recording)."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    return getattr(module, "_active_collector", None) if module is not None else None

@@ -9,7 +9,7 @@ Joining concatenates along dimension 0, and adds up 0-dim outputs (a loss) by th
 rule. Why not torchgpipe's ``scatter``/``gather``: they take only tensors or tuples of tensors.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -133,6 +133,7 @@ def gather(outputs: Sequence[Any], *, call: str, weights: Optional[Callable[[], 
     tensors0, spec = flatten(outputs[0])
     columns = zip(tensors0, *(flatten(o)[0] for o in outputs[1:]))
     made: Optional[LossWeights] = None
+    losses: Set[Optional[int]] = set()  # the columns combined as the call's loss
     joined = []
     for index, column in enumerate(columns):
         first = column[0]
@@ -148,7 +149,10 @@ def gather(outputs: Sequence[Any], *, call: str, weights: Optional[Callable[[], 
                 )
             if made is None:
                 made = weights()
-            loss = index == column_of(outputs)
+                # A MoE model's aux_loss (the routers' load-balancing loss) is a term of each
+                # micro-batch's loss: combined by the loss's weights, the joined loss stays its sum.
+                losses = {column_of(outputs), column_of(outputs, "aux_loss")}
+            loss = index in losses
             if not (loss and made.exact):
                 warn_uncombined(call, index, made, is_loss=loss)
             joined.append(made.combine(column, loss=loss))

@@ -135,12 +135,14 @@ def loss_weights(calls: Sequence[Tuple[Args, Kwargs]], *, shift: bool) -> LossWe
     return LossWeights("samples", samples, samples)
 
 
-def loss_of(output: Any) -> Optional[Tensor]:
+def loss_of(output: Any, key: str = "loss") -> Optional[Tensor]:
     """The call's loss in ``output``: the output itself when it is a 0-dim tensor, else its
-    ``"loss"`` entry (a dict's, or a ``ModelOutput``'s) when that is a 0-dim tensor."""
+    ``key`` entry (a dict's, or a ``ModelOutput``'s) when that is a 0-dim tensor."""
     output = value(output)
     if isinstance(output, Mapping):
-        output = output.get("loss")
+        output = output.get(key)
+    elif key != "loss":
+        return None
     return output if isinstance(output, Tensor) and output.dim() == 0 else None
 
 
@@ -173,9 +175,10 @@ def step_weights(calls: Sequence[Tuple[Args, Kwargs]], module: nn.Module) -> Opt
     return weights if weights.exact else None
 
 
-def column_of(outputs: Sequence[Any]) -> Optional[int]:
-    """The index of the call's loss among the tensor leaves of ``outputs[0]``, if it has one."""
-    loss = loss_of(outputs[0])
+def column_of(outputs: Sequence[Any], key: str = "loss") -> Optional[int]:
+    """The index of the call's loss (its ``key`` entry) among the tensor leaves of ``outputs[0]``, if
+    it has one."""
+    loss = loss_of(outputs[0], key)
     if loss is None:
         return None
     return next((i for i, t in enumerate(flatten(outputs[0])[0]) if t is loss), None)

@@ -26,6 +26,7 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import Copies, Offloader, copies_for
 from pipeckpt.checkpointing.release import ReleasedAtUnpack
 from pipeckpt.stages.caller import StepCasts, autocast_now, hold_cast_cache, release_cast_cache
+from pipeckpt.stages.escapes import EscapeWatch
 from pipeckpt.stages.guards import Recomputing, RngState, batch_norms, side_effect_free
 from pipeckpt.stages.weight_pass import WeightPass, input_pass
 
@@ -88,6 +89,8 @@ class _Recompute(torch.autograd.Function):
                 stage._structure, ctx.flat = structure, True
         if keep:
             ctx.kept = (output, inputs)
+            if stage.watch is not None:  # the first step's check of escaping tensors: this graph is ours
+                stage.watch.own(ctx.kept)
             output = output.detach() if isinstance(output, Tensor) else tuple(o.detach() for o in output)
         elif stage.offloads:
             ctx.offloaded = stage._offloader().park(stage._running_microbatch(), inputs)
@@ -193,7 +196,7 @@ class _Recompute(torch.autograd.Function):
 # Attributes of a stage or segment that never hold a Parameter, Module or buffer.
 _PLAIN_ATTRIBUTES = frozenset(
     {"forward_calls", "_microbatch", "_structure", "_num_microbatches", "_caller", "_keep", "checkpointed"}
-    | {"_step", "_params", "streams", "chain", "weight_passes", "_planned", "_plain"}
+    | {"_step", "_params", "streams", "chain", "weight_passes", "_planned", "_plain", "watch", "_watching"}
 )
 
 
@@ -240,6 +243,9 @@ class Recomputable(nn.Module):
         # Under a split-backward schedule (set by the engine): where each micro-batch's input pass
         # leaves its weight pass (stages/weight_pass.py); None: one whole backward.
         self.weight_passes: Optional[List[WeightPass]] = None
+        # While the stage's first micro-batch with gradients runs: what checks that no tensor made
+        # inside leaves other than through the output (stages/escapes.py).
+        self.watch: Optional[EscapeWatch] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The counters change several times per micro-batch; nn.Module's __setattr__ checks

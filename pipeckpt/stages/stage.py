@@ -21,6 +21,7 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import backward_microbatches
 from pipeckpt.checkpointing.order import Op, kept, local_order
 from pipeckpt.stages.caller import CallerState, StepCasts
+from pipeckpt.stages.escapes import checked
 from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.recompute import Recomputable
 from pipeckpt.stages.segments import Segment, selective
@@ -71,6 +72,9 @@ class Stage(Recomputable):
         self._planned: Optional[Tuple[Tuple[Any, ...], FrozenSet[int], int]] = None
         # Whether this step's micro-batches go straight to the layers (see begin_step).
         self._plain = False
+        self.layer_names: Tuple[str, ...] = ()  # the user's names of the layers; set by the engine
+        # Whether the first micro-batch with gradients is to be / was checked (stages/escapes.py).
+        self._watching, self._watched = True, False
 
     @property
     def next_microbatch(self) -> int:
@@ -108,6 +112,7 @@ class Stage(Recomputable):
         self._microbatch = 0
         self._num_microbatches = num_microbatches
         self._caller = caller
+        self._watching = self._watching and not self._watched
         key = (num_microbatches, order, self.mode)  # held, not by id: an id may be reused
         if self._planned is None or self._planned[0] != key:
             keep = self._kept(num_microbatches, order)
@@ -129,6 +134,7 @@ class Stage(Recomputable):
             and (self.streams is None or not self.streams.seeding)
             and not caller.active
             and not self._keeps_order()
+            and not self._watching
         )
         for segment in self._segment_list or ():
             segment._params = None
@@ -146,6 +152,8 @@ class Stage(Recomputable):
     def forward(self, input: Any, side: Optional[Dict[str, Any]] = None) -> Any:
         """Runs the next micro-batch. ``input`` is any pytree; ``side`` holds this
         micro-batch's side inputs, each handed to the layers whose ``forward`` declares it."""
+        if self._watching and torch.is_grad_enabled():
+            return checked(self, lambda: self.forward(input, side))
         i = self._microbatch
         own = self.__dict__  # the counters are plain attributes (Recomputable.__setattr__)
         own["_microbatch"] = i + 1
@@ -215,6 +223,7 @@ class Stage(Recomputable):
         for segment in self._segments():
             segment._step = self._step
             segment.streams = self.streams  # a recompute restores the micro-batch's layer streams
+            segment.watch = self.watch
             segment_side = segment.side_of(side)
             if self.mode.selective:
                 run = selective(segment.run, segment.run_counted, segment.recompute_guard, self.streams)
@@ -237,6 +246,8 @@ class Stage(Recomputable):
     ) -> Any:
         """One call of one of this stage's layers by a module's own ``forward`` (a module
         pipeline, ``pipeline_of``), as micro-batch ``i``: checkpointed alone under the mode."""
+        if self._watching and i == 0 and torch.is_grad_enabled():
+            return checked(self, lambda own: self.call_layer(own, params, i, args, kwargs), fn)
         with self._layer_streams(i):
             if self._caller.needs_applying():
                 with self._caller.applied():

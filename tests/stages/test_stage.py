@@ -269,7 +269,10 @@ def test_an_input_a_hook_kept_carries_no_gradient_after_the_stage_backward(mode:
 def test_a_stage_with_nothing_between_a_microbatch_and_its_layers_hands_it_straight_to_them(monkeypatch):
     stage = lone_stage(NEVER)
     stage.backward_per_microbatch = True  # each micro-batch's backward its own: no Function to order them
+    stage.begin_step(1)
+    stage(torch.randn(2, 8))  # the first step with gradients checks for escaping tensors (stages/escapes.py)
     stage.begin_step(3)
+    calls = stage.forward_calls
 
     def checked(*args):
         raise AssertionError("the micro-batch went through forward's checks")
@@ -277,7 +280,7 @@ def test_a_stage_with_nothing_between_a_microbatch_and_its_layers_hands_it_strai
     monkeypatch.setattr(stage, "_forward", checked)
     x = torch.randn(2, 8)
     assert all(torch.equal(stage(x), stage.partition(x)) for _ in range(3))
-    assert (stage.next_microbatch, stage.forward_calls) == (3, 3)
+    assert (stage.next_microbatch, stage.forward_calls - calls) == (3, 3)
 
 
 @pytest.mark.parametrize("what", ["checkpointing", "autocast on the caller's thread", "ordered gradients"])

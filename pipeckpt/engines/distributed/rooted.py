@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import is_view
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.recorded import recording
 from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers
 from pipeckpt.engines.distributed.boundaries import announced
 from pipeckpt.engines.distributed.processes import ProcessGroups
@@ -98,15 +99,23 @@ class RootRouting:
             owner = self.stage_of[index]
             if owner > p.stage:
                 raise _Handoff()
+            # Outputs the model records inside its layers (router logits) are the call's too: they
+            # cross the boundaries beside its output, with their gradients (boundaries/recorded.py).
+            found = recording()
+            fn = own if found is None else found.carried(own)
             if owner < p.stage:
                 out = self._received(p, index)
             elif p.live:
                 params = tuple(q for q in layer.parameters() if q.requires_grad)
-                out = self.stages[owner].call_layer(own, params, p.microbatch, args, kwargs)
+                out = self.stages[owner].call_layer(fn, params, p.microbatch, args, kwargs)
             else:
-                out = own(*args, **kwargs)
+                out = fn(*args, **kwargs)
             p.produced.append((index, out))
             p.after.layer_returned()
+            if found is None:
+                return out
+            out, recorded = out
+            found.add(recorded)
             return out
 
         return routed

@@ -276,7 +276,7 @@ def build_stages(
         else:
             module = StageModule(stage, entry=entry if j == 0 else None, sides=sides)
         a, b = plan.ranges[j]
-        module.names = tuple(names[a:b])
+        module.names = stage.layer_names = tuple(names[a:b])
         modules.append(module)
     mark_shared_parameters([m.stage for m in modules])
     return modules

@@ -16,6 +16,7 @@ from torch import nn
 from pipeckpt.boundaries.microbatch import gather, scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.pytrees import to_device
+from pipeckpt.boundaries.recorded import recording
 from pipeckpt.boundaries.scalars import loss_weights, shifts_labels
 from pipeckpt.boundaries.side_inputs import describe_call
 from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers, LayerStreams
@@ -45,6 +46,7 @@ class ModuleRunner:
         for j, ((a, b), mode, device) in enumerate(zip(plan.ranges, plan.modes, plan.devices)):
             part = nn.Sequential(*layers[a:b])
             self.stages.append(Stage(part, index=j, mode=mode, device=device, pin_memory=pin_memory))
+            self.stages[-1].layer_names = tuple(f"{name}.{n}" for n in spec.names[a:b])
             self._layer_counts.append(b - a)
         mark_shared_parameters(self.stages)
         self.several_devices = len(set(plan.devices)) > 1
@@ -74,7 +76,12 @@ class ModuleRunner:
             params = self._params.get(id(layer))
             if params is None:
                 params = self._params[id(layer)] = tuple(p for p in layer.parameters() if p.requires_grad)
-            out = stage.call_layer(own, params, i, args, kwargs)
+            found = recording()  # outputs the model records inside its layers (router logits)
+            if found is None:
+                out = stage.call_layer(own, params, i, args, kwargs)
+            else:  # they leave the stage through its Function, with their gradients
+                out, recorded = stage.call_layer(found.carried(own), params, i, args, kwargs)
+                found.add(recorded)
             self._after.layer_returned()
             return out
 

@@ -98,6 +98,8 @@ class LocalPipeline:
         self._warned_small_batch = False
         layers = list(sequential)
         names = list(names) if names is not None else [f"{name}.{i}" for i in range(len(layers))]
+        for stage, (a, b) in zip(self.stages, plan.ranges):
+            stage.layer_names = tuple(names[a:b])
         self.signatures = Signatures(name, list(zip(names, layers)))
         self._chains: Dict[FrozenSet[str], List[Tuple[Chain, Optional[FrozenSet[str]]]]] = {}
         self._checked_plain = False
