@@ -1,5 +1,6 @@
 """Every reach into Hugging Face transformers' private names: its per-module weight initialisation,
-the context through which its models record outputs inside layers, and the rule ``save_pretrained`` uses to leave out tied copies.
+the context through which its models record outputs inside layers, and the rule ``save_pretrained``
+uses to leave out tied copies.
 
 transformers is optional: nothing here imports it at import time; a module is a Hugging Face model
 only if transformers is already imported (a model of it cannot exist otherwise).
