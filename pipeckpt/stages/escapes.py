@@ -194,6 +194,8 @@ def _held(tensors: List[Tensor], layers: Dict[int, str], mine: Set[int]) -> Opti
             continue
         if isinstance(holder, dict) and _is_module_state(holder):
             continue
+        if isinstance(holder, Tensor):  # a wrapper (a DTensor) holds its local tensor: checked itself
+            continue
         for item in gc.get_referents(holder):
             if id(item) in layers and any(item is t for t in tensors):
                 found.append((item, holder))
