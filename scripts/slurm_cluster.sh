@@ -25,14 +25,23 @@ die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
 
 usage() { die "usage: $0 {start|stop|status} DIR"; }
 
-# Prints N ports that are free right now (bound to port 0 together, so they differ).
+# Prints N ports that are free right now, below the kernel's ephemeral range: the daemons bind them
+# seconds later, and a port the kernel hands out (port 0) could meanwhile go to any process's outgoing
+# connection (gloo opens many), which once left a slurmd with "Address already in use".
 free_ports() {
     python3 - "$1" <<'PY'
-import socket, sys
+import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
 socks = []
-for _ in range(int(sys.argv[1])):
+for port in random.sample(range(max(1024, low - 12000), low), 400):
+    if len(socks) == int(sys.argv[1]):
+        break
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        continue
     socks.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
