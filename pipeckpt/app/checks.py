@@ -93,7 +93,9 @@ def _check_model(cfg: DictConfig) -> None:
     if isinstance(model, DictConfig) and str(model.get("_target_", "")).endswith(".HFCausalLM"):
         from pipeckpt.app.models.hf import check_tokens, checked_config  # transformers, only for model=hf
 
-        config = OmegaConf.to_container(model.config) if OmegaConf.is_config(model.config) else model.config
+        config = model.config
+        if OmegaConf.is_config(config):
+            config = {str(k): v for k, v in OmegaConf.to_container(config).items()}  # type: ignore[union-attr]
         built = checked_config(model.path, config, model.seq_len)
         data = cfg.get("data")
         if isinstance(data, DictConfig) and "tokenizer" in data:

@@ -46,7 +46,9 @@ def tiny_config(family: str = "llama", *, vocab_size: int = VOCAB, max_positions
         )  # fmt: skip
     kinds = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
     if family not in kinds:
-        raise config_error(f"family={family!r}", f"the tiny families are {list(FAMILIES)}", "pick one of them")
+        raise config_error(
+            f"family={family!r}", f"the tiny families are {list(FAMILIES)}", "pick one of them"
+        )
     return kinds[family](
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=max_positions, attention_dropout=0.0,
@@ -71,7 +73,9 @@ def _tokenizer(vocab_size: int) -> Any:
     text = read_corpus(None, max_bytes=_TEXT_BYTES).decode("utf-8", errors="replace")
     bpe.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     special = "<|endoftext|>"
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=special, eos_token=special, pad_token=special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=special, eos_token=special, pad_token=special
+    )
 
 
 def make_tiny_pretrained(
@@ -116,7 +120,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-shard-size", default="64KB")
     args = parser.parse_args(argv)
     out = make_tiny_pretrained(
-        args.path, args.family, tokenizer=not args.no_tokenizer, seed=args.seed, max_shard_size=args.max_shard_size
+        args.path,
+        args.family,
+        tokenizer=not args.no_tokenizer,
+        seed=args.seed,
+        max_shard_size=args.max_shard_size,
     )
     files: List[str] = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}: {', '.join(files)}")

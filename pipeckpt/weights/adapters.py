@@ -67,13 +67,17 @@ def init_adapters(model: nn.Module, device: torch.device, keep: Optional[Callabl
             for owner, slot, is_param in kept:
                 meta = _held((owner, slot, is_param))
                 real = torch.empty_like(meta, device=device)
-                set_own_tensor(owner, slot, nn.Parameter(real, meta.requires_grad) if is_param else real, is_param)
+                set_own_tensor(
+                    owner, slot, nn.Parameter(real, meta.requires_grad) if is_param else real, is_param
+                )
             layer.reset_lora_parameters(adapter, init)
 
 
 def _adapter_slots(layer: Any, adapter: str) -> List[Any]:
     """The (owner, name, is_param) of the tensors of ``layer``'s ``adapter``."""
-    owners: List[nn.Module] = [layer.lora_A[adapter], layer.lora_B[adapter]] if adapter in layer.lora_A else []
+    owners: List[nn.Module] = (
+        [layer.lora_A[adapter], layer.lora_B[adapter]] if adapter in layer.lora_A else []
+    )
     slots = [(o, n, p) for o in owners for n, _, p in own_tensors(o)]
     for table in (layer.lora_embedding_A, layer.lora_embedding_B):
         slots += [(table, n, p) for n, _, p in own_tensors(table) if n == adapter]

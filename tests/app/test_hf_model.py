@@ -64,7 +64,9 @@ def test_model_hf_fine_tunes_the_directory_under_the_local_engine(tmp_path, tiny
 
 @pytest.mark.slow
 def test_model_hf_fine_tunes_the_directory_on_two_distributed_processes(tmp_path, tiny, reference_val_loss):
-    done = train(tmp_path, "model=hf", f"model.path={tiny}", "strategy.engine=distributed", "trainer.devices=2")
+    done = train(
+        tmp_path, "model=hf", f"model.path={tiny}", "strategy.engine=distributed", "trainer.devices=2"
+    )
     start, end = val_losses(done.stdout)
     assert start == pytest.approx(reference_val_loss, abs=1e-4)
     assert math.isfinite(end) and end != start
@@ -87,7 +89,9 @@ def test_the_directorys_tokenizer_makes_the_ids_and_bytes_do_without_one(tmp_pat
 
 def test_a_missing_model_path_is_refused_naming_it(tmp_path):
     message = refusal(tmp_path, "model=hf", f"model.path={tmp_path / 'nowhere'}")
-    assert message.startswith(f"model.path={tmp_path / 'nowhere'}: ") and "no such file or directory" in message
+    assert (
+        message.startswith(f"model.path={tmp_path / 'nowhere'}: ") and "no such file or directory" in message
+    )
 
 
 def test_a_directory_without_config_json_is_refused_naming_it(tmp_path):
@@ -96,13 +100,17 @@ def test_a_directory_without_config_json_is_refused_naming_it(tmp_path):
 
 
 def test_bytes_outside_the_models_vocabulary_are_refused_naming_the_directory(tmp_path):
-    transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=128)).save_pretrained(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=128)).save_pretrained(
+        tmp_path
+    )
     message = refusal(tmp_path, "model=hf", f"model.path={tmp_path}")
     assert message.startswith(f"model.path={tmp_path} (vocab_size 128) with the text's bytes (no tokenizer)")
 
 
 def test_a_window_longer_than_the_models_positions_is_refused(tmp_path, tiny):
-    assert refusal(tmp_path, "model=hf", f"model.path={tiny}", "model.seq_len=300").startswith("model.seq_len=300: ")
+    assert refusal(tmp_path, "model=hf", f"model.path={tiny}", "model.seq_len=300").startswith(
+        "model.seq_len=300: "
+    )
 
 
 def test_a_directory_and_a_config_together_are_refused(tmp_path, tiny):
@@ -117,7 +125,9 @@ def test_a_config_dict_builds_that_model_type_with_its_fields(tmp_path):
     assert (type(built).__name__, built.n_layer, built.n_embd) == ("GPT2Config", 3, 32)
 
 
-@pytest.mark.parametrize("family,layers", [("llama", "model.layers"), ("qwen2", "model.layers"), ("gpt2", "transformer.h")])
+@pytest.mark.parametrize(
+    "family,layers", [("llama", "model.layers"), ("qwen2", "model.layers"), ("gpt2", "transformer.h")]
+)
 def test_the_decoder_layers_are_the_modulelist_holding_most_parameters(family, layers):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(family))

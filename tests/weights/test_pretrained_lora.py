@@ -38,7 +38,9 @@ def directory(tmp_path_factory):
 def _fit(directory, mark: str = "base", **options: Any):
     module, at_start = LoraFromPretrained(directory, mark), AtStart()
     trainer = quiet_trainer(
-        PipelineStrategy(balance=[2, 2], chunks=2), max_steps=3, callbacks=[at_start, *options.pop("callbacks", [])]
+        PipelineStrategy(balance=[2, 2], chunks=2),
+        max_steps=3,
+        callbacks=[at_start, *options.pop("callbacks", [])],
     )
     trainer.fit(module, loader())
     return module, at_start.held, trainer

@@ -35,7 +35,9 @@ def _load_tokenizer(directory: str) -> Any:
 def token_range(tokenizer: Optional[str]) -> int:
     """How many token ids the data can hold: the tokenizer's vocabulary (its added tokens included),
     or 256 for bytes."""
-    return len(_load_tokenizer(tokenizer)) if has_tokenizer(tokenizer) else 256
+    if tokenizer is None or not has_tokenizer(tokenizer):
+        return 256
+    return len(_load_tokenizer(tokenizer))
 
 
 class HFWindows(Windows):

@@ -33,7 +33,8 @@ def _config_file(value: str, setting: str) -> Path:
         found = "a directory without a config.json" if where.is_dir() else "no such file or directory"
         raise config_error(
             f"{setting}={value}",
-            f"a local Hugging Face directory holds a config.json (save_pretrained writes one); this is {found}",
+            f"a local Hugging Face directory holds a config.json (save_pretrained writes one): this is "
+            f"{found}",
             f"point {setting} at the directory save_pretrained wrote (python -m pipeckpt.app.tiny_pretrained "
             "DIR makes a tiny one); nothing is downloaded",
         )
@@ -94,7 +95,9 @@ def check_tokens(built: Any, path: Optional[str], tokenizer: Optional[str]) -> N
     ids = token_range(tokenizer)
     if ids <= built.vocab_size:
         return
-    source = f"the tokenizer of {tokenizer}" if has_tokenizer(tokenizer) else "the text's bytes (no tokenizer)"
+    source = (
+        f"the tokenizer of {tokenizer}" if has_tokenizer(tokenizer) else "the text's bytes (no tokenizer)"
+    )
     model = f"model.path={path}" if path is not None else "model.config"
     raise config_error(
         f"{model} (vocab_size {built.vocab_size}) with {source}: {ids} token ids",
