@@ -93,10 +93,7 @@ def _check_model(cfg: DictConfig) -> None:
     if isinstance(model, DictConfig) and str(model.get("_target_", "")).endswith(".HFCausalLM"):
         from pipeckpt.app.models.hf import check_tokens, checked_config  # transformers, only for model=hf
 
-        config = model.config
-        if OmegaConf.is_config(config):
-            config = {str(k): v for k, v in OmegaConf.to_container(config).items()}  # type: ignore[union-attr]
-        built = checked_config(model.path, config, model.seq_len)
+        built = checked_config(model.path, model.config, model.seq_len)
         data = cfg.get("data")
         if isinstance(data, DictConfig) and "tokenizer" in data:
             check_tokens(built, model.path, data.tokenizer)

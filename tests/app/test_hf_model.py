@@ -121,8 +121,24 @@ def test_a_directory_and_a_config_together_are_refused(tmp_path, tiny):
 def test_a_config_dict_builds_that_model_type_with_its_fields(tmp_path):
     cfg = compose_train(tmp_path, "model=hf", "model.config={model_type:gpt2,n_layer:3,n_embd:32,n_head:2}")
     check_config(cfg)
-    built = hf_config(None, dict(cfg.model.config))
+    built = hf_config(None, cfg.model.config)
     assert (type(built).__name__, built.n_layer, built.n_embd) == ("GPT2Config", 3, 32)
+
+
+def test_a_config_json_builds_that_config_from_scratch(tmp_path, tiny):
+    cfg = compose_train(tmp_path, "model=hf", f"model.config={tiny / 'config.json'}")
+    check_config(cfg)
+    built, saved = hf_config(None, cfg.model.config), transformers.AutoConfig.from_pretrained(tiny)
+    assert type(built) is type(saved)
+    assert {k: v for k, v in built.to_dict().items() if k != "_name_or_path"} == {
+        k: v for k, v in saved.to_dict().items() if k != "_name_or_path"
+    }
+
+
+def test_without_a_pipeline_model_hf_loads_the_directory_eagerly(tmp_path, tiny, reference_val_loss):
+    start, end = val_losses(train(tmp_path, "model=hf", f"model.path={tiny}", "strategy=single").stdout)
+    assert start == pytest.approx(reference_val_loss, abs=1e-4)
+    assert math.isfinite(end) and end != start
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ architecture ``AutoModelForCausalLM`` builds works without a table of layer path
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 import pipeckpt
@@ -22,7 +23,8 @@ from pipeckpt.app.data.hf_text import has_tokenizer, token_range
 
 __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
 
-ConfigSource = Union[None, str, Dict[str, Any]]
+#: None, a local config.json (or its directory), or config.json's fields as a mapping (Hydra's too).
+ConfigSource = Any
 
 
 def _config_file(value: str, setting: str) -> Path:
@@ -58,6 +60,8 @@ def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
         )
     if path is not None:
         return transformers.AutoConfig.from_pretrained(_config_file(path, "model.path").parent)
+    if OmegaConf.is_config(config):  # the app's model.config, as Hydra hands it over
+        config = OmegaConf.to_container(config)
     if isinstance(config, str):
         fields = json.loads(_config_file(config, "model.config").read_text())
     elif config is None:
