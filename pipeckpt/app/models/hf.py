@@ -59,7 +59,9 @@ def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
             "set model.path to fine-tune the directory, or model.config to train from scratch, not both",
         )
     if path is not None:
-        return transformers.AutoConfig.from_pretrained(_config_file(path, "model.path").parent)
+        return transformers.AutoConfig.from_pretrained(
+            _config_file(path, "model.path").parent, local_files_only=True
+        )
     if OmegaConf.is_config(config):  # the app's model.config, as Hydra hands it over
         config = OmegaConf.to_container(config)
     if isinstance(config, str):
@@ -165,7 +167,9 @@ class HFCausalLM(L.LightningModule):
 
         dtype = torch.get_default_dtype()  # float32, or what the precision sets (bf16-true)
         if self.path is not None and not torch.empty(0).is_meta:  # no meta build (strategy=single)
-            model = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).train()
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=dtype, local_files_only=True
+            ).train()
         else:
             model = transformers.AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
             if self.path is not None:
