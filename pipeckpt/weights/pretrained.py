@@ -21,6 +21,7 @@ from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.state.confined import inside
 from pipeckpt.state.safe_load import weights_only_load
+from pipeckpt.weights.adapters import init_adapters, unwrapped_name
 
 __all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint"]
 
@@ -141,7 +142,13 @@ def _copy(dest: Tensor, source: Tensor, key: str, file: Path) -> None:
 
 
 def _candidates(model: nn.Module, name: str) -> List[str]:
-    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``."""
+    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``; then
+    the same of the name without PEFT's wrappers (:mod:`pipeckpt.weights.adapters`)."""
+    unwrapped = unwrapped_name(model, name)
+    return _prefixed(model, name) + (_prefixed(model, unwrapped) if unwrapped is not None else [])
+
+
+def _prefixed(model: nn.Module, name: str) -> List[str]:
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(prefix, str) or not prefix:
         return [name]
@@ -156,6 +163,7 @@ def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
     own initialisation (buffers it does not save; missing weights under ``missing='init'``)."""
     left: Set[int] = set()
     for model, source in marked_in(module):
+        init_adapters(model, device, keep)  # PEFT's, before the rest: no checkpoint holds them
         names: Dict[int, List[str]] = {}
         slots: Dict[int, List[Tuple[nn.Module, str, bool]]] = {}
         for prefix, owner in model.named_modules(remove_duplicate=False):
