@@ -47,7 +47,9 @@ def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
                         continue
                     if id(t) not in made:
                         empty = torch.empty_like(t, device=device)
-                        made[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                        made[id(t)] = (
+                            nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                        )
                     swapped.append((owner, name, t))
                     setattr(owner, name, made[id(t)])
             yield mode
@@ -57,7 +59,8 @@ def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
                 "auto profiles a module built on meta on fake tensors, which hold no values, and its "
                 f"step failed there ({type(error).__name__}: {str(error).splitlines()[0]})",
                 "choose the checkpoint modes yourself (`python -m pipeckpt.plan` predicts their peaks), "
-                "or build the module eagerly (not in configure_model, nor under init_module(empty_init=True))",
+                "or build the module eagerly (not in configure_model, nor under "
+                "init_module(empty_init=True))",
             ) from error
         finally:
             for owner, name, t in reversed(swapped):

@@ -12,8 +12,8 @@ from support.pretrained_models import FromScratch, loader
 from torch import nn
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.checkpointing.modes import NEVER
 from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.checkpointing.modes import NEVER
 from pipeckpt.memory.auto import DEFAULT_MODES, with_balance_modes
 from pipeckpt.memory.budget import first_microbatch, resolve_auto, sample_batch
 from pipeckpt.memory.fake_weights import fake_weights, state_bytes

@@ -29,7 +29,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("metaauto")
     gpt2 = str(save("gpt2", out / "gpt2"))
     runs = [
-        dict(name=f"{model}_{build}", model=model, build=build, path=path, strategy=dict(PP2, memory_budget=b))
+        dict(
+            name=f"{model}_{build}", model=model, build=build, path=path, strategy=dict(PP2, memory_budget=b)
+        )
         for model, path in (("llama", None), ("gpt2", gpt2))
         for build in ("meta", "eager")
         for b in [BUDGETS[model]]
@@ -61,7 +63,9 @@ def test_the_plan_of_the_meta_build_is_the_eager_builds(launched: Path, model: s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(BUDGETS))
-def test_each_stages_measured_peak_of_the_meta_build_stays_within_the_budget(launched: Path, model: str) -> None:
+def test_each_stages_measured_peak_of_the_meta_build_stays_within_the_budget(
+    launched: Path, model: str
+) -> None:
     for seen in _seen(launched, f"{model}_meta"):
         held = seen["window_peak"] + seen["held"]
         assert seen["window_peak"] > 0
