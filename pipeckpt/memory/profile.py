@@ -148,7 +148,9 @@ def profile(
         target: the loss's second argument.
         rounds: timing rounds per layer (after one warm-up); the median is kept.
         fake: ``sequential`` and ``microbatch`` were built under :func:`fake_mode` (a model larger
-            than the machine): nothing is allocated and times come from FLOP counts.
+            than the machine), or a meta build's tensors swapped for fake ones
+            (:func:`~pipeckpt.memory.fake_weights.fake_weights`): nothing is allocated and times
+            come from FLOP counts.
         flops_per_s: the rate FLOP counts are divided by under ``fake``.
     """
     owner: nn.Module = sequential.root if isinstance(sequential, ModulePipeline) else sequential
