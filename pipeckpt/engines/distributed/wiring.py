@@ -26,7 +26,6 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.checkpointing.compiling import compile_layers
 from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import mark_own
-from pipeckpt.engines.distributed.tensor_parallel import check_plan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.guards import side_effect_free
@@ -357,15 +356,6 @@ def agreed_plan(
     differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
     layers made ready for it: those of this process's stages ``mine`` made real when the module was
     built on the meta device (:func:`materialize_mine`), deferred BatchNorm, compiled."""
-    if (settings.tensor_parallel or 1) > 1:
-        assert settings.tensor_parallel_plan is not None
-        if isinstance(layers, ModulePipeline):
-            raise config_error(
-                f"tensor_parallel={settings.tensor_parallel} with a module pipeline (pipeline_of)",
-                "tensor parallelism splits the layers of an nn.Sequential pipeline",
-                "return an nn.Sequential of the layers from configure_pipeline(), or tensor_parallel=1",
-            )
-        check_plan(list(layers), settings.tensor_parallel_plan)
     meta_build = built_on_meta(module)
     if meta_build and settings.balance is None and settings.balance_by != "params":
         raise config_error(
