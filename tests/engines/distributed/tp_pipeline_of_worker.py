@@ -3,7 +3,8 @@
 
 Each run of the spec trains a tiny Hugging Face model (``model``: ``llama`` or ``qwen2``) through
 ``pipeline_of(model, "model.layers")`` under ``engine="distributed"`` with ``strategy`` (tensor
-parallelism from the model's own plan), 3 steps on this replica's rows of every batch: built eagerly
+parallelism from the model's own plan), 3 steps (the gradient clipped to ``clip`` by norm, if
+given) on this replica's rows of every batch: built eagerly
 from its config, seeded (``build='scratch'``), or on the meta device and filled from the pretrained
 directory ``path`` (``build='pretrained'``). Each rank saves ``<run>_rank<r>.pt``: its stages, the
 keys it read from the directory's shards, and for each tensor it holds for real its whole value
@@ -108,7 +109,8 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     settings = spec["strategy"]
     strategy = PipelineStrategy(engine="distributed", **settings)
     at_start = AtStart()
-    trainer = quiet_trainer(strategy, world, max_steps=STEPS, callbacks=[at_start])
+    clip = spec.get("clip")
+    trainer = quiet_trainer(strategy, world, max_steps=STEPS, gradient_clip_val=clip, callbacks=[at_start])
     if spec["build"] == "pretrained":
         module: L.LightningModule = FromPretrained(spec["model"], Path(spec["path"]), build="meta")
     else:
