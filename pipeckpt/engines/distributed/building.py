@@ -33,6 +33,7 @@ from pipeckpt.engines.distributed.wiring import (
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import StagePlan, module_name
 from pipeckpt.stages.stage import Stage
+from pipeckpt.weights.pretrained import read_later
 
 __all__ = ["EngineBuilding"]
 
@@ -161,7 +162,9 @@ class EngineBuilding:
     ) -> None:
         """What both kinds of pipeline end with once this rank's stages are built: ties made equal,
         random streams handed to the stages, the schedules, and ``routed`` (what the user calls)
-        refusing calls outside a step."""
+        refusing calls outside a step. A pretrained checkpoint's reads held back for the shards are
+        done first, each rank reading its own slices."""
+        read_later(module)
         if ties:
             ties.broadcast()
             step.ties = ties

@@ -206,6 +206,18 @@ def test_every_process_starts_bitwise_at_from_pretrained_and_its_shards_at_the_s
     assert shards == 4 * 2 * len(LLAMA_PLAN)  # split over tp: every projection of each process's two layers
 
 
+@pytest.mark.slow
+def test_each_process_reads_only_the_slices_its_shards_hold(four_processes):
+    for rank in range(4):
+        saved = _saved(four_processes, "pretrained", rank)
+        held = saved["at_start"]  # in fp32; the directory holds bf16, 2 bytes an element
+        shards = sum(v["local"].numel() for v in held.values() if "local" in v)
+        whole = sum(v["whole"].numel() for v in held.values() if "local" not in v)  # outside the layers
+        split = sum(v["whole"].numel() - v["local"].numel() for v in held.values() if "local" in v)
+        assert split > 0  # the projections: half of each
+        assert saved["bytes_read"] == 2 * (shards + whole)
+
+
 def _slice(whole: torch.Tensor, held: Dict[str, Any]) -> torch.Tensor:
     """The part of ``whole`` that a DTensor laid out as ``held`` holds on its process, by the chunks
     of each mesh dimension it is sharded over (``Shard(dim=d)``)."""

@@ -4,18 +4,21 @@
 Each run of the spec trains a tiny Hugging Face model (``model``: ``llama`` or ``qwen2``) through
 ``pipeline_of(model, "model.layers")`` under ``engine="distributed"`` with ``strategy`` (tensor
 parallelism from the model's own plan), 3 steps (the gradient clipped to ``clip`` by norm, if
-given) on this replica's rows of every batch: built eagerly
-from its config, seeded (``build='scratch'``), or on the meta device and filled from the pretrained
-directory ``path`` (``build='pretrained'``). Each rank saves ``<run>_rank<r>.pt``: its stages, the
-keys it read from the directory's shards, and for each tensor it holds for real its whole value
-(a DTensor gathered) and, for a DTensor, its local shard, placements, mesh dimensions and this
-rank's coordinate on the mesh, at fit start and after training."""
+given) on this replica's rows of every batch: built eagerly from its config, seeded
+(``build='scratch'``), or on the meta device and filled from the pretrained directory ``path``
+(``build='pretrained'``). Each rank saves ``<run>_rank<r>.pt``: its stages, the keys it read from
+the directory's shards and the bytes of the tensors (or slices) it read, and for each tensor it
+holds for real its whole value (a DTensor gathered) and, for a DTensor, its local shard,
+placements, mesh dimensions and this rank's coordinate on the mesh, at fit start and after
+training."""
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import lightning as L
+import safetensors
 import torch
 import transformers
 from support.pretrained_models import FromPretrained, keys_read
@@ -105,6 +108,53 @@ class AtStart(L.Callback):
         self.held = held(module.model)
 
 
+@contextmanager
+def bytes_read() -> Iterator[List[int]]:
+    """The bytes of every tensor read through ``safetensors.safe_open`` (whole, or a slice's)."""
+    counted: List[int] = []
+    original = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getitem__(self, index: Any) -> Tensor:
+            t = self.inner[index]
+            counted.append(t.numel() * t.element_size())
+            return t
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    class Counting:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = original(*args, **kwargs)
+
+        def __enter__(self) -> "Counting":
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.inner.__exit__(*exc)
+
+        def get_tensor(self, key: str) -> Tensor:
+            t = self.inner.get_tensor(key)
+            counted.append(t.numel() * t.element_size())
+            return t
+
+        def get_slice(self, key: str) -> Slice:
+            return Slice(self.inner.get_slice(key))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    safetensors.safe_open = Counting
+    try:
+        yield counted
+    finally:
+        safetensors.safe_open = original
+
+
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     settings = spec["strategy"]
     strategy = PipelineStrategy(engine="distributed", **settings)
@@ -119,11 +169,12 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     replica = int(os.environ["LOCAL_RANK"]) // (world // dp)  # the mesh's outermost dimension
     data = DataLoader(rows(batches(spec["padded"]), replica, dp), batch_size=None)
     torch.manual_seed(123)
-    with keys_read() as read:
+    with keys_read() as read, bytes_read() as counted:
         trainer.fit(module, data)
     result = dict(
         stages=[stage.index for stage in strategy.stages],
         read=sorted(read),
+        bytes_read=sum(counted),
         at_start=at_start.held,
         trained=held(module.model),
     )
