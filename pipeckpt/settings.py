@@ -180,7 +180,7 @@ class PipeSettings:
         metadata=_engine_help(
             "distributed, tensor_parallel > 1: how each pipelined layer is split, as {submodule path "
             "in the layer (fnmatch pattern): 'colwise' | 'rowwise'}, e.g. {'mlp.up': 'colwise', "
-            "'mlp.down': 'rowwise'}"
+            "'mlp.down': 'rowwise'}; default for pipeline_of: the model's config.base_model_tp_plan"
         ),
     )
 

@@ -54,6 +54,7 @@ from pipeckpt._compat.torch_private import (
     keep_buffers_out_of_state_dict,
     layout_by_name,
     live_op_order,
+    local_extent,
     make_fsdp_root,
     module_memory,
     own_tensors,
@@ -84,6 +85,7 @@ from pipeckpt._compat.torchgpipe_private import (
 from pipeckpt._compat.transformers_private import hf_init_weights, is_hf_model, output_collector
 
 __all__ = [
+    "local_extent",
     "STAGE_META",
     "STAGE_META_HOOKS",
     "is_view",

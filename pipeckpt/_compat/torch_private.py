@@ -316,7 +316,18 @@ def split_mesh_dim(mesh: Any, sizes: Tuple[int, ...], names: Tuple[str, ...]) ->
     return mesh._unflatten(0, sizes, names)
 
 
+def local_extent(t: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The shape of this rank's shard of the DTensor ``t`` and its offset in the whole tensor, from the
+    layout alone (no collective): what lets a rank read only its slice of a checkpointed tensor.
+    torch computes it for DCP (``torch.distributed.tensor._utils``) and offers no public API."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
 __all__ = [
+    "local_extent",
     "STAGE_META",
     "is_view",
     "BACKWARD_ONE_CHUNK",
