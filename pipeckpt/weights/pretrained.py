@@ -125,8 +125,9 @@ class Pretrained:
                 continue
             import safetensors
 
-            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in keys:
+            for key in keys:  # opened per key: the file's pages a read touched count as this
+                # process's resident memory until it is closed (safetensors maps the file)
+                with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
                     _copy(wanted[key], f.get_tensor(key), key, file)
 
 
