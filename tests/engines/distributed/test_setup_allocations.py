@@ -28,7 +28,9 @@ BOOKKEEPING = 48 * 1024
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("setup_allocations")
-    return ranks.launch(HERE / "setup_allocations_worker.py", WORLD, [dict(balance=BALANCE)], out, within_s=240)
+    return ranks.launch(
+        HERE / "setup_allocations_worker.py", WORLD, [dict(balance=BALANCE)], out, within_s=240
+    )
 
 
 def _result(out: Path, rank: int) -> Dict[str, Any]:
