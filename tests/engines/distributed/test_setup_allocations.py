@@ -1,14 +1,16 @@
-"""What a process allocates and keeps resident while it makes its stages real from the meta device: its own stages'
-tensors, the scratch it draws other stages' initial values into (a process replays the draws before
-its own layers, one layer at a time), and bookkeeping (the generators' states it exchanges), nothing
-else. A per-layer temporary the size of the layer's elements (a NaN mask of each tensor, freed at
-once) was enough for glibc's heap to keep up to 208 MiB more than a process's half of 24
-Linear(4096, 4096) at train start; freed memory glibc keeps shows in no tensor count, so this counts
-every storage an operator creates from ``trainer.fit`` to train start. Filling a model from a
-pretrained directory, a process maps the checkpoint's files (safetensors), and the pages it reads
-count as its resident memory while a file is open: at most one tensor's at a time. One launch of 2
-real processes (gloo on CPU, setup_allocations_worker.py beside this file): 6 Linear(256, 256)
-built in ``configure_model``, pp2, balance 3 + 3; then a Llama saved in bf16 in one file, pp2."""
+"""What a process allocates and keeps resident while it makes its stages real from the meta device.
+
+Allocated: its own stages' tensors, the scratch it draws other stages' initial values into (a
+process replays the draws before its own layers, one layer at a time), and bookkeeping (the
+generators' states it exchanges), nothing else. A per-layer temporary the size of the layer's
+elements (a NaN mask of each tensor, freed at once) was enough for glibc's heap to keep up to 208 MiB
+more than a process's half of 24 Linear(4096, 4096) at train start; freed memory glibc keeps shows in
+no tensor count, so this counts every storage an operator creates from ``trainer.fit`` to train
+start. Resident: filling a model from a pretrained directory, a process maps the checkpoint's files
+(safetensors), and the pages it reads count as its resident memory while a file is open: at most one
+tensor's at a time. One launch of 2 real processes (gloo on CPU, setup_allocations_worker.py beside
+this file): 6 Linear(256, 256) built in ``configure_model``, pp2, balance 3 + 3; then a Llama saved
+in bf16 in one file, pp2."""
 
 from pathlib import Path
 from typing import Any, Dict
