@@ -16,13 +16,15 @@ in every process) is what pipelining is to avoid. Two cases, each rank a real gl
   ``nn.Sequential``, pp2 on 2 processes; beside it the same Sequential built in ``__init__``.
 
 Each rank reads its peak (``VmHWM``) and current (``VmRSS``) resident memory from /proc/self/status
-at train start, after its imports (before anything else), and the bytes of the parameters it holds
+at train start and after its imports (before anything else), and the bytes of the parameters it holds
 for real. Bound: held + imports + 15% of held, per rank.
 
 Command::
 
-    python benchmarks/bench_pretrained_memory.py --out benchmarks/RESULTS_pretrained_memory.md
-    python benchmarks/bench_pretrained_memory.py --smoke --out /tmp/smoke.md   # tiny sizes, seconds
+    python benchmarks/bench_pretrained_memory.py --out /tmp/pretrained_memory.md   # ~2 min, ~8 GiB at most
+    # (benchmarks/RESULTS_pretrained_memory.md: its table, main's beside it, and the diagnosis)
+    python benchmarks/bench_pretrained_memory.py --smoke --out /tmp/smoke.md   # tiny sizes
+    python benchmarks/bench_pretrained_memory.py --size medium --cases llama    # a 0.168e9 Llama
 """
 
 import argparse
@@ -33,6 +35,13 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List
+
+import lightning as L
+import torch
+import transformers
+from torch import Tensor, nn
+
+import pipeckpt
 
 
 def _status() -> Dict[str, float]:
@@ -46,14 +55,7 @@ def _status() -> Dict[str, float]:
     return found
 
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-
-import pipeckpt  # noqa: E402
-
-_ = transformers.LlamaForCausalLM  # the lazy module imported, as the Llama runs need it
+_ = transformers.LlamaForCausalLM  # imported now, so that a rank's "imports" reading includes it
 
 SIZES: Dict[str, Dict[str, Any]] = {
     "full": dict(hidden=2048, inter=5632, layers=17, heads=16, vocab=32000, width=4096, linears=24),
