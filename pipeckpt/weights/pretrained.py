@@ -132,8 +132,9 @@ class Pretrained:
                 continue
             import safetensors
 
-            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in keys:
+            for key in keys:  # opened per key: the file's pages a read touched count as this
+                # process's resident memory until it is closed (safetensors maps the file)
+                with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
                     split = isinstance(wanted[key], DTensor)
                     _copy(wanted[key], f.get_slice(key) if split else f.get_tensor(key), key, file)
 
