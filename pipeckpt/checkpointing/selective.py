@@ -111,7 +111,6 @@ def selective_region(fn: Callable[..., Any]) -> Callable[..., Any]:
     need: the partitioner recomputes no op that writes state (BatchNorm's statistics) and saves
     the random ops' outputs or replays their generator state."""
 
-
     def region(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return _eagerly(fn, args, kwargs)

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -25,8 +25,18 @@ from pipeckpt._compat import DeferredBatchNorm, tree_flatten
 from pipeckpt.checkpointing.selective import run_selective
 from pipeckpt.stages.guards import side_effect_free
 
-if TYPE_CHECKING:
-    from pipeckpt.memory.profile import LayerProfile, ModelProfile
+
+class _Timed(Protocol):
+    """What :func:`selective_extra_s` reads of a layer's profile (``memory.profile.LayerProfile``,
+    not imported: the profile imports this module)."""
+
+    forward_s: float
+    sac_s: float
+    sac_extra_s: Optional[float]
+    ops: int
+
+
+_Profile = TypeVar("_Profile")
 
 __all__ = ["for_compile", "sac_host_s_per_op", "selective_extra_s"]
 
@@ -185,7 +195,7 @@ def sac_host_s_per_op(rounds: int = 5, ops: int = 200) -> float:
     return _per_op
 
 
-def selective_extra_s(layer: "LayerProfile") -> float:
+def selective_extra_s(layer: _Timed) -> float:
     """Seconds selective checkpointing adds to one recomputed micro-batch of ``layer``: as measured
     (``sac_extra_s``), else the recompute of the ops SAC does not keep plus SAC's host cost for
     each op the layer runs."""
@@ -194,12 +204,12 @@ def selective_extra_s(layer: "LayerProfile") -> float:
     return max(0.0, layer.forward_s - layer.sac_s) + layer.ops * sac_host_s_per_op()
 
 
-def for_compile(profile: "ModelProfile", compiled: bool) -> "ModelProfile":
+def for_compile(profile: _Profile, compiled: bool) -> _Profile:
     """``profile`` as the planner sees it under the ``compile`` setting (``compiled``): selective
     adds only the recompute of the ops SAC does not keep, the policy having run at compile time."""
     if not compiled:
         return profile
-    layers = tuple(
-        dataclasses.replace(layer, sac_extra_s=max(0.0, layer.forward_s - layer.sac_s)) for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
+    layers: Any = profile.layers
+    recomputes = [max(0.0, x.forward_s - x.sac_s) for x in layers]
+    out = tuple(dataclasses.replace(x, sac_extra_s=s) for x, s in zip(layers, recomputes))
+    return dataclasses.replace(profile, layers=out)  # type: ignore[type-var]

@@ -17,7 +17,9 @@ def test_a_cuda_graph_compile_mode_with_offload_is_refused_naming_both(compile, 
 
 def test_a_cuda_graph_compile_mode_with_auto_is_refused_as_auto_may_pick_offload():
     with pytest.raises(PipeckptConfigError, match=r"checkpoint=auto.*may pick offload"):
-        PipelineStrategy(stages=2, chunks=2, checkpoint="auto", memory_budget="1GiB", compile="reduce-overhead")
+        PipelineStrategy(
+            stages=2, chunks=2, checkpoint="auto", memory_budget="1GiB", compile="reduce-overhead"
+        )
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always", "always:1", "selective"])

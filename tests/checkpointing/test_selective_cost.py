@@ -7,7 +7,7 @@ policy runs at compile time (test_compile_selective.py): no host cost. The tests
 planner's inputs and decisions, never a wall clock."""
 
 import dataclasses
-from typing import Any, List
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,9 @@ def test_an_unmeasured_selective_layer_is_charged_sacs_host_cost_per_op() -> Non
 def test_under_compile_selective_is_charged_only_the_ops_it_recomputes() -> None:
     p = timing.for_compile(small_ops_profile(), True)
     model = _StageModel(p, 0, 4, first=True, last=False, local=True)
-    assert model.recompute_s(parse_mode("selective")) == sum(max(0.0, x.forward_s - x.sac_s) for x in p.layers)
+    assert model.recompute_s(parse_mode("selective")) == sum(
+        max(0.0, x.forward_s - x.sac_s) for x in p.layers
+    )
     assert timing.for_compile(p, True) == p  # the same profile given again (AutoPlan.profiles)
 
 
