@@ -49,9 +49,11 @@ def check_compile(value: Any, modes: Union[str, Sequence[CheckpointMode]] = ()) 
     (:data:`CUDA_GRAPH_MODES`) with an offloading checkpoint mode (``modes``: the stages', or
     ``"auto"``, which may pick one): offload copies a layer's input to the host asynchronously,
     while a CUDA graph's next replay writes over the memory that input lives in."""
-    if value in CUDA_GRAPH_MODES and (modes == "auto" or any(m.offloads for m in modes)):
+    auto = isinstance(modes, str)
+    if value in CUDA_GRAPH_MODES and (auto or any(m.offloads for m in modes if not isinstance(m, str))):
+        named = "auto" if auto else [m.name for m in modes if not isinstance(m, str)]
         raise config_error(
-            f"compile={value!r} with checkpoint={'auto' if modes == 'auto' else [m.name for m in modes]}",
+            f"compile={value!r} with checkpoint={named}",
             f"the CUDA graphs of compile mode {value!r} write each replay's outputs over the last's, which "
             "offload is still copying to the host (and checkpoint='auto' may pick offload)",
             "use compile=True (or 'max-autotune-no-cudagraphs') with offload, or name modes without offload",

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Protocol, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -30,13 +30,24 @@ class _Timed(Protocol):
     """What :func:`selective_extra_s` reads of a layer's profile (``memory.profile.LayerProfile``,
     not imported: the profile imports this module)."""
 
-    forward_s: float
-    sac_s: float
-    sac_extra_s: Optional[float]
-    ops: int
+    @property
+    def forward_s(self) -> float: ...
+    @property
+    def sac_s(self) -> float: ...
+    @property
+    def sac_extra_s(self) -> Optional[float]: ...
+    @property
+    def ops(self) -> int: ...
 
 
-_Profile = TypeVar("_Profile")
+class _Layered(Protocol):
+    """What :func:`for_compile` reads of a model's profile (``memory.profile.ModelProfile``)."""
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+
+_Profile = TypeVar("_Profile", bound=_Layered)
 
 __all__ = ["for_compile", "sac_host_s_per_op", "selective_extra_s"]
 
@@ -209,7 +220,7 @@ def for_compile(profile: _Profile, compiled: bool) -> _Profile:
     adds only the recompute of the ops SAC does not keep, the policy having run at compile time."""
     if not compiled:
         return profile
-    layers: Any = profile.layers
+    layers = profile.layers
     recomputes = [max(0.0, x.forward_s - x.sac_s) for x in layers]
     out = tuple(dataclasses.replace(x, sac_extra_s=s) for x, s in zip(layers, recomputes))
     return dataclasses.replace(profile, layers=out)  # type: ignore[type-var]
