@@ -32,6 +32,7 @@ from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, RankTable, format_ranks, rank_table
+from pipeckpt.memory.timing import for_compile
 from pipeckpt.settings import PipeSettings, check_names
 from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan as make_plan
@@ -283,6 +284,7 @@ def _predict(
     chunks = settings.chunks
     micro_inputs, micro_targets = inputs.chunk(chunks)[0], targets.chunk(chunks)[0]
     fitted = profile(sequential, micro_inputs, loss_fn=_loss, target=micro_targets, fake=bool(options.fake))
+    fitted = for_compile(fitted, settings.compile is not False)  # compiled selective: no SAC host cost
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)
     choice = None
     if options.budget is not None:

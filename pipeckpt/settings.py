@@ -189,8 +189,8 @@ class PipeSettings:
         _check_counts(self)
         check_balance_by(self.balance_by)
         check_layer_rng(self.layer_rng)
-        check_compile(self.compile)
         object.__setattr__(self, "_modes", _parse_checkpoint(self))
+        check_compile(self.compile, self.modes)
         _check_memory_settings(self)
         if self.balance is not None:
             object.__setattr__(self, "balance", [int(b) for b in self.balance])

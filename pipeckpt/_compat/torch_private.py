@@ -232,6 +232,25 @@ def sac_saved_ops() -> List[Any]:
     return [getattr(torch.ops.aten, n) for n in SAC_SAVED_OP_NAMES if hasattr(torch.ops.aten, n)]
 
 
+# The aten batch-norm kernels, which write the running statistics in place: a compiled SAC region
+# (pipeckpt/checkpointing/compiling.py) must save their outputs, as its backward would recompute
+# them from statistics the next micro-batch has moved on (autograd's version check refuses it).
+# Most have only underscored names; missing ones (another build) are skipped.
+SAC_STATEFUL_OP_NAMES = (
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+)
+
+
+def sac_stateful_ops() -> List[Any]:
+    """The overload packets of :data:`SAC_STATEFUL_OP_NAMES` this torch has."""
+    return [getattr(torch.ops.aten, n) for n in SAC_STATEFUL_OP_NAMES if hasattr(torch.ops.aten, n)]
+
+
 # -- torch.distributed.checkpoint -----------------------------------------------------
 # DCP's ``.metadata`` is a plain pickle of its Metadata dataclass, and two of the classes inside
 # it (the per-item file extent, the memory-format enum) and the function that rebuilds a layout

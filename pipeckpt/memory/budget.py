@@ -25,6 +25,7 @@ from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
+from pipeckpt.memory.timing import for_compile
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
 from pipeckpt.stages.materialize import on_meta
@@ -192,6 +193,7 @@ def resolve_auto(
             )
             for c in chunk_options
         }
+        profiled = {c: for_compile(p, settings.compile is not False) for c, p in profiled.items()}
         layers = len(sequential)
         balances = balance_candidates(layers, base.stages, base.balance) if "balance" in search else None
         counted = settings.memory_optimizer or optimizer or "adam"

@@ -53,6 +53,9 @@ class LayerProfile:
     # not measured, fake tensors): on a dispatch-bound layer SAC's per-op dispatch mode and the
     # checkpoint's hooks cost more than the recompute SAC saves.
     sac_extra_s: Optional[float] = None
+    # How many aten ops its forward runs: eager SAC's dispatch mode pays its host cost per op, which a
+    # layer whose SAC cost was not measured (``sac_extra_s`` None) is charged from (memory/timing.py).
+    ops: int = 0
     # The same with the gradient that arrives for its output held until its backward is over, as
     # a Function's backward holds it while the layer that ends its segment runs inside (None: as
     # ``backward_peak``, not measured).
@@ -201,6 +204,7 @@ def profile(
                 sac_kept=tuple(sorted(record["sac"])),
                 sac_s=fwd * _sac_share(record, fake),
                 sac_extra_s=None if fake or i >= len(layers) else sac_extra[i],
+                ops=record.get("ops", 0),
             )
         )
     return ModelProfile(

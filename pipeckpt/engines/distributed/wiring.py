@@ -23,7 +23,7 @@ from typing_extensions import override
 from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.checkpointing.compiling import compile_layers
+from pipeckpt.checkpointing.compiling import compile_layers, selective_layers
 from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import mark_own
 from pipeckpt.settings import PipeSettings
@@ -391,5 +391,5 @@ def agreed_plan(
         materialize_mine(module, layers, stage_plan, mine, device, sharded=settings.data_parallel == "fsdp")
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)
-    compile_layers(layers, settings.compile)
+    compile_layers(layers, settings.compile, selective=selective_layers(stage_plan.ranges, stage_plan.modes))
     return stage_plan, int(agreed[1])
