@@ -275,8 +275,8 @@ def _resolve_for(
     *,
     fake: bool,
 ) -> AutoPlan:
-    spread = engine.memory_layout() if engine is not None else {}
     sequential = pipelined_sequential(module)
+    spread = engine.memory_layout(sequential) if engine is not None else {}
     batch, target, loss_fn = sample_batch(module, loader, sequential)
     return resolve_auto(
         settings,

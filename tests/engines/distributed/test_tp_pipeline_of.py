@@ -4,9 +4,11 @@ pipelined layer).
 
 Without processes: the plan derived for Llama and Qwen2 (every projection, nothing outside the
 layers), and the refusals (a plan entry naming nothing, a model without a plan of its own, a style
-torch does not offer plainly, heads that do not divide). One launch of 4 real processes (pp2 x
-tp2, data_parallel='fsdp' with dp=1, gloo on CPU, tests/engines/distributed/tp_pipeline_of_worker.py)
-trains tiny HF Llama and Qwen2 (hidden 64, 4 heads, 2 KV heads, 4 layers) 3 SGD steps on padded
+torch does not offer plainly, heads that do not divide), and ``checkpoint='auto'`` counting each
+rank's parameters by the derived plan as by the same plan given explicitly. One launch of 4 real
+processes (pp2 x tp2, data_parallel='fsdp' with dp=1, gloo on CPU,
+tests/engines/distributed/tp_pipeline_of_worker.py) trains tiny HF Llama and Qwen2 (hidden 64,
+4 heads, 2 KV heads, 4 layers) 3 SGD steps on padded
 batches with the gradient clipped by norm, and fills Llama on the meta device from a bf16
 pretrained directory in at least 8 safetensors shards: the weights every process holds after
 training are within 1e-5 relative of the model trained unpipelined in this process; each
@@ -32,7 +34,10 @@ from torch.utils.data import DataLoader
 from tp_pipeline_of_worker import STEPS, FromScratch, batches, config
 
 from pipeckpt import PipeckptConfigError, pipeline_of
+from pipeckpt.engines.base import World
+from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.engines.distributed.tensor_parallel import layer_plan
+from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.settings import PipeSettings
 
 HERE = Path(__file__).resolve().parent
@@ -105,6 +110,24 @@ def test_a_model_plan_style_that_torch_does_not_offer_plainly_is_refused_naming_
 def test_key_value_heads_that_the_tensor_parallel_ranks_do_not_divide_are_refused():
     with pytest.raises(PipeckptConfigError, match=r"(?s)tensor_parallel=4 with num_key_value_heads=2.*HINT"):
         layer_plan(pipeline_of(_meta("llama"), "model.layers"), _settings(tensor_parallel=4))
+
+
+def _stage_params(options: Dict[str, Any]) -> List[int]:
+    """The bytes of parameters ``checkpoint='auto'`` counts on a rank of each stage of a pp2 x tp2
+    ``pipeline_of`` Llama (a world of 4), laid out as the engine tells it."""
+    settings = _settings(stages=2, balance=[2, 2], chunks=2, schedule="gpipe", **options)
+    engine = DistributedEngine(settings)
+    engine.configure_world(World(num_nodes=1, num_processes=4))
+    layers = pipeline_of(_meta("llama"), "model.layers")
+    layout = Layout(**engine.memory_layout(layers))
+    return [rank_state(list(layers)[at : at + 2], layout, "sgd").params for at in (0, 2)]
+
+
+def test_auto_counts_a_pipeline_of_models_own_plan_as_the_same_plan_given_explicitly():
+    derived, given = _stage_params({}), _stage_params(dict(tensor_parallel_plan=LLAMA_PLAN))
+    assert derived == given
+    unsplit = _stage_params(dict(tensor_parallel_plan={"mlp.up_proj": "colwise"}))
+    assert all(d < u for d, u in zip(derived, unsplit))  # every projection split, not one
 
 
 # -- real processes ----------------------------------------------------------------------
