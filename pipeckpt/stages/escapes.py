@@ -249,7 +249,7 @@ def _layer_of(fn: Callable[..., Any]) -> Any:
 def _view(t: Tensor) -> Tuple[int, int, Tuple[int, ...], Tuple[int, ...]]:
     """Where ``t``'s elements are: a tensor and its ``detach()`` agree (a kept segment's output
     that the stage does not return, e.g. ``:1``'s first layer's, matches nothing returned)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
 
 def _through_function(t: Tensor) -> bool:
