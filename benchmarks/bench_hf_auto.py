@@ -17,6 +17,15 @@ and 4 stages, each plan's predicted peak printed beside its measured one)::
     python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
         --vocab 8192 --optimizer sgd --stages 2 4 --plain --rounds 3
 
+The step time of auto's picks against per-block at that shape, and the same modes at other chunk
+counts timed beside without planning (``--fixed MODES/BALANCE/CHUNKS``; results in
+benchmarks/RESULTS_hf_auto_time.md, with the machine's load, ``os.getloadavg``, in the header)::
+
+    python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
+        --vocab 8192 --optimizer sgd --stages 2 4 --rounds 5
+    python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
+        --vocab 8192 --optimizer sgd --stages --fixed always,always/4,4/2 always,always/4,4/4 --rounds 4
+
 Auto chooses the modes and the chunk count (``memory_search``; ``--search modes`` keeps
 ``--chunks``): the step's peak, at the optimizer's update, is the same for every method, and more
 micro-batches add their own terms above it.
@@ -131,7 +140,7 @@ def fit(module: L.LightningModule, strategy: Any, *, track: bool = True) -> Step
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="one auto plan per count")
+    parser.add_argument("--stages", type=int, nargs="*", default=[4], help="one auto plan per count")
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument(
         "--search",
@@ -139,6 +148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="what auto may choose (memory_search): modes, chunks, balance",
     )
     parser.add_argument("--plain", action="store_true", help="plain training (no checkpointing) beside")
+    parser.add_argument(
+        "--fixed",
+        nargs="*",
+        default=[],
+        help="plans timed beside without planning, MODES/BALANCE/CHUNKS each (always,always/4,4/2): "
+        "auto's pick at another chunk count, say",
+    )
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=type(value), default=value)
     args = parser.parse_args(argv)
@@ -178,6 +194,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         described[key] = (plan.describe(), plan.choice.process_peak or plan.choice.prediction.peak)
         chosen = plan.settings
         settings = dict(balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
+        runs[key] = functools.partial(_fit_plan, settings)
+    for spec in args.fixed:
+        modes, balance, chunks = spec.split("/")
+        settings = dict(
+            balance=[int(n) for n in balance.split(",")], chunks=int(chunks), checkpoint=modes.split(",")
+        )
+        first = fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(stages=None, **settings))
+        key = f"{modes} / {balance} / chunks {chunks}"
+        log(f"{key} peak {first.peak} bytes at {first.peak_op}")
+        peaks[key], times[key], walls[key] = first.peak, list(first.times), list(first.walls)
         runs[key] = functools.partial(_fit_plan, settings)
     for r in range(args.rounds - 1):  # the later rounds: times only
         for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
