@@ -170,20 +170,20 @@ class EscapeWatch:
         returned.update(id(t) for t in leaves)
         layers: Dict[int, str] = {}
         tensors: List[Tensor] = []
-        outputs: Set[int] = set()  # of those, the outputs of the stage or of a checkpointed segment
+        outputs: Set[int] = set()  # of those, the stage's outputs
         for layer, ref, grad in made:
             t = ref()
             if t is None or id(t) in layers or isinstance(t, nn.Parameter):
                 continue
-            if id(t) in returned or _through_function(t):  # a checkpoint's output: kept aside too,
-                if t.requires_grad:  # it is a re-stored output
+            if id(t) in returned:  # the stage's output: kept aside too, it is a re-stored output
+                if t.requires_grad:
                     layers[id(t)] = layer
                     tensors.append(t)
                     outputs.add(id(t))
                 continue
             # With gradients on, a tensor that needs none carries no graph; autograd's own saved
             # tensors are alive too, but no Python object holds them (gc finds no referrer).
-            if grad and not t.requires_grad:
+            if (grad and not t.requires_grad) or _through_function(t):
                 continue
             layers[id(t)] = layer
             tensors.append(t)
@@ -254,8 +254,7 @@ def _view(t: Tensor) -> Tuple[int, int, Tuple[int, ...], Tuple[int, ...]]:
 
 def _through_function(t: Tensor) -> bool:
     """Whether ``t`` is an output of a checkpointed region's Function (a segment's, ``:k``, that the
-    next segment saves or the offloader parks, as the stage's own): held by anything else, it is a
-    re-stored output."""
+    next segment or the offloader keeps): its gradient goes through the Function, as an output's."""
     return t.grad_fn is not None and type(t.grad_fn).__name__ == "_RecomputeBackward"
 
 
@@ -312,10 +311,9 @@ def _escaped(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
 def _restored(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
     kind = type(holder).__name__
     return config_error(
-        f"layer {layer!r} (pipeline stage {index}) keeps aside the very tensor its checkpoint returns: "
-        f"the {tuple(t.shape)} output (of the stage, or of a checkpointed ':k' segment of it) is also "
-        f"held by a {kind} after the layer returned (e.g. a forward hook inside the stage that appends "
-        "the output to a list the loss reads)",
+        f"layer {layer!r} (pipeline stage {index}) keeps aside the very tensor its pipeline stage returns: "
+        f"the {tuple(t.shape)} output is also held by a {kind} after the layer returned (e.g. a forward "
+        "hook inside the stage that appends the output to a list the loss reads)",
         "what a stage returns reaches the rest of the model only through the stage's checkpoint: the "
         "same tensor read from aside carries the stage's graph around it (backward runs it twice, or "
         "fails with 'Trying to backward through the graph a second time'), and under "

@@ -94,8 +94,6 @@ class _Recompute(torch.autograd.Function):
             output = output.detach() if isinstance(output, Tensor) else tuple(o.detach() for o in output)
         elif stage.offloads:
             ctx.offloaded = stage._offloader().park(stage._running_microbatch(), inputs)
-            if stage.watch is not None:  # the first step's check of escaping tensors: parked are ours
-                stage.watch.own(ctx.offloaded.stored)
         else:
             ctx.offloaded = None
             ctx.save_for_backward(*inputs)

@@ -16,7 +16,7 @@ WORKER = Path(__file__).resolve().parent / "escapes_worker.py"
 START_S = 300
 HANDS_OUT, KEEPS = (
     "hands out a tensor other than through",
-    "keeps aside the very tensor its checkpoint returns",
+    "keeps aside the very tensor its pipeline stage returns",
 )
 RUNS = [  # model, strategy, the layer named, what it is refused for
     (
