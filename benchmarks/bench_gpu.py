@@ -10,7 +10,10 @@ batch 16, ``bf16-mixed``. Every method trains the same model through a
   pipeline); ``per-block checkpoint``: ``torch.utils.checkpoint`` around every block;
 - pipeckpt 4 stages x 1 chunk ``never`` and 4 x 4 ``never`` / ``always`` / ``offload``, and per
   layer ``always:1`` / ``offload:1``: the rows "offload vs always" compare each offload with the
-  ``always`` of its granularity (time, and the CUDA bytes kept after forward).
+  ``always`` of its granularity (time, and the CUDA bytes kept after forward);
+- under the ``compile`` setting (``--methods compile``): 4 x 4 ``never`` and ``selective`` compiled
+  (selective's SAC policy inside each layer's graph), and on a GPU ``never`` / ``always`` under
+  ``compile='reduce-overhead'`` (CUDA graphs), against eager ``never``.
 
 Timing: CUDA-synchronised wall time of each optimizer step (forward, loss, backward,
 SGD step) after warm-up steps, methods interleaved over rounds (a fresh ``Trainer`` per
@@ -19,10 +22,14 @@ measured steps minus what was allocated before the first step (weights), so it c
 activations, gradients and optimizer state. Kept after forward: ``memory_allocated`` when
 backward is about to start (Lightning's ``on_before_backward``) minus the same base, median of
 the measured steps: what forward left on the GPU for backward (saved activations, the loss's
-logits, gradients of earlier steps). Without CUDA it prints why and exits 0.
+logits, gradients of earlier steps). Without CUDA it prints why and exits 0, unless
+``--device cpu``: the same harness on the CPU (times only, no memory columns; ``compile`` there
+uses the ``aot_eager`` backend), which ``tests/bench_smoke`` runs at ``--quick`` size.
 
     python benchmarks/bench_gpu.py --out benchmarks/RESULTS_gpu.md
     python benchmarks/bench_gpu.py --methods offload   # plain and the offload/always rows only
+    python benchmarks/bench_gpu.py --methods compile --plans small-bf16,medium-bf16
+    python benchmarks/bench_gpu.py --quick --device cpu --methods compile   # the harness, in seconds
 """
 
 import argparse
@@ -61,6 +68,7 @@ class Shape:
 SMALL = Shape("GPT-2 small", 12, 768, 12, 8)
 MEDIUM = Shape("GPT-2 medium shape", 24, 1024, 16, 16)
 QUICK = Shape("tiny", 4, 128, 4, 8, seq_len=64, vocab_size=256)
+QUICK_CPU = Shape("tiny, CPU", 2, 32, 2, 8, seq_len=16, vocab_size=64)  # compiles in seconds
 
 
 class Model(L.LightningModule):
@@ -99,6 +107,19 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
+CUDA = {"on": False}  # whether the run is on a GPU (main sets it): memory is read only there
+COMPILE: Dict[str, Any] = {"value": True}  # the compile setting of the compiled rows (aot_eager on CPU)
+
+
+def _sync() -> None:
+    if CUDA["on"]:
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if CUDA["on"] else 0
+
+
 class StepTimer(L.Callback):
     def __init__(self, warmup: int) -> None:
         self.warmup, self.times, self.base, self.peak = warmup, [], 0, 0
@@ -107,26 +128,36 @@ class StepTimer(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
-            torch.cuda.synchronize()
-            self.kept.append(torch.cuda.memory_allocated() - self.base)
+            _sync()
+            self.kept.append(_allocated() - self.base)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        torch.cuda.synchronize()
+        _sync()
         if trainer.global_step == 0:
-            self.base = torch.cuda.memory_allocated()
-        if trainer.global_step == self.warmup:
+            self.base = _allocated()
+        if trainer.global_step == self.warmup and CUDA["on"]:
             torch.cuda.reset_peak_memory_stats()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        torch.cuda.synchronize()
+        _sync()
         if trainer.global_step > self.warmup:
             self.times.append(time.perf_counter() - self._start)
-            self.peak = torch.cuda.max_memory_allocated() - self.base
+            self.peak = (torch.cuda.max_memory_allocated() if CUDA["on"] else 0) - self.base
 
 
-def strategy(chunks: int, mode: str) -> PipelineStrategy:
-    return PipelineStrategy(stages=STAGES, placement=[0] * STAGES, chunks=chunks, checkpoint=mode)
+def strategy(chunks: int, mode: str, compile: Any = False) -> PipelineStrategy:
+    return PipelineStrategy(
+        stages=STAGES, placement=[0] * STAGES, chunks=chunks, checkpoint=mode, compile=compile
+    )
+
+
+def compiled(mode: str) -> Callable[[], PipelineStrategy]:
+    return lambda: strategy(CHUNKS, mode, COMPILE["value"])
+
+
+def graphed(mode: str) -> Callable[[], PipelineStrategy]:
+    return lambda: strategy(CHUNKS, mode, "reduce-overhead")
 
 
 METHODS: Dict[str, Tuple[str, Callable[[], Any]]] = {
@@ -141,7 +172,20 @@ METHODS: Dict[str, Tuple[str, Callable[[], Any]]] = {
     "pipeckpt 4x4 offload": ("plain", lambda: strategy(CHUNKS, "offload")),
     "pipeckpt 4x4 always:1": ("plain", lambda: strategy(CHUNKS, "always:1")),
     "pipeckpt 4x4 offload:1": ("plain", lambda: strategy(CHUNKS, "offload:1")),
+    "pipeckpt 4x4 never, compiled": ("plain", compiled("never")),
+    "pipeckpt 4x4 selective, compiled": ("plain", compiled("selective")),
+    "pipeckpt 4x4 never, reduce-overhead": ("plain", graphed("never")),
+    "pipeckpt 4x4 always, reduce-overhead": ("plain", graphed("always")),
 }
+# --methods compile: the compile rows against eager never and selective (reduce-overhead: GPU only).
+COMPILE_METHODS = (
+    ["plain"]
+    + [
+        f"pipeckpt 4x4 {m}"
+        for m in ("never", "selective", "never, compiled", "selective, compiled", "never, reduce-overhead")
+    ]
+    + ["pipeckpt 4x4 always", "pipeckpt 4x4 always, reduce-overhead"]
+)
 # --methods offload: what the offload rows need, interleaved the same way.
 OFFLOAD_METHODS = ["plain"] + [f"pipeckpt 4x4 {m}" for m in ("always", "offload", "always:1", "offload:1")]
 
@@ -153,7 +197,7 @@ def run_once(shape: Shape, method: str, precision: str, steps: int, warmup: int)
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=shape.batch)
     timer = StepTimer(warmup)
     trainer = L.Trainer(
-        accelerator="gpu",
+        accelerator="gpu" if CUDA["on"] else "cpu",
         devices=1,
         strategy=make_strategy(),
         precision=precision,
@@ -185,12 +229,12 @@ def table(
             except Exception as error:  # one broken method must not cost the table
                 failed[method] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 print(f"{method} failed: {failed[method]}", flush=True)
-                torch.cuda.empty_cache()
+                _empty_cache()
                 continue
             times[method].append(statistics.median(timer.times))
             peaks[method] = timer.peak
             kept[method] = int(statistics.median(timer.kept)) if timer.kept else -1
-            torch.cuda.empty_cache()
+            _empty_cache()
     med = {m: statistics.median(v) for m, v in times.items() if v}
     plain = med["plain"]
     lines = [
@@ -222,11 +266,34 @@ def table(
             f"- 4x4 always / (loop + plain/3 as one forward): {always4 / (loop + forward):.2f}"
             " (target <= 1.15)",
         ]
+    lines += compile_rows(med)
     for suffix in ("", ":1"):
         always, offload = f"pipeckpt 4x4 always{suffix}", f"pipeckpt 4x4 offload{suffix}"
         if always in med and offload in med:
             lines.append(offload_row(suffix, med[offload] / med[always], kept[always], kept[offload]))
     return [*lines, ""]
+
+
+def _empty_cache() -> None:
+    if CUDA["on"]:
+        torch.cuda.empty_cache()
+
+
+def compile_rows(med: Dict[str, float]) -> List[str]:
+    """The compile ratios: compiled selective against never (eager and compiled; the issue's
+    target: selective's recompute and no host cost, so about always's), reduce-overhead against eager."""
+    out = []
+    pairs = [
+        ("selective, compiled", "never", "compiled selective / eager never"),
+        ("selective, compiled", "never, compiled", "compiled selective / compiled never"),
+        ("selective", "never", "eager selective / eager never (SAC's host cost)"),
+        ("never, reduce-overhead", "never", "never under reduce-overhead / eager never"),
+        ("always, reduce-overhead", "always", "always under reduce-overhead / eager always"),
+    ]
+    for a, b, what in pairs:
+        if f"pipeckpt 4x4 {a}" in med and f"pipeckpt 4x4 {b}" in med:
+            out.append(f"- {what}: {med[f'pipeckpt 4x4 {a}'] / med[f'pipeckpt 4x4 {b}']:.2f}")
+    return out
 
 
 def offload_row(suffix: str, time_ratio: float, kept_always: int, kept_offload: int) -> str:
@@ -249,10 +316,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: the harness only")
     parser.add_argument(
         "--methods",
-        choices=["all", "offload"],
+        choices=["all", "offload", "compile"],
         default="all",
-        help="offload: plain and the offload rows only",
+        help="offload: plain and the offload rows only; compile: the compile rows",
     )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the harness only")
     parser.add_argument(
         "--plans",
         default="small-32,small-bf16,medium-bf16",
@@ -260,13 +328,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine).")
         return 0
+    CUDA["on"] = args.device == "cuda"
+    COMPILE["value"] = True if CUDA["on"] else "aot_eager"  # inductor on CPU needs a C++ compiler
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.quick:
-        plans = [(QUICK, "bf16-mixed")]
-        rounds, steps, warmup = 1, 4, 1
+        plans = [(QUICK, "bf16-mixed") if CUDA["on"] else (QUICK_CPU, "32-true")]
+        rounds, steps, warmup = 1, 3 if CUDA["on"] else 2, 1
     else:
         known = {
             "small-32": (SMALL, "32-true"),
@@ -278,10 +348,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = [
         "# One-host engine on one GPU",
         "",
-        f"Device: {torch.cuda.get_device_name(0)}. Host: {machine()}.",
+        f"Device: {torch.cuda.get_device_name(0) if CUDA['on'] else 'CPU'}. Host: {machine()}.",
         "",
     ]
-    methods = list(METHODS) if args.methods == "all" else OFFLOAD_METHODS
+    methods = {"all": list(METHODS), "offload": OFFLOAD_METHODS, "compile": COMPILE_METHODS}[args.methods]
+    if not CUDA["on"]:  # CUDA graphs exist only there
+        methods = [m for m in methods if "reduce-overhead" not in m]
     for shape, precision in plans:
         lines += table(shape, precision, methods, rounds=rounds, steps=steps, warmup=warmup)
         text = "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +27,12 @@ from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.engines import engine_class
 from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
+from pipeckpt.memory.machine import fake_or_real
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, RankTable, format_ranks, rank_table
+from pipeckpt.memory.timing import for_compile
 from pipeckpt.settings import PipeSettings, check_names
 from pipeckpt.sizes import MiB
 from pipeckpt.stages.partition import plan as make_plan
@@ -55,7 +57,9 @@ The configs' memory.budget, memory.search and memory.optimizer are the strategy'
 settings: with a budget the table marks each stage against it, prints the plan auto picks under
 it and writes a PNG; under ckpt=auto the table is the chosen plan's. The command's own options:
   memory.schedule=NAME  the op order to predict (default: the engine's)
-  memory.fake=true      build the model on fake tensors (times from FLOPs)
+  memory.fake=BOOL      build the model on fake tensors (times from FLOPs); default: when its weights
+                        and their gradients would not fit the memory available (said in one line)
+  memory.available=SIZE the memory the default above compares with (default: the machine's, now)
   memory.dtype=NAME     the parameters' dtype, e.g. bfloat16
   memory.png=PATH       where the PNG goes (default memory_plan.png)
   memory.fsdp=N         FSDP2 shard degree in every stage: print one rank's table (trainer.precision
@@ -71,12 +75,15 @@ class MemoryOptions:
     budget: Optional[int] = None
     optimizer: str = "adam"
     schedule: Optional[str] = None
-    fake: bool = False
+    fake: Optional[bool] = None  # None: on fake tensors when a real build would not fit
     dtype: Optional[str] = None
     png: Optional[str] = None
     fsdp: Optional[int] = None
     tp: Optional[int] = None
     reshard: bool = False
+    available: Optional[int] = None
+    #: Why the model was built on fake tensors when the user did not ask (printed above the table).
+    fake_reason: Optional[str] = None
 
     @property
     def sharded(self) -> bool:
@@ -100,7 +107,7 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             rest.append(arg.lstrip("+"))  # the configs define it: a plain override
         else:
             rest.append(arg)
-    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", *CONFIG_KEYS}
+    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", "available", *CONFIG_KEYS}
     unknown = sorted(set(values) - known)
     if unknown:
         raise config_error(
@@ -111,12 +118,13 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
     return (
         MemoryOptions(
             schedule=values.get("schedule"),
-            fake=values.get("fake", "false").lower() in ("1", "true", "yes"),
+            fake=values["fake"].lower() in ("1", "true", "yes") if "fake" in values else None,
             dtype=values.get("dtype"),
             png=values.get("png"),
             fsdp=_degree(values, "fsdp"),
             tp=_degree(values, "tp"),
             reshard=values.get("reshard", "false").lower() in ("1", "true", "yes"),
+            available=parse_bytes(values["available"]) if "available" in values else None,
         ),
         rest,
     )
@@ -159,12 +167,14 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
     inputs, targets = _batch(cfg)
     if options.sharded:
-        return _per_rank_run(cfg, settings, options, inputs, targets), options, None
+        table, options = _per_rank_run(cfg, settings, options, inputs, targets)
+        return table, options, None
     dtype = getattr(torch, options.dtype) if options.dtype else None
     default_dtype = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
         torch.set_default_dtype(dtype)
     try:
+        options = _decided(options, lambda: instantiate(cfg.model))
         if options.fake:
             with fake_mode():
                 module = instantiate(cfg.model)
@@ -177,6 +187,11 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
     finally:
         torch.set_default_dtype(default_dtype)
     return prediction, options, choice
+
+
+def _decided(options: MemoryOptions, build: Callable[[], torch.nn.Module]) -> MemoryOptions:
+    fake, reason = fake_or_real(options.fake, build, available=options.available)
+    return replace(options, fake=fake, fake_reason=reason)
 
 
 def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
@@ -201,9 +216,10 @@ def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
 
 def _per_rank_run(
     cfg: DictConfig, settings: PipeSettings, options: MemoryOptions, inputs: Any, targets: Any
-) -> RankTable:
+) -> Tuple[RankTable, MemoryOptions]:
     """One rank's table: the model built as one tensor-parallel rank's share in the compute dtype,
-    profiled (a run of identical blocks once, on fake tensors), its stages' state sharded."""
+    profiled (a run of identical blocks once, on fake tensors), its stages' state sharded; and the
+    options, fake decided."""
     layout = Layout(
         fsdp=options.fsdp or 1,
         tp=options.tp or 1,
@@ -218,6 +234,7 @@ def _per_rank_run(
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(layout.compute_dtype)
     try:
+        options = _decided(options, lambda: instantiate(cfg.model, **extra))
         with fake_mode() if options.fake else nullcontext():
             try:
                 module = instantiate(cfg.model, **extra)
@@ -239,14 +256,14 @@ def _per_rank_run(
                 inputs.chunk(chunks)[0],
                 loss_fn=_loss,
                 target=targets.chunk(chunks)[0],
-                fake=options.fake,
+                fake=bool(options.fake),
             )
             fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
             schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
             prediction = predict(
                 fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule
             )
-            return rank_table(prediction, sequential, stage_plan.ranges, layout, options.optimizer)
+            return rank_table(prediction, sequential, stage_plan.ranges, layout, options.optimizer), options
     finally:
         torch.set_default_dtype(default_dtype)
 
@@ -266,7 +283,8 @@ def _predict(
     schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
     chunks = settings.chunks
     micro_inputs, micro_targets = inputs.chunk(chunks)[0], targets.chunk(chunks)[0]
-    fitted = profile(sequential, micro_inputs, loss_fn=_loss, target=micro_targets, fake=options.fake)
+    fitted = profile(sequential, micro_inputs, loss_fn=_loss, target=micro_targets, fake=bool(options.fake))
+    fitted = for_compile(fitted, settings.compile is not False)  # compiled selective: no SAC host cost
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)
     choice = None
     if options.budget is not None:
@@ -355,6 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PipeckptConfigError as error:
         print(f"Configuration error: {error}", file=sys.stderr, flush=True)
         return 1
+    if options.fake_reason is not None:
+        print(options.fake_reason, flush=True)
     if isinstance(prediction, RankTable):
         print(format_ranks(prediction), flush=True)
         return 0

@@ -180,7 +180,7 @@ class PipeSettings:
         metadata=_engine_help(
             "distributed, tensor_parallel > 1: how each pipelined layer is split, as {submodule path "
             "in the layer (fnmatch pattern): 'colwise' | 'rowwise'}, e.g. {'mlp.up': 'colwise', "
-            "'mlp.down': 'rowwise'}"
+            "'mlp.down': 'rowwise'}; default for pipeline_of: the model's config.base_model_tp_plan"
         ),
     )
 
@@ -189,8 +189,8 @@ class PipeSettings:
         _check_counts(self)
         check_balance_by(self.balance_by)
         check_layer_rng(self.layer_rng)
-        check_compile(self.compile)
         object.__setattr__(self, "_modes", _parse_checkpoint(self))
+        check_compile(self.compile, self.modes)
         _check_memory_settings(self)
         if self.balance is not None:
             object.__setattr__(self, "balance", [int(b) for b in self.balance])

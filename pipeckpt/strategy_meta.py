@@ -12,7 +12,6 @@ from typing import Any, Generator, Optional
 import torch
 from typing_extensions import override
 
-from pipeckpt._errors import config_error
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.materialize import (
     build_pending,
@@ -79,10 +78,4 @@ class MetaBuildStrategy(ProcessStrategy):
         check_materializable(module)  # every rank, before any work
         if self.engine.holds_every_layer:
             materialize(module, self.root_device)
-        elif self.settings.modes == "auto":
-            raise config_error(
-                "checkpoint='auto' with a module built on the meta device",
-                "'auto' measures the layers, which no process holds whole under this engine",
-                "choose the checkpoint modes yourself, or build the module eagerly (not in "
-                "configure_model, nor under init_module(empty_init=True))",
-            )
+        # Otherwise checkpoint='auto' profiles the meta build on fake tensors (memory/fake_weights.py).

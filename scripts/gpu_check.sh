@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# One prepared device run: CUDA tests, then the GPU tables (each written to $OUT when done).
+# One prepared device run, under 10 minutes: CUDA tests, then each GPU table, every part under its own
+# timeout and written to $OUT as it finishes (a part cut short keeps what it measured). Wheels for the
+# image's python in .whl/ (docs/BENCHMARKS.md, "The GPU run"); the image brings torch.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
 python3 -c "import torch, lightning, transformers; print(torch.__version__, lightning.__version__, transformers.__version__, torch.cuda.get_device_name(0))" | tee -a $OUT/gpu.txt
-timeout ${T_TESTS:-150} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -x --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -40
-timeout ${T_QUICK:-60} python3 benchmarks/bench_gpu.py --quick 2>&1 | tail -5
-timeout ${T_BENCH:-300} python3 benchmarks/bench_gpu.py --plans ${PLANS:-small-bf16,medium-bf16} --rounds ${ROUNDS:-2} --steps 8 --warmup 3 --out $OUT/RESULTS_gpu.md 2>&1 | grep -v -i "warn\|^ *$" | tail -60
+bench() {  # bench <seconds> <out name> <args...>: one table, to $OUT/<out name>
+    local seconds=$1 name=$2; shift 2
+    timeout "$seconds" python3 benchmarks/bench_gpu.py --out "$OUT/$name" "$@" 2>&1 | grep -v -i "warn\|^ *$" | tail -30
+}
+timeout ${T_TESTS:-150} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
+# compiled selective vs never at 4 chunks, both shapes, bf16; reduce-overhead vs eager (GPT-2 small)
+bench ${T_COMPILE:-170} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
+# offload vs always, whole stage and per layer, with the share of always's kept bytes moved off the GPU
+bench ${T_OFFLOAD:-100} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
+# the full table (always vs loop + one forward among its rows), one round
+bench ${T_BENCH:-130} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 8 --warmup 3

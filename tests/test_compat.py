@@ -414,6 +414,28 @@ def test_split_mesh_dim_views_a_mesh_dimension_as_replicate_by_shard_groups_of_i
         dist.destroy_process_group()
 
 
+def test_local_extent_is_the_shape_and_offset_of_this_ranks_slice_of_a_dtensor():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)  # no peers needed
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # rank 3: dp 1, tp 1
+
+        def extent(shape, placements, local):  # a DTensor made from this rank's local tensor alone
+            t = DTensor.from_local(torch.empty(local), mesh, placements, run_check=False,
+                                   shape=torch.Size(shape), stride=torch.empty(shape).stride())  # fmt: skip
+            return _compat.local_extent(t)
+
+        assert extent((8, 6), [Shard(0), Shard(1)], (4, 3)) == ((4, 3), (4, 3))
+        assert extent((7, 6), [Shard(0), Replicate()], (3, 6)) == ((3, 6), (4, 0))  # uneven: 4 rows, 3
+        assert extent((8, 6), [Replicate(), Replicate()], (8, 6)) == ((8, 6), (0, 0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dcp_metadata_names_the_private_classes_dcp_pickles_and_the_extents_of_its_files(tmp_path):
     import pickletools
 

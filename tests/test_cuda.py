@@ -218,3 +218,21 @@ def test_offload_on_a_gpu_gives_the_gradients_of_never_to_1e_6(mode):
     *_, never = gpt_step("never")
     *_, offloaded = gpt_step(mode)
     assert max_relative_difference(offloaded, never) <= 1e-6
+
+
+def compiled_fit(checkpoint: Any, compile: Any) -> Dict[str, torch.Tensor]:
+    """Parameters after 3 steps of the toy model on GPU 0, 2 stages x 2 micro-batches."""
+    strategy = PipelineStrategy(balance=[3, 3], chunks=2, checkpoint=checkpoint, compile=compile)
+    return params(fit(ToyModule(), strategy, steps=3, accelerator="gpu").lightning_module)
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective:1"])
+def test_compiled_selective_under_inductor_trains_as_never_to_1e_4(mode):
+    # inductor fuses kernels: not bitwise (aot_eager is, tests/checkpointing/test_compile_selective.py)
+    assert max_relative_difference(compiled_fit(mode, True), compiled_fit("never", False)) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always", "always:1", "selective"])
+def test_reduce_overhead_trains_as_eager_to_1e_4_with_every_mode_it_takes(mode):
+    # CUDA graphs replay each layer's kernels; offload is refused with them (checkpointing/compiling.py)
+    assert max_relative_difference(compiled_fit(mode, "reduce-overhead"), compiled_fit(mode, False)) <= 1e-4

@@ -34,7 +34,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 #: pages whose python blocks train a Hugging Face model each: seconds apiece, but several of them.
-SLOW_PAGES = {"REAL_MODELS.md"}
+SLOW_PAGES = {"REAL_MODELS.md", "FINE_TUNING.md"}
 
 
 @dataclass(frozen=True)

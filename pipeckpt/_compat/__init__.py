@@ -33,6 +33,7 @@ from pipeckpt._compat.torch_private import (
     FORWARD_ONE_CHUNK,
     MODULE_STATES,
     SAC_SAVED_OP_NAMES,
+    SAC_STATEFUL_OP_NAMES,
     STAGE_META,
     STAGE_META_HOOKS,
     BatchNormBase,
@@ -54,6 +55,7 @@ from pipeckpt._compat.torch_private import (
     keep_buffers_out_of_state_dict,
     layout_by_name,
     live_op_order,
+    local_extent,
     make_fsdp_root,
     module_memory,
     own_tensors,
@@ -63,6 +65,7 @@ from pipeckpt._compat.torch_private import (
     register_pytree_node,
     reverse_graph,
     sac_saved_ops,
+    sac_stateful_ops,
     saved_tensors_hooks_now,
     schedule_op_order,
     set_module_device,
@@ -84,6 +87,7 @@ from pipeckpt._compat.torchgpipe_private import (
 from pipeckpt._compat.transformers_private import hf_init_weights, is_hf_model, output_collector
 
 __all__ = [
+    "local_extent",
     "STAGE_META",
     "STAGE_META_HOOKS",
     "is_view",
@@ -132,6 +136,8 @@ __all__ = [
     "push_dispatch_mode",
     "SAC_SAVED_OP_NAMES",
     "sac_saved_ops",
+    "SAC_STATEFUL_OP_NAMES",
+    "sac_stateful_ops",
     "saved_step",
     "saved_tensors_hooks_now",
     "sampler_follows_loader",

@@ -232,6 +232,25 @@ def sac_saved_ops() -> List[Any]:
     return [getattr(torch.ops.aten, n) for n in SAC_SAVED_OP_NAMES if hasattr(torch.ops.aten, n)]
 
 
+# The aten batch-norm kernels, which write the running statistics in place: a compiled SAC region
+# (pipeckpt/checkpointing/compiling.py) must save their outputs, as its backward would recompute
+# them from statistics the next micro-batch has moved on (autograd's version check refuses it).
+# Most have only underscored names; missing ones (another build) are skipped.
+SAC_STATEFUL_OP_NAMES = (
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+)
+
+
+def sac_stateful_ops() -> List[Any]:
+    """The overload packets of :data:`SAC_STATEFUL_OP_NAMES` this torch has."""
+    return [getattr(torch.ops.aten, n) for n in SAC_STATEFUL_OP_NAMES if hasattr(torch.ops.aten, n)]
+
+
 # -- torch.distributed.checkpoint -----------------------------------------------------
 # DCP's ``.metadata`` is a plain pickle of its Metadata dataclass, and two of the classes inside
 # it (the per-item file extent, the memory-format enum) and the function that rebuilds a layout
@@ -316,7 +335,18 @@ def split_mesh_dim(mesh: Any, sizes: Tuple[int, ...], names: Tuple[str, ...]) ->
     return mesh._unflatten(0, sizes, names)
 
 
+def local_extent(t: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The shape of this rank's shard of the DTensor ``t`` and its offset in the whole tensor, from the
+    layout alone (no collective): what lets a rank read only its slice of a checkpointed tensor.
+    torch computes it for DCP (``torch.distributed.tensor._utils``) and offers no public API."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
 __all__ = [
+    "local_extent",
     "STAGE_META",
     "is_view",
     "BACKWARD_ONE_CHUNK",

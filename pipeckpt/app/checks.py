@@ -87,8 +87,17 @@ def _check_ranges(node: DictConfig, prefix: str) -> None:
 
 
 def _check_model(cfg: DictConfig) -> None:
-    """What the GPT's sizes need of each other."""
+    """What the GPT's sizes need of each other; a Hugging Face model's directory or config, and the
+    data's windows and token ids against it."""
     model = cfg.get("model")
+    if isinstance(model, DictConfig) and str(model.get("_target_", "")).endswith(".HFCausalLM"):
+        from pipeckpt.app.models.hf import check_tokens, checked_config  # transformers, only for model=hf
+
+        built = checked_config(model.path, model.config, model.seq_len)
+        data = cfg.get("data")
+        if isinstance(data, DictConfig) and "tokenizer" in data:
+            check_tokens(built, model.path, data.tokenizer)
+        return
     if not isinstance(model, DictConfig) or not str(model.get("_target_", "")).endswith(".GPT"):
         return
     from pipeckpt.app.models.gpt import SIZES  # only when the model is a GPT

@@ -89,6 +89,17 @@ class LlamaConfig:
     tensor_parallel: int = _in(_COUNT, 1)  # build one tensor-parallel rank's share (pipeckpt.plan)
 
 
+@dataclass
+class HFConfig:
+    _target_: str = "pipeckpt.app.models.hf.HFCausalLM"
+    path: Optional[str] = MISSING  # a local pretrained directory (config.json, safetensors)
+    config: Any = MISSING  # without a path: a dict of config.json's fields (model_type too) or a config.json
+    layers: Optional[str] = MISSING  # the decoder layers' ModuleList; None: the one holding most parameters
+    seq_len: int = _in(_COUNT)  # also the data's window length
+    lr: float = _in(_RATE)
+    weight_decay: float = _in(_AT_LEAST_0)
+
+
 # -- data/ ----------------------------------------------------------------------------
 
 
@@ -102,6 +113,12 @@ class TextDataConfig:
     max_bytes: int = _in(_COUNT)  # corpus cap, read in file order
     val_fraction: float = _in(_FRACTION)  # the held-out tail of the corpus
     num_workers: int = _in(_AT_LEAST_0)
+
+
+@dataclass
+class HFTextDataConfig(TextDataConfig):
+    _target_: str = "pipeckpt.app.data.HFTextDataModule"
+    tokenizer: Optional[str] = MISSING  # a directory whose tokenizer makes the ids, if it holds one
 
 
 @dataclass
@@ -234,7 +251,9 @@ _SCHEMAS: dict[tuple[Optional[str], str], Any] = {
     ("model", "mlp_schema"): MLPConfig,
     ("model", "convnet_schema"): ConvNetConfig,
     ("model", "llama_schema"): LlamaConfig,
+    ("model", "hf_schema"): HFConfig,
     ("data", "text_schema"): TextDataConfig,
+    ("data", "hf_text_schema"): HFTextDataConfig,
     ("data", "synthetic_schema"): SyntheticTokensConfig,
     ("data", "synthetic_vectors_schema"): SyntheticVectorsConfig,
     ("data", "synthetic_images_schema"): SyntheticImagesConfig,

@@ -5,26 +5,59 @@ small, identical layers share one, and the engine's own work (micro-batch split,
 the checkpoint's autograd Function) stays eager. Why the layer's ``forward`` and not the module: the
 module tree, parameter names and ``state_dict`` keys stay as without compile (no ``_orig_mod.``
 prefix). What stays exact under each backend: docs/DESIGN.md, checkpointing/compiling.
+
+A layer of a ``selective`` stage is compiled with its checkpoint inside: ``torch.utils.checkpoint``
+with SAC's policy (:mod:`pipeckpt.checkpointing.selective`) traced into the layer's graph, where
+the policy decides once, at graph partitioning, what the backward recomputes. Eager SAC around a
+compiled layer instead runs a Python dispatch mode over every op of every step (4.7-10x plain
+in bf16 on an H200, benchmarks/RESULTS.md "GPU").
 """
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Collection, Dict, FrozenSet, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.checkpointing.selective import selective_region
 
-__all__ = ["MODES", "BACKENDS", "check_compile", "compile_options", "compile_layers", "uncompile_layers"]
+__all__ = [
+    "MODES",
+    "BACKENDS",
+    "check_compile",
+    "compile_options",
+    "compile_layers",
+    "uncompile_layers",
+    "selective_in_graph",
+    "selective_layers",
+]
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BACKENDS = ("aot_eager", "eager")  # need no C++/CUDA compiler: capture checks, exactness tests
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor modes that replay CUDA graphs
 
 # layer -> the compiled forward set on it and the instance forward it replaced (None: the class's)
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+# the layers whose compiled forward holds SAC's checkpoint (a selective stage's)
+_SELECTIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def check_compile(value: Any) -> None:
+def check_compile(value: Any, modes: Union[str, Sequence[CheckpointMode]] = ()) -> None:
+    """Refuses a ``compile`` setting torch.compile does not take, and a CUDA-graph mode
+    (:data:`CUDA_GRAPH_MODES`) with an offloading checkpoint mode (``modes``: the stages', or
+    ``"auto"``, which may pick one): offload copies a layer's input to the host asynchronously,
+    while a CUDA graph's next replay writes over the memory that input lives in."""
+    auto = isinstance(modes, str)
+    if value in CUDA_GRAPH_MODES and (auto or any(m.offloads for m in modes if not isinstance(m, str))):
+        named = "auto" if auto else [m.name for m in modes if not isinstance(m, str)]
+        raise config_error(
+            f"compile={value!r} with checkpoint={named}",
+            f"the CUDA graphs of compile mode {value!r} write each replay's outputs over the last's, which "
+            "offload is still copying to the host (and checkpoint='auto' may pick offload)",
+            "use compile=True (or 'max-autotune-no-cudagraphs') with offload, or name modes without offload",
+        )
     if isinstance(value, bool) or value in MODES or value in BACKENDS:
         return
     raise config_error(
@@ -46,18 +79,41 @@ def compile_options(value: Any) -> Optional[Dict[str, Any]]:
     return {"mode": value}
 
 
-def compile_layers(layers: nn.Sequential, value: Any) -> None:
-    """Compiles each layer's forward in place, per the ``compile`` setting (False: nothing)."""
+def compile_layers(layers: nn.Sequential, value: Any, *, selective: Collection[int] = ()) -> None:
+    """Compiles each layer's forward in place, per the ``compile`` setting (False: nothing).
+
+    Args:
+        layers: the user's layers, in pipeline order.
+        value: the ``compile`` setting.
+        selective: the positions of the layers whose stage checkpoints selectively
+            (:func:`selective_layers`): their compiled forward runs SAC's checkpoint inside.
+    """
     options = compile_options(value)
     if options is None:
         return
-    for layer in layers:
+    for k, layer in enumerate(layers):
         if layer in _COMPILED:
             continue
         own = layer.__dict__.get("forward")
-        compiled = torch.compile(layer.forward, **options)
+        forward = selective_region(layer.forward) if k in selective else layer.forward
+        compiled = torch.compile(forward, **options)
         layer.__dict__["forward"] = compiled
         _COMPILED[layer] = (compiled, own)
+        if k in selective:
+            _SELECTIVE.add(layer)
+
+
+def selective_layers(ranges: Sequence[Tuple[int, int]], modes: Sequence[CheckpointMode]) -> FrozenSet[int]:
+    """The positions of the layers of the stages whose mode is selective, from a plan's
+    ``ranges`` and ``modes``."""
+    return frozenset(k for (a, b), mode in zip(ranges, modes) if mode.selective for k in range(a, b))
+
+
+def selective_in_graph(layers: nn.Module) -> bool:
+    """Whether every layer of a stage's (or segment's) ``layers`` was compiled with SAC inside, so
+    the stage runs them as they are, without a checkpoint of its own around them."""
+    found = list(layers) if isinstance(layers, nn.Sequential) else [layers]
+    return bool(found) and all(layer in _SELECTIVE for layer in found)
 
 
 def uncompile_layers(layers: nn.Sequential) -> None:
@@ -67,6 +123,7 @@ def uncompile_layers(layers: nn.Sequential) -> None:
         if entry is None:
             continue
         compiled, own = entry
+        _SELECTIVE.discard(layer)
         if layer.__dict__.get("forward") is not compiled:
             continue  # someone (a module pipeline's restore) already took it off
         if own is None:

@@ -114,11 +114,12 @@ class Engine(ABC):
         """Whether the plan's stages share one device, whose budget then bounds them together."""
         return len(set(plan.devices)) == 1 and plan.stages > 1
 
-    def memory_layout(self) -> Dict[str, Any]:
+    def memory_layout(self, layers: Optional[nn.Sequential] = None) -> Dict[str, Any]:
         """``checkpoint='auto'`` (the world known): how each stage's parameters, gradients and
         optimizer state are spread over the ranks that run it, as the fields of
         :class:`~pipeckpt.memory.sharding.Layout` (``fsdp``, ``tp``, ``reshard_after_forward``,
-        ``precision``, ``tp_plan``). Empty: every stage is held whole by its device."""
+        ``precision``, ``tp_plan``). Empty: every stage is held whole by its device. ``layers``:
+        the pipelined Sequential, when the spread depends on the model (a plan of its own)."""
         return {}
 
     @classmethod

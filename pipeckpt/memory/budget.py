@@ -20,12 +20,15 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.base import Engine
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
+from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
+from pipeckpt.memory.timing import for_compile
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
+from pipeckpt.stages.materialize import on_meta
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = [
@@ -143,6 +146,7 @@ def resolve_auto(
     optimizer: Union[str, torch.optim.Optimizer, None] = None,
     stale_grads: bool = False,
     layout: Optional[Layout] = None,
+    fake: bool = False,
 ) -> AutoPlan:
     """Chooses the modes (and chunks and balance, as ``settings.memory_search`` asks) for
     ``checkpoint="auto"``, and returns the settings with them written in. ``batch``: one batch
@@ -158,7 +162,8 @@ def resolve_auto(
     optimizer state are spread over its ranks (FSDP2, tensor parallel, precision); each stage's peak
     is then one rank's (:mod:`pipeckpt.memory.sharding`). The engine says which op order the
     memory model walks, which chunk counts it runs and whether its stages share a device's budget
-    (:class:`~pipeckpt.engines.base.Engine`)."""
+    (:class:`~pipeckpt.engines.base.Engine`). ``fake``: ``sequential`` holds fake tensors
+    (:mod:`pipeckpt.memory.fake_weights`), profiled without allocating, times from FLOP counts."""
     assert settings.memory_budget is not None  # PipeSettings requires it with checkpoint="auto"
     engine = engine_class(settings.engine)
     with engine.planning():
@@ -184,9 +189,11 @@ def resolve_auto(
                 loss_fn=loss_fn,
                 target=first_microbatch(target, c) if target is not None else None,
                 rounds=2,
+                fake=fake,
             )
             for c in chunk_options
         }
+        profiled = {c: for_compile(p, settings.compile is not False) for c, p in profiled.items()}
         layers = len(sequential)
         balances = balance_candidates(layers, base.stages, base.balance) if "balance" in search else None
         counted = settings.memory_optimizer or optimizer or "adam"
@@ -245,14 +252,37 @@ def resolve_for(
 ) -> AutoPlan:
     """:func:`resolve_auto` for the module a Trainer fits: on a batch of :func:`sample_batch` from
     the fit's training loader, counting the state of the module's own optimizer, each stage as
-    ``engine`` (the strategy's, its world known) spreads it over ranks (:meth:`Engine.memory_layout`)."""
-    spread = engine.memory_layout() if engine is not None else {}
+    ``engine`` (the strategy's, its world known) spreads it over ranks (:meth:`Engine.memory_layout`).
+    A module still on the meta device (built there, each process to make only its own stages real)
+    is profiled on fake tensors of its shapes (:func:`~pipeckpt.memory.fake_weights.fake_weights`)."""
+    devices = devices or [torch.device("cpu")]
+    loader = fit_train_loader(trainer)
+    if not on_meta(module):
+        return _resolve_for(settings, module, trainer, loader, devices, engine, fake=False)
+    if loader is not None and getattr(module, "example_input_array", None) is None:
+        loader = [next(iter(loader))]  # drawn outside the fake mode: a loader's seed is a real draw
+    with fake_weights(module, devices[0]):
+        return _resolve_for(settings, module, trainer, loader, devices, engine, fake=True)
+
+
+def _resolve_for(
+    settings: PipeSettings,
+    module: Any,
+    trainer: Any,
+    loader: Any,
+    devices: Sequence[torch.device],
+    engine: Optional[Engine],
+    *,
+    fake: bool,
+) -> AutoPlan:
     sequential = pipelined_sequential(module)
-    batch, target, loss_fn = sample_batch(module, fit_train_loader(trainer), sequential)
+    spread = engine.memory_layout(sequential) if engine is not None else {}
+    batch, target, loss_fn = sample_batch(module, loader, sequential)
     return resolve_auto(
         settings,
         sequential,
-        devices=devices or [torch.device("cpu")],
+        devices=devices,
+        fake=fake,
         batch=batch,
         target=target,
         loss_fn=loss_fn,

@@ -86,6 +86,7 @@ class _SacOutputs(TorchDispatchMode):
             record = records[-1]
             kept = getattr(func, "overloadpacket", func) in self.saved_ops
             record["op_s"] = record.get("op_s", 0.0) + took
+            record["ops"] = record.get("ops", 0) + 1
             if kept:
                 record["sac"].update(self.probe.storages.ids(out))
                 record["sac_op_s"] = record.get("sac_op_s", 0.0) + took

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import FakeTensorMode, tree_flatten
-from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.memory_pass import Storages, memory_pass
 from pipeckpt.memory.outside import OutsideMemory
@@ -54,6 +53,9 @@ class LayerProfile:
     # not measured, fake tensors): on a dispatch-bound layer SAC's per-op dispatch mode and the
     # checkpoint's hooks cost more than the recompute SAC saves.
     sac_extra_s: Optional[float] = None
+    # How many aten ops its forward runs: eager SAC's dispatch mode pays its host cost per op, which a
+    # layer whose SAC cost was not measured (``sac_extra_s`` None) is charged from (memory/timing.py).
+    ops: int = 0
     # The same with the gradient that arrives for its output held until its backward is over, as
     # a Function's backward holds it while the layer that ends its segment runs inside (None: as
     # ``backward_peak``, not measured).
@@ -149,14 +151,16 @@ def profile(
         target: the loss's second argument.
         rounds: timing rounds per layer (after one warm-up); the median is kept.
         fake: ``sequential`` and ``microbatch`` were built under :func:`fake_mode` (a model larger
-            than the machine): nothing is allocated and times come from FLOP counts.
+            than the machine), or a meta build's tensors swapped for fake ones
+            (:func:`~pipeckpt.memory.fake_weights.fake_weights`): nothing is allocated and times
+            come from FLOP counts.
         flops_per_s: the rate FLOP counts are divided by under ``fake``.
     """
     owner: nn.Module = sequential.root if isinstance(sequential, ModulePipeline) else sequential
     was_training = owner.training
     owner.train()
     try:
-        layers, microbatch, loss, first = _chain(sequential, microbatch, loss_fn, target, fake)
+        layers, microbatch, loss, first = _chain(sequential, microbatch, loss_fn, target)
         leaves = [t for t in first if isinstance(t, Tensor) and t.dim()]
         size = int(leaves[0].shape[0]) if leaves else 1
         storages = Storages([*owner.parameters(), *owner.buffers()])
@@ -200,6 +204,7 @@ def profile(
                 sac_kept=tuple(sorted(record["sac"])),
                 sac_s=fwd * _sac_share(record, fake),
                 sac_extra_s=None if fake or i >= len(layers) else sac_extra[i],
+                ops=record.get("ops", 0),
             )
         )
     return ModelProfile(
@@ -214,19 +219,14 @@ def profile(
 
 
 def _chain(
-    sequential: nn.Sequential, microbatch: Any, loss_fn: Optional[Loss], target: Any, fake: bool
+    sequential: nn.Sequential, microbatch: Any, loss_fn: Optional[Loss], target: Any
 ) -> Tuple[List[nn.Module], Any, Optional[nn.Module], List[Any]]:
     """The layers the passes run, their first input, the module after them, and the leaves of the
-    micro-batch itself. A ``pipeline_of`` model runs as the chain of memory/rooted.py, from its input."""
+    micro-batch itself. A ``pipeline_of`` model runs as the chain of memory/rooted.py, from its input
+    (on fake tensors too: its forward is recorded on them as on real ones)."""
     if not isinstance(sequential, ModulePipeline):
         loss = _LossLayer(loss_fn, target) if loss_fn is not None else None
         return list(sequential), microbatch, loss, tree_flatten(microbatch)[0]
-    if fake:
-        raise config_error(
-            f"profile(pipeline_of({type(sequential.root).__name__}, ...), fake=True)",
-            "a pipeline_of model is profiled from its own forward, on real tensors",
-            "profile it without fake=True (on a smaller batch or model if it does not fit)",
-        )
     call = RootInput.of(microbatch)
     with _state_kept(sequential.root):
         chain = root_chain(sequential, call)

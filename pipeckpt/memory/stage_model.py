@@ -12,6 +12,7 @@ from typing import Any, List, Sequence, Set, Tuple
 
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.memory.profile import ModelProfile
+from pipeckpt.memory.timing import selective_extra_s
 
 __all__: List[str] = []
 
@@ -207,8 +208,5 @@ class _StageModel:
         """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
         selective all but the ops SAC kept."""
         if mode.selective:
-            return sum(
-                max(0.0, layer.forward_s - layer.sac_s) if layer.sac_extra_s is None else layer.sac_extra_s
-                for layer in self.layers
-            )
+            return sum(selective_extra_s(layer) for layer in self.layers)
         return self.forward_s

@@ -3,13 +3,19 @@
 Measured per layer with backward pre-hooks as marks, on a clock a shared machine does not
 inflate; on fake tensors, from FLOP counts instead (no kernel runs). Selective checkpointing's
 own cost per layer is measured apart: on a dispatch-bound layer its hooks cost more than the
-recompute it saves, which no FLOP count shows.
+recompute it saves, which no FLOP count shows. Where that was not measured (a pytree between
+layers, as a ``pipeline_of`` model passes; fake tensors), each op the layer runs is charged SAC's
+host cost per op, measured once per process (:func:`sac_host_s_per_op`). Under the ``compile``
+setting a selective layer's policy runs in its graph (pipeckpt/checkpointing/compiling.py): no
+host cost, only the recompute of the ops the policy does not keep (:func:`for_compile`).
 """
 
+import contextlib
+import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +25,33 @@ from pipeckpt._compat import DeferredBatchNorm, tree_flatten
 from pipeckpt.checkpointing.selective import run_selective
 from pipeckpt.stages.guards import side_effect_free
 
-__all__: List[str] = []
+
+class _Timed(Protocol):
+    """What :func:`selective_extra_s` reads of a layer's profile (``memory.profile.LayerProfile``,
+    not imported: the profile imports this module)."""
+
+    @property
+    def forward_s(self) -> float: ...
+    @property
+    def sac_s(self) -> float: ...
+    @property
+    def sac_extra_s(self) -> Optional[float]: ...
+    @property
+    def ops(self) -> int: ...
+
+
+class _Layered(Protocol):
+    """What :func:`for_compile` reads of a model's profile (``memory.profile.ModelProfile``)."""
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+
+_Profile = TypeVar("_Profile", bound=_Layered)
+
+__all__ = ["for_compile", "sac_host_s_per_op", "selective_extra_s"]
+
+_per_op: Optional[float] = None  # sac_host_s_per_op, once measured
 
 
 def _clock() -> Callable[[], float]:
@@ -143,3 +175,52 @@ def _flop_pass(
         forward.append(counter.get_total_flops() / flops_per_s)
     # Backward of a matmul-dominated layer costs two forwards (input and weight gradients).
     return [(f, 2 * f) for f in forward]
+
+
+def sac_host_s_per_op(rounds: int = 5, ops: int = 200) -> float:
+    """Seconds eager SAC adds per op to a forward + backward (its dispatch mode's Python call in the
+    forward and again in the recompute, and the policy), measured once per process: a chain of
+    ``ops`` one-element additions, plain and under
+    :func:`~pipeckpt.checkpointing.selective.run_selective`, interleaved, the median difference."""
+    global _per_op
+    if _per_op is None:
+        x = torch.ones(1, requires_grad=True)
+
+        def chain(h: Tensor) -> Tensor:
+            for _ in range(ops):
+                h = h + 1
+            return h
+
+        nothing = contextlib.nullcontext
+        runs = (lambda: chain(x), lambda: run_selective(chain, (x,), {}, recompute_guard=nothing))
+        clock, extra = _clock(), []
+        for r in range(rounds + 1):
+            took = []
+            for run in runs:
+                t0 = clock()
+                _forward_backward_of(run)
+                took.append(clock() - t0)
+            if r > 0:
+                extra.append(took[1] - took[0])
+        _per_op = max(0.0, statistics.median(extra)) / ops
+    return _per_op
+
+
+def selective_extra_s(layer: _Timed) -> float:
+    """Seconds selective checkpointing adds to one recomputed micro-batch of ``layer``: as measured
+    (``sac_extra_s``), else the recompute of the ops SAC does not keep plus SAC's host cost for
+    each op the layer runs."""
+    if layer.sac_extra_s is not None:
+        return layer.sac_extra_s
+    return max(0.0, layer.forward_s - layer.sac_s) + layer.ops * sac_host_s_per_op()
+
+
+def for_compile(profile: _Profile, compiled: bool) -> _Profile:
+    """``profile`` as the planner sees it under the ``compile`` setting (``compiled``): selective
+    adds only the recompute of the ops SAC does not keep, the policy having run at compile time."""
+    if not compiled:
+        return profile
+    layers = profile.layers
+    recomputes = [max(0.0, x.forward_s - x.sac_s) for x in layers]
+    out = tuple(dataclasses.replace(x, sac_extra_s=s) for x, s in zip(layers, recomputes))
+    return dataclasses.replace(profile, layers=out)  # type: ignore[type-var]

@@ -261,4 +261,8 @@ def _like(original: Tensor, storage: Tensor, is_param: bool) -> Tensor:
 
 
 def _has_nan(t: Tensor) -> bool:
-    return bool(t.is_floating_point() and torch.isnan(t).any())
+    """Whether ``t`` holds a NaN, by a reduction (the maximum propagates NaN), not ``isnan(t).any()``:
+    that allocates a mask a quarter of a float32 ``t``'s size per layer, and glibc's heap kept the
+    freed masks (under its mmap threshold, fragmented by small allocations between them): a process
+    making 12 Linear(4096, 4096) real held up to 208 MiB of freed masks at train start."""
+    return bool(t.is_floating_point() and t.numel() > 0 and torch.amax(t).isnan())

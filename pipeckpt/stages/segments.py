@@ -5,20 +5,22 @@ recompute at a time; a selective region runs torch's SAC inside the Function wit
 its backward adds gradients to ``.grad`` as every other mode does.
 """
 
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 from torch import Tensor, nn
 
 from pipeckpt.boundaries.side_inputs import Chain
+from pipeckpt.checkpointing.compiling import selective_in_graph
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.checkpointing.selective import run_selective
 from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.recompute import Packing, Recomputable
 
-__all__ = ["Segment", "selective"]
+__all__ = ["Segment", "cut", "selective"]
 
 
 def selective(
+    layers: nn.Module,
     forward: Callable[..., Any],
     recompute: Callable[..., Any],
     guard: Callable[[], ContextManager[Any]],
@@ -33,12 +35,19 @@ def selective(
     recomputes (SAC restores the generators' states, not which micro-batch's streams the layers
     draw from).
 
+    Where the ``compile`` setting compiled ``layers`` with SAC inside
+    (:func:`~pipeckpt.checkpointing.compiling.selective_in_graph`), the region runs as it is: the
+    compiled graph recomputes, no Python runs per op, and ``recompute`` is not called.
+
     Args:
+        layers: the region's layers.
         forward: the region's forward run.
         recompute: the region's rerun in backward.
         guard: what keeps module state unchanged by the rerun (:func:`side_effect_free`).
         streams: the stage's per-layer random streams, when the engine set them.
     """
+    if selective_in_graph(layers):
+        return forward
     runs = 0
     key = streams.current() if streams is not None else None
 
@@ -112,3 +121,12 @@ class Segment(Recomputable):
 
     def recompute_guard(self) -> ContextManager[None]:
         return side_effect_free(self.partition, self._norms())
+
+
+def cut(stage: Recomputable, every: Optional[int]) -> List[Segment]:
+    """``stage``'s partition cut into segments of ``every`` layers (all of it as one when None)."""
+    part = stage.partition
+    layers = list(part) if isinstance(part, nn.Sequential) else [part]
+    n = len(layers)
+    step = every or n
+    return [Segment(stage, range(a, min(a + step, n)), layers) for a in range(0, n, step)]

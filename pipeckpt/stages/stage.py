@@ -24,7 +24,7 @@ from pipeckpt.stages.caller import CallerState, StepCasts
 from pipeckpt.stages.escapes import checked
 from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.recompute import Recomputable
-from pipeckpt.stages.segments import Segment, selective
+from pipeckpt.stages.segments import Segment, cut, selective
 
 __all__ = ["Stage", "mark_shared_parameters"]
 
@@ -208,11 +208,7 @@ class Stage(Recomputable):
     def _segments(self) -> List[Segment]:
         """The partition cut into runs of ``mode.every`` layers (all of it when None)."""
         if self._segment_list is None:
-            layers = list(self.partition) if isinstance(self.partition, nn.Sequential) else [self.partition]
-            every = self.mode.every or len(layers)
-            n = len(layers)
-            spans = [range(a, min(a + every, n)) for a in range(0, n, every)]
-            self._segment_list = [Segment(self, span, layers) for span in spans]
+            self._segment_list = cut(self, self.mode.every)
         return self._segment_list
 
     def _granular(self, input: Any, side: Optional[Dict[str, Any]]) -> Any:
@@ -226,7 +222,9 @@ class Stage(Recomputable):
             segment.watch = self.watch
             segment_side = segment.side_of(side)
             if self.mode.selective:
-                run = selective(segment.run, segment.run_counted, segment.recompute_guard, self.streams)
+                run = selective(
+                    segment.partition, segment.run, segment.run_counted, segment.recompute_guard, self.streams
+                )
                 call = Call(run, (x, segment_side), {})
                 x = segment._checkpointed_call(call, segment._trainable(), True)
             elif segment_side is None and is_tensor_or_tensors(x):
@@ -272,7 +270,7 @@ class Stage(Recomputable):
                     return fn(*a, **k)
 
                 guard = lambda: side_effect_free(self.partition, self._norms())  # noqa: E731
-                call = Call(selective(fn, counted, guard, self.streams), args, kwargs)
+                call = Call(selective(self.partition, fn, counted, guard, self.streams), args, kwargs)
                 return self._checkpointed_call(call, params, True)
             if recompute or ((self._num_microbatches > 1 or self.shares_parameters) and params):
                 return self._checkpointed_call(Call(fn, args, kwargs), params, not recompute)

@@ -11,23 +11,28 @@ does not save (rotary frequencies, masks) comes from the module's own initialisa
 
 import json
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from pipeckpt._compat import own_tensors, set_own_tensor
+from pipeckpt._compat import local_extent, own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.state.confined import inside
 from pipeckpt.state.safe_load import weights_only_load
+from pipeckpt.weights.adapters import init_adapters, unwrapped_name
 
-__all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint"]
+__all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint", "reading_later", "read_later"]
 
 M = TypeVar("M", bound=nn.Module)
 MISSING = ("error", "init")
 _INDEX, _SINGLE, _TORCH = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
 _marks: "weakref.WeakKeyDictionary[nn.Module, Pretrained]" = weakref.WeakKeyDictionary()
+_later: Set[int] = set()  # ids of the meta tensors whose reads wait for their sharded layout
+Slot = Tuple[nn.Module, str, bool]  # (owner, attribute, is a parameter)
 
 
 def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> M:
@@ -75,6 +80,7 @@ class Pretrained:
         self.path, self.missing = path, missing
         self._where: Optional[Dict[str, Path]] = None
         self._state: Optional[Dict[str, Tensor]] = None  # a torch state-dict file, mapped
+        self.pending: List[Tuple[Slot, str]] = []  # made real, to read once sharded (read_later)
 
     def where(self) -> Dict[str, Path]:
         """Each key of the checkpoint -> the file holding it."""
@@ -114,7 +120,8 @@ class Pretrained:
         return {k: file for k in self._state}
 
     def read(self, wanted: Dict[str, Tensor]) -> None:
-        """Copies each key's tensor into its destination (converting the dtype), reading nothing else."""
+        """Copies each key's tensor into its destination (converting the dtype), reading nothing else;
+        into a DTensor, only this rank's slice of it (``safe_open(...).get_slice``)."""
         by_file: Dict[Path, List[str]] = {}
         for key in wanted:
             by_file.setdefault(self.where()[key], []).append(key)
@@ -125,23 +132,38 @@ class Pretrained:
                 continue
             import safetensors
 
-            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in keys:
-                    _copy(wanted[key], f.get_tensor(key), key, file)
+            for key in keys:  # opened per key: the file's pages a read touched count as this
+                # process's resident memory until it is closed (safetensors maps the file)
+                with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+                    split = isinstance(wanted[key], DTensor)
+                    _copy(wanted[key], f.get_slice(key) if split else f.get_tensor(key), key, file)
 
 
-def _copy(dest: Tensor, source: Tensor, key: str, file: Path) -> None:
-    if dest.shape != source.shape:
+def _copy(dest: Tensor, source: Any, key: str, file: Path) -> None:
+    """``source`` (a tensor, or a safetensors slice, read only here) into ``dest``: whole, or the part
+    of it that ``dest``'s shard holds when ``dest`` is a DTensor."""
+    shape = tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+    if tuple(dest.shape) != shape:
         raise config_error(
-            f"{key} in {str(file)!r} has shape {tuple(source.shape)}, the module's {tuple(dest.shape)}",
+            f"{key} in {str(file)!r} has shape {shape}, the module's {tuple(dest.shape)}",
             "a pretrained checkpoint fills a module of the same configuration",
             "build the module from the checkpoint's own config (AutoConfig.from_pretrained(path))",
         )
+    if isinstance(dest, DTensor):
+        size, offset = local_extent(dest)
+        dest = dest.to_local()
+        source = source[tuple(slice(o, o + n) for o, n in zip(offset, size))]
     dest.copy_(source)
 
 
 def _candidates(model: nn.Module, name: str) -> List[str]:
-    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``."""
+    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``; then
+    the same of the name without PEFT's wrappers (:mod:`pipeckpt.weights.adapters`)."""
+    unwrapped = unwrapped_name(model, name)
+    return _prefixed(model, name) + (_prefixed(model, unwrapped) if unwrapped is not None else [])
+
+
+def _prefixed(model: nn.Module, name: str) -> List[str]:
     prefix = getattr(model, "base_model_prefix", "")
     if not isinstance(prefix, str) or not prefix:
         return [name]
@@ -156,6 +178,7 @@ def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
     own initialisation (buffers it does not save; missing weights under ``missing='init'``)."""
     left: Set[int] = set()
     for model, source in marked_in(module):
+        init_adapters(model, device, keep)  # PEFT's, before the rest: no checkpoint holds them
         names: Dict[int, List[str]] = {}
         slots: Dict[int, List[Tuple[nn.Module, str, bool]]] = {}
         for prefix, owner in model.named_modules(remove_duplicate=False):
@@ -187,7 +210,10 @@ def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
             owner, slot, is_param = slots[i][0]
             meta = owner._parameters[slot] if is_param else owner._buffers[slot]
             real = torch.empty_like(meta, device=device)  # type: ignore[arg-type]
-            wanted[key] = real
+            if i in _later:
+                source.pending.append((slots[i][0], key))
+            else:
+                wanted[key] = real
             value = nn.Parameter(real, meta.requires_grad) if is_param else real  # type: ignore[union-attr]
             for owner, slot, is_param in slots[i]:  # a tied tensor stays one
                 set_own_tensor(owner, slot, value, is_param)
@@ -209,3 +235,27 @@ def in_checkpoint(module: nn.Module) -> Set[int]:
             if t.is_meta and any(k in where for k in _candidates(model, name)):
                 found.add(id(t))
     return found
+
+
+@contextmanager
+def reading_later(ids: Set[int]) -> Iterator[None]:
+    """Inside, :func:`fill` makes the meta tensors whose ids are in ``ids`` real but reads nothing
+    into them: a rank that will hold only a shard of each (FSDP2, tensor parallelism) reads only
+    that slice, once the shards are laid out (:func:`read_later`)."""
+    _later.update(ids)
+    try:
+        yield
+    finally:
+        _later.difference_update(ids)
+
+
+def read_later(module: nn.Module) -> None:
+    """The reads :func:`reading_later` held back, into the tensors now in their slots: a DTensor gets
+    its own slice of the checkpoint's tensor, any other tensor the whole."""
+    for _, source in marked_in(module):
+        wanted: Dict[str, Tensor] = {}
+        for (owner, slot, is_param), key in source.pending:
+            wanted[key] = owner._parameters[slot] if is_param else owner._buffers[slot]  # type: ignore[assignment]
+        source.pending = []
+        with torch.no_grad():
+            source.read(wanted)

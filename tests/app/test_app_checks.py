@@ -17,7 +17,13 @@ from pipeckpt.app.config import register
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 GROUPS = ["model", "data", "strategy", "ckpt", "trainer", "experiment"]
-MODEL_OF_DATA = {"text": "gpt", "synthetic": "gpt", "synthetic_vectors": "mlp", "synthetic_images": "convnet"}
+MODEL_OF_DATA = {
+    "text": "gpt",
+    "hf_text": "hf",
+    "synthetic": "gpt",
+    "synthetic_vectors": "mlp",
+    "synthetic_images": "convnet",
+}
 
 
 def compose_train(tmp_path: Path, *overrides: str):

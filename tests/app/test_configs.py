@@ -15,7 +15,13 @@ from pipeckpt.app.config import register
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["model", "data", "strategy", "ckpt", "trainer", "logger", "callbacks", "experiment"]
 # A data option only fits the model it was written for.
-MODEL_OF_DATA = {"text": "gpt", "synthetic": "gpt", "synthetic_vectors": "mlp", "synthetic_images": "convnet"}
+MODEL_OF_DATA = {
+    "text": "gpt",
+    "hf_text": "hf",
+    "synthetic": "gpt",
+    "synthetic_vectors": "mlp",
+    "synthetic_images": "convnet",
+}
 
 
 def options(group: str) -> list[str]:

@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
+import pytest
 from support import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +39,7 @@ def test_the_plan_command_prints_one_row_per_stage_and_writes_the_png(tmp_path: 
     assert [row[0] for row in rows] == ["0", "1", "2"]
     assert all(row[2] == "always" and row[-1] == "fits" for row in rows)
     assert any(line.startswith("auto under 1.0 MiB: checkpoint=") for line in lines)
+    assert not any(line.startswith("memory.fake:") for line in lines)  # it fits this machine: real
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,3 +81,45 @@ def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_b
     rows = [line.split() for line in format_prediction(prediction).splitlines()[2:5]]
     for row, want in zip(rows, expected.stages, strict=True):
         assert row[3:9] == [f"{getattr(want, c) / 2**20:.2f}" for c in COLUMNS]
+
+
+def _rows(stdout: str) -> List[List[str]]:
+    """The table's rows: stage, layers, mode and the memory columns through the peak (times left out)."""
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["stage", "layers", "mode"])
+    return [line.split()[:10] for line in lines[header + 1 :] if line.split()[:1] in (["0"], ["1"])]
+
+
+def test_a_model_over_the_memory_available_is_planned_on_fake_tensors_said_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # memory.available stands in for this machine's memory: 1 KiB, below the MLP's 215 KiB of weights.
+    args = ("model=mlp", "strategy.stages=2", "ckpt=always")
+    fake = _plan(*args, "memory.available=1KiB", cwd=tmp_path)
+    real = _plan(*args, "memory.fake=false", cwd=tmp_path)
+    assert fake.returncode == 0 and real.returncode == 0, fake.stderr + real.stderr
+    said = [line for line in fake.stdout.splitlines() if line.startswith("memory.fake:")]
+    assert said == [
+        "memory.fake: building on fake tensors (times from FLOPs): the model's 215.0 KiB of parameters "
+        "and buffers, their gradients and a 1.0 GiB margin need 1.0 GiB, more than the 1.0 KiB "
+        "available (memory.fake=false builds it for real)"
+    ]
+    assert not any(line.startswith("memory.fake:") for line in real.stdout.splitlines())
+    assert len(_rows(fake.stdout)) == 2 and _rows(fake.stdout) == _rows(real.stdout)  # the same MiB
+
+
+def test_memory_fake_false_over_the_memory_available_is_a_configuration_error(tmp_path: Path) -> None:
+    result = _plan("model=mlp", "memory.fake=false", "memory.available=1KiB", cwd=tmp_path)
+    assert result.returncode == 1 and "stage" not in result.stdout
+    assert (
+        "Configuration error: memory.fake=false with a model of 215.0 KiB of parameters and buffers: "
+        "a real build holds them all, and 1.0 KiB of memory is available. HINT: drop memory.fake=false"
+    ) in result.stderr
+
+
+def test_the_memory_available_is_linuxs_memavailable_as_psutil_reads_it() -> None:
+    psutil = pytest.importorskip("psutil")
+    from pipeckpt.memory.machine import available_memory
+
+    ours, theirs = available_memory(), psutil.virtual_memory().available
+    assert abs(ours - theirs) <= 0.05 * theirs  # read moments apart on a machine others load

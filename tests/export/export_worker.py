@@ -10,15 +10,23 @@ Each run trains ``model`` ("gpt2" or "llama" of tests/support/hf_models.py, or "
 the Llama) for ``steps`` steps under engine="distributed" with ``HFExport`` writing `<name>-hf` into
 the spec's `out` directory when training ends, then saves the sharded checkpoint `<name>.ckpt`. A
 run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`.
+A run with ``path`` fine-tunes the Llama of that pretrained directory instead (built on the meta
+device, filled by ``pipeckpt.pretrained``) and each rank saves the whole values of the weights it
+holds after training (a DTensor gathered with ``full_tensor``) to `<name>.trained<R>.pt`. Under
+``checkpoint='auto'`` rank 0 writes the tensor-parallel plan the choice counted to `<name>.counted.json`.
 """
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Dict
 
+import torch
 from support.frozen_models import LoraLlama
 from support.hf_models import HFModule, batches, whole
+from support.pretrained_models import FromPretrained
 from support.ranks import quiet_trainer, serve
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from pipeckpt import PipelineStrategy
@@ -27,7 +35,11 @@ from pipeckpt.export import HFExport
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
-    module = LoraLlama() if spec["model"] == "lora" else HFModule(spec["model"], whole)
+    module: Any
+    if "path" in spec:
+        module = FromPretrained("llama", Path(spec["path"]), build="meta")
+    else:
+        module = LoraLlama() if spec["model"] == "lora" else HFModule(spec["model"], whole)
     export = HFExport(os.path.join(out, f"{spec['name']}-hf"), max_shard_size=spec["max_shard_size"])
     trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[export])
     data = DataLoader(batches(spec["steps"]), batch_size=None)
@@ -41,6 +53,17 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         raise AssertionError(f"{spec['name']}: fit did not fail")
     trainer.fit(module, data)
     trainer.save_checkpoint(os.path.join(out, f"{spec['name']}.ckpt"))
+    if "path" in spec:
+        held = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in module.model.state_dict().items()
+            if isinstance(v, DTensor) or not v.is_meta
+        }
+        torch.save(held, Path(out, f"{spec['name']}.trained{trainer.global_rank}.pt"))
+    if strategy.auto_plan is not None and trainer.is_global_zero:  # checkpoint='auto': the plan it counted
+        layout = strategy.auto_plan.layout
+        counted = dict(layout.tp_plan) if layout else None
+        Path(out, f"{spec['name']}.counted.json").write_text(json.dumps(counted))
 
 
 if __name__ == "__main__":

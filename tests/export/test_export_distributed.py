@@ -3,9 +3,18 @@ LoRA on the Llama trained 3 steps in 2 pipeline processes, and in 2 pipeline sta
 for GPT-2, FSDP2 for the others; gloo on CPU, tests/export/export_worker.py), with ``HFExport``
 writing the export when ``fit`` ends. ``from_pretrained`` (``PeftModel.from_pretrained`` for LoRA)
 loads exactly the weights of the run's sharded checkpoint; an export from that checkpoint reads one
-shard's keys at a time."""
+shard's keys at a time.
+
+Under pp2 x tp2 (data_parallel='fsdp' with dp=1, 4 processes) a Llama filled from a bf16 pretrained
+directory through ``pipeline_of`` is split by its config's own plan: after 3 steps the export
+``HFExport`` wrote, and the one ``python -m pipeckpt.export`` makes of the run's checkpoint, load
+with ``from_pretrained`` bitwise equal to the whole weights the processes gathered from their
+DTensors (``full_tensor``), with bitwise equal logits. ``checkpoint='auto'`` chose the run's modes
+counting each rank's parameters by that plan."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -17,6 +26,8 @@ pytest.importorskip("peft")
 import transformers
 from peft import PeftModel
 from support.hf_models import batches
+from support.pretrained_models import save
+from test_tp_pipeline_of import LLAMA_PLAN
 
 from pipeckpt.export import export_hf
 from pipeckpt.export import source as export_source
@@ -28,6 +39,9 @@ SMALL_SHARD = 20_000  # bytes: the tiny models' ~100 KiB in several shards
 PP2 = dict(balance=[2, 2], chunks=2, schedule="1f1b")
 DDP2 = dict(PP2, dp=2)
 FSDP2 = dict(PP2, dp=2, data_parallel="fsdp")
+# the plan: the Llama config's own; checkpoint='auto' counts each rank's share by it
+TP2 = dict(PP2, tensor_parallel=2, data_parallel="fsdp", checkpoint="auto", memory_budget="4GiB")
+TP_RUN: Dict[str, Any] = dict(name="llama_pp2_tp2", model="llama", world=4, strategy=TP2)
 RUNS: List[Dict[str, Any]] = [
     dict(name="gpt2_pp2", model="gpt2", world=2, strategy=PP2),
     dict(name="llama_pp2", model="llama", world=2, strategy=PP2),
@@ -138,3 +152,58 @@ def test_an_export_refused_on_rank_0_is_raised_on_every_rank_and_nothing_is_repl
     assert "global rank 0 could not export" in errors[1] and "notes.txt" in errors[1]
     assert [p.name for p in (where / "refused_pp2-hf").iterdir()] == ["notes.txt"]
     assert not [p.name for p in where.iterdir() if p.name.startswith(".pipeckpt-")]  # no staged weights left
+
+
+# -- pp2 x tp2 ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("export_tp")
+    path = str(save("llama", out / "pretrained"))
+    run = dict(TP_RUN, steps=3, max_shard_size=SMALL_SHARD, path=path)
+    ranks.launch(WORKER, 4, [run], out, within_s=START_S)
+    yield out
+
+
+def _gathered(out: Path) -> Dict[str, torch.Tensor]:
+    """The trained weights as the 4 processes hold them, each DTensor gathered whole."""
+    merged: Dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        for key, value in torch.load(out / f"{TP_RUN['name']}.trained{rank}.pt", weights_only=True).items():
+            assert key not in merged or torch.equal(merged[key], value), key  # the copies agree
+            merged[key] = value
+    return merged
+
+
+def _loads_the_gathered_weights_with_equal_logits(export: Path, gathered: Dict[str, torch.Tensor]) -> None:
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(gathered)
+    assert all(torch.equal(got[k], gathered[k]) for k in gathered)
+    reference = type(loaded)(loaded.config)
+    reference.load_state_dict(gathered)
+    ids = batches(1)[0]["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, reference.eval()(ids).logits)
+
+
+@pytest.mark.slow
+def test_hfexport_of_a_pp2_tp2_run_loads_the_weights_its_dtensors_hold_whole(tp_run):
+    gathered = _gathered(tp_run)
+    projection = gathered["model.layers.3.self_attn.q_proj.weight"]
+    assert projection.shape == (32, 32)  # whole, not one tensor-parallel rank's half
+    _loads_the_gathered_weights_with_equal_logits(tp_run / f"{TP_RUN['name']}-hf", gathered)
+
+
+@pytest.mark.slow
+def test_the_export_command_of_a_pp2_tp2_runs_checkpoint_loads_the_weights_its_dtensors_hold_whole(tp_run):
+    checkpoint, export = tp_run / f"{TP_RUN['name']}.ckpt", tp_run / "command-hf"
+    argv = [str(checkpoint), str(export), "--prefix", "model.", "--config", str(tp_run / "pretrained")]
+    subprocess.run([sys.executable, "-m", "pipeckpt.export", *argv], check=True, timeout=300)
+    _loads_the_gathered_weights_with_equal_logits(export, _gathered(tp_run))
+
+
+@pytest.mark.slow
+def test_auto_in_a_pp2_tp2_run_counts_each_ranks_share_by_the_models_own_plan(tp_run):
+    assert json.loads((tp_run / f"{TP_RUN['name']}.counted.json").read_text()) == LLAMA_PLAN

@@ -20,13 +20,8 @@ def full(tmp_path_factory) -> Path:
     """The run whose disk fills up for rank 1 after step 3 (checkpoints every 2 steps)."""
     out = tmp_path_factory.mktemp("full")
     run = dict(name="full", dir=str(out / "checkpoints"), steps=8, every=2, full=dict(rank=1, after=3))
-    procs = ranks.start(WORKER, 2, [run], out)
-    try:
-        for p in procs:
-            p.wait(timeout=START_S)
-    finally:
-        ranks.stop(procs)
-    assert [p.returncode for p in procs] == [1, 1], ranks.logs(out, 2)
+    codes = ranks.exit_codes(WORKER, 2, [run], out, within_s=START_S)
+    assert codes == [1, 1], ranks.logs(out, 2)
     return out
 
 

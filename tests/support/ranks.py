@@ -118,9 +118,11 @@ def logs(out: Path, world: int) -> str:
     )
 
 
-def launch(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path, *, within_s: float) -> Path:
-    """Runs ``runs`` on ``world`` ranks to the end; fails the test, logs shown, unless every rank
-    exits 0 within ``within_s`` seconds. No rank outlives the call."""
+def exit_codes(
+    worker: Path, world: int, runs: List[Dict[str, Any]], out: Path, *, within_s: float
+) -> List[int]:
+    """Runs ``runs`` on ``world`` ranks to their end and returns their exit codes; fails the test,
+    logs shown, unless every rank exits within ``within_s`` seconds. No rank outlives the call."""
     procs = start(worker, world, runs, out)
     try:
         deadline = time.time() + within_s
@@ -130,6 +132,12 @@ def launch(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path, *, w
         pytest.fail(f"the processes did not finish in {within_s}s:\n{logs(out, world)}")
     finally:
         stop(procs)
-    codes = [p.returncode for p in procs]
+    return [p.returncode for p in procs]
+
+
+def launch(worker: Path, world: int, runs: List[Dict[str, Any]], out: Path, *, within_s: float) -> Path:
+    """Runs ``runs`` on ``world`` ranks to the end; fails the test, logs shown, unless every rank
+    exits 0 within ``within_s`` seconds. No rank outlives the call."""
+    codes = exit_codes(worker, world, runs, out, within_s=within_s)
     assert codes == [0] * world, f"exit codes {codes}:\n{logs(out, world)}"
     return out

@@ -19,6 +19,7 @@ from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check
 from pipeckpt.engines.distributed.schedules import ScheduleKind, Schedules
 from pipeckpt.engines.distributed.sharding import Sharding, refuse_ties
 from pipeckpt.engines.distributed.step import PipelinedStep
+from pipeckpt.engines.distributed.tensor_parallel import layer_plan
 from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
@@ -32,6 +33,7 @@ from pipeckpt.engines.distributed.wiring import (
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import StagePlan, module_name
 from pipeckpt.stages.stage import Stage
+from pipeckpt.weights.pretrained import read_later
 
 __all__ = ["EngineBuilding"]
 
@@ -138,7 +140,9 @@ class EngineBuilding:
     ) -> StagePlan:
         """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
         each with its random stream (rank 0's seed; a resume restores its own later)."""
-        s, stages = self.settings, self.topology.stages
+        # the tensor-parallel plan settled first: the user's, or a pipeline_of model's own
+        s = self.settings = layer_plan(layers, self.settings)
+        stages = self.topology.stages
         mine = self.topology.stages_of(self.processes.rank)
         self.plan, seed = agreed_plan(
             module, layers, s, stages=stages, device=self._device, names=names, mine=mine
@@ -158,7 +162,9 @@ class EngineBuilding:
     ) -> None:
         """What both kinds of pipeline end with once this rank's stages are built: ties made equal,
         random streams handed to the stages, the schedules, and ``routed`` (what the user calls)
-        refusing calls outside a step."""
+        refusing calls outside a step. A pretrained checkpoint's reads held back for the shards are
+        done first, each rank reading its own slices."""
+        read_later(module)
         if ties:
             ties.broadcast()
             step.ties = ties

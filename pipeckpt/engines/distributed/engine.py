@@ -37,6 +37,7 @@ from pipeckpt.engines.distributed.sharding import (
 )
 from pipeckpt.engines.distributed.state import StateIO
 from pipeckpt.engines.distributed.step import PipelinedStep, check_backward_in_step
+from pipeckpt.engines.distributed.tensor_parallel import layer_plan
 from pipeckpt.engines.distributed.ties import Replicas, Ties
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
@@ -104,10 +105,12 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
     def shares_device(cls, plan: StagePlan) -> bool:
         return False  # a device per process: the budget bounds each stage on its own
 
-    def memory_layout(self) -> Dict[str, Any]:
+    def memory_layout(self, layers: Optional[nn.Sequential] = None) -> Dict[str, Any]:
         s = self.settings
         if s.data_parallel != "fsdp":
             return {}  # DDP: every replica holds its stage whole
+        if layers is not None:  # the plan the build will apply: a pipeline_of model's own, if none given
+            s = layer_plan(layers, s)
         # FSDP2 gathers in the compute dtype only under bf16-mixed (.sharding.mixed_precision).
         precision = "32-true" if self._precision == "16-mixed" else self._precision
         return dict(

@@ -298,6 +298,7 @@ def build_rooted(
     replicas = None
     if topology.dp > 1:
         assert processes.dp_group is not None
-        replicas = Replicas(module, group=processes.dp_group, src=processes.pipeline_rank, size=topology.dp)
+        src = dist.get_global_rank(processes.dp_group, 0)  # replica 0 (not pipeline_rank under tp > 1)
+        replicas = Replicas(module, group=processes.dp_group, src=src, size=topology.dp)
         replicas.broadcast()  # before the ties: each replica's copies then start from replica 0's
     return modules, routing, replicas, ties

@@ -7,9 +7,11 @@ only if each weight is drawn whole and split afterwards. So the engine applies t
 (``ColwiseParallel``, ``RowwiseParallel``, through ``parallelize_module``) to the layers of this
 rank's stages once they are real, and FSDP2 shards over ``dp`` on top (torchtitan's order). A layer
 takes and returns plain tensors, replicated over ``tp``: what crosses a stage boundary is unchanged.
+A ``pipeline_of`` model without ``tensor_parallel_plan`` is split by its own plan (:mod:`.model_plan`),
+so whether a plan is missing is known only with the model (:func:`layer_plan`), not from the settings.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,6 +26,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines.distributed.model_plan import model_plan
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
@@ -34,8 +38,9 @@ _SPLITTABLE = (nn.Linear, nn.Embedding)
 
 
 def check_tensor_parallel(s: PipeSettings) -> None:
-    """``tensor_parallel`` is a count; ``tensor_parallel_plan`` names styles, and comes with it; the
-    replicas shard (DDP does not take the split parameters)."""
+    """``tensor_parallel`` is a count; ``tensor_parallel_plan`` names styles, and only with it; the
+    replicas shard (DDP does not take the split parameters). Whether ``tensor_parallel > 1`` needs a
+    plan depends on the model (a ``pipeline_of`` model has its own): :func:`layer_plan` decides."""
     tp, plan = s.tensor_parallel, s.tensor_parallel_plan
     if tp is None:
         return
@@ -59,12 +64,6 @@ def check_tensor_parallel(s: PipeSettings) -> None:
             "name each submodule's style as 'colwise' (split by output features) or 'rowwise' "
             "(split by input features; the one after a colwise)",
         )
-    if tp > 1 and not plan:
-        raise config_error(
-            f"tensor_parallel={tp} without tensor_parallel_plan",
-            "tensor parallelism splits the submodules a plan names, so without one nothing is split",
-            "set tensor_parallel_plan (docs/DISTRIBUTED.md, 'Tensor parallel'), or tensor_parallel=1",
-        )
     if tp == 1 and plan:
         raise config_error(
             f"tensor_parallel_plan with tensor_parallel={tp}",
@@ -78,6 +77,26 @@ def check_tensor_parallel(s: PipeSettings) -> None:
             "replicas on the same mesh (with dp=1 too)",
             "set data_parallel='fsdp'",
         )
+
+
+def layer_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
+    """``s`` with the plan each pipelined layer of ``layers`` is split by: ``tensor_parallel_plan``
+    (checked against the layers), else a ``pipeline_of`` model's own (:mod:`.model_plan`); an
+    ``nn.Sequential`` has none of its own. Unchanged when ``tensor_parallel`` is 1."""
+    tp, plan = s.tensor_parallel or 1, s.tensor_parallel_plan
+    if tp == 1:
+        return s
+    if plan:
+        check_plan(list(layers), plan)
+        return s
+    if isinstance(layers, ModulePipeline):
+        return replace(s, tensor_parallel_plan=model_plan(layers, tp))
+    raise config_error(
+        f"tensor_parallel={tp} without tensor_parallel_plan",
+        "tensor parallelism splits the submodules a plan names, and an nn.Sequential pipeline has no "
+        "plan of its own (a pipeline_of model's is its config's base_model_tp_plan)",
+        "set tensor_parallel_plan (docs/DISTRIBUTED.md, 'Tensor parallel'), or tensor_parallel=1",
+    )
 
 
 def check_plan(layers: Sequence[nn.Module], plan: Mapping[str, str]) -> None:
@@ -131,7 +150,8 @@ class TensorParallel:
 
     @classmethod
     def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh]) -> Optional["TensorParallel"]:
-        """The tensor parallelism ``s`` asks for (``tensor_parallel > 1``) over ``mesh["tp"]``, or None."""
+        """The tensor parallelism ``s`` asks for (``tensor_parallel > 1``) over ``mesh["tp"]``, or None
+        (``s``'s plan: the one :func:`layer_plan` settled)."""
         if (s.tensor_parallel or 1) == 1:
             return None
         assert mesh is not None and s.tensor_parallel_plan is not None

@@ -23,16 +23,16 @@ from typing_extensions import override
 from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.checkpointing.compiling import compile_layers
+from pipeckpt.checkpointing.compiling import compile_layers, selective_layers
 from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import mark_own
-from pipeckpt.engines.distributed.tensor_parallel import check_plan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.materialize import built_on_meta, materialize
 from pipeckpt.stages.partition import StagePlan, plan, split
 from pipeckpt.stages.stage import Stage, mark_shared_parameters
+from pipeckpt.weights.pretrained import reading_later
 
 __all__: List[str] = []
 
@@ -324,15 +324,25 @@ def called_outside_a_step(*args: Any, **kwargs: Any) -> Any:
 
 
 def materialize_mine(
-    module: nn.Module, layers: nn.Sequential, stage_plan: StagePlan, mine: Sequence[int], device: torch.device
+    module: nn.Module,
+    layers: nn.Sequential,
+    stage_plan: StagePlan,
+    mine: Sequence[int],
+    device: torch.device,
+    *,
+    sharded: bool = False,
 ) -> None:
     """``module``'s meta tensors made real on ``device``, but for the layers of stages other than
     ``mine`` (which stay on meta): every initial value as an eager build with the same seed draws it,
-    and no draw past this process's last layer."""
+    and no draw past this process's last layer. ``sharded``: this process will hold only shards of
+    its layers' tensors, so a pretrained checkpoint is read into them once they are laid out
+    (``weights.pretrained.read_later``, after sharding), each rank its own slices."""
     parts = split(layers, stage_plan.balance)
     elsewhere = {id(t) for j, p in enumerate(parts) if j not in mine for t in (*p.parameters(), *p.buffers())}
-    elsewhere -= {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
-    materialize(module, device, keep=lambda t: id(t) not in elsewhere, agree=_past_every_draw)
+    own = {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
+    elsewhere -= own
+    with reading_later(own if sharded else set()):
+        materialize(module, device, keep=lambda t: id(t) not in elsewhere, agree=_past_every_draw)
 
 
 def _past_every_draw(mine: Optional[Any]) -> Any:
@@ -357,15 +367,6 @@ def agreed_plan(
     differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
     layers made ready for it: those of this process's stages ``mine`` made real when the module was
     built on the meta device (:func:`materialize_mine`), deferred BatchNorm, compiled."""
-    if (settings.tensor_parallel or 1) > 1:
-        assert settings.tensor_parallel_plan is not None
-        if isinstance(layers, ModulePipeline):
-            raise config_error(
-                f"tensor_parallel={settings.tensor_parallel} with a module pipeline (pipeline_of)",
-                "tensor parallelism splits the layers of an nn.Sequential pipeline",
-                "return an nn.Sequential of the layers from configure_pipeline(), or tensor_parallel=1",
-            )
-        check_plan(list(layers), settings.tensor_parallel_plan)
     meta_build = built_on_meta(module)
     if meta_build and settings.balance is None and settings.balance_by != "params":
         raise config_error(
@@ -387,8 +388,8 @@ def agreed_plan(
     if tuple(agreed[0]) != stage_plan.balance:
         stage_plan = planned(agreed[0])
     if meta_build:
-        materialize_mine(module, layers, stage_plan, mine, device)
+        materialize_mine(module, layers, stage_plan, mine, device, sharded=settings.data_parallel == "fsdp")
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)
-    compile_layers(layers, settings.compile)
+    compile_layers(layers, settings.compile, selective=selective_layers(stage_plan.ranges, stage_plan.modes))
     return stage_plan, int(agreed[1])

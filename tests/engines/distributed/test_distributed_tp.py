@@ -106,11 +106,15 @@ def _checked(**settings: Any) -> None:
     DistributedEngine.check_settings(PipeSettings(engine="distributed", **settings))
 
 
-def test_tensor_parallel_without_a_plan_is_refused():
+def test_tensor_parallel_without_a_plan_is_refused_for_a_sequential_where_its_layers_are_known():
+    from pipeckpt.engines.distributed.tensor_parallel import layer_plan
+
+    _checked(tensor_parallel=2, data_parallel="fsdp")  # a pipeline_of model may bring its own plan
+    settings = PipeSettings(engine="distributed", tensor_parallel=2, data_parallel="fsdp")
     with pytest.raises(
         PipeckptConfigError, match=r"(?s)tensor_parallel=2 without tensor_parallel_plan.*HINT"
     ):
-        _checked(tensor_parallel=2, data_parallel="fsdp")
+        layer_plan(TinyLlama().layers, settings)
 
 
 def test_tensor_parallel_under_ddp_is_refused_naming_fsdp():

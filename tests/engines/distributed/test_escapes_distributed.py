@@ -6,7 +6,6 @@ last stage's process never runs that layer, so the loss it computes lacks the te
 stage's process refuses it at the first step, naming the layer; the other points to it; both exit.
 The local engine's cases are in tests/stages/test_escapes.py."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,9 @@ RUNS = [  # model, strategy, the layer named, what it is refused for
 @pytest.mark.slow
 @pytest.mark.parametrize("model, strategy, layer, why", RUNS, ids=[r[0] for r in RUNS])
 def test_the_first_stage_refuses_a_tensor_kept_aside_at_the_first_step(tmp_path, model, strategy, layer, why):
-    procs = ranks.start(WORKER, 2, [dict(model=model, strategy=strategy)], tmp_path)
-    try:
-        for p in procs:
-            p.wait(timeout=START_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the ranks did not exit:\n{ranks.logs(tmp_path, 2)}")
-    finally:
-        ranks.stop(procs)
+    codes = ranks.exit_codes(WORKER, 2, [dict(model=model, strategy=strategy)], tmp_path, within_s=START_S)
     output = ranks.logs(tmp_path, 2)
-    assert [p.returncode for p in procs] == [1, 1], output
+    assert codes == [1, 1], output
     assert "worker: trained" not in output
     first, last = (tmp_path / "rank0.log").read_text(), (tmp_path / "rank1.log").read_text()
     refusal = f"PipeckptConfigError: layer '{layer}' (pipeline stage 0) {why}"

@@ -3,8 +3,8 @@ CPU, tests/engines/distributed/pretrained_worker.py) train tiny HF Llama and GPT
 bf16 in 17-18 safetensors shards, 3 steps as pp2 (2 processes) and Llama as pp2 x fsdp2 (4
 processes), built on the meta device and filled from the directory (pipeckpt.pretrained), and, for
 reference, from_pretrained in every process. Each rank reads exactly the keys of its own tensors
-(its stage's layers and what lies outside the layers, which every rank holds; under FSDP the
-stage's whole tensors, sharded after), starts bitwise at from_pretrained(dir, dtype=float32) on
+(its stage's layers and what lies outside the layers, which every rank holds; under FSDP only
+the slices its shards hold), starts bitwise at from_pretrained(dir, dtype=float32) on
 them, and trains within 1e-5 of the eagerly-built run."""
 
 from pathlib import Path

@@ -1,0 +1,197 @@
+"""Any Hugging Face causal LM, fine-tuned from a local pretrained directory or trained from a config.
+
+The recipe of docs/FINE_TUNING.md as the app's ``model=hf``: ``configure_model`` builds the model from
+its config (on the meta device under the ``pipe`` strategy: nothing allocated), marks it
+:func:`pipeckpt.pretrained` when a directory is given, so that each process reads only its own
+stages' tensors; ``configure_pipeline`` returns :func:`pipeckpt.pipeline_of` over the model's list of
+decoder layers, found by its size (the ``ModuleList`` holding the most parameters), so any
+architecture ``AutoModelForCausalLM`` builds works without a table of layer paths.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+
+import pipeckpt
+from pipeckpt._errors import config_error
+from pipeckpt.app.data.hf_text import has_tokenizer, token_range
+
+__all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
+
+#: None, a local config.json (or its directory), or config.json's fields as a mapping (Hydra's too).
+ConfigSource = Any
+
+
+def _config_file(value: str, setting: str) -> Path:
+    """The config.json of a local directory (or the file itself), refused by name when absent."""
+    where = Path(value).expanduser()
+    file = where / "config.json" if where.is_dir() else where
+    if not file.is_file():
+        found = "a directory without a config.json" if where.is_dir() else "no such file or directory"
+        raise config_error(
+            f"{setting}={value}",
+            f"a local Hugging Face directory holds a config.json (save_pretrained writes one): this is "
+            f"{found}",
+            f"point {setting} at the directory save_pretrained wrote (python -m pipeckpt.app.tiny_pretrained "
+            "DIR makes a tiny one); nothing is downloaded",
+        )
+    return file
+
+
+def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
+    """The ``PretrainedConfig`` to build: the directory ``path``'s, or ``config``'s (a dict of
+    config.json's fields with its ``model_type``, or a local config.json or a directory holding one),
+    or with neither the tiny Llama of :mod:`pipeckpt.app.tiny_pretrained`. Reads local files only.
+    """
+    import transformers
+
+    from pipeckpt.app.tiny_pretrained import tiny_config
+
+    if path is not None and config is not None:
+        raise config_error(
+            f"model.path={path} with model.config={config}",
+            "a pretrained directory brings its own config",
+            "set model.path to fine-tune the directory, or model.config to train from scratch, not both",
+        )
+    if path is not None:
+        return transformers.AutoConfig.from_pretrained(
+            _config_file(path, "model.path").parent, local_files_only=True
+        )
+    if OmegaConf.is_config(config):  # the app's model.config, as Hydra hands it over
+        config = OmegaConf.to_container(config)
+    if isinstance(config, str):
+        fields = json.loads(_config_file(config, "model.config").read_text())
+    elif config is None:
+        return tiny_config("llama")
+    else:
+        fields = dict(config)
+    kind = fields.pop("model_type", None)
+    try:
+        return transformers.AutoConfig.for_model(kind, **fields)
+    except (ValueError, TypeError) as error:
+        raise config_error(
+            f"model.config={config} (model_type {kind!r})",
+            f"a config names a model_type transformers knows ({error})",
+            "give model_type (llama, qwen2, gpt2, ...) and that model's config fields",
+        ) from None
+
+
+def checked_config(path: Optional[str], config: ConfigSource, seq_len: int) -> Any:
+    """:func:`hf_config`'s config, refused when the data's windows (``seq_len`` tokens) are longer
+    than the model takes."""
+    built = hf_config(path, config)
+    positions = getattr(built, "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise config_error(
+            f"model.seq_len={seq_len}",
+            f"the model takes sequences of at most {positions} tokens (max_position_embeddings)",
+            f"set model.seq_len <= {positions}",
+        )
+    return built
+
+
+def check_tokens(built: Any, path: Optional[str], tokenizer: Optional[str]) -> None:
+    """Refuses data whose token ids (``tokenizer``'s, or bytes without one) lie outside the vocabulary
+    of the model ``built`` (from ``path``, or from a config)."""
+    ids = token_range(tokenizer)
+    if ids <= built.vocab_size:
+        return
+    source = (
+        f"the tokenizer of {tokenizer}" if has_tokenizer(tokenizer) else "the text's bytes (no tokenizer)"
+    )
+    model = f"model.path={path}" if path is not None else "model.config"
+    raise config_error(
+        f"{model} (vocab_size {built.vocab_size}) with {source}: {ids} token ids",
+        "the data's token ids must lie inside the model's vocabulary",
+        "save the model's tokenizer in its directory (its ids fit), or use a model whose vocab_size "
+        f"is at least {ids}",
+    )
+
+
+def decoder_layers(model: nn.Module) -> str:
+    """The name of ``model``'s list of decoder layers: the ``ModuleList`` holding the most parameters
+    (``model.layers`` in Llama, ``transformer.h`` in GPT-2; an MoE layer's list of experts sits inside
+    one layer, so holds fewer)."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise config_error(
+            f"{type(model).__name__} has no ModuleList of layers",
+            "the pipeline cuts a model's list of decoder layers into stages",
+            "name the list with model.layers=<path> (as in model.named_modules())",
+        )
+    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))[0]
+
+
+class HFCausalLM(L.LightningModule):
+    """A Hugging Face causal LM trained with its own loss (``self.model(**batch).loss``).
+
+    Args:
+        path: a local pretrained directory (config.json, safetensors weights, maybe a tokenizer):
+            the model starts from its weights, converted to the training dtype.
+        config: without ``path``, what to build from scratch (:func:`hf_config`).
+        layers: the list of decoder layers to pipeline; None finds it (:func:`decoder_layers`).
+        seq_len: the data's window length, at most the model's positions.
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's weight decay.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: Optional[str] = None,
+        config: ConfigSource = None,
+        layers: Optional[str] = None,
+        seq_len: int = 128,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        # ``path`` is the data's corpus to Lightning, which refuses two values of one hparam.
+        self.save_hyperparameters(ignore=["path"])
+        self.hparams["pretrained_path"] = path
+        self.path, self.layers, self.lr, self.weight_decay = path, layers, lr, weight_decay
+        self.hf_config = checked_config(path, config, seq_len)  # a bad directory: refused before any work
+        self.model: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        """Under the ``pipe`` strategy this runs on the meta device: the model is built empty and
+        made real where it trains, from the directory's files. Lightning may call it again."""
+        if self.model is not None:
+            return
+        import transformers
+
+        dtype = torch.get_default_dtype()  # float32, or what the precision sets (bf16-true)
+        if self.path is not None and not torch.empty(0).is_meta:  # no meta build (strategy=single)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=dtype, local_files_only=True
+            ).train()
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
+            if self.path is not None:
+                model = pipeckpt.pretrained(model, self.path)
+        self.model = model
+
+    def configure_pipeline(self) -> nn.Module:
+        assert self.model is not None, "configure_model runs first"
+        return pipeckpt.pipeline_of(self.model, self.layers or decoder_layers(self.model))
+
+    def forward(self, **batch: Tensor) -> Any:
+        assert self.model is not None, "configure_model runs first"
+        return self.model(**batch)
+
+    def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss: Tensor = self(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(**batch).loss, prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trained, lr=self.lr, weight_decay=self.weight_decay)
