@@ -17,6 +17,15 @@ and 4 stages, each plan's predicted peak printed beside its measured one)::
     python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
         --vocab 8192 --optimizer sgd --stages 2 4 --plain --rounds 3
 
+The step time of auto's picks against per-block at that shape, and the same modes at other chunk
+counts timed beside without planning (``--fixed MODES/BALANCE/CHUNKS``; results in
+benchmarks/RESULTS_hf_auto_time.md, with the machine's load, ``os.getloadavg``, in the header)::
+
+    python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
+        --vocab 8192 --optimizer sgd --stages 2 4 --rounds 5
+    python benchmarks/bench_hf_auto.py --layers 8 --width 512 --heads 8 --seq 256 --batch 8 \
+        --vocab 8192 --optimizer sgd --stages --fixed always,always/4,4/2 always,always/4,4/4 --rounds 4
+
 Auto chooses the modes and the chunk count (``memory_search``; ``--search modes`` keeps
 ``--chunks``): the step's peak, at the optimizer's update, is the same for every method, and more
 micro-batches add their own terms above it.
@@ -24,6 +33,7 @@ micro-batches add their own terms above it.
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -74,7 +84,7 @@ class GPT2Module(L.LightningModule):
 
 
 class StepProbe(L.Callback):
-    """The CPU time of every step after the second, and the peak of the second (``track``):
+    """The CPU and wall time of every step after the second, and the peak of the second (``track``):
     the bytes alive at any moment of the step, parameters, gradients and the optimizer's state
     included (:class:`harness.live_bytes.LiveBytes`; torch's MemTracker keeps the inputs of
     selectively recomputed layers alive itself, see there)."""
@@ -82,26 +92,28 @@ class StepProbe(L.Callback):
     def __init__(self, *, track: bool) -> None:
         self.track = track
         self.times: List[float] = []
+        self.walls: List[float] = []
         self.peak = 0
         self.peak_op = ""
         self._tracker: Optional[LiveBytes] = None
-        self._t0 = 0.0
+        self._t0 = self._w0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
         if batch_idx == 1 and self.track:
             self._tracker = LiveBytes()
             self._tracker.count_step_state(pl_module, trainer.optimizers, batch)
             self._tracker.__enter__()
-        self._t0 = time.process_time()
+        self._t0, self._w0 = time.process_time(), time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        took = time.process_time() - self._t0
+        took, wall = time.process_time() - self._t0, time.perf_counter() - self._w0
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self.peak, self.peak_op = self._tracker.peak, self._tracker.peak_op
             self._tracker = None
         elif batch_idx > 1:
             self.times.append(took)
+            self.walls.append(wall)
 
 
 def data() -> DataLoader:
@@ -128,7 +140,7 @@ def fit(module: L.LightningModule, strategy: Any, *, track: bool = True) -> Step
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="one auto plan per count")
+    parser.add_argument("--stages", type=int, nargs="*", default=[4], help="one auto plan per count")
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument(
         "--search",
@@ -136,6 +148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="what auto may choose (memory_search): modes, chunks, balance",
     )
     parser.add_argument("--plain", action="store_true", help="plain training (no checkpointing) beside")
+    parser.add_argument(
+        "--fixed",
+        nargs="*",
+        default=[],
+        help="plans timed beside without planning, MODES/BALANCE/CHUNKS each (always,always/4,4/2): "
+        "auto's pick at another chunk count, say",
+    )
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=type(value), default=value)
     args = parser.parse_args(argv)
@@ -146,6 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(f"per-block peak {base.peak} bytes at {base.peak_op}")
     peaks: Dict[str, int] = {"per-block": base.peak}
     times: Dict[str, List[float]] = {"per-block": list(base.times)}
+    walls: Dict[str, List[float]] = {"per-block": list(base.walls)}
+    loads = [os.getloadavg()[0]]  # the machine's load: other processes share its cores
     runs: Dict[str, Callable[[], StepProbe]] = {
         "per-block": lambda: fit(GPT2Module(per_block=True), None, track=False)
     }
@@ -153,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plain:
         first = fit(GPT2Module(per_block=False), None)
         log(f"plain peak {first.peak} bytes at {first.peak_op}")
-        peaks["plain"], times["plain"] = first.peak, list(first.times)
+        peaks["plain"], times["plain"], walls["plain"] = first.peak, list(first.times), list(first.walls)
         runs["plain"] = lambda: fit(GPT2Module(per_block=False), None, track=False)
     for stages in args.stages:
         auto = pipeckpt.PipelineStrategy(
@@ -169,27 +190,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"{plan.describe()} (planned in {time.perf_counter() - t0:.0f} s wall, fit included)")
         log(f"auto peak {first.peak} bytes at {first.peak_op}")
         key = f"auto, {stages} stages"
-        peaks[key], times[key] = first.peak, list(first.times)
+        peaks[key], times[key], walls[key] = first.peak, list(first.times), list(first.walls)
         described[key] = (plan.describe(), plan.choice.process_peak or plan.choice.prediction.peak)
         chosen = plan.settings
         settings = dict(balance=chosen.balance, chunks=chosen.chunks, checkpoint=chosen.checkpoint)
         runs[key] = functools.partial(_fit_plan, settings)
+    for spec in args.fixed:
+        modes, balance, chunks = spec.split("/")
+        settings = dict(
+            balance=[int(n) for n in balance.split(",")], chunks=int(chunks), checkpoint=modes.split(",")
+        )
+        first = fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(stages=None, **settings))
+        key = f"{modes} / {balance} / chunks {chunks}"
+        log(f"{key} peak {first.peak} bytes at {first.peak_op}")
+        peaks[key], times[key], walls[key] = first.peak, list(first.times), list(first.walls)
+        runs[key] = functools.partial(_fit_plan, settings)
     for r in range(args.rounds - 1):  # the later rounds: times only
         for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
-            times[key].extend(runs[key]().times)
+            probe = runs[key]()
+            times[key].extend(probe.times)
+            walls[key].extend(probe.walls)
+        loads.append(os.getloadavg()[0])
         log(f"round {r + 2}: {times}")
     rounds = f"{args.rounds} interleaved rounds of {STEPS - 2} timed step(s)"
-    print(f"{machine()}; {rounds}, CPU time, medians [range]; shape {SHAPE}\n")
+    load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} over the rounds"
+    print(f"{machine()}; {load}; {rounds}, CPU and wall time, medians [range]; shape {SHAPE}\n")
     for key, (text, _) in described.items():
         print(f"{key}: {text}\n")
     print(
         "| method | predicted peak MiB | measured peak MiB (whole step) | peak vs per-block (the budget) "
-        "| step CPU s | time vs per-block [range] |"
+        "| step CPU s | CPU time vs per-block [range] | step wall s | wall time vs per-block [range] |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     b_peak = peaks["per-block"]
     for key in runs:
-        ratios = [a / b for a, b in zip(times[key], times["per-block"])]
+        ratios = [a / b for a, b in zip(times[key], times["per-block"])]  # step by step, round by round
+        wall_ratios = [a / b for a, b in zip(walls[key], walls["per-block"])]
         predicted = (
             f"{described[key][1] / 2**20:.1f} ({described[key][1]} bytes)" if key in described else "-"
         )
@@ -197,7 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"| {key} | {predicted} | {peaks[key] / 2**20:.1f} ({peaks[key]} bytes) | "
             f"{peaks[key] / b_peak:.3f} | "
             f"{statistics.median(times[key]):.2f} | {statistics.median(ratios):.2f} "
-            f"[{min(ratios):.2f}-{max(ratios):.2f}] |"
+            f"[{min(ratios):.2f}-{max(ratios):.2f}] | {statistics.median(walls[key]):.2f} | "
+            f"{statistics.median(wall_ratios):.2f} [{min(wall_ratios):.2f}-{max(wall_ratios):.2f}] |"
         )
     return 0
 

@@ -11,6 +11,12 @@ Function, whose backward then takes their gradients too (its recompute records t
 then are they appended to the model's lists, as the Function's outputs. Hidden states are recorded by
 hooks on the layers themselves, which run outside the call on what it returned: those lists stay the
 model's.
+
+A profile of a ``pipeline_of`` model (memory/rooted.py) runs the model's own code with its layers
+answering what they returned in a recorded forward: their insides do not run, so nothing records
+there, and HF's load-balancing loss finds no router logits. What each layer recorded in that forward
+is noted (:func:`recorded_so_far`, :func:`recorded_since`) and appended again where it answers
+(:func:`replay`).
 """
 
 import functools
@@ -18,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pipeckpt._compat import output_collector
 
-__all__ = ["Recording", "recording"]
+__all__ = ["Recording", "recording", "recorded_since", "recorded_so_far", "replay"]
 
 _OWN_KEYS = ("hidden_states",)  # recorded on the layers' own outputs: left to the model's lists
 
@@ -68,3 +74,26 @@ def recording() -> Optional[Recording]:
         return None
     found = Recording(lists)
     return found if found.keys else None
+
+
+def recorded_so_far() -> Dict[str, int]:
+    """How many outputs the running forward has recorded inside the layers, per key ({}: none)."""
+    found = recording()
+    return {k: len(found.lists[k]) for k in found.keys} if found is not None else {}
+
+
+def recorded_since(so_far: Dict[str, int]) -> Dict[str, Tuple[Any, ...]]:
+    """What the running forward recorded inside the layers after ``so_far`` (:func:`recorded_so_far`)."""
+    found = recording()
+    if found is None:
+        return {}
+    return {k: tuple(found.lists[k][n:]) for k, n in so_far.items() if k in found.lists}
+
+
+def replay(recorded: Dict[str, Tuple[Any, ...]]) -> None:
+    """Appends ``recorded`` (a layer's, :func:`recorded_since`) to the running forward's lists, as the
+    layer's insides would have, where the layer answers without running them."""
+    found = recording()
+    for key, values in recorded.items():
+        if found is not None and key in found.lists:
+            found.lists[key].extend(values)

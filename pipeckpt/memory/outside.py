@@ -20,6 +20,7 @@ from torch import Tensor
 
 from pipeckpt._compat import TorchDispatchMode, tree_flatten, tree_unflatten
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.recorded import replay
 
 __all__ = ["OutsideMemory", "outside_memory"]
 
@@ -136,6 +137,7 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             if isinstance(h, Tensor) and getattr(leaves[recorded.carried_out], "shape", None) == h.shape:
                 leaves[recorded.carried_out] = h
             live.phase = "after"
+            replay(recorded.recorded)  # what the layer's insides recorded (router logits)
             if i == len(layers) - 1:
                 carried.append(leaves[recorded.carried_out])
                 marks["head"] = live.mark()

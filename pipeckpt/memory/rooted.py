@@ -11,7 +11,7 @@ not profile the model's ``forward`` itself: the passes time, cut and recompute l
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,6 +21,7 @@ from pipeckpt._compat import tree_flatten, tree_unflatten
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.microbatch import scatter
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.recorded import recorded_since, recorded_so_far, replay
 from pipeckpt.boundaries.side_inputs import describe_call
 from pipeckpt.checkpointing.kv_caches import without_kv_caches
 from pipeckpt.memory.outside import OutsideMemory, outside_memory
@@ -72,6 +73,7 @@ class _Call:
     output_spec: Any
     carried_in: int = -1  # the leaf of ``inputs`` the chain's value replaces
     carried_out: int = -1  # the leaf of ``outputs`` the chain passes on
+    recorded: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)  # HF's, inside it (router logits)
 
 
 def _floating(leaves: Sequence[Any]) -> List[int]:
@@ -122,15 +124,22 @@ class _Outside(nn.Module):
             if i == last:
                 leaves[call.carried_out] = h
             answers.append(tree_unflatten(leaves, call.output_spec))
-        with _answering(list(self.spec), answers):
+        with _answering(list(self.spec), answers, self.calls):
             out = self.spec.root(*self.call.args, **self.call.kwargs)
         return tuple(t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad)
 
 
 @contextmanager
-def _answering(layers: List[nn.Module], answers: List[Any]) -> Iterator[None]:
-    for layer, answer in zip(layers, answers):
-        layer.forward = lambda *a, _answer=answer, **k: _answer
+def _answering(layers: List[nn.Module], answers: List[Any], calls: List[_Call]) -> Iterator[None]:
+    def answering(answer: Any, call: _Call) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            replay(call.recorded)  # what its insides recorded (the load-balancing loss reads it)
+            return answer
+
+        return forward
+
+    for layer, answer, call in zip(layers, answers, calls):
+        layer.forward = answering(answer, call)
     try:
         yield
     finally:
@@ -153,13 +162,19 @@ def _record(spec: ModulePipeline, call: RootInput) -> List[_Call]:
     layers = list(spec)
     position = {id(layer): i for i, layer in enumerate(layers)}
     seen: List[Tuple[int, _Call]] = []
+    so_far: Dict[str, int] = {}
+
+    def enter(module: nn.Module, args: Any) -> None:
+        so_far.update(recorded_so_far())
 
     def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         inputs, in_spec = tree_flatten((args, kwargs))
         outputs, out_spec = tree_flatten(output)
-        seen.append((position[id(module)], _Call(inputs, in_spec, outputs, out_spec)))
+        call = _Call(inputs, in_spec, outputs, out_spec, recorded=recorded_since(so_far))
+        seen.append((position[id(module)], call))
 
-    handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    handles = [layer.register_forward_pre_hook(enter) for layer in layers]
+    handles += [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
     try:
         with torch.no_grad():
             spec.root(*call.args, **call.kwargs)

@@ -100,13 +100,17 @@ class EscapeWatch:
         self.layers = list(layers)
         self.recorder = _Recorder()
         self.ours: List[Any] = []  # containers of the stage's own that hold tensors made inside
+        self.kept: List[Any] = []  # the outputs of kept micro-batches, which the stage returns detached
 
     def name_of(self, layer: Any) -> str:
         return self.names.get(id(layer), f"{type(layer).__name__} of pipeline stage {self.index}")
 
     def own(self, held: Any) -> None:
-        """``held`` (a tuple the stage keeps, e.g. a kept micro-batch's graph) is the stage's own."""
+        """``held`` (a kept micro-batch's ``(output, inputs)``: its graph) is the stage's own; its output,
+        where the stage returns it (as a copy without graph), counts as what the stage returns."""
         self.ours.append(held)
+        if isinstance(held, tuple) and len(held) == 2:
+            self.kept.append(held[0])
         for item in held if isinstance(held, tuple) else ():
             if isinstance(item, tuple):
                 self.ours.append(item)
@@ -157,17 +161,28 @@ class EscapeWatch:
         made, self.recorder.made = self.recorder.made, []
         self.recorder._would.clear()
         ours, self.ours = self.ours, []
+        kept, self.kept = self.kept, []
         containers: List[Any] = []  # the output's own tuples, lists and dicts hold what it returns
         leaves = list(_leaves(output, containers))
         returned = {id(t) for t in leaves}
+        views = {_view(t) for t in leaves}  # a kept micro-batch returns its output's detached view
+        leaves += [t for t in _leaves(kept, containers) if _view(t) in views]
+        returned.update(id(t) for t in leaves)
         layers: Dict[int, str] = {}
         tensors: List[Tensor] = []
+        outputs: Set[int] = set()  # of those, the stage's outputs
         for layer, ref, grad in made:
             t = ref()
+            if t is None or id(t) in layers or isinstance(t, nn.Parameter):
+                continue
+            if id(t) in returned:  # the stage's output: kept aside too, it is a re-stored output
+                if t.requires_grad:
+                    layers[id(t)] = layer
+                    tensors.append(t)
+                    outputs.add(id(t))
+                continue
             # With gradients on, a tensor that needs none carries no graph; autograd's own saved
             # tensors are alive too, but no Python object holds them (gc finds no referrer).
-            if t is None or id(t) in returned or id(t) in layers or isinstance(t, nn.Parameter):
-                continue
             if (grad and not t.requires_grad) or _through_function(t):
                 continue
             layers[id(t)] = layer
@@ -175,13 +190,15 @@ class EscapeWatch:
         del made
         if not tensors:
             return
-        mine: Set[int] = {id(tensors), *(id(c) for c in ours), *(id(c) for c in containers)}
+        mine: Set[int] = {id(tensors), id(leaves), *(id(c) for c in ours), *(id(c) for c in containers)}
         found = _held(tensors, layers, mine)
         if found is not None:  # maybe garbage not yet collected (a cycle): look again without it
             gc.collect()
             found = _held(tensors, layers, mine)
         if found is not None:
             t, holder = found
+            if id(t) in outputs:
+                raise _restored(layers[id(t)], self.index, t, holder)
             raise _escaped(layers[id(t)], self.index, t, holder)
 
 
@@ -227,6 +244,12 @@ def _layer_of(fn: Callable[..., Any]) -> Any:
     while fn is not None and getattr(fn, "__self__", None) is None:
         fn = getattr(fn, "__wrapped__", None)  # type: ignore[assignment]
     return getattr(fn, "__self__", None)
+
+
+def _view(t: Tensor) -> Tuple[int, int, Tuple[int, ...], Tuple[int, ...]]:
+    """Where ``t``'s elements are: a tensor and its ``detach()`` agree (a kept segment's output
+    that the stage does not return, e.g. ``:1``'s first layer's, matches nothing returned)."""
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
 
 def _through_function(t: Tensor) -> bool:
@@ -282,4 +305,20 @@ def _escaped(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
         "return the tensor from the layer (e.g. add the auxiliary loss to what it returns), keep a "
         "detach()ed copy if it is only logged, or remove the hook that stores it (Hugging Face's own "
         "recorders are carried when the model is pipelined with pipeline_of: see docs/REAL_MODELS.md)",
+    )
+
+
+def _restored(layer: str, index: int, t: Tensor, holder: Any) -> Exception:
+    kind = type(holder).__name__
+    return config_error(
+        f"layer {layer!r} (pipeline stage {index}) keeps aside the very tensor its pipeline stage returns: "
+        f"the {tuple(t.shape)} output is also held by a {kind} after the layer returned (e.g. a forward "
+        "hook inside the stage that appends the output to a list the loss reads)",
+        "what a stage returns reaches the rest of the model only through the stage's checkpoint: the "
+        "same tensor read from aside carries the stage's graph around it (backward runs it twice, or "
+        "fails with 'Trying to backward through the graph a second time'), and under "
+        "engine='distributed' it never reaches the last stage's loss",
+        "read the value from what the model returns (for a pipeline_of model, a forward hook on the "
+        "named layer itself sees its output after the stage, as Hugging Face's output_hidden_states "
+        "does), keep a detach()ed copy if it is only logged, or return the auxiliary term from the layer",
     )

@@ -1,14 +1,17 @@
 """Nothing leaves a stage silently: a tensor a layer hands out other than through its return value (a
 list the loss reads, a forward hook that stores an activation, Hugging Face's recorders) carries the
 stage's graph around its checkpoint; under every mode it is refused at the first step, with the layer
-named in the user's own names, before any parameter changes. A copy without graph (``detach()``) is no
-escape and trains; after the first step nothing is checked (stages/escapes.py)."""
+named in the user's own names, before any parameter changes. So is a hook that keeps the very tensor a
+stage returns (it crashed in backward under the recomputing modes, or was lost to the distributed
+engine's loss). A copy without graph (``detach()``) is no escape and trains, and so does a hook on a
+pipelined layer itself (it runs on what the stage returned); after the first step nothing is checked
+(stages/escapes.py)."""
 
 from typing import Any, Dict
 
 import pytest
 import torch
-from support.side_channels import HookedBlocks, SideChannel, loader
+from support.side_channels import HookedBlocks, ReStoring, SideChannel, loader
 from support.trainers import quiet_trainer
 from torch import Tensor
 
@@ -48,6 +51,46 @@ def test_a_layer_that_stashes_its_activation_for_the_loss_is_refused_at_the_firs
 def test_a_forward_hook_storing_a_pipelined_layers_activation_is_refused(mode):
     with pytest.raises(PipeckptConfigError, match=r"layer 'model\.blocks\.1' \(pipeline stage 0\) hands out"):
         fit(HookedBlocks(), mode)
+
+
+RESTORED = "layer 'model.blocks.1' (pipeline stage 0) keeps aside the very tensor its pipeline stage returns"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_keeping_the_tensor_a_stage_returns_is_refused_at_the_first_step(mode):
+    """The hook is on block 1's last module (its Tanh): the tensor it keeps is the block's output,
+    which the first stage returns."""
+    module = ReStoring(at=1)
+    before = params(module)
+    with pytest.raises(PipeckptConfigError) as error:
+        fit(module, mode)
+    message = str(error.value)
+    assert RESTORED in message and "is also held by a list" in message
+    assert "HINT: read the value from what the model returns" in message
+    after = params(module)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_a_sequential_layer_keeping_the_output_it_returns_at_a_stage_end_is_refused(mode):
+    """Layer 1 of 4 (the first stage's last, 2 stages) appends its own return value to a list."""
+    with pytest.raises(
+        PipeckptConfigError, match=r"layer 'layers\.1' \(pipeline stage 0\) keeps aside the very"
+    ):
+        fit(SideChannel(at=1), mode)
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "selective"])
+def test_a_hook_on_the_pipelined_layer_itself_trains_as_unpipelined(mode):
+    """The hook on block 1 itself runs outside the stage, on what the stage returned (the tensor that
+    crossed its checkpoint): kept for the loss, its gradient goes through the stage once."""
+    want = ReStoring(at=1, inside=False)
+    quiet_trainer(max_steps=2).fit(want, loader())
+    got = ReStoring(at=1, inside=False)
+    fit(got, mode, steps=2)
+    a, b = params(got), params(want)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in b)
+    assert any(not torch.equal(a[k], params(ReStoring())[k]) for k in a)  # it trained
 
 
 @pytest.mark.parametrize("mode", ["never", "always"])

@@ -6,8 +6,8 @@ Started by tests/support/ranks.py with LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and M
     python tests/engines/distributed/recorded_outputs_worker.py SPEC.json
 
 Each run trains ``model`` ("mixtral" or "qwen3_moe") for ``steps`` steps under the run's strategy
-settings, writes ``<name>.ckpt`` and ``<name>.rank<r>.json``: the reported step losses and the first
-step's gradients of the routers this rank holds.
+settings, writes ``<name>.ckpt`` and ``<name>.rank<r>.json``: the reported step losses, the first
+step's gradients of the routers this rank holds, and whether each of the plan's stages recomputes.
 """
 
 import json
@@ -31,6 +31,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     seen = {
         "step_losses": module.step_losses,
         "routers": {k: g.tolist() for k, g in module.router_grads.items()},
+        "checkpoints": [m.checkpoints for m in strategy.plan.modes],  # this process's stages'
     }
     with open(os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump(seen, f)
