@@ -162,8 +162,10 @@ def test_each_stages_peak_with_frozen_layers_is_predicted_within_ten_percent(mod
 
 # -- checkpoint="auto" with a real Trainer, the local engine ----------------------------------------
 
-#: The frozen toy's process peak under never everywhere is predicted at 19824 bytes; 18000 makes both
-#: stages, each holding a frozen block, recompute (except_last, except_last:1 as chosen today).
+#: The frozen toy's process peak under never everywhere is predicted at 19824 bytes; under 18000 at
+#: least one stage, each holding a frozen block, recomputes. Which one is the planner's measured times'
+#: call: ['except_last', 'except_last'] (17744) and ['always', 'never'] (17264) both fit, and on a
+#: loaded machine either is the faster.
 TOY_BUDGET = 18000
 
 
@@ -173,7 +175,7 @@ def test_auto_plans_and_trains_a_sequential_with_a_frozen_layer_like_the_unpipel
     module = frozen_toy()
     strategy = PipelineStrategy(stages=2, chunks=2, checkpoint="auto", memory_budget=TOY_BUDGET)
     fit(module, strategy, steps=3)
-    assert all(m.checkpoints for m in strategy.plan.modes)  # frozen blocks recomputed
+    assert any(m.checkpoints for m in strategy.plan.modes)  # a frozen block recomputed
     assert strategy.auto_plan.choice.process_peak <= TOY_BUDGET
     got, expected = params(module), params(reference)
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
