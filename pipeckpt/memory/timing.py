@@ -131,6 +131,14 @@ def _selective_extra(layer: nn.Module, x: Tensor, rounds: int) -> Optional[float
     # The stage's own guard: a recompute leaves BatchNorm statistics as the forward left them.
     guard = functools.partial(side_effect_free, layer)
     runs = (lambda: layer(h), lambda: run_selective(layer, (h,), {}, recompute_guard=guard))
+    return _median_extra(runs, rounds, clock)
+
+
+def _median_extra(
+    runs: Tuple[Callable[[], Any], Callable[[], Any]], rounds: int, clock: Callable[[], float]
+) -> float:
+    """The median of what a forward + backward of ``runs[1]`` takes over one of ``runs[0]``, the two
+    interleaved over ``rounds`` rounds after a warm-up round; never below 0."""
     extra = []
     for r in range(rounds + 1):
         took = []
@@ -193,16 +201,7 @@ def sac_host_s_per_op(rounds: int = 5, ops: int = 200) -> float:
 
         nothing = contextlib.nullcontext
         runs = (lambda: chain(x), lambda: run_selective(chain, (x,), {}, recompute_guard=nothing))
-        clock, extra = _clock(), []
-        for r in range(rounds + 1):
-            took = []
-            for run in runs:
-                t0 = clock()
-                _forward_backward_of(run)
-                took.append(clock() - t0)
-            if r > 0:
-                extra.append(took[1] - took[0])
-        _per_op = max(0.0, statistics.median(extra)) / ops
+        _per_op = _median_extra(runs, rounds, _clock()) / ops
     return _per_op
 
 
