@@ -9,9 +9,10 @@ pages, the ``.ckpt``'s memory-mapped file pages included: clean page cache the k
 the largest anonymous resident memory (``RssAnon``, sampled every 5 ms: what the process itself
 holds). Target: each export's anonymous peak over ``imports`` at most 2.5 of its largest shard, and
 not growing with the shard: the export reads a shard's tensors 16 MiB at a time and writes each as
-read (``pipeckpt.export.safetensors_writer``), so it holds a group, plus, from a sharded directory,
-the stored tensor DCP's reader loads whole before copying it out (2x the 94 MiB embedding or head
-here), plus what glibc keeps of freed groups. A tensor larger than ``max_shard_size`` is a shard of
+read (``pipeckpt.export.safetensors_writer``). From a sharded directory it holds a group, plus the
+stored tensor DCP's reader loads whole before copying it out (2x the 94 MiB embedding or head here),
+plus what glibc keeps of freed groups; from a ``.ckpt`` it writes the memory-mapped tensors and holds
+none of them. A tensor larger than ``max_shard_size`` is a shard of
 its own, as in ``save_pretrained`` (the 94 MiB embedding and head here); ``--shard-mb 200`` gives
 shards of many tensors.
 

@@ -35,6 +35,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 WEIGHTS_INDEX = "model.safetensors.index.json"
 #: The most bytes of one shard read from the checkpoint at once (a larger tensor is read alone): the
 #: export holds this much, plus the tensor DCP's reader loads before copying it out, never a shard.
+#: Smaller costs a ``sharded.load`` call (metadata, rank 0's file) per group.
 READ_BYTES = 16 * 2**20
 #: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
 _EXPORT_FILES = re.compile(
@@ -228,8 +229,9 @@ def export_hf(
     With ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the
     module at ``prefix`` is a PEFT model and ``out`` holds its adapters, for
     ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
-    Reads and writes a few tensors at a time: the export holds at most :data:`READ_BYTES` of them
-    or its largest tensor, plus the stored tensor DCP's reader loads, never a shard. Returns ``out``."""
+    Reads and writes a few tensors at a time: from a sharded directory the export holds at most
+    :data:`READ_BYTES` of them or its largest tensor, plus the stored tensor DCP's reader loads
+    beside it; from a ``.ckpt``, the mapped file's pages; never a shard. Returns ``out``."""
     target = Path(out)
     _check_replaceable(target)
     cast = resolve_dtype(dtype)
