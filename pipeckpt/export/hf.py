@@ -5,10 +5,11 @@ run holds the whole model. The plan is the library's own, made on a model built 
 (no memory): transformers' ``remove_tied_weights_from_state_dict`` drops the tied copies its loader
 re-ties (GPT-2's ``lm_head.weight``), huggingface_hub's ``split_torch_state_dict_into_shards`` cuts
 the rest into ``model-0000k-of-0000n.safetensors`` and names the index; then each shard's keys are
-read from the checkpoint (:class:`~pipeckpt.export.source.CheckpointSource`), cast, written with
-safetensors' ``save_file`` and dropped before the next. Why not DCP's ``HuggingFaceStorageWriter``:
-it writes what one ``dcp.save`` call holds, i.e. the whole model in one process here. The directory
-is written beside ``out`` and renamed onto it whole (:mod:`pipeckpt.state.directories`).
+read from the checkpoint (:class:`~pipeckpt.export.source.CheckpointSource`) a few at a time, cast,
+and written tensor by tensor (:mod:`pipeckpt.export.safetensors_writer`: ``save_file`` would hold the
+whole shard). Why not DCP's ``HuggingFaceStorageWriter``: it writes what one ``dcp.save`` call holds,
+i.e. the whole model in one process here. The directory is written beside ``out`` and renamed onto
+it whole (:mod:`pipeckpt.state.directories`).
 """
 
 import copy
@@ -17,12 +18,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.export.safetensors_writer import write_file
 from pipeckpt.export.source import CheckpointSource
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import fsync_tree
@@ -31,6 +33,10 @@ __all__ = ["export_hf", "resolve_dtype"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 WEIGHTS_INDEX = "model.safetensors.index.json"
+#: The most bytes of one shard read from the checkpoint at once (a larger tensor is read alone): the
+#: export holds this much, plus the tensor DCP's reader loads before copying it out, never a shard.
+#: Smaller costs a ``sharded.load`` call (metadata, rank 0's file) per group.
+READ_BYTES = 16 * 2**20
 #: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
 _EXPORT_FILES = re.compile(
     r"(config|generation_config|adapter_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors"
@@ -133,6 +139,31 @@ def _under(source: CheckpointSource, prefix: str, keys: List[str]) -> None:
         )
 
 
+def _groups(layout: Dict[str, torch.Tensor]) -> Iterator[List[str]]:
+    """``layout``'s keys in order, cut into reads of at most :data:`READ_BYTES` (or one tensor)."""
+    group: List[str] = []
+    size = 0
+    for key, meta in layout.items():
+        nbytes = meta.numel() * meta.element_size()
+        if group and size + nbytes > READ_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(key)
+        size += nbytes
+    if group:
+        yield group
+
+
+def _tensors(
+    source: CheckpointSource, prefix: str, layout: Dict[str, torch.Tensor]
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``layout``'s tensors read from ``source`` a group at a time and cast, each let go once yielded."""
+    for group in _groups(layout):
+        read = source.read([prefix + key for key in group])
+        for key in group:
+            yield key, read.pop(prefix + key).to(layout[key].dtype)
+
+
 def write_weights(
     source: CheckpointSource,
     tmp: Path,
@@ -142,10 +173,9 @@ def write_weights(
     dtype: Optional[torch.dtype],
     max_shard_size: Union[int, str],
 ) -> torch.dtype:
-    """The model's safetensors shards and index into ``tmp``, one shard's keys read at a time;
-    returns the dtype written."""
+    """The model's safetensors shards and index into ``tmp``, each shard's keys read a few at a
+    time (:func:`_groups`) and written as read; returns the dtype written."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     from pipeckpt._compat.transformers_private import drop_tied_copies
 
@@ -159,10 +189,8 @@ def write_weights(
         cast, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
     for filename, keys in split.filename_to_tensors.items():
-        read = source.read([prefix + key for key in keys])
-        shard = {key: read.pop(prefix + key).to(cast[key].dtype).contiguous() for key in keys}
-        save_file(shard, str(tmp / filename), metadata={"format": "pt"})
-        del shard, read
+        layout = {key: cast[key] for key in keys}
+        write_file(tmp / filename, layout, _tensors(source, prefix, layout), metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -201,8 +229,9 @@ def export_hf(
     With ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the
     module at ``prefix`` is a PEFT model and ``out`` holds its adapters, for
     ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
-    Reads and writes one shard at a time: the export holds two to three of its largest shard at its
-    peak (safetensors serialises a shard in memory), never the model. Returns ``out``."""
+    Reads and writes a few tensors at a time: from a sharded directory the export holds at most
+    :data:`READ_BYTES` of them or its largest tensor, plus the stored tensor DCP's reader loads
+    beside it; from a ``.ckpt``, the mapped file's pages; never a shard. Returns ``out``."""
     target = Path(out)
     _check_replaceable(target)
     cast = resolve_dtype(dtype)

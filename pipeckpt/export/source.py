@@ -3,7 +3,7 @@
 Why: an export must never hold the whole model. A sharded directory (the distributed engine's, any
 layout) is read through :func:`pipeckpt.state.sharded.load` with ``keys=``, which reads only those
 tensors' bytes; a single ``.ckpt`` file (the local engine's) is opened memory-mapped, so a tensor is
-read from disk when it is copied out and the optimizer state is never touched. Both stay confined to
+read from disk when its bytes are used and the optimizer state is never touched. Both stay confined to
 the checkpoint (:mod:`pipeckpt.state.confined`, :mod:`pipeckpt.state.safe_load`).
 """
 
@@ -50,7 +50,9 @@ class CheckpointSource:
             )
 
     def read(self, keys: Collection[str]) -> Dict[str, torch.Tensor]:
-        """The tensors stored under ``keys``, on the CPU; only their bytes are read."""
+        """The tensors stored under ``keys``, on the CPU; only their bytes are read. From a file,
+        the memory-mapped tensors themselves: their pages are the file's (page cache the kernel may
+        drop), so an export writing them holds none of them (benchmarks/RESULTS_export.md)."""
         if not self._file:
             return dict(sharded.load(self.path, keys=keys, weights_only=True)["state_dict"])
-        return {key: self._file[key].clone() for key in keys}
+        return {key: self._file[key] for key in keys}

@@ -19,6 +19,7 @@ from support.hf_models import HFModule, batches, whole
 import pipeckpt
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.export import HFExport, export_hf
+from pipeckpt.export import hf as export_hf_module
 from pipeckpt.export import source as export_source
 from pipeckpt.export.__main__ import main as cli
 
@@ -121,6 +122,28 @@ def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, t
     assert len(reads) == len(set(index.values())) > 2
     for keys in reads:
         assert len({index[k.removeprefix("model.")] for k in keys}) == 1
+
+
+def test_a_shard_is_read_a_few_tensors_at_a_time_and_still_loads_exactly(trained, tmp_path, monkeypatch):
+    module, ckpt = trained["llama"]
+    budget = 4096  # bytes: the tiny Llama's one shard read in many groups
+    monkeypatch.setattr(export_hf_module, "READ_BYTES", budget)
+    reads: List[List[str]] = []
+    original = export_source.CheckpointSource.read
+    monkeypatch.setattr(
+        export_source.CheckpointSource,
+        "read",
+        lambda self, keys: reads.append(list(keys)) or original(self, keys),
+    )
+    out = _export(module, ckpt, tmp_path)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"] and len(reads) > 2
+    want = _hf_state(module)
+    for keys in reads:
+        size = sum(want[k.removeprefix("model.")].numel() * 4 for k in keys)
+        assert size <= budget or len(keys) == 1, keys
+    assert sorted(k for keys in reads for k in keys) == sorted("model." + k for k in want)
+    got = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_bfloat16_export_casts_every_weight_and_says_so_in_the_config(trained, tmp_path):
