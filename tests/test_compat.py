@@ -113,6 +113,12 @@ def test_own_tensors_lists_a_modules_own_parameters_then_buffers_and_set_own_ten
     assert norm.weight is weight and torch.equal(norm.state_dict()["running_mean"], torch.ones(2))
 
 
+def test_own_tensor_is_the_tensor_in_a_parameters_or_a_buffers_slot():
+    norm = nn.BatchNorm1d(2)
+    assert _compat.own_tensor(norm, "weight", True) is norm.weight
+    assert _compat.own_tensor(norm, "running_mean", False) is norm.running_mean
+
+
 def test_lightning_module_device_follows_set_module_device():
     module = LightningModule()
     _compat.set_module_device(module, torch.device("meta"))

@@ -108,6 +108,14 @@ def own_tensors(module: nn.Module) -> List[Tuple[str, torch.Tensor, bool]]:
     return params + [(n, b, False) for n, b in module._buffers.items() if b is not None]
 
 
+def own_tensor(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    """The tensor in ``module``'s own slot ``name`` now (a parameter's or a buffer's), as
+    :func:`own_tensors` lists it."""
+    held = module._parameters[name] if is_param else module._buffers[name]
+    assert held is not None, f"{name}: an empty slot"
+    return held
+
+
 def set_own_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
     """Puts ``tensor`` in ``module``'s slot ``name`` as it is: ``setattr`` would wrap or refuse it
     (a non-Parameter in a parameter's slot), and a buffer keeps its persistence."""

@@ -18,7 +18,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipeckpt._compat import hf_init_weights, is_hf_model, own_tensors, set_own_tensor, tree_flatten
+from pipeckpt._compat import (
+    hf_init_weights,
+    is_hf_model,
+    own_tensor,
+    own_tensors,
+    set_own_tensor,
+    tree_flatten,
+)
 
 __all__: List[str] = []
 
@@ -28,8 +35,7 @@ Slot = Tuple[nn.Module, str, bool]
 
 def held(slot: Slot) -> Tensor:
     """The tensor in ``slot`` now."""
-    owner, name, is_param = slot
-    return owner._parameters[name] if is_param else owner._buffers[name]  # type: ignore[return-value]
+    return own_tensor(*slot)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeckpt._compat import own_tensors, set_own_tensor
+from pipeckpt._compat import own_tensor, own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 
 __all__: List[str] = []
@@ -50,7 +50,7 @@ def init_adapters(model: nn.Module, device: torch.device, keep: Optional[Callabl
             continue
         for adapter in [*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]:
             slots = _adapter_slots(layer, adapter)
-            kept = [s for s in slots if _held(s).is_meta and (keep is None or keep(_held(s)))]
+            kept = [s for s in slots if own_tensor(*s).is_meta and (keep is None or keep(own_tensor(*s)))]
             if not kept:
                 continue
             config = configs.get(adapter)
@@ -65,7 +65,7 @@ def init_adapters(model: nn.Module, device: torch.device, keep: Optional[Callabl
                     "PeftModel.from_pretrained after an eager build",
                 )
             for owner, slot, is_param in kept:
-                meta = _held((owner, slot, is_param))
+                meta = own_tensor(owner, slot, is_param)
                 real = torch.empty_like(meta, device=device)
                 set_own_tensor(
                     owner, slot, nn.Parameter(real, meta.requires_grad) if is_param else real, is_param
@@ -82,9 +82,3 @@ def _adapter_slots(layer: Any, adapter: str) -> List[Any]:
     for table in (layer.lora_embedding_A, layer.lora_embedding_B):
         slots += [(table, n, p) for n, _, p in own_tensors(table) if n == adapter]
     return slots
-
-
-def _held(slot: Any) -> Tensor:
-    owner, name, is_param = slot
-    held: Tensor = owner._parameters[name] if is_param else owner._buffers[name]
-    return held

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from pipeckpt._compat import local_extent, own_tensors, set_own_tensor
+from pipeckpt._compat import local_extent, own_tensor, own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.state.confined import inside
 from pipeckpt.state.safe_load import weights_only_load
@@ -208,13 +208,13 @@ def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
                 left.add(i)
                 continue
             owner, slot, is_param = slots[i][0]
-            meta = owner._parameters[slot] if is_param else owner._buffers[slot]
-            real = torch.empty_like(meta, device=device)  # type: ignore[arg-type]
+            meta = own_tensor(owner, slot, is_param)
+            real = torch.empty_like(meta, device=device)
             if i in _later:
                 source.pending.append((slots[i][0], key))
             else:
                 wanted[key] = real
-            value = nn.Parameter(real, meta.requires_grad) if is_param else real  # type: ignore[union-attr]
+            value = nn.Parameter(real, meta.requires_grad) if is_param else real
             for owner, slot, is_param in slots[i]:  # a tied tensor stays one
                 set_own_tensor(owner, slot, value, is_param)
         with torch.no_grad():
@@ -255,7 +255,7 @@ def read_later(module: nn.Module) -> None:
     for _, source in marked_in(module):
         wanted: Dict[str, Tensor] = {}
         for (owner, slot, is_param), key in source.pending:
-            wanted[key] = owner._parameters[slot] if is_param else owner._buffers[slot]  # type: ignore[assignment]
+            wanted[key] = own_tensor(owner, slot, is_param)
         source.pending = []
         with torch.no_grad():
             source.read(wanted)

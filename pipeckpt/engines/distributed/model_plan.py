@@ -28,7 +28,8 @@ __all__: List[str] = []
 
 #: The styles a model's plan may use inside a pipelined layer (torch's, as the engine applies them).
 PLAIN = ("colwise", "rowwise")
-_SPLITTABLE = (nn.Linear, nn.Embedding)
+#: What torch's colwise and rowwise styles split.
+SPLITTABLE = (nn.Linear, nn.Embedding)
 
 
 def model_plan(spec: ModulePipeline, tp: int) -> Dict[str, str]:
@@ -53,7 +54,7 @@ def model_plan(spec: ModulePipeline, tp: int) -> Dict[str, str]:
     for name, layer in zip(spec.names, spec):
         path = paths.get(id(layer))
         inner = _inside(path, given) if path is not None else {}
-        per_layer.append((name, layer, {p: s for p, s in inner.items() if _matched(layer, p)}))
+        per_layer.append((name, layer, {p: s for p, s in inner.items() if matches(layer, p)}))
     plan: Dict[str, str] = {}
     for _, _, inner in per_layer:
         for pattern, style in inner.items():
@@ -96,16 +97,17 @@ def _inside(path: str, given: Mapping[str, str]) -> Dict[str, str]:
     return found
 
 
-def _matched(layer: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
+def matches(layer: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
+    """The submodules of ``layer`` (by their path inside it) that ``pattern`` names."""
     return [(n, m) for n, m in layer.named_modules() if n and fnmatch(n, pattern)]
 
 
-def _split_by(layer: nn.Module, plan: Mapping[str, str]) -> Dict[str, str]:
-    """Each submodule of ``layer`` that ``plan`` names, with its style (the first entry that names
-    it, as :meth:`.tensor_parallel.TensorParallel.split` applies them)."""
+def split_by(layer: nn.Module, plan: Mapping[str, str]) -> Dict[str, str]:
+    """Each submodule of ``layer`` that ``plan`` names, with its style: the first entry that names it
+    (what :meth:`.tensor_parallel.TensorParallel.split` applies)."""
     out: Dict[str, str] = {}
     for pattern, style in plan.items():
-        for n, _ in _matched(layer, pattern):
+        for n, _ in matches(layer, pattern):
             out.setdefault(n, style)
     return out
 
@@ -125,7 +127,7 @@ def _check_layer(name: str, layer: nn.Module, own: Dict[str, str], plan: Dict[st
             "set tensor_parallel_plan yourself (colwise/rowwise pairs whose other parameters need "
             "no reduction over the tensor-parallel ranks), or tensor_parallel=1",
         )
-    mine, applied = _split_by(layer, own), _split_by(layer, plan)
+    mine, applied = split_by(layer, own), split_by(layer, plan)
     if mine != applied:
         extra = sorted(set(applied.items()) ^ set(mine.items()))
         raise config_error(
@@ -135,7 +137,7 @@ def _check_layer(name: str, layer: nn.Module, own: Dict[str, str], plan: Dict[st
             "set tensor_parallel_plan yourself, or pipeline only layers the model's plan splits alike",
         )
     wrong: Optional[Tuple[str, str]] = next(
-        ((n, type(m).__name__) for p in own for n, m in _matched(layer, p) if not isinstance(m, _SPLITTABLE)),
+        ((n, type(m).__name__) for p in own for n, m in matches(layer, p) if not isinstance(m, SPLITTABLE)),
         None,
     )
     if wrong is not None:

@@ -12,8 +12,7 @@ so whether a plan is missing is known only with the model (:func:`layer_plan`), 
 """
 
 from dataclasses import dataclass, replace
-from fnmatch import fnmatch
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,14 +26,13 @@ from torch.distributed.tensor.parallel import (
 
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.engines.distributed.model_plan import SPLITTABLE, matches, model_plan, split_by
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
 
 #: The plan's names for torch's styles: a Linear or Embedding split by output or by input features.
 STYLES: Dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-_SPLITTABLE = (nn.Linear, nn.Embedding)
 
 
 def check_tensor_parallel(s: PipeSettings) -> None:
@@ -103,10 +101,10 @@ def check_plan(layers: Sequence[nn.Module], plan: Mapping[str, str]) -> None:
     """Every pattern of ``plan`` names a Linear or Embedding inside some layer of ``layers`` (the
     whole pipelined Sequential, the same on every process): a typo would leave weights whole."""
     splittable = sorted(
-        {n for layer in layers for n, m in layer.named_modules() if isinstance(m, _SPLITTABLE)}
+        {n for layer in layers for n, m in layer.named_modules() if isinstance(m, SPLITTABLE)}
     )
     for pattern, style in plan.items():
-        found = [(n, m) for layer in layers for n, m in _matches(layer, pattern)]
+        found = [(n, m) for layer in layers for n, m in matches(layer, pattern)]
         if not found:
             shown = ", ".join(splittable[:12]) + (", ..." if len(splittable) > 12 else "")
             raise config_error(
@@ -115,17 +113,13 @@ def check_plan(layers: Sequence[nn.Module], plan: Mapping[str, str]) -> None:
                 "'attn.q' for layer.attn.q), and this one names none",
                 f"fix the path; the layers' Linear and Embedding submodules: {shown}",
             )
-        wrong = [(n, type(m).__name__) for n, m in found if not isinstance(m, _SPLITTABLE)]
+        wrong = [(n, type(m).__name__) for n, m in found if not isinstance(m, SPLITTABLE)]
         if wrong:
             raise config_error(
                 f"tensor_parallel_plan entry {pattern!r}: {style!r} for {wrong[0][0]} ({wrong[0][1]})",
                 "torch's colwise and rowwise styles split an nn.Linear or an nn.Embedding",
                 "name the Linear or Embedding layers inside it",
             )
-
-
-def _matches(layer: nn.Module, pattern: str) -> List[Tuple[str, nn.Module]]:
-    return [(n, m) for n, m in layer.named_modules() if n and fnmatch(n, pattern)]
 
 
 def check_whole(layers: Sequence[nn.Module]) -> None:
@@ -162,9 +156,8 @@ class TensorParallel:
         DTensors on the ``tp`` mesh, from this rank's whole values)."""
         check_whole(layers)
         for layer in layers:
-            styles: Dict[str, Any] = {}
-            for pattern, style in self.plan.items():
-                for name, _ in _matches(layer, pattern):
-                    styles.setdefault(name, STYLES[style]())
+            styles: Dict[str, Any] = {
+                name: STYLES[style]() for name, style in split_by(layer, self.plan).items()
+            }
             if styles:
                 parallelize_module(layer, self.mesh, styles)
