@@ -11,7 +11,7 @@ import functools
 import types
 import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -20,24 +20,18 @@ from pipeckpt._compat import sac_saved_ops, sac_stateful_ops
 
 __all__ = ["policy", "run_selective", "selective_region"]
 
-_saved: Optional[FrozenSet[Any]] = None
-_stateful: Optional[FrozenSet[Any]] = None
 _warned = False  # _eagerly said so once
 _codes: Dict[type, types.CodeType] = {}  # selective_region's code, one per layer class
 
 
+@functools.cache
 def _saved_ops() -> FrozenSet[Any]:
-    global _saved
-    if _saved is None:
-        _saved = frozenset(sac_saved_ops())
-    return _saved
+    return frozenset(sac_saved_ops())
 
 
+@functools.cache
 def _stateful_ops() -> FrozenSet[Any]:
-    global _stateful
-    if _stateful is None:
-        _stateful = frozenset(sac_stateful_ops())
-    return _stateful
+    return frozenset(sac_stateful_ops())
 
 
 def compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 
+from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.memory.profile import fake_mode
 
@@ -36,22 +37,19 @@ def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
     profile runs in; after: the meta tensors back in their places. An op fake tensors cannot run
     (one that reads a value: ``.item()``, a data-dependent shape) is a config error naming the
     module: the plan needs values the meta build does not have."""
-    swapped: List[Tuple[nn.Module, str, Tensor]] = []
+    swapped: List[Tuple[nn.Module, str, Tensor, bool]] = []
     made: Dict[int, Tensor] = {}
     with fake_mode() as mode:
         try:
             for owner in module.modules():
-                own = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
-                for name, t in own:
+                for name, t, is_param in own_tensors(owner):  # every slot, a tensor held twice too
                     if not t.is_meta:
                         continue
                     if id(t) not in made:
                         empty = torch.empty_like(t, device=device)
-                        made[id(t)] = (
-                            nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-                        )
-                    swapped.append((owner, name, t))
-                    setattr(owner, name, made[id(t)])
+                        made[id(t)] = nn.Parameter(empty, t.requires_grad) if is_param else empty
+                    swapped.append((owner, name, t, is_param))
+                    set_own_tensor(owner, name, made[id(t)], is_param)
             yield mode
         except (RuntimeError, NotImplementedError) as error:  # torch's fake tensors refused an op
             raise config_error(
@@ -63,5 +61,5 @@ def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
                 "init_module(empty_init=True))",
             ) from error
         finally:
-            for owner, name, t in reversed(swapped):
-                setattr(owner, name, t)
+            for owner, name, t, is_param in reversed(swapped):
+                set_own_tensor(owner, name, t, is_param)
