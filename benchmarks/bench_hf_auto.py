@@ -29,6 +29,14 @@ benchmarks/RESULTS_hf_auto_time.md, with the machine's load, ``os.getloadavg``, 
 Auto chooses the modes and the chunk count (``memory_search``; ``--search modes`` keeps
 ``--chunks``): the step's peak, at the optimizer's update, is the same for every method, and more
 micro-batches add their own terms above it.
+
+On a GPU (``--device cuda``; the prepared device run, scripts/gpu_check.sh): every stage on the one
+GPU, the peak of the second step ``max_memory_allocated`` (everything allocated, parameters and the
+optimizer's state included), times CUDA-synchronised wall times; ``--precision bf16-mixed`` at GPT-2's
+sequence 1024 is the GPU table, written to ``--out`` as well::
+
+    python benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 --batch 8 \\
+        --rounds 2 --out $OUT/RESULTS_gpu_auto.md
 """
 
 import argparse
@@ -37,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
@@ -52,6 +61,12 @@ import pipeckpt
 STEPS = 5
 #: The model and batch (set from the command line): GPT-2 small's shape, sequence 128, batch 4, AdamW.
 SHAPE: Dict[str, Any] = dict(layers=12, width=768, heads=12, seq=128, batch=4, vocab=50257, optimizer="adamw")
+#: Where and in which precision every method trains (set from the command line).
+RUN: Dict[str, str] = dict(device="cpu", precision="32-true")
+
+
+def _cuda() -> bool:
+    return RUN["device"] == "cuda"
 
 
 def gpt2() -> transformers.GPT2LMHeadModel:
@@ -99,15 +114,22 @@ class StepProbe(L.Callback):
         self._t0 = self._w0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        if batch_idx == 1 and self.track:
+        if _cuda():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif batch_idx == 1 and self.track:
             self._tracker = LiveBytes()
             self._tracker.count_step_state(pl_module, trainer.optimizers, batch)
             self._tracker.__enter__()
         self._t0, self._w0 = time.process_time(), time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if _cuda():
+            torch.cuda.synchronize()
         took, wall = time.process_time() - self._t0, time.perf_counter() - self._w0
-        if self._tracker is not None:
+        if _cuda() and batch_idx == 1 and self.track:
+            self.peak, self.peak_op = torch.cuda.max_memory_allocated(), "max_memory_allocated"
+        elif self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self.peak, self.peak_op = self._tracker.peak, self._tracker.peak_op
             self._tracker = None
@@ -129,7 +151,8 @@ def data() -> DataLoader:
 def fit(module: L.LightningModule, strategy: Any, *, track: bool = True) -> StepProbe:
     probe = StepProbe(track=track)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[probe], logger=False,
+        accelerator="gpu" if _cuda() else "cpu", devices=1, precision=RUN["precision"],
+        max_steps=STEPS, callbacks=[probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         **({"strategy": strategy} if strategy is not None else {}),
     )  # fmt: skip
@@ -155,11 +178,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="plans timed beside without planning, MODES/BALANCE/CHUNKS each (always,always/4,4/2): "
         "auto's pick at another chunk count, say",
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's, e.g. bf16-mixed")
+    parser.add_argument("--out", type=Path, help="the table is written here too")
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key}", type=type(value), default=value)
     args = parser.parse_args(argv)
     SHAPE.update({key: getattr(args, key) for key in SHAPE})
-    torch.set_num_threads(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_hf_auto: no CUDA device here; nothing measured (run it on a GPU machine).")
+        return 0
+    RUN.update(device=args.device, precision=args.precision)
+    if not _cuda():
+        torch.set_num_threads(1)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     base = fit(GPT2Module(per_block=True), None)
     log(f"per-block peak {base.peak} bytes at {base.peak_op}")
@@ -179,6 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for stages in args.stages:
         auto = pipeckpt.PipelineStrategy(
             stages=stages,
+            placement=_placement(stages),
             chunks=args.chunks,
             checkpoint="auto",
             memory_budget=base.peak,
@@ -200,7 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings = dict(
             balance=[int(n) for n in balance.split(",")], chunks=int(chunks), checkpoint=modes.split(",")
         )
-        first = fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(stages=None, **settings))
+        first = fit(GPT2Module(per_block=False), _pipe(settings))
         key = f"{modes} / {balance} / chunks {chunks}"
         log(f"{key} peak {first.peak} bytes at {first.peak_op}")
         peaks[key], times[key], walls[key] = first.peak, list(first.times), list(first.walls)
@@ -214,14 +246,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"round {r + 2}: {times}")
     rounds = f"{args.rounds} interleaved rounds of {STEPS - 2} timed step(s)"
     load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} over the rounds"
-    print(f"{machine()}; {load}; {rounds}, CPU and wall time, medians [range]; shape {SHAPE}\n")
+    where = torch.cuda.get_device_name(0) if _cuda() else "CPU"
+    lines = [f"{where}, {RUN['precision']}; host {machine()}; {load}; {rounds}, CPU and wall time, "
+             f"medians [range]; shape {SHAPE}", ""]  # fmt: skip
     for key, (text, _) in described.items():
-        print(f"{key}: {text}\n")
-    print(
+        lines += [f"{key}: {text}", ""]
+    lines.append(
         "| method | predicted peak MiB | measured peak MiB (whole step) | peak vs per-block (the budget) "
         "| step CPU s | CPU time vs per-block [range] | step wall s | wall time vs per-block [range] |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|")
     b_peak = peaks["per-block"]
     for key in runs:
         ratios = [a / b for a, b in zip(times[key], times["per-block"])]  # step by step, round by round
@@ -229,18 +263,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         predicted = (
             f"{described[key][1] / 2**20:.1f} ({described[key][1]} bytes)" if key in described else "-"
         )
-        print(
+        lines.append(
             f"| {key} | {predicted} | {peaks[key] / 2**20:.1f} ({peaks[key]} bytes) | "
             f"{peaks[key] / b_peak:.3f} | "
             f"{statistics.median(times[key]):.2f} | {statistics.median(ratios):.2f} "
             f"[{min(ratios):.2f}-{max(ratios):.2f}] | {statistics.median(walls[key]):.2f} | "
             f"{statistics.median(wall_ratios):.2f} [{min(wall_ratios):.2f}-{max(wall_ratios):.2f}] |"
         )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
     return 0
 
 
 def _fit_plan(settings: Dict[str, Any]) -> StepProbe:
-    return fit(GPT2Module(per_block=False), pipeckpt.PipelineStrategy(stages=None, **settings), track=False)
+    return fit(GPT2Module(per_block=False), _pipe(settings), track=False)
+
+
+def _placement(stages: int) -> Optional[List[int]]:
+    """Every stage on the one GPU; on the CPU, the strategy's own placement."""
+    return [0] * stages if _cuda() else None
+
+
+def _pipe(settings: Dict[str, Any]) -> pipeckpt.PipelineStrategy:
+    return pipeckpt.PipelineStrategy(stages=None, placement=_placement(len(settings["balance"])), **settings)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pipeckpt.engines import engine_class
 from pipeckpt.memory.auto import choose, parse_bytes
 from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.machine import fake_or_real
+from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import fake_mode, profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
@@ -166,6 +167,13 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
     settings, budget = _settings(cfg)
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
     inputs, targets = _batch(cfg)
+    with forward_context(cfg.trainer.precision, torch.device("cpu")):  # profiled as the step runs
+        return _run(cfg, settings, options, inputs, targets)
+
+
+def _run(
+    cfg: DictConfig, settings: PipeSettings, options: MemoryOptions, inputs: Any, targets: Any
+) -> Tuple[Union[Prediction, RankTable], MemoryOptions, Optional[str]]:
     if options.sharded:
         table, options = _per_rank_run(cfg, settings, options, inputs, targets)
         return table, options, None

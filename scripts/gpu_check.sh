@@ -11,10 +11,16 @@ bench() {  # bench <seconds> <out name> <args...>: one table, to $OUT/<out name>
     local seconds=$1 name=$2; shift 2
     timeout "$seconds" python3 benchmarks/bench_gpu.py --out "$OUT/$name" "$@" 2>&1 | grep -v -i "warn\|^ *$" | tail -30
 }
-timeout ${T_TESTS:-150} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
+timeout ${T_TESTS:-110} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
 # compiled selective vs never at 4 chunks, both shapes, bf16; reduce-overhead vs eager (GPT-2 small)
-bench ${T_COMPILE:-170} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
+bench ${T_COMPILE:-140} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
 # offload vs always, whole stage and per layer, with the share of always's kept bytes moved off the GPU
-bench ${T_OFFLOAD:-100} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
+bench ${T_OFFLOAD:-80} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
+# the plan's predicted peaks against each stage's measured peak and the device's max_memory_allocated
+timeout ${T_MEMORY:-70} python3 benchmarks/bench_gpu_memory.py --out $OUT/RESULTS_gpu_memory.md \
+    --plans small-bf16,small-32,medium-bf16,medium-32 2>&1 | grep -v -i "warn\|^ *$" | tail -30
+# checkpoint='auto' on HF GPT-2 (seq 1024, bf16-mixed) under per-block checkpointing's measured peak
+timeout ${T_AUTO:-80} python3 benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 \
+    --batch 8 --stages 4 --rounds 2 --out $OUT/RESULTS_gpu_auto.md 2>&1 | grep -v -i "warn\|^ *$" | tail -30
 # the full table (always vs loop + one forward among its rows), one round
-bench ${T_BENCH:-130} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 8 --warmup 3
+bench ${T_BENCH:-70} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2

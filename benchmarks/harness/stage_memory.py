@@ -11,7 +11,8 @@ freed): tests/memory/test_memory.py checks that the sum over stages agrees with 
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -81,9 +82,12 @@ def measure_local_step(
     batch: Any,
     loss_fn: Callable[[Tensor], Tensor],
     seed: int = 0,
+    forward_context: Callable[[], ContextManager[Any]] = nullcontext,
 ) -> Tuple[List[int], int]:
     """Per-stage peak bytes (parameters + everything the stage creates) of one forward and
-    backward of ``LocalPipeline``, and the peak of the sum over stages. ``.grad`` is None before."""
+    backward of ``LocalPipeline``, and the peak of the sum over stages. ``.grad`` is None before.
+    ``forward_context``: what the forward and the loss run under, as a Trainer's step runs them (a
+    mixed precision's autocast: ``pipeckpt.memory.precision.forward_context``); backward after it."""
     engine = LocalPipeline(sequential, plan, chunks=chunks, pin_memory=False)
     stages = engine.stages
     tracker = StageTracker(len(stages))
@@ -121,7 +125,8 @@ def measure_local_step(
     torch.manual_seed(seed)
     try:
         with tracker:
-            loss = loss_fn(engine.forward(batch))
+            with forward_context():
+                loss = loss_fn(engine.forward(batch))
             loss.backward()
             del loss
     finally:

@@ -22,6 +22,7 @@ from pipeckpt.engines.base import Engine
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
 from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
+from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
@@ -278,22 +279,23 @@ def _resolve_for(
     sequential = pipelined_sequential(module)
     spread = engine.memory_layout(sequential) if engine is not None else {}
     batch, target, loss_fn = sample_batch(module, loader, sequential)
-    return resolve_auto(
-        settings,
-        sequential,
-        devices=devices,
-        fake=fake,
-        batch=batch,
-        target=target,
-        loss_fn=loss_fn,
-        accumulating=trainer.accumulate_grad_batches > 1,
-        optimizer=None if settings.memory_optimizer else fitted_optimizer(module),
-        # Lightning zeroes the gradients after training_step: the last step's live through its
-        # forward where the engine cannot drop them first (engines/local/engine.py,
-        # drop_stale_gradients): a module zeroing them its own way.
-        stale_grads=bool(getattr(module, "automatic_optimization", True)) and zeroes_its_own_way(module),
-        layout=Layout(**spread) if spread else None,
-    )
+    with forward_context(trainer.precision_plugin, devices[0]):  # profiled as the step runs
+        return resolve_auto(
+            settings,
+            sequential,
+            devices=devices,
+            fake=fake,
+            batch=batch,
+            target=target,
+            loss_fn=loss_fn,
+            accumulating=trainer.accumulate_grad_batches > 1,
+            optimizer=None if settings.memory_optimizer else fitted_optimizer(module),
+            # Lightning zeroes the gradients after training_step: the last step's live through its
+            # forward where the engine cannot drop them first (engines/local/engine.py,
+            # drop_stale_gradients): a module zeroing them its own way.
+            stale_grads=bool(getattr(module, "automatic_optimization", True)) and zeroes_its_own_way(module),
+            layout=Layout(**spread) if spread else None,
+        )
 
 
 def fitted_optimizer(module: Any) -> Union[str, torch.optim.Optimizer]:

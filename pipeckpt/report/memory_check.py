@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from pipeckpt._errors import PipeckptWarning
 from pipeckpt.memory.budget import first_microbatch
+from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.report.probe import StageProbe, pipeline_layers
@@ -78,13 +79,14 @@ class MemoryCheck(L.Callback):
         inputs, target = batch[0], batch[1] if len(batch) > 1 and callable(loss_fn) else None
         chunks = settings.chunks
         layers = pipeline_layers(pl_module)
-        fitted = profile(
-            layers,
-            first_microbatch(inputs, chunks),
-            loss_fn=loss_fn if target is not None else None,
-            target=first_microbatch(target, chunks) if target is not None else None,
-            rounds=1,
-        )
+        with forward_context(trainer.precision_plugin, torch.device("cpu")):  # profiled as the step runs
+            fitted = profile(
+                layers,
+                first_microbatch(inputs, chunks),
+                loss_fn=loss_fn if target is not None else None,
+                target=first_microbatch(target, chunks) if target is not None else None,
+                rounds=1,
+            )
         prediction = predict(
             fitted,
             plan,

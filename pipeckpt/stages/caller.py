@@ -2,9 +2,12 @@
 
 Autocast and dispatch modes (``FlopCounterMode``, ``MemTracker``) are thread-local: a stage run
 on another thread than the caller's re-enters them (:class:`CallerState`); on the caller's own
-thread there is nothing to apply, at no cost. Autocast's weight-cast cache is held across one
-step's recomputes on a thread (:class:`StepCasts`), which run in backward, outside the caller's
-autocast, so a weight is cast once per step rather than once per recomputed micro-batch.
+thread there is nothing to apply, at no cost. Where the caller's autocast caches its weight casts
+(``torch.autocast``'s default), the cache is held across one step's recomputes on a thread
+(:class:`StepCasts`), which run in backward, outside the caller's autocast, so a weight is cast once
+per step rather than once per recomputed micro-batch. Where it does not (Lightning's mixed precision
+opens autocast without the cache), a recompute casts afresh, as each micro-batch's forward did, and
+holds its casts no longer than its own backward: the memory a profile of one micro-batch counts.
 """
 
 import contextlib
@@ -22,6 +25,8 @@ __all__ = [
     "CallerState",
     "StepCasts",
     "autocast_now",
+    "caches_casts",
+    "entered",
     "capture_caller_state",
     "hold_cast_cache",
     "release_cast_cache",
@@ -30,15 +35,29 @@ __all__ = [
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()
 
-# The autocast regions active on a thread: (device type, dtype) of each.
-Autocast = Tuple[Tuple[str, torch.dtype], ...]
+# The autocast regions active on a thread: (device type, dtype, whether weight casts are cached) of each.
+Autocast = Tuple[Tuple[str, torch.dtype, bool], ...]
 
 
 def autocast_now() -> Autocast:
     """The autocast regions active on this thread."""
+    cache = torch.is_autocast_cache_enabled()
     return tuple(
-        (d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d)
+        (d, torch.get_autocast_dtype(d), cache)
+        for d in _AUTOCAST_DEVICE_TYPES
+        if torch.is_autocast_enabled(d)
     )
+
+
+def caches_casts(autocast: Autocast) -> bool:
+    """Whether these regions keep their weight casts until the outermost one exits."""
+    return any(cache for _, _, cache in autocast)
+
+
+def entered(autocast: Autocast, stack: ExitStack) -> None:
+    """Enters ``autocast``'s regions on ``stack``, each as it was on the thread it was read on."""
+    for device_type, dtype, cache in autocast:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
 
 
 @dataclass(frozen=True)
@@ -78,8 +97,7 @@ class CallerState:
             push_dispatch_mode(mode)
         try:
             with ExitStack() as stack:
-                for device_type, dtype in self.autocast:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                entered(self.autocast, stack)
                 yield
         finally:
             for _ in pushed:

@@ -25,7 +25,14 @@ from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import Copies, Offloader, copies_for
 from pipeckpt.checkpointing.release import ReleasedAtUnpack
-from pipeckpt.stages.caller import StepCasts, autocast_now, hold_cast_cache, release_cast_cache
+from pipeckpt.stages.caller import (
+    StepCasts,
+    autocast_now,
+    caches_casts,
+    entered,
+    hold_cast_cache,
+    release_cast_cache,
+)
 from pipeckpt.stages.escapes import EscapeWatch
 from pipeckpt.stages.guards import Recomputing, RngState, batch_norms, side_effect_free
 from pipeckpt.stages.weight_pass import WeightPass, input_pass
@@ -130,10 +137,10 @@ class _Recompute(torch.autograd.Function):
             ctx.rng.restore()
             try:
                 if ctx.autocast:
-                    hold_cast_cache(ctx.step)
+                    if caches_casts(ctx.autocast):
+                        hold_cast_cache(ctx.step)
                     with ExitStack() as stack:
-                        for device_type, dtype in ctx.autocast:
-                            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                        entered(ctx.autocast, stack)
                         with torch.enable_grad(), release or _NOTHING:
                             output = stage._run_packed(ctx.packing, inputs)
                     if ctx.step.one_done():

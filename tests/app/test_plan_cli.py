@@ -123,3 +123,38 @@ def test_the_memory_available_is_linuxs_memavailable_as_psutil_reads_it() -> Non
 
     ours, theirs = available_memory(), psutil.virtual_memory().available
     assert abs(ours - theirs) <= 0.05 * theirs  # read moments apart on a machine others load
+
+
+def test_the_plan_under_bf16_mixed_is_profiled_under_lightnings_autocast() -> None:
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from pipeckpt.boundaries.contract import pipelined_sequential
+    from pipeckpt.memory.predict import predict
+    from pipeckpt.memory.profile import profile
+    from pipeckpt.plan import CONF, _batch, _loss, run
+    from pipeckpt.stages.partition import plan
+
+    torch.set_num_threads(1)
+    overrides = ["model=mlp", "strategy.stages=2", "ckpt=never", "memory.optimizer=sgd"]
+    fp32, _, _ = run(overrides)
+    bf16, _, _ = run([*overrides, "trainer.precision=bf16-mixed"])
+    # Independently: the same model and batch profiled under the region a bf16-mixed Trainer opens.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    inputs, targets = _batch(cfg)
+    torch.manual_seed(cfg.seed)
+    seq = pipelined_sequential(instantiate(cfg.model))
+    chunks = cfg.strategy.chunks
+    with MixedPrecision("bf16-mixed", "cpu").forward_context():
+        fitted = profile(
+            seq, inputs.chunk(chunks)[0], loss_fn=_loss, target=targets.chunk(chunks)[0], rounds=1
+        )
+    stage_plan = plan(seq, devices=[torch.device("cpu")], stages=2, checkpoint="never", chunks=chunks)
+    expected = predict(fitted, stage_plan, chunks=chunks, optimizer="sgd", schedule="local")
+    assert [s.activations for s in bf16.stages] == [s.activations for s in expected.stages]
+    assert [s.peak for s in bf16.stages] == [s.peak for s in expected.stages]
+    # Each micro-batch keeps its own bf16 casts of the weights for its backward: not fp32's figure.
+    assert [s.activations for s in bf16.stages] != [s.activations for s in fp32.stages]

@@ -229,7 +229,7 @@ def test_the_caller_state_is_applied_only_on_another_thread_and_only_if_there_is
     empty = capture_caller_state()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         caller = capture_caller_state()
-    assert caller.autocast == (("cpu", torch.bfloat16),) and caller.thread == threading.get_ident()
+    assert caller.autocast == (("cpu", torch.bfloat16, True),) and caller.thread == threading.get_ident()
     assert empty.autocast == () and empty.dispatch_modes == ()
     here = [caller.needs_applying(), empty.needs_applying(), CallerState(thread=None).needs_applying()]
     there = []
@@ -288,7 +288,9 @@ def test_a_stage_with_something_between_a_microbatch_and_its_layers_runs_forward
     stage = lone_stage(ALWAYS if what == "checkpointing" else NEVER)
     stage.backward_per_microbatch = what != "ordered gradients"
     caller = (
-        CallerState(autocast=(("cpu", torch.bfloat16),)) if what.startswith("autocast") else CallerState()
+        CallerState(autocast=(("cpu", torch.bfloat16, True),))
+        if what.startswith("autocast")
+        else CallerState()
     )
     stage.begin_step(2, caller)
     seen = []

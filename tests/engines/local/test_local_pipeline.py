@@ -2,7 +2,7 @@
 precision and what it refuses."""
 
 import threading
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -135,7 +135,9 @@ class MatmulDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def bf16_step(mode) -> Tuple[LocalPipeline, MatmulDtypes]:
+def bf16_step(
+    mode, region: Callable[[], Any] = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+) -> Tuple[LocalPipeline, MatmulDtypes]:
     pipe = engine(mode)
     weights = [
         s.partition[k].weight for s in pipe.stages for k in range(2) if hasattr(s.partition[k], "weight")
@@ -147,7 +149,7 @@ def bf16_step(mode) -> Tuple[LocalPipeline, MatmulDtypes]:
         if isinstance(s.partition[k], nn.Sequential)
     ]
     with MatmulDtypes(weights) as probe:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with region():
             out = pipe.forward(batch())
         out.float().pow(2).mean().backward()
     return pipe, probe
@@ -167,6 +169,19 @@ def test_each_weight_is_cast_once_per_forward_and_once_per_backward(mode, casts)
     _, probe = bf16_step(mode)
     assert len(probe.casts) == 6
     assert set(probe.casts.values()) == {casts}
+
+
+@pytest.mark.parametrize("mode, casts", [("never", 4), ("always", 8)])
+def test_under_lightnings_mixed_precision_each_forward_and_each_recompute_casts_its_own(mode, casts):
+    """Lightning opens autocast without its cast cache: a recompute casts afresh as the micro-batch's
+    forward did (4 micro-batches), keeping no cast past its own backward, as the memory model counts."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    _, probe = bf16_step(mode, MixedPrecision("bf16-mixed", "cpu").forward_context)
+    assert len(probe.casts) == 6
+    assert set(probe.casts.values()) == {casts}
+    assert torch.autocast_increment_nesting() == 1  # no nesting level held after the step
+    torch.autocast_decrement_nesting()
 
 
 def test_a_stopped_backward_leaves_no_cast_cache_behind():

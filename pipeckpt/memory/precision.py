@@ -1,0 +1,33 @@
+"""The autocast region a training step's forward runs in, to profile under it.
+
+Why: under ``bf16-mixed`` a layer keeps bf16 activations. A profile taken in fp32 counts them at
+twice their size: on a GPT block stack in bf16 on the CPU, 1.35-1.53x each stage's measured peak, so
+``checkpoint='auto'`` would recompute more than its budget asks and the plan command's table would
+not be the run's. The region is Lightning's own (a precision plugin's ``forward_context``): the plugin
+the Trainer steps under, or, for the plan command, the one ``trainer.precision`` names.
+"""
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+__all__ = ["forward_context", "MIXED"]
+
+#: Lightning's mixed precisions and the dtype each computes in under autocast.
+MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def forward_context(precision: Any, device: torch.device) -> ContextManager[Any]:
+    """What a step's forward runs under: ``precision`` is the Trainer's precision plugin, or a
+    precision's name as ``Trainer(precision=...)`` takes it. A mixed one is the region Lightning's
+    ``MixedPrecision`` plugin opens on ``device`` (autocast without its weight-cast cache, so each
+    micro-batch casts, and keeps, its own copies); nothing for the rest (``bf16-true`` computes in
+    the parameters' own dtype)."""
+    if isinstance(precision, Precision):
+        return precision.forward_context()
+    name = str(precision)
+    if name not in MIXED:
+        return nullcontext()
+    return MixedPrecision(name, device.type).forward_context()  # type: ignore[arg-type]
