@@ -1,7 +1,7 @@
 """The autocast region a training step's forward runs in, to profile under it.
 
 Why: under ``bf16-mixed`` a layer keeps bf16 activations. A profile taken in fp32 counts them at
-twice their size: on a GPT block stack in bf16 on the CPU, 1.35-1.53x each stage's measured peak, so
+twice their size: on a GPT block stack in bf16 on the CPU, 1.26-1.45x each stage's measured peak, so
 ``checkpoint='auto'`` would recompute more than its budget asks and the plan command's table would
 not be the run's. The region is Lightning's own (a precision plugin's ``forward_context``): the plugin
 the Trainer steps under, or, for the plan command, the one ``trainer.precision`` names.

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.stage_memory import StageTracker, split_batch
+from harness.stage_memory import StageTracker, measure_local_step, split_batch
 from support.trainers import QUIET
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -17,6 +17,7 @@ from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import process_peak
 from pipeckpt.memory.precision import forward_context
+from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.stages.partition import plan
 
@@ -67,6 +68,25 @@ def _measured_under_bf16(modes: List[str]) -> int:
 def test_a_bf16_mixed_step_is_predicted_within_five_percent_when_profiled_under_its_autocast(modes) -> None:
     measured = _measured_under_bf16(modes)
     assert _predicted("bf16-mixed", modes) == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always", "always:1"])
+def test_each_stage_of_a_bf16_mixed_step_is_predicted_within_half_a_percent(mode: str) -> None:
+    # One device per stage, as the model predicts it: the harness copies each stage's input in.
+    seq, x, y = _model_and_batch()
+    with forward_context("bf16-mixed", CPU):
+        fitted = profile(seq, split_batch(x, CHUNKS), loss_fn=_loss, target=split_batch(y, CHUNKS), rounds=1)
+    stage_plan = plan(seq, devices=[CPU], balance=[3, 4], checkpoint=mode, chunks=CHUNKS)
+    predicted = [s.peak for s in predict(fitted, stage_plan, chunks=CHUNKS, optimizer="sgd").stages]
+    measured, _ = measure_local_step(
+        seq,
+        stage_plan,
+        chunks=CHUNKS,
+        batch=x,
+        loss_fn=lambda out: _loss(out, y),
+        forward_context=lambda: forward_context("bf16-mixed", CPU),
+    )
+    assert predicted == pytest.approx(measured, rel=0.005)
 
 
 def test_an_fp32_profile_of_a_bf16_mixed_step_would_count_its_activations_a_third_too_large() -> None:
