@@ -22,7 +22,6 @@ from pipeckpt.engines.base import Engine
 from pipeckpt.memory.auto import DEFAULT_MODES, Choice, choose, parse_bytes
 from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
-from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
@@ -279,7 +278,7 @@ def _resolve_for(
     sequential = pipelined_sequential(module)
     spread = engine.memory_layout(sequential) if engine is not None else {}
     batch, target, loss_fn = sample_batch(module, loader, sequential)
-    with forward_context(trainer.precision_plugin, devices[0]):  # profiled as the step runs
+    with trainer.precision_plugin.forward_context():  # profiled as the step runs
         return resolve_auto(
             settings,
             sequential,

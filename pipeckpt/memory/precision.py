@@ -4,29 +4,28 @@ Why: under ``bf16-mixed`` a layer keeps bf16 activations. A profile taken in fp3
 twice their size: on a GPT block stack in bf16 on the CPU, 1.26-1.45x each stage's measured peak, so
 ``checkpoint='auto'`` would recompute more than its budget asks and the plan command's table would
 not be the run's. The region is Lightning's own (a precision plugin's ``forward_context``): the plugin
-the Trainer steps under, or, for the plan command, the one ``trainer.precision`` names.
+the Trainer steps under (``auto``, ``MemoryCheck``), or, for the plan command and the benchmarks,
+the one a precision's name makes (:func:`forward_context`).
 """
 
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 __all__ = ["forward_context", "MIXED"]
 
-#: Lightning's mixed precisions and the dtype each computes in under autocast.
-MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: Lightning's mixed precisions: the ones whose step runs under autocast.
+MIXED = ("bf16-mixed", "16-mixed")
 
 
 def forward_context(precision: Any, device: torch.device) -> ContextManager[Any]:
-    """What a step's forward runs under: ``precision`` is the Trainer's precision plugin, or a
-    precision's name as ``Trainer(precision=...)`` takes it. A mixed one is the region Lightning's
-    ``MixedPrecision`` plugin opens on ``device`` (autocast without its weight-cast cache, so each
-    micro-batch casts, and keeps, its own copies); nothing for the rest (``bf16-true`` computes in
-    the parameters' own dtype)."""
-    if isinstance(precision, Precision):
-        return precision.forward_context()
+    """What a step's forward runs under ``precision``, named as ``Trainer(precision=...)`` takes it
+    (a Trainer's own is ``trainer.precision_plugin.forward_context()``). A mixed one is the region
+    Lightning's ``MixedPrecision`` plugin opens on ``device``: autocast without its weight-cast cache,
+    so each micro-batch casts, and keeps, its own copies. Nothing for the rest (``bf16-true`` computes
+    in the parameters' own dtype)."""
     name = str(precision)
     if name not in MIXED:
         return nullcontext()

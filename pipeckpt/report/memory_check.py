@@ -15,7 +15,6 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from pipeckpt._errors import PipeckptWarning
 from pipeckpt.memory.budget import first_microbatch
-from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.report.probe import StageProbe, pipeline_layers
@@ -79,7 +78,7 @@ class MemoryCheck(L.Callback):
         inputs, target = batch[0], batch[1] if len(batch) > 1 and callable(loss_fn) else None
         chunks = settings.chunks
         layers = pipeline_layers(pl_module)
-        with forward_context(trainer.precision_plugin, torch.device("cpu")):  # profiled as the step runs
+        with trainer.precision_plugin.forward_context():  # profiled as the step runs
             fitted = profile(
                 layers,
                 first_microbatch(inputs, chunks),
