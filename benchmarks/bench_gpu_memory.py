@@ -28,17 +28,16 @@ column is then the storage count of the whole step)::
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from bench_gpu import MEDIUM, QUICK, QUICK_CPU, SMALL, STAGES, Shape
 from harness.machine import machine
-from harness.stage_memory import StageTracker, measure_local_step, split_batch
+from harness.stage_memory import measure_device_step, measure_local_step, split_batch
 from torch import Tensor, nn
 
 from pipeckpt.app.models.gpt import gpt_layers
-from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import process_peak
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import predict
@@ -74,36 +73,6 @@ def _model(shape: Shape, device: torch.device) -> Tuple[nn.Sequential, Tensor, T
     return layers, tokens[:, :-1], tokens[:, 1:]
 
 
-def _device_peak(
-    seq: nn.Sequential, stage_plan: Any, x: Tensor, y: Tensor, context: Callable[[], ContextManager[Any]]
-) -> int:
-    """The whole step's peak as the allocator (CUDA) or the storage count (elsewhere) has it,
-    parameters included, what was there before the step (the batch, the library's workspaces) not."""
-    engine = LocalPipeline(seq, stage_plan, chunks=CHUNKS, pin_memory=False)
-    params = sum(p.numel() * p.element_size() for p in seq.parameters())
-
-    def step() -> None:
-        with context():
-            loss = _loss(engine.forward(x), y)
-        loss.backward()
-        del loss
-        seq.zero_grad(set_to_none=True)
-
-    if x.device.type != "cuda":
-        tracker = StageTracker(1)
-        tracker.exclude([*seq.parameters(), x, y])
-        with tracker:
-            step()
-        return params + tracker.total_peak
-    step()  # warm-up: the kernels' workspaces are allocated once, and are not the model's
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return params + torch.cuda.max_memory_allocated() - before
-
-
 def rows(shape: Shape, precision: str, device: torch.device, modes: Sequence[str]) -> List[str]:
     seq, x, y = _model(shape, device)
     context = lambda: forward_context(precision, device)  # noqa: E731
@@ -123,7 +92,14 @@ def rows(shape: Shape, precision: str, device: torch.device, modes: Sequence[str
                 loss_fn=lambda o: _loss(o, y),
                 forward_context=context,
             )
-            on_device = _device_peak(seq, stage_plan, x, y, context)
+            on_device = measure_device_step(
+                seq,
+                stage_plan,
+                chunks=CHUNKS,
+                batch=x,
+                loss_fn=lambda o: _loss(o, y),
+                forward_context=context,
+            )
         except Exception as error:  # one mode out of memory must not cost the table
             out.append(
                 f"| {mode} | failed: {type(error).__name__}: {str(error).splitlines()[0][:160]} | | | |"

@@ -236,3 +236,33 @@ def test_compiled_selective_under_inductor_trains_as_never_to_1e_4(mode):
 def test_reduce_overhead_trains_as_eager_to_1e_4_with_every_mode_it_takes(mode):
     # CUDA graphs replay each layer's kernels; offload is refused with them (checkpointing/compiling.py)
     assert max_relative_difference(compiled_fit(mode, "reduce-overhead"), compiled_fit(mode, False)) <= 1e-4
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_the_memory_model_predicts_one_gpus_step_within_ten_percent_of_max_memory_allocated(mode, precision):
+    # All stages on the one GPU: the model's peak for the device against the allocator's, the profile
+    # taken on the GPU under the step's autocast as auto and the plan command take it.
+    from harness.stage_memory import measure_device_step
+
+    from pipeckpt.memory.auto import process_peak
+    from pipeckpt.memory.precision import forward_context
+    from pipeckpt.memory.profile import profile
+
+    torch.manual_seed(0)
+    seq = gpt_layers(vocab_size=256, d_model=128, n_heads=4, n_layers=8, seq_len=512, dropout=0.0).to(CUDA0)
+    tokens = torch.randint(0, 256, (32, 513), generator=torch.Generator().manual_seed(1)).to(CUDA0)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+
+    region = lambda: forward_context(precision, CUDA0)  # noqa: E731
+    with region():
+        fitted = profile(seq, x.chunk(4)[0], loss_fn=loss, target=y.chunk(4)[0], rounds=1)
+    stage_plan = plan(seq, devices=[CUDA0], balance=[3, 4, 4], checkpoint=mode, chunks=4)
+    predicted = process_peak(fitted, stage_plan, chunks=4, optimizer="sgd")
+    measured = measure_device_step(
+        seq, stage_plan, chunks=4, batch=x, loss_fn=lambda out: loss(out, y), forward_context=region
+    )
+    assert predicted == pytest.approx(measured, rel=0.10)

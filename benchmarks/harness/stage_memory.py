@@ -137,6 +137,45 @@ def measure_local_step(
     return [p + peak for p, peak in zip(params, tracker.peak)], tracker.total_peak
 
 
+def measure_device_step(
+    sequential: nn.Sequential,
+    plan: StagePlan,
+    *,
+    chunks: int,
+    batch: Any,
+    loss_fn: Callable[[Tensor], Tensor],
+    forward_context: Callable[[], ContextManager[Any]] = nullcontext,
+) -> int:
+    """The peak bytes of one ``LocalPipeline`` step with every stage on one device, parameters
+    included, what existed before the step (the batch, a library's workspaces) not: on CUDA the
+    allocator's ``max_memory_allocated`` over a step after a warm-up step, elsewhere every storage
+    the step creates. ``forward_context`` as in :func:`measure_local_step`."""
+    engine = LocalPipeline(sequential, plan, chunks=chunks, pin_memory=False)
+    params = sum(p.numel() * p.element_size() for p in sequential.parameters())
+
+    def step() -> None:
+        with forward_context():
+            loss = loss_fn(engine.forward(batch))
+        loss.backward()
+        del loss
+        sequential.zero_grad(set_to_none=True)
+
+    sequential.zero_grad(set_to_none=True)
+    if not isinstance(batch, Tensor) or batch.device.type != "cuda":
+        tracker = StageTracker(1)
+        tracker.exclude([*sequential.parameters(), *sequential.buffers(), batch])
+        with tracker:
+            step()
+        return params + tracker.total_peak
+    step()  # warm-up: kernels' workspaces are allocated once, and are not the model's
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return params + torch.cuda.max_memory_allocated() - before
+
+
 def split_batch(batch: Any, chunks: int) -> Any:
     """The first micro-batch of ``batch`` (as torchgpipe's scatter cuts it)."""
     if isinstance(batch, Tensor):
@@ -144,4 +183,4 @@ def split_batch(batch: Any, chunks: int) -> Any:
     return type(batch)(t.chunk(chunks)[0] for t in batch)
 
 
-__all__: Sequence[str] = ["StageTracker", "measure_local_step", "split_batch"]
+__all__: Sequence[str] = ["StageTracker", "measure_device_step", "measure_local_step", "split_batch"]

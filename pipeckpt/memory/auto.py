@@ -24,12 +24,10 @@ from pipeckpt.checkpointing.modes import (
     parse_mode,
     parse_modes,
 )
-from pipeckpt.checkpointing.order import kept as kept_microbatches
+from pipeckpt.memory.one_device import compose, gathered_gradient, held_per_step, process_peak
 from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.schedule import op_order
 from pipeckpt.memory.sharding import RankState, on_rank
-from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.sizes import human, parse_bytes
 from pipeckpt.stages.partition import StagePlan
@@ -210,40 +208,6 @@ def _predict_on_ranks(
     return replace(prediction, stages=ranks)
 
 
-def process_peak(
-    profile: ModelProfile,
-    plan: StagePlan,
-    *,
-    chunks: int,
-    optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
-    accumulating: bool = False,
-    stale_grads: bool = False,
-) -> int:
-    """The whole process's predicted peak bytes when every stage of ``plan`` runs on one device
-    under the local engine (module docstring): parameters, optimizer state, gradients, activations
-    and working memory of all stages together at the worst moment."""
-    prediction = predict(
-        profile,
-        plan,
-        chunks=chunks,
-        optimizer=optimizer,
-        accumulating=accumulating,
-        shared_device=True,
-        stale_grads=stale_grads,
-    )
-    if profile.outside is not None:  # a pipeline_of model: walked as it runs, depth first
-        return predict_depth_first(
-            profile,
-            plan,
-            chunks=chunks,
-            optimizer=optimizer,
-            accumulating=accumulating,
-            stale_grads=stale_grads,
-        ).peak
-    held = _held_per_step(profile, plan.balance, plan.modes, chunks)
-    return _compose(list(prediction.stages), held, chunks, stale_grads)
-
-
 def _depth_first_peak(
     profile: ModelProfile,
     balance: Sequence[int],
@@ -258,53 +222,6 @@ def _depth_first_peak(
     return predict_depth_first(
         profile, plan, chunks=chunks, optimizer=optimizer, accumulating=accumulating, stale_grads=stale_grads
     ).peak
-
-
-def _held_per_step(
-    profile: ModelProfile, balance: Sequence[int], modes: Sequence[CheckpointMode], chunks: int
-) -> List[int]:
-    """Per stage, the bytes its micro-batches keep from their forward to their backward, all of them."""
-    order, _ = op_order("local", stages=len(balance), microbatches=chunks)
-    out, start = [], 0
-    for j, (n, mode) in enumerate(zip(balance, modes)):
-        # memory.py's per-stage model, read for one quantity it already computes (same package).
-        model = _StageModel(profile, start, start + n, first=j == 0, last=j == len(balance) - 1, local=True)
-        keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
-        total = 0
-        for i in range(chunks):
-            recompute = mode.recomputes(i, chunks, keep=keep)
-            total += model.kept(mode, recompute, function=recompute or chunks > 1)
-        if j == len(balance) - 1 and profile.outside is not None:  # a pipeline_of model's head
-            total += chunks * profile.outside.held
-        out.append(total)
-        start += n
-    return out
-
-
-def _compose(
-    stages: Sequence[StageMemory], held: Sequence[int], chunks: int, stale_grads: bool = False
-) -> int:
-    """The process peak from per-stage peaks: while stage j peaks (in its backward), the stages
-    before it hold all they kept, those after it their gradients (frozen parameters have none) and
-    the micro-batches their drain has not reached (stage j + d is about d micro-batches ahead of
-    stage j). ``stale_grads``: a peak in the forward also has the gradients of the stages before it
-    from the step before."""
-    static = sum(s.params + s.optimizer for s in stages)
-    worst = 0
-    for j, s in enumerate(stages):
-        own = s.peak - s.params - s.optimizer
-        if s.peak_at == "optimizer step":  # every gradient made, nothing else held
-            worst = max(worst, own + sum(t.params - t.frozen for k, t in enumerate(stages) if k != j))
-            continue
-        before = sum(held[:j])
-        if stale_grads and (s.peak_at.startswith("F") or s.peak_at == "gather"):
-            before += sum(stages[k].params - stages[k].frozen for k in range(j))
-        after = sum(
-            stages[k].params - stages[k].frozen + held[k] * max(0, chunks - 1 - (k - j)) // chunks
-            for k in range(j + 1, len(stages))
-        )
-        worst = max(worst, own + before + after)
-    return static + worst
 
 
 def _search_shared(
@@ -322,7 +239,8 @@ def _search_shared(
     ``whole_of``: the process peak of a combination, where the per-stage terms do not compose to it
     (a ``pipeline_of`` model, walked depth first)."""
     stages = len(balance)
-    held = {m.name: _held_per_step(profile, balance, (m,) * stages, chunks) for m in ranked}
+    held = {m.name: held_per_step(profile, balance, (m,) * stages, chunks) for m in ranked}
+    tail = gathered_gradient(profile, balance, chunks)
 
     def terms(j: int, m: CheckpointMode) -> Tuple[float, int, int]:
         s = per_mode[m.name].stages[j]
@@ -345,7 +263,8 @@ def _search_shared(
         if whole_of is not None:
             whole = whole_of(picked)
         else:
-            whole = _compose(memories, [held[m.name][j] for j, m in enumerate(picked)], chunks, stale_grads)
+            holds = [held[m.name][j] for j, m in enumerate(picked)]
+            whole = compose(memories, holds, chunks, stale_grads, tail=tail)
         if least is None or whole < least[0]:
             least = (whole, max(memories, key=lambda s: s.peak - s.params - s.optimizer))
         if whole > budget_bytes:

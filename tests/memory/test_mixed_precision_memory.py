@@ -7,14 +7,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.stage_memory import StageTracker, measure_local_step, split_batch
+from harness.stage_memory import measure_device_step, measure_local_step, split_batch
 from support.trainers import QUIET
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models.gpt import gpt_layers
-from pipeckpt.engines.local.pipeline import LocalPipeline
 from pipeckpt.memory.auto import process_peak
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import predict
@@ -50,18 +49,16 @@ def _predicted(precision: str, modes: List[str]) -> int:
 
 def _measured_under_bf16(modes: List[str]) -> int:
     """The whole process's peak of one step as a bf16-mixed Trainer runs it: forward and loss under
-    autocast, backward after it; every storage the step creates, parameters added."""
+    Lightning's autocast, backward after it; every storage the step creates, parameters added."""
     seq, x, y = _model_and_batch()
-    stage_plan = plan(seq, devices=[CPU], balance=[3, 4], checkpoint=modes, chunks=CHUNKS)
-    engine = LocalPipeline(seq, stage_plan, chunks=CHUNKS, pin_memory=False)
-    tracker = StageTracker(1)
-    tracker.exclude([*seq.parameters(), x, y])
-    with tracker:
-        with forward_context("bf16-mixed", CPU):  # Lightning's own region, as its Trainer opens it
-            loss = _loss(engine.forward(x), y)
-        loss.backward()
-        del loss
-    return tracker.total_peak + sum(p.numel() * p.element_size() for p in seq.parameters())
+    return measure_device_step(
+        seq,
+        plan(seq, devices=[CPU], balance=[3, 4], checkpoint=modes, chunks=CHUNKS),
+        chunks=CHUNKS,
+        batch=x,
+        loss_fn=lambda out: _loss(out, y),
+        forward_context=lambda: forward_context("bf16-mixed", CPU),
+    )
 
 
 @pytest.mark.parametrize("modes", [["never", "never"], ["always", "always"], ["always:1", "never"]])
