@@ -44,6 +44,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from harness.machine import machine
+from harness.tables import emit
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -356,10 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         methods = [m for m in methods if "reduce-overhead" not in m]
     for shape, precision in plans:
         lines += table(shape, precision, methods, rounds=rounds, steps=steps, warmup=warmup)
-        text = "\n".join(lines) + "\n"
-        print(text, flush=True)
-        if args.out is not None:  # after each table, so a run cut short keeps what it measured
-            args.out.write_text(text)
+        emit(lines, args.out)
     return 0
 
 

@@ -32,12 +32,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import MEDIUM, QUICK, QUICK_CPU, SMALL, STAGES, Shape
+from bench_gpu import MEDIUM, QUICK, QUICK_CPU, SMALL, STAGES, Model, Shape
 from harness.machine import machine
 from harness.stage_memory import measure_device_step, measure_local_step, split_batch
+from harness.tables import emit
 from torch import Tensor, nn
 
-from pipeckpt.app.models.gpt import gpt_layers
 from pipeckpt.memory.auto import process_peak
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import predict
@@ -59,15 +59,7 @@ def _loss(out: Tensor, target: Tensor) -> Tensor:
 
 
 def _model(shape: Shape, device: torch.device) -> Tuple[nn.Sequential, Tensor, Tensor]:
-    torch.manual_seed(0)
-    layers = gpt_layers(
-        vocab_size=shape.vocab_size,
-        d_model=shape.d_model,
-        n_heads=shape.n_heads,
-        n_layers=shape.n_layers,
-        seq_len=shape.seq_len,
-        dropout=0.0,
-    ).to(device)
+    layers = Model(shape, "plain").layers.to(device)  # bench_gpu.py's model, seed 0
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, shape.vocab_size, (shape.batch, shape.seq_len + 1), generator=g).to(device)
     return layers, tokens[:, :-1], tokens[:, 1:]
@@ -84,22 +76,9 @@ def rows(shape: Shape, precision: str, device: torch.device, modes: Sequence[str
             stage_plan = plan(seq, devices=[device], stages=STAGES, checkpoint=mode, chunks=CHUNKS)
             predicted = predict(fitted, stage_plan, chunks=CHUNKS, optimizer="sgd")
             whole = process_peak(fitted, stage_plan, chunks=CHUNKS, optimizer="sgd")
-            measured, _ = measure_local_step(
-                seq,
-                stage_plan,
-                chunks=CHUNKS,
-                batch=x,
-                loss_fn=lambda o: _loss(o, y),
-                forward_context=context,
-            )
-            on_device = measure_device_step(
-                seq,
-                stage_plan,
-                chunks=CHUNKS,
-                batch=x,
-                loss_fn=lambda o: _loss(o, y),
-                forward_context=context,
-            )
+            step = dict(chunks=CHUNKS, batch=x, loss_fn=lambda o: _loss(o, y), forward_context=context)
+            measured, _ = measure_local_step(seq, stage_plan, **step)
+            on_device = measure_device_step(seq, stage_plan, **step)
         except Exception as error:  # one mode out of memory must not cost the table
             out.append(
                 f"| {mode} | failed: {type(error).__name__}: {str(error).splitlines()[0][:160]} | | | |"
@@ -162,10 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             *rows(shape, precision, device, args.modes.split(",")),
             "",
         ]
-        text = "\n".join(lines) + "\n"
-        print(text, flush=True)
-        if args.out is not None:  # after each plan, so a run cut short keeps what it measured
-            args.out.write_text(text)
+        emit(lines, args.out)
     return 0
 
 

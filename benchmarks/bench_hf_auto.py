@@ -53,6 +53,7 @@ import torch
 import transformers
 from harness.live_bytes import LiveBytes
 from harness.machine import machine
+from harness.tables import emit
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -270,10 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"[{min(ratios):.2f}-{max(ratios):.2f}] | {statistics.median(walls[key]):.2f} | "
             f"{statistics.median(wall_ratios):.2f} [{min(wall_ratios):.2f}-{max(wall_ratios):.2f}] |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    emit(lines, args.out)
     return 0
 
 
