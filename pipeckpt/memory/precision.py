@@ -14,10 +14,13 @@ from typing import Any, ContextManager
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-__all__ = ["forward_context", "MIXED"]
+from pipeckpt.memory.sharding import PRECISIONS
 
-#: Lightning's mixed precisions: the ones whose step runs under autocast.
-MIXED = ("bf16-mixed", "16-mixed")
+__all__ = ["forward_context"]
+
+#: Lightning's mixed precisions, the ones whose step runs under autocast: those that compute in
+#: another dtype than they keep the parameters in (the one table of precision names, memory/sharding.py).
+_MIXED = tuple(name for name, (compute, kept) in PRECISIONS.items() if compute != kept)
 
 
 def forward_context(precision: Any, device: torch.device) -> ContextManager[Any]:
@@ -27,6 +30,6 @@ def forward_context(precision: Any, device: torch.device) -> ContextManager[Any]
     so each micro-batch casts, and keeps, its own copies. Nothing for the rest (``bf16-true`` computes
     in the parameters' own dtype)."""
     name = str(precision)
-    if name not in MIXED:
+    if name not in _MIXED:
         return nullcontext()
     return MixedPrecision(name, device.type).forward_context()  # type: ignore[arg-type]
