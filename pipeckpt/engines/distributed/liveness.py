@@ -8,6 +8,7 @@ than timestamps, so that the clocks of different nodes never meet (docs/DESIGN.m
 engines/distributed/liveness).
 """
 
+import atexit
 import json
 import os
 import socket
@@ -53,11 +54,18 @@ class Liveness:
         self._store.add(f"beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._beat, name="pipeckpt-liveness", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # a process that exits without a teardown stops the beat too
 
     def stop(self) -> None:
+        """Ends the beat, and returns only once its thread has left the store. Why wait: a daemon
+        thread still inside a store call when the interpreter finalises aborts the whole process
+        ("terminate called without an active exception": torch's binding takes the GIL back in a
+        destructor that may not unwind), and a teardown under load can outlast any short wait.
+        The wait is bounded all the same: a store call returns or raises within the store's timeout."""
         self._stop.set()
+        atexit.unregister(self.stop)
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.period)
+            self._thread.join()
             self._thread = None
 
     def _beat(self) -> None:
