@@ -35,7 +35,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 WEIGHTS_INDEX = "model.safetensors.index.json"
 #: The most bytes of one shard read from the checkpoint at once (a larger tensor is read alone): the
 #: export holds this much, plus the tensor DCP's reader loads before copying it out, never a shard.
-#: Smaller costs a ``sharded.load`` call (metadata, rank 0's file) per group.
+#: Smaller costs a ``sharded.load`` call per group (a DCP read plan; the index is read once).
 READ_BYTES = 16 * 2**20
 #: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
 _EXPORT_FILES = re.compile(

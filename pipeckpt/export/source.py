@@ -9,13 +9,13 @@ the checkpoint (:mod:`pipeckpt.state.confined`, :mod:`pipeckpt.state.safe_load`)
 
 import os
 from pathlib import Path
-from typing import Any, Collection, Dict, Union
+from typing import Any, Collection, Dict, Optional, Union
 
 import torch
 
 from pipeckpt._errors import config_error
 from pipeckpt.state import safe_load, sharded
-from pipeckpt.state.sharded_index import model_index
+from pipeckpt.state.sharded_index import ShardedIndex, read_index
 
 __all__ = ["CheckpointSource"]
 
@@ -28,9 +28,11 @@ class CheckpointSource:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self._file: Dict[str, Any] = {}
+        self._index: Optional[ShardedIndex] = None  # a sharded directory's, read once
         if self.path.is_dir():
-            index, _ = model_index(sharded.require_sharded(self.path), weights_only=True)
-            self.shapes = {k: v for k, v in index.items() if isinstance(v, torch.Tensor)}
+            self._index = read_index(sharded.require_sharded(self.path), weights_only=True)
+            stored, _ = self._index.model()
+            self.shapes = {k: v for k, v in stored.items() if isinstance(v, torch.Tensor)}
         elif self.path.is_file():
             checkpoint = safe_load.load_torch_file(self.path, weights_only=True, mmap=True)
             state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
@@ -54,5 +56,7 @@ class CheckpointSource:
         the memory-mapped tensors themselves: their pages are the file's (page cache the kernel may
         drop), so an export writing them holds none of them (benchmarks/RESULTS_export.md)."""
         if not self._file:
-            return dict(sharded.load(self.path, keys=keys, weights_only=True)["state_dict"])
+            return dict(
+                sharded.load(self.path, keys=keys, weights_only=True, index=self._index)["state_dict"]
+            )
         return {key: self._file[key] for key in keys}

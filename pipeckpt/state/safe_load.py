@@ -260,19 +260,24 @@ class SafeReader(dcp.FileSystemReader):
     """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`, that opens no file
     outside its directory (:mod:`pipeckpt.state.confined`: every file the metadata names is checked
     before any is read), and whose refusals of a shard's content (with :class:`SafeLoadPlanner`)
-    name the shard file."""
+    name the shard file. ``metadata``: the directory's index as this reader's ``read_metadata`` read
+    it before, handed back instead of read again."""
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, *, metadata: Optional[Metadata] = None) -> None:
         super().__init__(path)
         self.recording = _RecordingFileSystem()
         self.fs = self.recording
+        self.known = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        index = confined.inside(self.path, name, "DCP's index of the shards")
-        metadata = read_dcp_metadata(index)
-        confined.require_inside(self.path, confined.storage_files(self.path, metadata, _key_of(metadata)))
+        if self.known is not None and rank is None:
+            metadata = self.known
+        else:
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            index = confined.inside(self.path, name, "DCP's index of the shards")
+            metadata = read_dcp_metadata(index)
+            confined.require_inside(self.path, confined.storage_files(self.path, metadata, _key_of(metadata)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

@@ -32,10 +32,12 @@ from pipeckpt._errors import (
     checkpoint_error,
     config_error,
 )
-from pipeckpt.state import confined, safe_load
+from pipeckpt.state import safe_load
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import atomic_write
 from pipeckpt.state.save_errors import NamingWriter, checkpoint_bytes, named, not_written
+from pipeckpt.state.sharded_index import DCP_METADATA as _DCP_METADATA
+from pipeckpt.state.sharded_index import META_FILE, ShardedIndex, read_index
 
 __all__ = [
     "META_FILE",
@@ -48,10 +50,6 @@ __all__ = [
     "to_torch_save",
 ]
 
-META_FILE = "pipeckpt-meta.pt"
-"""Rank 0's part of the checkpoint: every entry but the tensors' (a ``torch.save`` file)."""
-
-_DCP_METADATA = ".metadata"  # the file DCP's FileSystemWriter commits last
 _FORMAT_KEY, _FORMAT = "pipeckpt_sharded_format", 1
 _MODEL, _OPTIM = "state_dict", "optimizer_states"  # top-level keys of the DCP state dict
 _NO_DIST = "torch.distributed is disabled"  # DCP warns so whenever it runs in one process
@@ -303,19 +301,23 @@ def _wanted(path: Sequence[str | int], keys: Collection[str] | None) -> bool:
 
 
 def load(
-    path: str | os.PathLike, *, keys: Collection[str] | None = None, weights_only: bool | None = None
+    path: str | os.PathLike,
+    *,
+    keys: Collection[str] | None = None,
+    weights_only: bool | None = None,
+    index: ShardedIndex | None = None,
 ) -> dict[str, Any]:
     """The Lightning checkpoint in the sharded directory ``path``, read by this process alone (no
     collective, a process group or none).
 
     ``state_dict`` holds ``keys`` (None: all), and each ``optimizer_states[i]["state"]`` the state of
     those of them that are parameters, keyed by name; only those tensors' bytes are read, onto the CPU.
-    ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does.
+    ``weights_only`` is passed to ``torch.load`` for rank 0's part, as Lightning does. ``index``:
+    ``path``'s index as :func:`~pipeckpt.state.sharded_index.read_index` read it (then not read again).
     """
     root = require_sharded(path)
-    metadata = safe_load.SafeReader(root).read_metadata()  # refuses files outside root, reads none
-    rest = confined.inside(root, META_FILE, "rank 0's part of the checkpoint")
-    checkpoint = safe_load.load_torch_file(rest, weights_only=weights_only)
+    index = index or read_index(root, weights_only=weights_only)
+    metadata = index.metadata
     stored = metadata.state_dict_metadata
     paths: dict[str, tuple[str | int, ...]] = metadata.planner_data  # DCP's key -> our nested path
     if keys is not None:
@@ -339,11 +341,14 @@ def load(
             _set(wanted, nested, None)  # DCP puts the unpickled object here
     _require_shards(root, metadata, {key for key, nested in paths.items() if _wanted(nested, keys)})
     if any(wanted.values()):
-        _read(wanted, root)
+        _read(wanted, index)
+    checkpoint = {key: value for key, value in index.rest.items() if key != _FORMAT_KEY}
     checkpoint[_MODEL] = wanted[_MODEL]
-    for number, optimizer in enumerate(checkpoint.get(_OPTIM, [])):
-        optimizer["state"] = wanted[_OPTIM].get(str(number), {})
-    del checkpoint[_FORMAT_KEY]
+    if _OPTIM in checkpoint:  # the index's own dicts stay as read
+        checkpoint[_OPTIM] = [
+            {**optimizer, "state": wanted[_OPTIM].get(str(number), {})}
+            for number, optimizer in enumerate(checkpoint[_OPTIM])
+        ]
     return checkpoint
 
 
@@ -362,14 +367,15 @@ def _require_shards(root: Path, metadata: Any, keys: Collection[str]) -> None:
             )
 
 
-def _read(wanted: dict[str, Any], root: Path) -> None:
+def _read(wanted: dict[str, Any], index: ShardedIndex) -> None:
     """Fills ``wanted`` from the shards, this process alone; byte items weights-only."""
+    root = index.root
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
             dcp.load(
                 wanted,
-                storage_reader=safe_load.SafeReader(root),
+                storage_reader=safe_load.SafeReader(root, metadata=index.metadata),
                 planner=safe_load.SafeLoadPlanner(),
                 no_dist=True,
             )

@@ -21,7 +21,7 @@ from pipeckpt.engines.base import optimizer_param_names
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.state import safe_load, sharded
 from pipeckpt.state.fit import check_fits
-from pipeckpt.state.sharded_index import model_index
+from pipeckpt.state.sharded_index import read_index
 
 __all__: List[str] = []
 
@@ -95,13 +95,15 @@ class StateIO:
         checkpoint lacks are left as they are, as Lightning's non-strict load does."""
         mine = StateIO.module_state_dict(module)
         keys = list(mine)
+        index = None
         if sharded.is_sharded(path):  # an incomplete one is named by sharded.load
-            index, hparams = model_index(path, weights_only=weights_only)
+            index = read_index(path, weights_only=weights_only)
+            stored, hparams = index.model()
             strict = bool(getattr(module, "strict_loading", True))
-            found = {"state_dict": index, "hyper_parameters": hparams}
+            found = {"state_dict": stored, "hyper_parameters": hparams}
             check_fits(module, mine, found, strict=strict, source=str(path))
-            keys = keys if strict else [key for key in keys if key in index]
-        return sharded.load(path, keys=keys, weights_only=weights_only)
+            keys = keys if strict else [key for key in keys if key in stored]
+        return sharded.load(path, keys=keys, weights_only=weights_only, index=index)
 
     @staticmethod
     def load_module_state(module: LightningModule, state: Dict[str, Any], strict: bool) -> None:
