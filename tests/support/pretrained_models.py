@@ -136,3 +136,23 @@ class FromScratch(FromPretrained):
         if self.model is None:
             torch.manual_seed(self.seed)
             self.model = transformers.AutoModelForCausalLM.from_config(config(self.name))
+
+
+def held_whole(module: nn.Module) -> Dict[str, Tensor]:
+    """The tensors ``module`` holds for real, whole (an FSDP shard gathered), copied."""
+    out = {}
+    for k, v in module.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if not v.is_meta:
+            out[k] = v.detach().clone()
+    return out
+
+
+class HeldAtStart(L.Callback):
+    """What the module's ``model`` holds when the fit starts (:func:`held_whole`)."""
+
+    def __init__(self) -> None:
+        self.held: Dict[str, Tensor] = {}
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.held = held_whole(module.model)

@@ -13,40 +13,23 @@ from typing import Any, Dict
 import lightning as L
 import torch
 from support.pretrained_lora import LoraFromPretrained
-from support.pretrained_models import loader
+from support.pretrained_models import HeldAtStart, held_whole, loader
 from support.ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.export import HFExport
 
 
-def _real(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    out = {}
-    for k, v in module.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        if not v.is_meta:
-            out[k] = v.detach().clone()
-    return out
-
-
-class AtStart(L.Callback):
-    def __init__(self) -> None:
-        self.held: Dict[str, torch.Tensor] = {}
-
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        self.held = _real(module.model)
-
-
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     L.seed_everything(11)
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
-    at_start = AtStart()
+    at_start = HeldAtStart()
     export = HFExport(Path(out) / f"{spec['name']}-hf")
     trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[at_start, export])
     module = LoraFromPretrained(Path(spec["path"]))
     trainer.fit(module, loader())
     trainer.save_checkpoint(Path(out) / f"{spec['name']}.ckpt")
-    result = dict(at_start=at_start.held, trained=_real(module.model))
+    result = dict(at_start=at_start.held, trained=held_whole(module.model))
     torch.save(result, Path(out) / f"{spec['name']}_rank{trainer.global_rank}.pt")
 
 

@@ -13,34 +13,16 @@ from typing import Any, Dict
 
 import lightning as L
 import torch
-from support.pretrained_models import FromPretrained, FromScratch, keys_read, loader
+from support.pretrained_models import FromPretrained, FromScratch, HeldAtStart, held_whole, keys_read, loader
 from support.ranks import quiet_trainer, serve
 
 from pipeckpt import PipelineStrategy
 
 
-def _real(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The tensors held for real, whole (an FSDP shard gathered)."""
-    out = {}
-    for k, v in module.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        if not v.is_meta:
-            out[k] = v.detach().clone()
-    return out
-
-
-class AtStart(L.Callback):
-    def __init__(self) -> None:
-        self.held: Dict[str, torch.Tensor] = {}
-
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        self.held = _real(module.model)
-
-
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     L.seed_everything(11)
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
-    at_start = AtStart()
+    at_start = HeldAtStart()
     trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[at_start])
     if spec.get("scratch"):
         module: FromPretrained = FromScratch(spec["model"], build=spec["build"])
@@ -49,7 +31,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     with keys_read() as read:
         trainer.fit(module, loader())
     stages = [stage.index for stage in strategy.stages]
-    result = dict(read=sorted(read), stages=stages, at_start=at_start.held, trained=_real(module.model))
+    result = dict(read=sorted(read), stages=stages, at_start=at_start.held, trained=held_whole(module.model))
     torch.save(result, Path(out) / f"{spec['name']}_rank{trainer.global_rank}.pt")
 
 
