@@ -147,10 +147,10 @@ def test_a_process_that_exits_while_its_beat_is_inside_a_store_call_exits_cleanl
         for _ in range(EXITS)
     ]
     try:
-        ended = [(p.communicate(timeout=120)[1], p.returncode)[::-1] for p in procs]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert ended == [(0, "")] * EXITS, ended
+    assert [p.returncode for p in procs] == [0] * EXITS, errors  # an abort is -6 (SIGABRT)
