@@ -5,7 +5,7 @@ the directory (:func:`pipeckpt.pretrained`). Shared by the pretrained tests and 
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Set
+from typing import Any, Callable, Dict, Iterator, List, Set
 
 import lightning as L
 import safetensors
@@ -149,10 +149,11 @@ def held_whole(module: nn.Module) -> Dict[str, Tensor]:
 
 
 class HeldAtStart(L.Callback):
-    """What the module's ``model`` holds when the fit starts (:func:`held_whole`)."""
+    """What the module's ``model`` holds when the fit starts, as ``read`` (:func:`held_whole`) reads it."""
 
-    def __init__(self) -> None:
-        self.held: Dict[str, Tensor] = {}
+    def __init__(self, read: Callable[[nn.Module], Dict[str, Any]] = held_whole) -> None:
+        self.read = read
+        self.held: Dict[str, Any] = {}
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
-        self.held = held_whole(module.model)
+        self.held = self.read(module.model)

@@ -21,7 +21,7 @@ import lightning as L
 import safetensors
 import torch
 import transformers
-from support.pretrained_models import FromPretrained, keys_read
+from support.pretrained_models import FromPretrained, HeldAtStart, keys_read
 from support.ranks import quiet_trainer, serve
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -100,14 +100,6 @@ def held(module: nn.Module) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-class AtStart(L.Callback):
-    def __init__(self) -> None:
-        self.held: Dict[str, Any] = {}
-
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        self.held = held(module.model)
-
-
 @contextmanager
 def bytes_read() -> Iterator[List[int]]:
     """The bytes of every tensor read through ``safetensors.safe_open`` (whole, or a slice's)."""
@@ -158,7 +150,7 @@ def bytes_read() -> Iterator[List[int]]:
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     settings = spec["strategy"]
     strategy = PipelineStrategy(engine="distributed", **settings)
-    at_start = AtStart()
+    at_start = HeldAtStart(held)
     clip = spec.get("clip")
     trainer = quiet_trainer(strategy, world, max_steps=STEPS, gradient_clip_val=clip, callbacks=[at_start])
     if spec["build"] == "pretrained":
