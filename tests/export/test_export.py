@@ -6,7 +6,7 @@ CLI and the ``HFExport`` callback."""
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ import pipeckpt
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.export import HFExport, export_hf
 from pipeckpt.export import hf as export_hf_module
-from pipeckpt.export import source as export_source
 from pipeckpt.export.__main__ import main as cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,15 +107,9 @@ def test_the_export_holds_no_optimizer_state_only_config_and_weights(trained, tm
     assert stored == len(_hf_state(module))  # the model's tensors, nothing else
 
 
-def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, tmp_path, monkeypatch):
+def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, tmp_path, source_reads):
     module, ckpt = trained["llama"]
-    reads: List[List[str]] = []
-    original = export_source.CheckpointSource.read
-    monkeypatch.setattr(
-        export_source.CheckpointSource,
-        "read",
-        lambda self, keys: reads.append(list(keys)) or original(self, keys),
-    )
+    reads = source_reads
     out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(reads) == len(set(index.values())) > 2
@@ -124,17 +117,13 @@ def test_each_read_of_the_checkpoint_asks_for_at_most_one_shards_keys(trained, t
         assert len({index[k.removeprefix("model.")] for k in keys}) == 1
 
 
-def test_a_shard_is_read_a_few_tensors_at_a_time_and_still_loads_exactly(trained, tmp_path, monkeypatch):
+def test_a_shard_is_read_a_few_tensors_at_a_time_and_still_loads_exactly(
+    trained, tmp_path, monkeypatch, source_reads
+):
     module, ckpt = trained["llama"]
     budget = 4096  # bytes: the tiny Llama's one shard read in many groups
     monkeypatch.setattr(export_hf_module, "READ_BYTES", budget)
-    reads: List[List[str]] = []
-    original = export_source.CheckpointSource.read
-    monkeypatch.setattr(
-        export_source.CheckpointSource,
-        "read",
-        lambda self, keys: reads.append(list(keys)) or original(self, keys),
-    )
+    reads = source_reads
     out = _export(module, ckpt, tmp_path)
     assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"] and len(reads) > 2
     want = _hf_state(module)

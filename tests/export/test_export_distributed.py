@@ -117,15 +117,11 @@ def _llama_config() -> Any:
 
 
 @pytest.mark.slow
-def test_an_export_of_a_sharded_checkpoint_reads_one_shards_keys_at_a_time(runs, tmp_path, monkeypatch):
+def test_an_export_of_a_sharded_checkpoint_reads_one_shards_keys_at_a_time(
+    runs, tmp_path, monkeypatch, source_reads
+):
     run = RUNS[1]
-    reads: List[List[str]] = []
-    original = export_source.CheckpointSource.read
-    monkeypatch.setattr(
-        export_source.CheckpointSource,
-        "read",
-        lambda self, keys: reads.append(list(keys)) or original(self, keys),
-    )
+    reads = source_reads
     loaded_calls: List[List[str]] = []
     load = sharded.load
     monkeypatch.setattr(
