@@ -4,8 +4,8 @@ Why an object: three readers want them before or instead of the shards. A resume
 distributed engine checks the index against the module (:func:`pipeckpt.state.fit.check_fits`
 names a checkpoint of another model by its differing keys and hyper-parameters, before a byte of
 the shards is read), then reads this process's keys; an export reads the weights group by group.
-Each read the two files anew (an export of an 8B model, a thousand times), and DCP's reader read
-the index once more; one :class:`ShardedIndex` serves them all.
+Each read the two files anew (an export, once per group of weights it read), and DCP's reader
+read the index once more; one :class:`ShardedIndex` serves them all.
 """
 
 import os
