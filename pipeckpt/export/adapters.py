@@ -17,7 +17,7 @@ from torch import nn
 from pipeckpt._errors import config_error
 from pipeckpt.export.source import CheckpointSource
 
-__all__ = ["write_adapters"]
+__all__ = ["peft_skeleton", "write_adapters"]
 
 
 def _adapter_config(adapter_config: Any) -> Any:
@@ -37,33 +37,27 @@ def _adapter_config(adapter_config: Any) -> Any:
     )
 
 
-def write_adapters(
-    source: CheckpointSource,
-    tmp: Path,
-    base: nn.Module,
-    adapter_config: Any,
-    *,
-    prefix: str,
-    dtype: Optional[torch.dtype],
-) -> None:
-    """adapter_config.json and adapter_model.safetensors of the PEFT model at ``prefix`` (``base``:
-    its base model, built on meta) into ``tmp``."""
-    from peft import get_peft_model, get_peft_model_state_dict
+def peft_skeleton(base: nn.Module, adapter_config: Any) -> nn.Module:
+    """The PEFT model of ``adapter_config`` over ``base``, built on the meta device: its keys and
+    shapes are what the checkpoint must hold (:func:`pipeckpt.export.matching.check_matches`)."""
+    from peft import get_peft_model
 
     with torch.device("meta"):
-        model = get_peft_model(base, _adapter_config(adapter_config))
+        return get_peft_model(base, _adapter_config(adapter_config))
+
+
+def write_adapters(
+    source: CheckpointSource, tmp: Path, model: nn.Module, *, prefix: str, dtype: Optional[torch.dtype]
+) -> None:
+    """adapter_config.json and adapter_model.safetensors of the PEFT model at ``prefix`` (``model``:
+    its :func:`peft_skeleton`, checked against the checkpoint) into ``tmp``, cast to ``dtype``
+    (None: as trained)."""
+    from peft import get_peft_model_state_dict
+
     state = model.state_dict()
     key_of = {id(value): key for key, value in state.items()}
     adapters = get_peft_model_state_dict(model, state_dict=state)
     keys = [key_of[id(value)] for value in adapters.values()]
-    missing = [key for key in keys if prefix + key not in source.shapes]
-    if missing:
-        raise config_error(
-            f"prefix={prefix!r} and the adapter config",
-            f"the checkpoint {str(source.path)!r} holds no {[prefix + k for k in missing[:3]]}",
-            "pass the attribute path of the PEFT model in your LightningModule (self.model -> "
-            "prefix='model.') and the adapter config the run trained with",
-        )
     read = source.read([prefix + key for key in keys])
     trained = {key: read.pop(prefix + key).to(dtype or state[key].dtype) for key in keys}
-    model.save_pretrained(str(tmp), state_dict=trained, safe_serialization=True)
+    model.save_pretrained(str(tmp), state_dict=trained, safe_serialization=True)  # type: ignore[operator]

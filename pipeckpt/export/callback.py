@@ -4,7 +4,9 @@ Why through a checkpoint: under the distributed engine no process holds the whol
 sharded checkpoint is where every stage's tensors meet, under the unpipelined module's keys, at any
 layout. So when training ends every rank saves the weights (``weights_only``: no optimizer state)
 beside the export, global rank 0 exports them one shard at a time (:func:`pipeckpt.export.export_hf`)
-and removes them, and every rank hears how it went (a failure is raised on each).
+and removes them, and every rank hears how it went (a failure is raised on each). What can be
+checked before training is checked when ``fit`` starts (the prefix, the target directory and
+whether it can be written), so that a typo costs seconds, not a whole run.
 """
 
 import os
@@ -16,6 +18,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pipeckpt._errors import config_error
 from pipeckpt.export.hf import export_hf, peft_parts, resolve_dtype
+from pipeckpt.export.origin import origin_of
+from pipeckpt.export.target import check_target, probe_writable
 from pipeckpt.state.directories import remove
 from pipeckpt.state.files import hidden_sibling_prefix
 
@@ -26,7 +30,9 @@ class HFExport(Callback):
     """Writes the Hugging Face model at ``prefix`` of the LightningModule (``self.model`` ->
     ``"model."``) as ``dirpath`` when training ends: config.json, safetensors shards of at most
     ``max_shard_size`` and their index, or a PEFT model's adapters; ``dtype``: None keeps the
-    training dtype, or 'float32' / 'bfloat16'. The config and class are the module's own."""
+    pretrained directory's (the training dtype without one), 'checkpoint' keeps the training dtype,
+    or 'float32' / 'bfloat16'. The config and class are the module's own; the tokenizer and
+    generation files are those of the directory the model was loaded from, if any."""
 
     def __init__(
         self,
@@ -65,11 +71,24 @@ class HFExport(Callback):
             )
         return dict(config=model.config, model_class=type(model))
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Refuses a wrong prefix, a target the export may not replace and one that cannot be
+        written, on every rank before the first step (each rank sees the same files)."""
+        options = self._export_options(pl_module)
+        setting = "HFExport dirpath"
+        check_target(self.dirpath, origin=origin_of(options["config"]), setting=setting)
+        probe_writable(self.dirpath, setting=setting)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         options = self._export_options(pl_module)
         # The same name on every rank: the save is a collective under the distributed engine.
         staging = self.dirpath.with_name(f"{hidden_sibling_prefix(self.dirpath.name)}weights.ckpt")
-        trainer.save_checkpoint(staging, weights_only=True)
+        try:
+            trainer.save_checkpoint(staging, weights_only=True)
+        except BaseException:
+            if trainer.is_global_zero:
+                remove(staging)  # a partial save: nothing of the export is left behind
+            raise
         error: Optional[BaseException] = None
         if trainer.is_global_zero:
             try:

@@ -9,13 +9,14 @@ read from the checkpoint (:class:`~pipeckpt.export.source.CheckpointSource`) a f
 and written tensor by tensor (:mod:`pipeckpt.export.safetensors_writer`: ``save_file`` would hold the
 whole shard). Why not DCP's ``HuggingFaceStorageWriter``: it writes what one ``dcp.save`` call holds,
 i.e. the whole model in one process here. The directory is written beside ``out`` and renamed onto
-it whole (:mod:`pipeckpt.state.directories`).
+it whole (:mod:`pipeckpt.state.directories`), after the checks that make that safe: ``out`` is not
+the pretrained directory and holds only an earlier export (:mod:`~pipeckpt.export.target`), and the
+config's model has the checkpoint's every key and shape (:mod:`~pipeckpt.export.matching`). What the
+pretrained directory brings besides the weights (dtype, tokenizer) is :mod:`~pipeckpt.export.origin`'s.
 """
 
-import copy
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
@@ -24,8 +25,11 @@ import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.export.matching import check_matches
+from pipeckpt.export.origin import as_config, copy_source_files, origin_of, recorded, source_dtype
 from pipeckpt.export.safetensors_writer import write_file
 from pipeckpt.export.source import CheckpointSource
+from pipeckpt.export.target import check_target, refusal, write_record
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import fsync_tree
 
@@ -37,11 +41,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 #: export holds this much, plus the tensor DCP's reader loads before copying it out, never a shard.
 #: Smaller costs a ``sharded.load`` call per group (a DCP read plan; the index is read once).
 READ_BYTES = 16 * 2**20
-#: What an export (of weights or adapters) holds: the only files a directory it replaces may hold.
-_EXPORT_FILES = re.compile(
-    r"(config|generation_config|adapter_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors"
-    r"|model\.safetensors\.index\.json|adapter_model\.safetensors|README\.md"
-)
+#: ``dtype`` choices besides a cast: the pretrained directory's dtype, or the checkpoint's as stored.
+SOURCE, CHECKPOINT = "source", "checkpoint"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -50,33 +51,23 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
-    """``None`` or ``"keep"``: the checkpoint's dtype; else float32 or bfloat16 (a name or a dtype)."""
-    if dtype is None or dtype == "keep":
-        return None
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Union[str, torch.dtype]:
+    """``None`` or ``"source"``: :data:`SOURCE`; ``"checkpoint"``: :data:`CHECKPOINT`; else the cast
+    to float32 or bfloat16 (a name or a dtype)."""
+    if dtype is None or dtype == SOURCE:
+        return SOURCE
+    if dtype == CHECKPOINT:
+        return CHECKPOINT
     found = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
     if found not in (torch.float32, torch.bfloat16):
         raise config_error(
             f"dtype={dtype!r}",
-            "an export keeps the checkpoint's dtype or casts to float32 or bfloat16",
-            "pass dtype=None (keep), 'float32' or 'bfloat16'",
+            "an export keeps the pretrained directory's dtype ('source', the default), keeps the "
+            "checkpoint's ('checkpoint'), or casts to float32 or bfloat16",
+            "pass dtype=None, 'checkpoint', 'float32' or 'bfloat16'",
         )
+    assert isinstance(found, torch.dtype)
     return found
-
-
-def _config(config: Any) -> Any:
-    """A ``PretrainedConfig``, or one read from a directory holding config.json or that file."""
-    import transformers
-
-    if isinstance(config, transformers.PretrainedConfig):
-        return copy.deepcopy(config)  # the export names its class and dtype in it
-    if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
-        return transformers.AutoConfig.from_pretrained(os.fspath(config))
-    raise config_error(
-        f"config={config!r}",
-        "the export's config is a transformers PretrainedConfig, or a local directory or config.json",
-        "pass the run's model config (model.config) or the pretrained directory it started from",
-    )
 
 
 def _model_class(config: Any, model_class: Any) -> Type[nn.Module]:
@@ -103,40 +94,10 @@ def _model_class(config: Any, model_class: Any) -> Type[nn.Module]:
     return model_class
 
 
-def _check_replaceable(target: Path) -> None:
-    """Refuses an ``out`` that holds anything but an earlier export: the export replaces it whole."""
-    if not os.path.lexists(target):
-        return
-    if target.is_dir() and not target.is_symlink():
-        others = sorted(p.name for p in target.iterdir() if not _EXPORT_FILES.fullmatch(p.name))
-    else:
-        others = [target.name]
-    if others:
-        raise config_error(
-            f"out={str(target)!r}",
-            f"holds {others[:5]}, which no export writes, and an export replaces its directory whole",
-            "export into a new directory, or into an earlier export's",
-        )
-
-
 def skeleton(config: Any, model_class: Type[nn.Module]) -> nn.Module:
     """The model built on the meta device: its keys, shapes and ties, and no memory."""
     with torch.device("meta"):
         return model_class(config)
-
-
-def _under(source: CheckpointSource, prefix: str, keys: List[str]) -> None:
-    """Refuses a checkpoint that lacks any of the model's ``keys`` under ``prefix``."""
-    missing = [key for key in keys if prefix + key not in source.shapes]
-    if missing:
-        found = sorted({key.split(".", 1)[0] + "." for key in source.shapes})
-        raise config_error(
-            f"prefix={prefix!r}",
-            f"the checkpoint {str(source.path)!r} holds no {[prefix + k for k in missing[:3]]} "
-            f"({len(missing)} of the model's {len(keys)} keys missing; its keys start with {found[:5]})",
-            "pass the attribute path of the Hugging Face model in your LightningModule with a "
-            "trailing dot (self.model -> prefix='model.'), and the config of the model trained",
-        )
 
 
 def _groups(layout: Dict[str, torch.Tensor]) -> Iterator[List[str]]:
@@ -174,7 +135,8 @@ def write_weights(
     max_shard_size: Union[int, str],
 ) -> torch.dtype:
     """The model's safetensors shards and index into ``tmp``, each shard's keys read a few at a
-    time (:func:`_groups`) and written as read; returns the dtype written."""
+    time (:func:`_groups`) and written as read, floating tensors cast to ``dtype`` (None: as
+    stored); returns the dtype written."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     from pipeckpt._compat.transformers_private import drop_tied_copies
@@ -182,9 +144,11 @@ def write_weights(
     planned = drop_tied_copies(model.state_dict(), model)
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or []:
         planned.pop(ignored, None)
-    _under(source, prefix, list(planned))
     stored = {key: source.shapes[prefix + key] for key in planned}
-    cast = {key: value.to(dtype or value.dtype) for key, value in stored.items()}
+    cast = {
+        key: value.to(dtype) if dtype and value.is_floating_point() else value
+        for key, value in stored.items()
+    }
     split = split_torch_state_dict_into_shards(
         cast, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
@@ -209,12 +173,67 @@ def _config_files(tmp: Path, model: Any, dtype: torch.dtype) -> None:
         generation.save_pretrained(tmp)
 
 
+def _what(source: CheckpointSource, prefix: Optional[str], config: Any) -> Tuple[str, Any, str]:
+    """``(prefix, config, how the user named the config)``: as given, else as the checkpoint
+    records them (a run of the app's ``model=hf``, :func:`pipeckpt.export.origin.recorded`)."""
+    if prefix is not None and config is not None:
+        return (
+            prefix,
+            config,
+            f"config={config if isinstance(config, (str, os.PathLike)) else type(config).__name__}",
+        )
+    found = recorded(source.hyper_parameters)
+    if found is None:
+        raise config_error(
+            f"checkpoint {str(source.path)!r} with prefix={prefix!r}, config={config!r}",
+            "the export needs the model's prefix and config, and only a run of the app's model=hf "
+            "records them in its checkpoint",
+            "pass prefix= (--prefix, e.g. 'model.') and config= (--config: the pretrained directory "
+            "or the model's config)",
+        )
+    prefix = found[0] if prefix is None else prefix
+    config = found[1] if config is None else config
+    return (
+        prefix,
+        config,
+        f"the checkpoint's recorded config ({config if isinstance(config, str) else 'model.config'})",
+    )
+
+
+def _write(
+    source: CheckpointSource,
+    tmp: Path,
+    model: nn.Module,
+    *,
+    prefix: str,
+    dtype: Union[str, torch.dtype],
+    adapters: Optional[nn.Module],
+    origin: Optional[Path],
+    max_shard_size: Union[int, str],
+) -> None:
+    """The export into ``tmp``: weights and config, or the adapters of the PEFT model ``adapters``
+    (as trained unless ``dtype`` casts), then the pretrained directory ``origin``'s tokenizer and
+    generation files and the record of what was written."""
+    cast = dtype if isinstance(dtype, torch.dtype) else None
+    if adapters is not None:
+        from pipeckpt.export.adapters import write_adapters
+
+        write_adapters(source, tmp, adapters, prefix=prefix, dtype=cast)
+    else:
+        cast = source_dtype(origin) if dtype == SOURCE else cast
+        written = write_weights(source, tmp, model, prefix=prefix, dtype=cast, max_shard_size=max_shard_size)
+        _config_files(tmp, model, written)
+    copy_source_files(origin, tmp)
+    write_record(tmp)
+    fsync_tree(tmp)  # the files as durable as the name the rename gives them
+
+
 def export_hf(
     checkpoint: PathLike,
     out: PathLike,
     *,
-    prefix: str,
-    config: Any,
+    prefix: Optional[str] = None,
+    config: Any = None,
     model_class: Any = None,
     adapter_config: Any = None,
     dtype: Union[str, torch.dtype, None] = None,
@@ -223,37 +242,51 @@ def export_hf(
     """Writes the model in the Lightning ``checkpoint`` (a sharded directory of the distributed
     engine, or a local engine's ``.ckpt``) as the directory ``out`` that ``from_pretrained`` loads:
     config.json, model-only safetensors shards of at most ``max_shard_size`` and their index, no
-    optimizer state. ``prefix``: the Hugging Face model's attribute path in the LightningModule
+    optimizer state, and the tokenizer and generation files of the pretrained directory the model
+    came from. ``prefix``: the Hugging Face model's attribute path in the LightningModule
     (``self.model`` -> ``"model."``); ``config``: its ``PretrainedConfig``, or a local directory or
-    config.json; ``model_class``: its transformers class (default: the config's ``architectures``).
-    With ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the
-    module at ``prefix`` is a PEFT model and ``out`` holds its adapters, for
-    ``PeftModel.from_pretrained``. ``dtype``: None keeps the checkpoint's, or 'float32' / 'bfloat16'.
+    config.json; both default to what a run of the app's ``model=hf`` records in its checkpoint.
+    ``model_class``: its transformers class (default: the config's ``architectures``). With
+    ``adapter_config`` (a ``PeftConfig``, or a directory holding adapter_config.json) the module at
+    ``prefix`` is a PEFT model and ``out`` holds its adapters, for ``PeftModel.from_pretrained``.
+    ``dtype``: None keeps the pretrained directory's (the checkpoint's where there is none, and for
+    adapters), 'checkpoint' the checkpoint's, or 'float32' / 'bfloat16'.
+
+    Refused before anything is written: an ``out`` that is the pretrained directory or holds files
+    no export wrote, and a config whose model differs from the checkpoint in any key or shape. A
+    read-only or full filesystem is named (a ``PipeckptSaveError``) and the partial export removed.
     Reads and writes a few tensors at a time: from a sharded directory the export holds at most
     :data:`READ_BYTES` of them or its largest tensor, plus the stored tensor DCP's reader loads
     beside it; from a ``.ckpt``, the mapped file's pages; never a shard. Returns ``out``."""
     target = Path(out)
-    _check_replaceable(target)
-    cast = resolve_dtype(dtype)
+    chosen = resolve_dtype(dtype)
     source = CheckpointSource(checkpoint)
-    hf_config = _config(config)
+    prefix, config, named = _what(source, prefix, config)
+    origin = origin_of(config)
+    check_target(target, origin=origin)
+    hf_config = as_config(config, "config")
     model = skeleton(hf_config, _model_class(hf_config, model_class))
-    tmp = Path(temporary_beside(target))
-    tmp.mkdir()
-    try:
-        if adapter_config is not None:
-            from pipeckpt.export.adapters import write_adapters
+    adapters = None
+    if adapter_config is not None:
+        from pipeckpt.export.adapters import peft_skeleton
 
-            write_adapters(source, tmp, model, adapter_config, prefix=prefix, dtype=cast)
-        else:
-            written = write_weights(
-                source, tmp, model, prefix=prefix, dtype=cast, max_shard_size=max_shard_size
-            )
-            _config_files(tmp, model, written)
-        fsync_tree(tmp)  # the files as durable as the name the rename gives them
+        adapters = peft_skeleton(model, adapter_config)
+    check_matches(source, prefix, (adapters or model).state_dict(), config=named)
+    tmp: Optional[Path] = None
+    try:
+        tmp = Path(temporary_beside(target))
+        tmp.mkdir()
+        _write(
+            source, tmp, model, prefix=prefix, dtype=chosen, adapters=adapters, origin=origin,
+            max_shard_size=max_shard_size,
+        )  # fmt: skip
         swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as error:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        named_error = refusal(target, error) if isinstance(error, Exception) else None
+        if named_error is not None:
+            raise named_error from error
         raise
     return target
 

@@ -29,9 +29,12 @@ class CheckpointSource:
         self.path = Path(path)
         self._file: Dict[str, Any] = {}
         self._index: Optional[ShardedIndex] = None  # a sharded directory's, read once
+        #: What the LightningModule recorded (``save_hyperparameters``): the app's model=hf names
+        #: its pretrained directory there (:func:`pipeckpt.export.origin.recorded`).
+        self.hyper_parameters: Any = None
         if self.path.is_dir():
             self._index = read_index(sharded.require_sharded(self.path), weights_only=True)
-            stored, _ = self._index.model()
+            stored, self.hyper_parameters = self._index.model()
             self.shapes = {k: v for k, v in stored.items() if isinstance(v, torch.Tensor)}
         elif self.path.is_file():
             checkpoint = safe_load.load_torch_file(self.path, weights_only=True, mmap=True)
@@ -43,6 +46,7 @@ class CheckpointSource:
                     "export a checkpoint written by Trainer.fit or trainer.save_checkpoint",
                 )
             self._file = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            self.hyper_parameters = checkpoint.get("hyper_parameters")
             self.shapes = {k: v.to("meta") for k, v in self._file.items()}
         else:
             raise config_error(

@@ -12,7 +12,8 @@ the spec's `out` directory when training ends, then saves the sharded checkpoint
 run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`.
 A run with ``path`` fine-tunes the Llama of that pretrained directory instead (built on the meta
 device, filled by ``pipeckpt.pretrained``) and each rank saves the whole values of the weights it
-holds after training (a DTensor gathered with ``full_tensor``) to `<name>.trained<R>.pt`. Under
+holds after training (a DTensor gathered with ``full_tensor``) to `<name>.trained<R>.pt`. A run's
+``dtype`` is HFExport's. Under
 ``checkpoint='auto'`` rank 0 writes the tensor-parallel plan the choice counted to `<name>.counted.json`.
 """
 
@@ -40,7 +41,11 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         module = FromPretrained("llama", Path(spec["path"]), build="meta")
     else:
         module = LoraLlama() if spec["model"] == "lora" else HFModule(spec["model"], whole)
-    export = HFExport(os.path.join(out, f"{spec['name']}-hf"), max_shard_size=spec["max_shard_size"])
+    export = HFExport(
+        os.path.join(out, f"{spec['name']}-hf"),
+        max_shard_size=spec["max_shard_size"],
+        dtype=spec.get("dtype"),
+    )
     trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[export])
     data = DataLoader(batches(spec["steps"]), batch_size=None)
     if spec.get("fails"):

@@ -21,6 +21,7 @@ from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.export import HFExport, export_hf
 from pipeckpt.export import hf as export_hf_module
 from pipeckpt.export.__main__ import main as cli
+from pipeckpt.export.target import RECORD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 3
@@ -98,7 +99,7 @@ def test_the_export_holds_no_optimizer_state_only_config_and_weights(trained, tm
     module, ckpt = trained["llama"]
     out = _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     files = {p.name for p in out.iterdir()}
-    assert files - {"config.json", "generation_config.json", "model.safetensors.index.json"} == {
+    assert files - {"config.json", "generation_config.json", "model.safetensors.index.json", RECORD} == {
         p.name for p in out.glob("model-*-of-*.safetensors")
     }
     from safetensors.torch import load_file
@@ -203,6 +204,7 @@ def test_an_export_replaces_an_earlier_export_whole(trained, tmp_path):
     _export(module, ckpt, tmp_path, max_shard_size=SMALL_SHARD)
     out = _export(module, ckpt, tmp_path)  # one file now: the shards and index of the first are gone
     assert sorted(p.name for p in out.iterdir()) == [
+        RECORD,
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -213,7 +215,9 @@ def test_a_directory_holding_other_files_is_refused_and_left_as_it_was(trained, 
     module, ckpt = trained["llama"]
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "notes.txt").write_text("mine")
-    with pytest.raises(PipeckptConfigError, match=r"out=.*\['notes.txt'\].*replaces its directory whole"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"out=.*\['notes.txt'\].*no export wrote.*replaces its directory whole"
+    ):
         _export(module, ckpt, tmp_path)
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]
 
