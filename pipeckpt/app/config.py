@@ -92,12 +92,13 @@ class LlamaConfig:
 @dataclass
 class HFConfig:
     _target_: str = "pipeckpt.app.models.hf.HFCausalLM"
-    path: Optional[str] = MISSING  # a local pretrained directory (config.json, safetensors)
+    path: Optional[str] = MISSING  # a local pretrained directory, or a Hub id in the local cache
     config: Any = MISSING  # without a path: a dict of config.json's fields (model_type too) or a config.json
     layers: Optional[str] = MISSING  # the decoder layers' ModuleList; None: the one holding most parameters
     seq_len: int = _in(_COUNT)  # also the data's window length
     lr: float = _in(_RATE)
     weight_decay: float = _in(_AT_LEAST_0)
+    trust_remote_code: bool = MISSING  # run the Python code a directory's config.json names (auto_map)
 
 
 # -- data/ ----------------------------------------------------------------------------
@@ -267,9 +268,19 @@ def register() -> None:
     """Stores the schemas in Hydra's ConfigStore (idempotent); call before composing."""
     if not OmegaConf.has_resolver("pipeckpt_groups"):
         OmegaConf.register_new_resolver("pipeckpt_groups", _user_groups)
+    if not OmegaConf.has_resolver("pipeckpt_local_dir"):
+        OmegaConf.register_new_resolver("pipeckpt_local_dir", _local_dir)
     store = ConfigStore.instance()
     for (group, name), node in _SCHEMAS.items():
         store.store(group=group, name=name, node=node)
+
+
+def _local_dir(value: Optional[str]) -> Optional[str]:
+    """``model.path`` as the directory it names (a Hub id: its snapshot in the local cache), for the
+    data's tokenizer (conf/data/hf_text.yaml)."""
+    from pipeckpt.app.models.hf_directory import local_directory  # huggingface_hub, only for model=hf
+
+    return None if value is None else str(local_directory(value))
 
 
 def _user_groups() -> str:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
 from pipeckpt._compat import dcp_files
 from pipeckpt._errors import PipeckptCheckpointError, checkpoint_error
 
-__all__ = ["inside", "require_inside", "storage_files"]
+__all__ = ["escape", "inside", "require_inside", "storage_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _HINT = (
@@ -25,14 +25,15 @@ _HINT = (
 )
 
 
-def _escape(root: Path, name: str) -> Union[str, None]:
-    """How ``name`` (relative to ``root``) leaves ``root``, or None when it stays inside."""
+def escape(root: PathLike, name: str, within: Union[PathLike, None] = None) -> Union[str, None]:
+    """How ``name`` (relative to ``root``) leaves ``within`` (``root`` itself when None: a Hub
+    snapshot's files link into its repository folder, which holds it), or None when it stays inside."""
     if os.path.isabs(name):
-        return "is an absolute path (DCP names its files relative to the directory)"
-    joined = root / name
+        return "is an absolute path (the files are named relative to the directory)"
     real_root = os.path.realpath(root)
-    target = os.path.realpath(joined)
-    if os.path.commonpath([real_root, target]) == real_root and target != real_root:
+    boundary = os.path.realpath(within) if within is not None else real_root
+    target = os.path.realpath(Path(root) / name)
+    if os.path.commonpath([boundary, target]) == boundary and target != boundary:
         return None
     if os.path.normpath(os.path.join(real_root, name)) != target:
         return f"is a symbolic link (or lies under one) that leads to {target!r}, outside the directory"
@@ -43,7 +44,7 @@ def inside(root: PathLike, name: str, what: str) -> Path:
     """``root / name``, checked to lie inside ``root`` once symbolic links are followed; ``what``
     says which entry of the checkpoint names it (for the refusal)."""
     base = Path(root)
-    how = _escape(base, name)
+    how = escape(base, name)
     if how is not None:
         raise _outside(base, [(what, name, how)])
     return base / name
@@ -54,7 +55,7 @@ def require_inside(root: PathLike, entries: Iterable[Tuple[str, str]]) -> None:
     base = Path(root)
     bad: List[Tuple[str, str, str]] = []
     for what, name in entries:
-        how = _escape(base, name)
+        how = escape(base, name)
         if how is not None:
             bad.append((what, name, how))
     if bad:

@@ -11,7 +11,7 @@ if PEFT is imported already.
 """
 
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +71,21 @@ def init_adapters(model: nn.Module, device: torch.device, keep: Optional[Callabl
                     owner, slot, nn.Parameter(real, meta.requires_grad) if is_param else real, is_param
                 )
             layer.reset_lora_parameters(adapter, init)
+
+
+def adapter_ids(model: nn.Module) -> Set[int]:
+    """The ids of ``model``'s LoRA adapter tensors: no pretrained checkpoint holds them, and none is
+    missing from it (:func:`init_adapters` draws them)."""
+    if "peft" not in sys.modules:
+        return set()
+    from peft.tuners.lora import LoraLayer
+
+    ids: Set[int] = set()
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for adapter in [*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]:
+                ids.update(id(own_tensor(*s)) for s in _adapter_slots(layer, adapter))
+    return ids
 
 
 def _adapter_slots(layer: Any, adapter: str) -> List[Any]:

@@ -9,11 +9,10 @@ weights only), converted to the module's dtype. What the checkpoint does not hol
 does not save (rotary frequencies, masks) comes from the module's own initialisation.
 """
 
-import json
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,21 +20,20 @@ from torch.distributed.tensor import DTensor
 
 from pipeckpt._compat import local_extent, own_tensor, own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
-from pipeckpt.state.confined import inside
-from pipeckpt.state.safe_load import weights_only_load
-from pipeckpt.weights.adapters import init_adapters, unwrapped_name
+from pipeckpt.weights.adapters import init_adapters
+from pipeckpt.weights.listing import Listing, list_checkpoint
+from pipeckpt.weights.matching import candidates, check
 
 __all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint", "reading_later", "read_later"]
 
 M = TypeVar("M", bound=nn.Module)
 MISSING = ("error", "init")
-_INDEX, _SINGLE, _TORCH = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
 _marks: "weakref.WeakKeyDictionary[nn.Module, Pretrained]" = weakref.WeakKeyDictionary()
 _later: Set[int] = set()  # ids of the meta tensors whose reads wait for their sharded layout
 Slot = Tuple[nn.Module, str, bool]  # (owner, attribute, is a parameter)
 
 
-def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> M:
+def pretrained(module: M, path: Union[str, Path], *, missing: str = "error", ignore: Sequence[str] = ()) -> M:
     """``module``, to be filled from the checkpoint at ``path`` when the ``pipe`` strategy makes it
     real (build it on the meta device: in ``configure_model``, or under
     ``trainer.init_module(empty_init=True)``).
@@ -46,8 +44,14 @@ def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> 
             ``model.safetensors``), a ``.safetensors`` file, or a file ``torch.save`` wrote a state
             dict to. Keys are ``module``'s own (``state_dict()``); a Hugging Face checkpoint saved
             with or without the model's ``base_model_prefix`` fits either way, as in ``from_pretrained``.
+            A directory's files are read only from inside it, or from its Hub repository folder for
+            a snapshot of huggingface_hub's cache (:mod:`pipeckpt.weights.confinement`).
         missing: ``"error"``: a parameter or saved buffer the checkpoint lacks is an error naming
             it; ``"init"``: it is initialised as a build from scratch initialises it.
+        ignore: regular expressions (``re.search``) of the checkpoint's keys to leave unread; any
+            other key no tensor of ``module`` takes is an error (``from_pretrained``'s "unexpected
+            keys"), as is a key of another shape. Checked here, on every process alike, from the
+            index and the safetensors headers alone (:mod:`pipeckpt.weights.matching`).
 
     Returns:
         ``module`` itself. A resume (``trainer.fit(ckpt_path=...)``) takes precedence: its values
@@ -64,7 +68,10 @@ def pretrained(module: M, path: Union[str, Path], *, missing: str = "error") -> 
             "build it in configure_model under the pipe strategy (or under "
             "trainer.init_module(empty_init=True)), or load it eagerly with from_pretrained",
         )
-    _marks[module] = Pretrained(Path(path), missing)
+    source = Pretrained(Path(path), missing)
+    patterns = [ignore] if isinstance(ignore, str) else list(ignore)  # one pattern is not its letters
+    check(module, source.listing(), source.path, missing=missing, ignore=patterns)
+    _marks[module] = source
     return module
 
 
@@ -78,46 +85,18 @@ class Pretrained:
 
     def __init__(self, path: Path, missing: str) -> None:
         self.path, self.missing = path, missing
-        self._where: Optional[Dict[str, Path]] = None
-        self._state: Optional[Dict[str, Tensor]] = None  # a torch state-dict file, mapped
+        self._listing: Optional[Listing] = None
         self.pending: List[Tuple[Slot, str]] = []  # made real, to read once sharded (read_later)
+
+    def listing(self) -> Listing:
+        """The checkpoint's keys, files and shapes (:mod:`pipeckpt.weights.listing`), read once."""
+        if self._listing is None:
+            self._listing = list_checkpoint(self.path)
+        return self._listing
 
     def where(self) -> Dict[str, Path]:
         """Each key of the checkpoint -> the file holding it."""
-        if self._where is None:
-            self._where = self._listing()
-        return self._where
-
-    def _listing(self) -> Dict[str, Path]:
-        p = self.path
-        if p.is_dir() and (p / _INDEX).is_file():
-            weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
-            files = {f: inside(p, f, f"{_INDEX}'s weight_map") for f in set(weight_map.values())}
-            return {k: files[f] for k, f in weight_map.items()}
-        file = next((p / n for n in (_SINGLE, _TORCH) if (p / n).is_file()), None) if p.is_dir() else p
-        if file is None or not file.is_file():
-            found = "a directory without them" if p.is_dir() else "no file"
-            raise config_error(
-                f"pretrained checkpoint {str(p)!r}",
-                f"a pretrained checkpoint is a directory holding {_INDEX} (with its shards), {_SINGLE} "
-                f"or {_TORCH}, or one such file; this is {found}",
-                "pass the directory save_pretrained wrote, or the state-dict file",
-            )
-        if file.suffix == ".safetensors":
-            import safetensors
-
-            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-                return {k: file for k in f.keys()}
-        self._state = weights_only_load(  # refusals of a pickled object in pipeckpt's words
-            file, lambda: torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        )
-        if not isinstance(self._state, dict) or not all(isinstance(v, Tensor) for v in self._state.values()):
-            raise config_error(
-                f"pretrained checkpoint {str(file)!r}",
-                "a file that is not safetensors must hold a state dict (names -> tensors)",
-                "save model.state_dict() with torch.save, or pass a save_pretrained directory",
-            )
-        return {k: file for k in self._state}
+        return self.listing().where
 
     def read(self, wanted: Dict[str, Tensor]) -> None:
         """Copies each key's tensor into its destination (converting the dtype), reading nothing else;
@@ -125,10 +104,11 @@ class Pretrained:
         by_file: Dict[Path, List[str]] = {}
         for key in wanted:
             by_file.setdefault(self.where()[key], []).append(key)
+        state = self.listing().state
         for file, keys in by_file.items():
-            if self._state is not None:
+            if state is not None:
                 for key in keys:
-                    _copy(wanted[key], self._state[key], key, file)
+                    _copy(wanted[key], state[key], key, file)
                 continue
             import safetensors
 
@@ -156,22 +136,6 @@ def _copy(dest: Tensor, source: Any, key: str, file: Path) -> None:
     dest.copy_(source)
 
 
-def _candidates(model: nn.Module, name: str) -> List[str]:
-    """``name``'s keys in a checkpoint: itself, and without or with HF's ``base_model_prefix``; then
-    the same of the name without PEFT's wrappers (:mod:`pipeckpt.weights.adapters`)."""
-    unwrapped = unwrapped_name(model, name)
-    return _prefixed(model, name) + (_prefixed(model, unwrapped) if unwrapped is not None else [])
-
-
-def _prefixed(model: nn.Module, name: str) -> List[str]:
-    prefix = getattr(model, "base_model_prefix", "")
-    if not isinstance(prefix, str) or not prefix:
-        return [name]
-    if name.startswith(prefix + "."):
-        return [name, name[len(prefix) + 1 :]]
-    return [name, f"{prefix}.{name}"]
-
-
 def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
     """The meta tensors of every marked module in ``module`` that ``keep`` accepts made real on
     ``device`` from their checkpoints; returns the ids of the meta tensors left for the module's
@@ -189,7 +153,7 @@ def fill(module: nn.Module, device: torch.device, keep: Any) -> Set[int]:
         saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
         where = source.where()
         keys = {
-            i: next((k for n in ns for k in _candidates(model, n) if k in where), None)
+            i: next((k for n in ns for k in candidates(model, n) if k in where), None)
             for i, ns in names.items()
         }
         missing = sorted(names[i][0] for i, k in keys.items() if k is None and i in saved)
@@ -232,7 +196,7 @@ def in_checkpoint(module: nn.Module) -> Set[int]:
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
         ):
-            if t.is_meta and any(k in where for k in _candidates(model, name)):
+            if t.is_meta and any(k in where for k in candidates(model, name)):
                 found.add(id(t))
     return found
 

@@ -105,15 +105,14 @@ def test_a_checkpoint_of_the_base_model_fills_the_model_around_it_and_back(tmp_p
     assert_bitwise_equal(model.model.state_dict(), whole.model.state_dict())
 
 
-def test_a_weight_the_checkpoint_lacks_is_named(tmp_path):
+def test_a_weight_the_checkpoint_lacks_is_named_when_the_module_is_marked(tmp_path):
     torch.manual_seed(3)
     whole = transformers.LlamaForCausalLM(config("llama"))
     whole.model.save_pretrained(tmp_path)  # no lm_head.weight
-    model = pipeckpt.pretrained(_on_meta(tmp_path), tmp_path)
     with pytest.raises(
         PipeckptConfigError, match=r"lacks lm_head\.weight of LlamaForCausalLM.*missing='init'"
     ):
-        materialize(model, CPU)
+        pipeckpt.pretrained(_on_meta(tmp_path), tmp_path)
 
 
 def test_missing_init_initialises_the_weights_the_checkpoint_lacks_as_a_build_from_scratch(tmp_path):
@@ -126,24 +125,23 @@ def test_missing_init_initialises_the_weights_the_checkpoint_lacks_as_a_build_fr
     assert abs(head.std().item() - config("llama").initializer_range) < 0.005  # HF's normal(0, 0.02)
 
 
-def test_a_shape_that_differs_is_named_with_both_shapes(tmp_path):
+def test_a_shape_that_differs_is_named_with_both_shapes_when_the_module_is_marked(tmp_path):
     path = save("llama", tmp_path)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(
             config("llama").__class__(**{**config("llama").to_dict(), "vocab_size": 80})
         )
-    pipeckpt.pretrained(model, path)
     with pytest.raises(
         PipeckptConfigError,
         match=r"model\.embed_tokens\.weight in .* has shape \(64, 32\), the module's \(80, 32\)",
     ):
-        materialize(model, CPU)
+        pipeckpt.pretrained(model, path)
 
 
 def test_a_path_without_a_checkpoint_is_refused_by_name(tmp_path):
-    model = pipeckpt.pretrained(_on_meta(save("llama", tmp_path / "d")), tmp_path)
+    model = _on_meta(save("llama", tmp_path / "d"))
     with pytest.raises(PipeckptConfigError, match=r"a directory without them.*save_pretrained"):
-        materialize(model, CPU)
+        pipeckpt.pretrained(model, tmp_path)
 
 
 def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path):

@@ -8,8 +8,8 @@ decoder layers, found by its size (the ``ModuleList`` holding the most parameter
 architecture ``AutoModelForCausalLM`` builds works without a table of layer paths.
 """
 
-import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
 import lightning as L
@@ -19,7 +19,16 @@ from torch import Tensor, nn
 
 import pipeckpt
 from pipeckpt._errors import config_error
-from pipeckpt.app.data.hf_text import has_tokenizer, token_range
+from pipeckpt.app.data.hf_text import has_tokenizer
+from pipeckpt.app.models.hf_directory import (
+    check_weights,
+    checked_files,
+    checked_token_range,
+    local_directory,
+    needs_code,
+    read_json,
+    refuse_code,
+)
 
 __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
 
@@ -27,9 +36,10 @@ __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder
 ConfigSource = Any
 
 
-def _config_file(value: str, setting: str) -> Path:
-    """The config.json of a local directory (or the file itself), refused by name when absent."""
-    where = Path(value).expanduser()
+def _config_file(value: str, setting: str, where: Optional[Path] = None) -> Path:
+    """The config.json of a local directory (or the file itself; ``where``, the directory a Hub id
+    names), refused by name when absent."""
+    where = where or Path(value).expanduser()
     file = where / "config.json" if where.is_dir() else where
     if not file.is_file():
         found = "a directory without a config.json" if where.is_dir() else "no such file or directory"
@@ -38,15 +48,22 @@ def _config_file(value: str, setting: str) -> Path:
             f"a local Hugging Face directory holds a config.json (save_pretrained writes one): this is "
             f"{found}",
             f"point {setting} at the directory save_pretrained wrote (python -m pipeckpt.app.tiny_pretrained "
-            "DIR makes a tiny one); nothing is downloaded",
+            "DIR makes a tiny one), or at a Hub id in huggingface_hub's local cache; nothing is downloaded",
         )
     return file
 
 
-def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
-    """The ``PretrainedConfig`` to build: the directory ``path``'s, or ``config``'s (a dict of
-    config.json's fields with its ``model_type``, or a local config.json or a directory holding one),
-    or with neither the tiny Llama of :mod:`pipeckpt.app.tiny_pretrained`. Reads local files only.
+def hf_config(
+    path: Optional[str] = None, config: ConfigSource = None, *, trust_remote_code: Optional[bool] = None
+) -> Any:
+    """The ``PretrainedConfig`` to build: the directory ``path``'s (or a Hub id's in the local cache),
+    or ``config``'s (a dict of config.json's fields with its ``model_type``, or a local config.json or
+    a directory holding one), or with neither the tiny Llama of :mod:`pipeckpt.app.tiny_pretrained`.
+    Reads local files only, each checked first (:mod:`pipeckpt.app.models.hf_directory`).
+
+    ``trust_remote_code``: True runs a directory's own code where its config needs it, False refuses
+    such a directory; None (a check made without the setting: the app's first checks) runs none and
+    refuses none, returning config.json's fields for the checks they allow.
     """
     import transformers
 
@@ -59,13 +76,27 @@ def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
             "set model.path to fine-tune the directory, or model.config to train from scratch, not both",
         )
     if path is not None:
-        return transformers.AutoConfig.from_pretrained(
-            _config_file(path, "model.path").parent, local_files_only=True
-        )
+        directory = _config_file(path, "model.path", local_directory(path)).parent
+        checked_files(directory, "model.path")
+        needs = needs_code(directory)
+        if needs is not None and not trust_remote_code:
+            if trust_remote_code is None:
+                return SimpleNamespace(**read_json(directory / "config.json", "model.path"))
+            raise refuse_code(path, directory, needs)
+        try:
+            return transformers.AutoConfig.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=bool(trust_remote_code)
+            )
+        except (ValueError, OSError, KeyError, TypeError) as error:
+            raise config_error(
+                f"model.path={path}'s config.json ({str(directory / 'config.json')!r})",
+                f"transformers builds no config from it ({error})",
+                "write the directory again with save_pretrained, or fix config.json's model_type",
+            ) from None
     if OmegaConf.is_config(config):  # the app's model.config, as Hydra hands it over
         config = OmegaConf.to_container(config)
     if isinstance(config, str):
-        fields = json.loads(_config_file(config, "model.config").read_text())
+        fields = read_json(_config_file(config, "model.config"), "model.config")
     elif config is None:
         return tiny_config("llama")
     else:
@@ -81,10 +112,13 @@ def hf_config(path: Optional[str] = None, config: ConfigSource = None) -> Any:
         ) from None
 
 
-def checked_config(path: Optional[str], config: ConfigSource, seq_len: int) -> Any:
+def checked_config(
+    path: Optional[str], config: ConfigSource, seq_len: int, *, trust_remote_code: Optional[bool] = None
+) -> Any:
     """:func:`hf_config`'s config, refused when the data's windows (``seq_len`` tokens) are longer
-    than the model takes."""
-    built = hf_config(path, config)
+    than the model takes, or when ``path``'s weights do not fit the model its config.json builds
+    (keys and shapes, from the index and the safetensors headers alone)."""
+    built = hf_config(path, config, trust_remote_code=trust_remote_code)
     positions = getattr(built, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise config_error(
@@ -92,14 +126,18 @@ def checked_config(path: Optional[str], config: ConfigSource, seq_len: int) -> A
             f"the model takes sequences of at most {positions} tokens (max_position_embeddings)",
             f"set model.seq_len <= {positions}",
         )
+    if path is not None and not isinstance(built, SimpleNamespace):
+        check_weights(path, built, bool(trust_remote_code))
     return built
 
 
 def check_tokens(built: Any, path: Optional[str], tokenizer: Optional[str]) -> None:
     """Refuses data whose token ids (``tokenizer``'s, or bytes without one) lie outside the vocabulary
-    of the model ``built`` (from ``path``, or from a config)."""
-    ids = token_range(tokenizer)
-    if ids <= built.vocab_size:
+    of the model ``built`` (from ``path``, or from a config); a tokenizer whose files are damaged, lie
+    outside its directory or need its own code is refused by name first."""
+    ids = checked_token_range(tokenizer)
+    vocab = getattr(built, "vocab_size", None)  # config.json's fields alone may lack it
+    if not isinstance(vocab, int) or ids <= vocab:
         return
     source = (
         f"the tokenizer of {tokenizer}" if has_tokenizer(tokenizer) else "the text's bytes (no tokenizer)"
@@ -131,13 +169,16 @@ class HFCausalLM(L.LightningModule):
     """A Hugging Face causal LM trained with its own loss (``self.model(**batch).loss``).
 
     Args:
-        path: a local pretrained directory (config.json, safetensors weights, maybe a tokenizer):
-            the model starts from its weights, converted to the training dtype.
+        path: a local pretrained directory (config.json, safetensors weights, maybe a tokenizer), or
+            a Hub id (``org/name``) in huggingface_hub's local cache: the model starts from its
+            weights, converted to the training dtype.
         config: without ``path``, what to build from scratch (:func:`hf_config`).
         layers: the list of decoder layers to pipeline; None finds it (:func:`decoder_layers`).
         seq_len: the data's window length, at most the model's positions.
         lr: AdamW's learning rate.
         weight_decay: AdamW's weight decay.
+        trust_remote_code: run the Python code a directory's config.json names (``auto_map``) to
+            build its model; False refuses such a directory, naming this setting.
     """
 
     def __init__(
@@ -149,13 +190,17 @@ class HFCausalLM(L.LightningModule):
         seq_len: int = 128,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
         # ``path`` is the data's corpus to Lightning, which refuses two values of one hparam.
         self.save_hyperparameters(ignore=["path"])
         self.hparams["pretrained_path"] = path
         self.path, self.layers, self.lr, self.weight_decay = path, layers, lr, weight_decay
-        self.hf_config = checked_config(path, config, seq_len)  # a bad directory: refused before any work
+        self.trust_remote_code = trust_remote_code
+        # a bad directory: refused before any work
+        self.hf_config = checked_config(path, config, seq_len, trust_remote_code=trust_remote_code)
+        self.directory = local_directory(path) if path is not None else None
         self.model: Optional[nn.Module] = None
 
     def configure_model(self) -> None:
@@ -166,14 +211,17 @@ class HFCausalLM(L.LightningModule):
         import transformers
 
         dtype = torch.get_default_dtype()  # float32, or what the precision sets (bf16-true)
-        if self.path is not None and not torch.empty(0).is_meta:  # no meta build (strategy=single)
+        trust = self.trust_remote_code
+        if self.directory is not None and not torch.empty(0).is_meta:  # no meta build (strategy=single)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                self.path, dtype=dtype, local_files_only=True
+                self.directory, dtype=dtype, local_files_only=True, trust_remote_code=trust
             ).train()
         else:
-            model = transformers.AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
-            if self.path is not None:
-                model = pipeckpt.pretrained(model, self.path)
+            model = transformers.AutoModelForCausalLM.from_config(
+                self.hf_config, dtype=dtype, trust_remote_code=trust
+            )
+            if self.directory is not None:
+                model = pipeckpt.pretrained(model, self.directory)
         self.model = model
 
     def configure_pipeline(self) -> nn.Module:
