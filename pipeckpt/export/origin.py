@@ -88,11 +88,10 @@ def origin_of(config: Any) -> Optional[Path]:
     if isinstance(config, (str, os.PathLike)):
         where = Path(config)
         where = where.parent if where.is_file() else where
+    elif getattr(config, "_name_or_path", None):
+        where = Path(config._name_or_path)
     else:
-        name = getattr(config, "_name_or_path", "") or ""
-        where = Path(name) if name else Path()
-        if not name:
-            return None
+        return None
     return where.resolve() if (where / "config.json").is_file() else None
 
 

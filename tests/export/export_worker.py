@@ -9,7 +9,9 @@ lists trainings run one after the other in the same processes:
 Each run trains ``model`` ("gpt2" or "llama" of tests/support/hf_models.py, or "lora": PEFT LoRA on
 the Llama) for ``steps`` steps under engine="distributed" with ``HFExport`` writing `<name>-hf` into
 the spec's `out` directory when training ends, then saves the sharded checkpoint `<name>.ckpt`. A
-run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`.
+run with ``fails`` must raise from ``fit``: each rank writes what it raised to `<name>.rank<R>.error`;
+there global rank 0 puts a file of the user's into `<name>-hf` when training ends, after HFExport
+checked it at fit start, so that only rank 0's export is refused.
 A run with ``path`` fine-tunes the Llama of that pretrained directory instead (built on the meta
 device, filled by ``pipeckpt.pretrained``) and each rank saves the whole values of the weights it
 holds after training (a DTensor gathered with ``full_tensor``) to `<name>.trained<R>.pt`. A run's
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
+from lightning.pytorch import Callback
 from support.frozen_models import LoraLlama
 from support.hf_models import HFModule, batches, whole
 from support.pretrained_models import FromPretrained
@@ -32,6 +35,18 @@ from torch.utils.data import DataLoader
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.export import HFExport
+
+
+class UsersFileAtTheEnd(Callback):
+    """On global rank 0, writes a file of the user's into ``directory`` when training ends."""
+
+    def __init__(self, directory: "os.PathLike[str]") -> None:
+        self.directory = Path(directory)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            self.directory.mkdir()
+            (self.directory / "notes.txt").write_text("mine")
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
@@ -46,7 +61,8 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
         max_shard_size=spec["max_shard_size"],
         dtype=spec.get("dtype"),
     )
-    trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[export])
+    spoil = [UsersFileAtTheEnd(export.dirpath)] if spec.get("fails") else []  # runs before HFExport's hook
+    trainer = quiet_trainer(strategy, world, max_steps=spec["steps"], callbacks=[*spoil, export])
     data = DataLoader(batches(spec["steps"]), batch_size=None)
     if spec.get("fails"):
         try:

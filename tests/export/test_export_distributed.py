@@ -63,9 +63,6 @@ def runs(tmp_path_factory) -> Iterator[Path]:
     for world in (2, 4):
         mine = [dict(r, steps=3, max_shard_size=SMALL_SHARD) for r in RUNS if r["world"] == world]
         (out / f"world{world}").mkdir()
-        if world == 2:  # the refused run's export directory holds a file of the user's
-            (out / "world2" / "refused_pp2-hf").mkdir()
-            (out / "world2" / "refused_pp2-hf" / "notes.txt").write_text("mine")
         ranks.launch(WORKER, world, mine, out / f"world{world}", within_s=START_S)
     yield out
 
@@ -143,10 +140,11 @@ def test_an_export_of_a_sharded_checkpoint_reads_one_shards_keys_at_a_time(
 
 
 @pytest.mark.slow
-def test_an_export_refused_at_fit_start_is_raised_on_every_rank_and_nothing_is_replaced(runs):
-    where = runs / "world2"
+def test_an_export_refused_on_rank_0_is_raised_on_every_rank_and_nothing_is_replaced(runs):
+    where = runs / "world2"  # rank 0 put a file of the user's in the export directory at the end
     errors = [(where / f"refused_pp2.rank{rank}.error").read_text() for rank in (0, 1)]
-    assert all("notes.txt" in error and "replaces its directory whole" in error for error in errors)
+    assert "notes.txt" in errors[0] and "replaces its directory whole" in errors[0]
+    assert "global rank 0 could not export" in errors[1] and "notes.txt" in errors[1]
     assert [p.name for p in (where / "refused_pp2-hf").iterdir()] == ["notes.txt"]
     assert not [p.name for p in where.iterdir() if p.name.startswith(".pipeckpt-")]  # no staged weights left
 
