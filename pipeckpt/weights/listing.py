@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from pipeckpt._errors import PipeckptWarning, checkpoint_error, config_error
+from pipeckpt._errors import PipeckptCheckpointError, PipeckptWarning, checkpoint_error, config_error
 from pipeckpt.state.safe_load import weights_only_load
 from pipeckpt.weights.confinement import within
 from pipeckpt.weights.safetensors_header import Shape, read_shapes
@@ -105,29 +105,33 @@ def _sharded(path: Path) -> Listing:
     weight_map = _weight_map(index)
     names = sorted(set(weight_map.values()))
     files = {n: within(path, n, f"{INDEX}'s weight_map") for n in names}  # all checked, then read
-    listing = Listing()
+    headers = {n: read_shapes(files[n], "shard") for n in names}
     holders: Dict[str, List[str]] = {}
     for name in names:
-        for key, shape in read_shapes(files[name], "shard").items():
+        for key in headers[name]:
             holders.setdefault(key, []).append(name)
-            listing.shapes[key] = shape
+    listing = Listing()
     for key in sorted(set(weight_map) | set(holders)):
-        held = holders.get(key) or _unlisted(path, files, key)
+        if key not in holders:  # an edited index may have lost its shard: look among the others
+            _unlisted(path, files, headers)
+        held = [n for n in headers if key in headers[n]]
         name = _holder(index, key, weight_map.get(key), held)
-        listing.where[key] = files.get(name) or within(path, name, "a shard the index does not list")
-        if key not in listing.shapes:
-            listing.shapes[key] = read_shapes(listing.where[key], "shard")[key]
+        listing.where[key], listing.shapes[key] = files[name], headers[name][key]
     return listing
 
 
-def _unlisted(path: Path, files: Dict[str, Path], key: str) -> List[str]:
-    """The directory's safetensors files the index does not list that hold ``key``: where an edited
-    index lost a shard, the key is still found (read only for a key no listed shard holds)."""
-    found = []
+def _unlisted(path: Path, files: Dict[str, Path], headers: Dict[str, Dict[str, Shape]]) -> None:
+    """Adds to ``files`` and ``headers`` the directory's other safetensors files (once), leaving out
+    any that lies outside it or is damaged: the index does not call them part of the checkpoint."""
     for file in sorted(path.glob("*.safetensors")):
-        if file.name not in files and key in read_shapes(within(path, file.name, "a shard"), "shard"):
-            found.append(file.name)
-    return found
+        if file.name in headers:
+            continue
+        try:
+            files[file.name] = within(path, file.name, "a shard the index does not list")
+            headers[file.name] = read_shapes(files[file.name], "shard")
+        except PipeckptCheckpointError:
+            files.pop(file.name, None)
+            headers[file.name] = {}
 
 
 def _holder(index: Path, key: str, named: Optional[str], held: List[str]) -> str:

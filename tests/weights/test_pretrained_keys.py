@@ -100,6 +100,17 @@ def test_an_index_entry_naming_a_shard_without_the_key_is_followed_to_the_shard_
     assert_bitwise_equal(model.state_dict(), reference(save("llama", tmp_path / "intact")).state_dict())
 
 
+def test_a_damaged_file_the_index_does_not_list_is_passed_over_while_following_an_entry(tmp_path):
+    path = save("llama", tmp_path)
+    (path / "stray.safetensors").write_bytes(b"not a safetensors file")
+    key = "lm_head.weight"
+    _rewrite_index(path, lambda m: m.update({key: next(f for f in m.values() if f != m[key])}))
+    with pytest.warns(PipeckptWarning, match=rf"maps '{key}' to "):
+        model = pipeckpt.pretrained(_on_meta("llama"), path)
+    materialize(model, CPU)
+    assert torch.equal(model.lm_head.weight, reference(save("llama", tmp_path / "intact")).lm_head.weight)
+
+
 def test_an_index_entry_that_no_shard_holds_is_refused_naming_the_key_and_shard(tmp_path):
     path = save("llama", tmp_path)
     _rewrite_index(path, lambda m: m.update({"model.extra.weight": m["lm_head.weight"]}))
