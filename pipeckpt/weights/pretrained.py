@@ -6,7 +6,10 @@ the meta device (the way to build one larger than a process) had no way to get p
 (:mod:`pipeckpt.stages.materialize`), every tensor it keeps is read from the checkpoint by its key
 alone (``safetensors.safe_open`` per file, only the keys needed; a plain state-dict file is mapped,
 weights only), converted to the module's dtype. What the checkpoint does not hold and the module
-does not save (rotary frequencies, masks) comes from the module's own initialisation.
+does not save (rotary frequencies, masks) comes from the module's own initialisation. Before any of
+that, marking the module checks it against the checkpoint on keys and shapes alone (:mod:`.matching`,
+from the index and the safetensors headers: :mod:`.listing`), so that a directory that cannot fill it
+is refused before any work.
 """
 
 import weakref

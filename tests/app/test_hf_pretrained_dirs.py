@@ -153,6 +153,16 @@ def test_trust_remote_code_runs_the_directorys_code_when_asked(tmp_path, copy):
     assert marker.exists()
 
 
+def test_an_auto_map_beside_a_model_type_transformers_has_builds_its_own_class_running_nothing(
+    tmp_path, copy
+):
+    marker = tmp_path / "code-ran"
+    _custom_code(copy, marker)
+    _config(copy, model_type="llama")
+    assert type(HFCausalLM(path=str(copy)).hf_config).__name__ == "LlamaConfig"
+    assert not marker.exists()
+
+
 def test_a_tokenizer_of_the_directorys_own_code_is_refused_naming_data_tokenizer(tmp_path, copy):
     config = json.loads((copy / "tokenizer_config.json").read_text())
     config.update(
