@@ -99,6 +99,7 @@ class HFConfig:
     lr: float = _in(_RATE)
     weight_decay: float = _in(_AT_LEAST_0)
     trust_remote_code: bool = MISSING  # run the Python code a directory's config.json names (auto_map)
+    ignore_keys: List[str] = MISSING  # regexes of the directory's keys to leave unread (else: refused)
 
 
 # -- data/ ----------------------------------------------------------------------------

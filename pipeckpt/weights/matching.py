@@ -56,13 +56,14 @@ def check(
     path: Path,
     *,
     missing: str,
-    ignore: Sequence[str],
+    ignore: Optional[Sequence[str]],
     hint: Optional[str] = None,
 ) -> None:
     """Refuses ``model`` against ``listing`` (of the checkpoint at ``path``): a key of another
     shape, a saved tensor the checkpoint lacks (under ``missing="error"``), or a key nothing in the
     module takes, unless a pattern of ``ignore`` (or the model's own
-    ``_keys_to_ignore_on_load_unexpected``) matches it (``re.search``). ``hint``, when given,
+    ``_keys_to_ignore_on_load_unexpected``) matches it (``re.search``); ``ignore=None`` leaves the
+    keys no tensor takes to a later check that knows the user's patterns. ``hint``, when given,
     replaces the refusals' hints (the app's user sets no Python argument)."""
     saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
     tensors: Dict[int, Tensor] = {id(t): t for t in (*model.parameters(), *model.buffers())}
@@ -94,7 +95,7 @@ def check(
             or f"{_REBUILD}, or pretrained(..., missing='init') to initialise the missing ones as a build "
             "from scratch does",
         )
-    left = _left_over(model, listing, used, ignore)
+    left = _left_over(model, listing, used, ignore) if ignore is not None else []
     if left:
         raise config_error(
             f"{str(path)!r} holds {len(left)} key(s) no tensor of {type(model).__name__} takes: "

@@ -15,11 +15,13 @@ from typing import Dict, Optional
 
 import huggingface_hub
 import pytest
+from hydra.utils import instantiate
 from support import forkserver
 from support.paths import launcher_free, worker_pythonpath
 from test_app_checks import compose_train, refusal
 from test_train_e2e import FAST, ROOT, val_losses
 
+from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.checks import check_config
 from pipeckpt.app.models.hf import HFCausalLM, hf_config
 from pipeckpt.app.models.hf_directory import local_directory
@@ -74,11 +76,30 @@ def _config(path: Path, **fields) -> None:
     (path / "config.json").write_text(json.dumps({**config, **fields}))
 
 
-def test_a_config_json_of_fewer_layers_than_the_weights_is_refused_naming_both_counts(tmp_path, copy):
+def test_a_config_json_of_fewer_layers_than_the_weights_is_refused_naming_both_counts(copy):
     _config(copy, num_hidden_layers=2)
+    with pytest.raises(PipeckptConfigError) as error:
+        HFCausalLM(path=str(copy))
+    assert "the checkpoint holds 4 of model.layers, the module 2" in str(error.value)
+    assert f"the weights in model.path={copy} and its config.json disagree" in str(error.value)
+    assert "model.ignore_keys" in str(error.value)
+
+
+def test_model_ignore_keys_leaves_the_keys_it_matches_unread(tmp_path, copy):
+    _config(copy, num_hidden_layers=2)
+    ignore = "model.ignore_keys=['^model[.]layers[.][23][.]']"
+    cfg = compose_train(tmp_path, "model=hf", f"model.path={copy}", ignore)
+    check_config(cfg)
+    assert instantiate(cfg.model).hf_config.num_hidden_layers == 2
+
+
+def test_a_config_json_of_more_layers_than_the_weights_is_refused_before_anything_is_built(tmp_path, copy):
+    _config(copy, num_hidden_layers=6)
     message = refusal(tmp_path, "model=hf", f"model.path={copy}")
-    assert "the checkpoint holds 4 of model.layers, the module 2" in message
-    assert f"the weights in model.path={copy} and its config.json disagree" in message
+    assert (
+        "lacks model.layers.4." in message
+        and "the checkpoint holds 4 of model.layers, the module 6" in message
+    )
 
 
 def test_train_py_refuses_a_truncated_shard_with_exit_1_naming_it_and_no_traceback(tmp_path, copy):

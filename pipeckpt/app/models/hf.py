@@ -10,7 +10,7 @@ architecture ``AutoModelForCausalLM`` builds works without a table of layer path
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import lightning as L
 import torch
@@ -113,11 +113,18 @@ def hf_config(
 
 
 def checked_config(
-    path: Optional[str], config: ConfigSource, seq_len: int, *, trust_remote_code: Optional[bool] = None
+    path: Optional[str],
+    config: ConfigSource,
+    seq_len: int,
+    *,
+    trust_remote_code: Optional[bool] = None,
+    ignore_keys: Optional[Sequence[str]] = None,
 ) -> Any:
     """:func:`hf_config`'s config, refused when the data's windows (``seq_len`` tokens) are longer
     than the model takes, or when ``path``'s weights do not fit the model its config.json builds
-    (keys and shapes, from the index and the safetensors headers alone)."""
+    (keys and shapes, from the index and the safetensors headers alone; keys the model does not take,
+    unless ``ignore_keys`` matches them: None, as in the app's first checks, leaves those to the
+    model's own check, which knows ``model.ignore_keys``)."""
     built = hf_config(path, config, trust_remote_code=trust_remote_code)
     positions = getattr(built, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
@@ -127,7 +134,7 @@ def checked_config(
             f"set model.seq_len <= {positions}",
         )
     if path is not None and not isinstance(built, SimpleNamespace):
-        check_weights(path, built, bool(trust_remote_code))
+        check_weights(path, built, bool(trust_remote_code), ignore_keys)
     return built
 
 
@@ -179,6 +186,8 @@ class HFCausalLM(L.LightningModule):
         weight_decay: AdamW's weight decay.
         trust_remote_code: run the Python code a directory's config.json names (``auto_map``) to
             build its model; False refuses such a directory, naming this setting.
+        ignore_keys: regular expressions of the directory's keys to leave unread; any other key the
+            model does not take is refused (``from_pretrained``'s "unexpected keys").
     """
 
     def __init__(
@@ -191,15 +200,18 @@ class HFCausalLM(L.LightningModule):
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         trust_remote_code: bool = False,
+        ignore_keys: Sequence[str] = (),
     ) -> None:
         super().__init__()
         # ``path`` is the data's corpus to Lightning, which refuses two values of one hparam.
         self.save_hyperparameters(ignore=["path"])
         self.hparams["pretrained_path"] = path
         self.path, self.layers, self.lr, self.weight_decay = path, layers, lr, weight_decay
-        self.trust_remote_code = trust_remote_code
-        # a bad directory: refused before any work
-        self.hf_config = checked_config(path, config, seq_len, trust_remote_code=trust_remote_code)
+        self.trust_remote_code, self.ignore_keys = trust_remote_code, [str(k) for k in ignore_keys]
+        self.hparams["ignore_keys"] = self.ignore_keys  # plain strings: Hydra's list is no checkpoint data
+        self.hf_config = checked_config(  # a bad directory: refused before any work
+            path, config, seq_len, trust_remote_code=trust_remote_code, ignore_keys=self.ignore_keys
+        )
         self.directory = local_directory(path) if path is not None else None
         self.model: Optional[nn.Module] = None
 
@@ -221,7 +233,7 @@ class HFCausalLM(L.LightningModule):
                 self.hf_config, dtype=dtype, trust_remote_code=trust
             )
             if self.directory is not None:
-                model = pipeckpt.pretrained(model, self.directory)
+                model = pipeckpt.pretrained(model, self.directory, ignore=self.ignore_keys)
         self.model = model
 
     def configure_pipeline(self) -> nn.Module:

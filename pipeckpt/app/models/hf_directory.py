@@ -13,7 +13,7 @@ file; a Hub id is looked up in huggingface_hub's local cache only, never downloa
 import json
 import re
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,8 +141,11 @@ def _named(auto_map: Any) -> str:
     return ", ".join(found[:3]) or repr(auto_map)
 
 
-def check_weights(path: str, built: Any, trust_remote_code: bool) -> None:
-    """The model ``built`` makes, on the meta device, against ``path``'s weights."""
+def check_weights(
+    path: str, built: Any, trust_remote_code: bool, ignore_keys: Optional[Sequence[str]]
+) -> None:
+    """The model ``built`` makes, on the meta device, against ``path``'s weights (keys no tensor takes
+    only when ``ignore_keys`` is known: :func:`pipeckpt.weights.matching.check`)."""
     import transformers
 
     directory = local_directory(path)
@@ -160,9 +163,10 @@ def check_weights(path: str, built: Any, trust_remote_code: bool) -> None:
         list_checkpoint(directory),
         directory,
         missing="error",
-        ignore=(),
+        ignore=ignore_keys,
         hint=f"the weights in model.path={path} and its config.json disagree: write the directory again "
-        "with save_pretrained, or set config.json's sizes (num_hidden_layers, ...) to the weights'",
+        "with save_pretrained, or set config.json's sizes (num_hidden_layers, ...) to the weights', or "
+        "name keys to leave unread in model.ignore_keys=[<regex>,...]",
     )
 
 
