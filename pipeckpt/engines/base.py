@@ -193,12 +193,13 @@ class Engine(ABC):
         """This process's stages."""
 
     def place(self, module: LightningModule, root_device: torch.device) -> None:
-        """Each stage to its device; the rest of the module to ``root_device``."""
+        """Each stage to its device; the rest of the module to ``root_device`` (but what this
+        process does not hold, on the meta device)."""
         assert self.sequential is not None
         inside = {id(m) for m in self.sequential.modules()}
         for m in module.modules():
             if id(m) not in inside:
-                apply_to_tensors(m, lambda t: t.to(root_device), recurse=False)
+                apply_to_tensors(m, lambda t: t if t.is_meta else t.to(root_device), recurse=False)
         for stage in self.stages:
             stage.to(stage.device)
         set_module_device(module, root_device)

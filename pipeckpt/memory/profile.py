@@ -20,6 +20,7 @@ from pipeckpt._compat import FakeTensorMode, tree_flatten
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.memory_pass import Storages, memory_pass
 from pipeckpt.memory.outside import OutsideMemory
+from pipeckpt.memory.outside_share import OutsideParam, outside_params
 from pipeckpt.memory.rooted import RootInput, measure_outside, outside_parameters, root_chain
 from pipeckpt.memory.timing import _flop_pass, _selective_pass, _timing_pass
 from pipeckpt.stages.gradients import gradients_set_aside
@@ -80,6 +81,9 @@ class ModelProfile:
     fake: bool = False
     # A pipeline_of model: its code outside the layers (``loss`` above), as it runs per micro-batch.
     outside: Optional[OutsideMemory] = None
+    # A pipeline_of model: its parameters outside the layers and who reads each (None: not told, or
+    # not such a model), for the ranks of the distributed engine, which hold what their stages read.
+    outside_params: Optional[Tuple[OutsideParam, ...]] = None
 
     def bytes_of(self, ids: Set[int]) -> int:
         return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
@@ -160,6 +164,7 @@ def profile(
     was_training = owner.training
     owner.train()
     try:
+        given = microbatch  # a pipeline_of model's call; the chain starts from its first layer's input
         layers, microbatch, loss, first = _chain(sequential, microbatch, loss_fn, target)
         leaves = [t for t in first if isinstance(t, Tensor) and t.dim()]
         size = int(leaves[0].shape[0]) if leaves else 1
@@ -169,6 +174,10 @@ def profile(
             records, batch_inputs = memory_pass(layers, microbatch, loss, storages)
         with _state_kept(owner):
             outside = measure_outside(loss) if loss is not None else None
+        readers = None
+        if isinstance(sequential, ModulePipeline):
+            with _state_kept(owner):
+                readers = outside_params(sequential, RootInput.of(given))
         with _state_kept(owner):
             if fake:
                 times = _flop_pass(layers, microbatch, loss, flops_per_s)
@@ -215,6 +224,7 @@ def profile(
         loss=profiles[len(layers)] if loss is not None else None,
         fake=fake,
         outside=outside,
+        outside_params=readers,
     )
 
 

@@ -7,7 +7,7 @@ repeated with fresh storage ids, each copy's input being the previous copy's out
 """
 
 from dataclasses import replace
-from typing import Dict, List, Tuple
+from typing import Any, Dict, FrozenSet, List, Tuple
 
 from torch import nn
 
@@ -90,7 +90,22 @@ def repeat_layer(profile: ModelProfile, index: int, count: int) -> ModelProfile:
         previous = {i: mapping[i] for i in own}
     after = _renamed(layers[index + 1], {o: previous[o] for o in layer.outputs if o in previous})
     new = layers[:index] + copies + [after] + layers[index + 2 :]
-    return replace(profile, layers=tuple(new), storage_bytes=sizes)
+    return replace(
+        profile, layers=tuple(new), storage_bytes=sizes, outside_params=_shifted(profile, index, count)
+    )
+
+
+def _shifted(profile: ModelProfile, index: int, count: int) -> Any:
+    """A ``pipeline_of`` model's outside parameters with their readers renumbered: the layers after
+    ``index`` move ``count - 1`` on, and every copy of layer ``index`` reads what it reads."""
+    if profile.outside_params is None:
+        return None
+
+    def moved(layers: FrozenSet[int]) -> FrozenSet[int]:
+        copies = set(range(index, index + count)) if index in layers else set()
+        return frozenset({i if i < index else i + count - 1 for i in layers if i != index} | copies)
+
+    return tuple(replace(o, layers=moved(o.layers)) for o in profile.outside_params)
 
 
 def _renamed(layer: LayerProfile, mapping: Dict[int, int]) -> LayerProfile:

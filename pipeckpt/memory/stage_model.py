@@ -8,9 +8,10 @@ what each segment, Function and gradient holds.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.memory.outside_share import OutsideParam, stage_share
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.timing import selective_extra_s
 
@@ -45,11 +46,28 @@ class _StageModel:
         # The last stage holds what runs after the layers (a pipeline_of model's own parameters). Trained
         # parameters get gradients and optimizer state; frozen ones are only held.
         after = [p.loss] if self.last and p.loss is not None else []
+        # Under the distributed engine a pipeline_of model's rank holds of them what its stage reads
+        # (memory/outside_share.py), not the last stage all of them.
+        share = self.outside_share()
+        after = [] if share is not None else after
         self.param_bytes = sum(layer.param_bytes for layer in [*self.layers, *after])
         self.param_tensors = sum(layer.param_tensors for layer in [*self.layers, *after])
         self.frozen_bytes = sum(layer.frozen_bytes for layer in [*self.layers, *after])
+        self.largest_outside = max((o.bytes for o in share or () if o.trained), default=0)
+        for o in share or ():
+            self.param_bytes += o.bytes if o.trained else 0
+            self.param_tensors += 1 if o.trained else 0
+            self.frozen_bytes += 0 if o.trained else o.bytes
         self.forward_s = sum(layer.forward_s for layer in self.layers)
         self.backward_s = sum(layer.backward_s for layer in self.layers)
+
+    def outside_share(self) -> Optional[Sequence[OutsideParam]]:
+        """The parameters outside a ``pipeline_of`` model's layers this stage's rank holds under the
+        distributed engine; None on the local engine (the last stage counts them) or for a Sequential."""
+        p = self.profile
+        if self.local or p.outside_params is None:
+            return None
+        return stage_share(p.outside_params, self.start, self.stop, self.last)
 
     def bytes(self, ids: Set[int]) -> int:
         return self.profile.bytes_of(ids if self.local else ids - self.inputs)

@@ -110,8 +110,11 @@ class _StageWalk:
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
         self.static = s.param_bytes + s.frozen_bytes + self.opt
-        after = [s.profile.loss] if s.last and s.profile.loss is not None else []
-        largest = max((layer.largest_param for layer in [*s.layers, *after]), default=0)
+        after = (
+            [s.profile.loss] if s.last and s.profile.loss is not None and s.outside_share() is None else []
+        )
+        largest = max((layer.largest_param for layer in [*s.layers, *after]), default=s.largest_outside)
+        largest = max(largest, s.largest_outside)
         self.step_work = optimizer_step_bytes(optimizer, largest)
         # A pipeline_of model on the local engine runs its code outside the layers per micro-batch
         # (engines/local/module.py): the head after the last stage's forward and before its backward,

@@ -9,7 +9,7 @@ from support.toy import ToyModule, assert_bitwise_equal
 from torch import nn
 
 from pipeckpt._errors import PipeckptConfigError
-from pipeckpt.engines.distributed.wiring import agreed_plan
+from pipeckpt.engines.distributed.agreed_plan import agreed_plan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.materialize import claim_build, materialize, on_meta, remember_build
 

@@ -6,7 +6,7 @@ FSDP2, the schedules), and the engine class keeps to choosing and stepping; as
 :class:`.checkpoints.EngineCheckpoints` does for files.
 """
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set
 
 import torch
 from lightning.pytorch import LightningModule
@@ -14,6 +14,8 @@ from torch import nn
 
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
+from pipeckpt.engines.distributed.agreed_plan import agreed_plan
+from pipeckpt.engines.distributed.outside_parts import OutsideParts, agreed_uses, outside_parts
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
 from pipeckpt.engines.distributed.schedules import ScheduleKind, Schedules
@@ -24,7 +26,6 @@ from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
-    agreed_plan,
     build_stages,
     called_outside_a_step,
     check_all_parameters_pipelined,
@@ -49,6 +50,7 @@ class EngineBuilding:
     ties: Optional[Ties]
     replicas: Optional[Replicas]
     routing: Optional[RootRouting]
+    outside: Optional[OutsideParts]
     root: Optional[nn.Module]
     sharding: Optional[Sharding]
     plan: Optional[StagePlan]
@@ -113,11 +115,30 @@ class EngineBuilding:
         check_module_pipeline(name, s)
         check_all_parameters_pipelined(module, spec.root)
         names = [f"{name}.{n}" for n in spec.names]
-        stage_plan = self._prepare(module, spec, names=names)  # before the routing takes the layers' forward
+        uses = agreed_uses(module, spec, self._device)  # which stages read each part outside the layers
+        top = self.topology
+        mine = top.stages_of(self.processes.rank)
+        ranks = [[j for j in range(top.stages) if top.rank_of(j) == r] for r in range(top.pp)]
+        found: List[OutsideParts] = []
+
+        def dropped(plan: StagePlan) -> Set[int]:
+            found.append(outside_parts(spec, uses, plan.ranges, mine, ranks))
+            return found[-1].dropped
+
+        stage_plan = self._prepare(module, spec, names=names, dropped=dropped)  # before the routing
+        parts = found[-1] if found else outside_parts(spec, uses, stage_plan.ranges, mine, ranks)
         step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=self._device)  # type: ignore[arg-type]
         self.modules, self.routing, self.replicas, ties = build_rooted(
-            module, spec, stage_plan, step, names=names, processes=self.processes, pin_memory=s.pin_memory
+            module,
+            spec,
+            stage_plan,
+            step,
+            names=names,
+            processes=self.processes,
+            pin_memory=s.pin_memory,
+            parts=parts,
         )
+        self.outside = parts
         if (sharding := self._sharding()) is not None:  # the layers sharded; the rest stays replicated
             sharding.shard_layers(self.modules, self.replicas)
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
@@ -136,7 +157,11 @@ class EngineBuilding:
         return self.sharding
 
     def _prepare(
-        self, module: LightningModule, layers: nn.Sequential, names: Optional[Sequence[str]] = None
+        self,
+        module: LightningModule,
+        layers: nn.Sequential,
+        names: Optional[Sequence[str]] = None,
+        dropped: Optional[Callable[[StagePlan], Set[int]]] = None,
     ) -> StagePlan:
         """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
         each with its random stream (rank 0's seed; a resume restores its own later)."""
@@ -145,7 +170,7 @@ class EngineBuilding:
         stages = self.topology.stages
         mine = self.topology.stages_of(self.processes.rank)
         self.plan, seed = agreed_plan(
-            module, layers, s, stages=stages, device=self._device, names=names, mine=mine
+            module, layers, s, stages=stages, device=self._device, names=names, mine=mine, dropped=dropped
         )
         self.seed_layers(layers, self.plan, seed=seed)
         return self.plan

@@ -22,10 +22,11 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import recording
 from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers
 from pipeckpt.engines.distributed.boundaries import announced
+from pipeckpt.engines.distributed.outside_parts import OutsideParts, drop, held_parameters
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
 from pipeckpt.engines.distributed.step import PipelinedStep
-from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_every_rank
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_stages
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import StageModule, _usable, build_stages
 from pipeckpt.settings import PipeSettings
@@ -33,7 +34,7 @@ from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
 
-__all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "outside_parameters", "build_rooted"]
+__all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "build_rooted"]
 
 Produced = List[Tuple[int, Any]]  # (layer index, the output of its call), in call order
 
@@ -225,13 +226,6 @@ class RootStageModule(StageModule):
         return flat
 
 
-def outside_parameters(spec: ModulePipeline, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """The root's parameters that no named layer holds, under their names in ``module``."""
-    inside = {id(p) for p in spec.parameters()}
-    root = {id(p) for p in spec.root.parameters()}
-    return [(n, p) for n, p in module.named_parameters() if id(p) in root and id(p) not in inside]
-
-
 def check_module_pipeline(name: str, settings: PipeSettings) -> None:
     """Refuse what a module pipeline cannot run under the distributed engine. Every schedule runs (a
     split-backward one with its layers' weight passes, stages/weight_pass.py), and so does ``dp > 1``."""
@@ -248,19 +242,18 @@ def _rooted_ties(
     module: nn.Module,
     spec: ModulePipeline,
     stage_plan: StagePlan,
-    outside: Sequence[Tuple[str, nn.Parameter]],
+    parts: OutsideParts,
     *,
     topology: Topology,
     processes: ProcessGroups,
 ) -> Ties:
-    """A module pipeline's ties: the parameters outside the layers (``outside``) live on every
-    rank of the pipeline, one tie each, and those tied between layers as under a Sequential."""
-    assert processes.pp_group is not None
-    rank, src = processes.rank, dist.get_global_rank(processes.pp_group, 0)
-    everywhere = {id(p) for _, p in outside}
+    """A module pipeline's ties: each parameter outside the layers is one tie over the ranks of the
+    stages that hold it (``parts.stages``), and those tied between layers as under a Sequential."""
+    rank = processes.rank
     ties = find_ties(module, spec, stage_plan, topology, rank)
-    return Ties([t for t in ties.ties if id(t.param) not in everywhere]) + held_by_every_rank(
-        outside, stages=stage_plan.stages, group=processes.pp_group, src=src, primary=rank == src
+    outside = {id(p) for p in spec.root.parameters()} - {id(p) for p in spec.parameters()}
+    return Ties([t for t in ties.ties if id(t.param) not in outside]) + held_by_stages(
+        module, spec.root, parts.stages, topology=topology, rank=rank
     )
 
 
@@ -273,14 +266,16 @@ def build_rooted(
     names: Sequence[str],
     processes: ProcessGroups,
     pin_memory: bool,
+    parts: OutsideParts,
 ) -> Tuple[List[StageModule], RootRouting, Optional[Replicas], Ties]:
     """This rank's stages of a module pipeline, each running the model's forward, the routing
     between them, the replicas (``dp > 1``: averaged by :class:`.ties.Replicas`, not DDP, since a
     stage module lacks the parameters outside the layers its replay trains) and the ties."""
     topology = processes.topology
     assert topology is not None
-    outside = outside_parameters(spec, module)
-    ties = _rooted_ties(module, spec, stage_plan, outside, topology=topology, processes=processes)
+    ties = _rooted_ties(module, spec, stage_plan, parts, topology=topology, processes=processes)
+    drop(spec.root, parts)  # the outside tensors no stage of this rank reads to meta, their calls answered
+    outside = held_parameters(spec.root, parts)
     routing = RootRouting(spec, stage_plan.ranges, names)
     modules = build_stages(
         spec,

@@ -20,7 +20,7 @@ from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.stages.partition import StagePlan, split
 
-__all__ = ["Replicas", "Ties", "find_ties", "held_by_every_rank"]
+__all__ = ["Replicas", "Ties", "find_ties", "held_by_stages"]
 
 Gradient = Tuple[nn.Parameter, Tensor]
 
@@ -87,6 +87,29 @@ def find_ties(
         for p in part.parameters():
             stages_of.setdefault(id(p), set()).add(j)
             params[id(p)] = p
+    return _ties(module, stages_of, params, topology, rank)
+
+
+def held_by_stages(
+    module: nn.Module, root: nn.Module, stages: Dict[str, Tuple[int, ...]], *, topology: Topology, rank: int
+) -> Ties:
+    """Parameters of ``root`` (by their names there) each held by the ``stages`` given (those of a
+    module pipeline outside its layers: the stages that read them, ``.outside_parts``): a tie each
+    where they are on several pipeline ranks, whose lowest rank holds the copy the others start from."""
+    params = {id(p): p for p in dict(root.named_parameters()).values()}
+    by_name = dict(root.named_parameters())
+    return _ties(module, {id(by_name[n]): set(js) for n, js in stages.items()}, params, topology, rank)
+
+
+def _ties(
+    module: nn.Module,
+    stages_of: Dict[int, Set[int]],
+    params: Dict[int, nn.Parameter],
+    topology: Topology,
+    rank: int,
+) -> Ties:
+    """The ties among ``params`` held by several pipeline ranks (``stages_of``: by id, the stages
+    holding each); their process groups made in the same order on every rank, as ``new_group`` needs."""
     names: Dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
@@ -104,21 +127,6 @@ def find_ties(
                 if rank in ranks:
                     mine.append(_Tie(name, params[i], stages, group, src=ranks[0], primary=rank == ranks[0]))
     return Ties(mine)
-
-
-def held_by_every_rank(
-    named: Sequence[Tuple[str, nn.Parameter]],
-    *,
-    stages: int,
-    group: dist.ProcessGroup,
-    src: int,
-    primary: bool,
-) -> Ties:
-    """Parameters that every pipeline rank of this replica holds and uses (those of a module
-    pipeline outside its layers): a tie each, over the replica's pipeline ``group``, whose lowest
-    rank ``src`` (global) holds the copy that the others start from."""
-    every = tuple(range(stages))
-    return Ties([_Tie(name, p, every, group, src=src, primary=primary) for name, p in named])
 
 
 # Gradients averaged in flat buckets of at most this many bytes: one collective per bucket rather

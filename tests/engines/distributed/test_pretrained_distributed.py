@@ -1,11 +1,11 @@
-"""Fine-tuning from a pretrained directory under the distributed engine: real processes (gloo on
-CPU, tests/engines/distributed/pretrained_worker.py) train tiny HF Llama and GPT-2 (tied) saved in
-bf16 in 17-18 safetensors shards, 3 steps as pp2 (2 processes) and Llama as pp2 x fsdp2 (4
-processes), built on the meta device and filled from the directory (pipeckpt.pretrained), and, for
-reference, from_pretrained in every process. Each rank reads exactly the keys of its own tensors
-(its stage's layers and what lies outside the layers, which every rank holds; under FSDP only
-the slices its shards hold), starts bitwise at from_pretrained(dir, dtype=float32) on
-them, and trains within 1e-5 of the eagerly-built run."""
+"""Fine-tuning from a pretrained directory under the distributed engine: real processes (gloo on CPU,
+tests/engines/distributed/pretrained_worker.py) train tiny HF Llama and GPT-2 (tied) saved in bf16
+in 17-18 safetensors shards, 3 steps as pp2 (2 processes) and Llama as pp2 x fsdp2 (4 processes),
+built on the meta device and filled from the directory (pipeckpt.pretrained), and, for reference,
+from_pretrained in every process. Each rank reads exactly the keys of its own tensors (its stage's
+layers and, of what lies outside the layers, what its stage reads: the embedding on the first, the
+final norm and head on the last; under FSDP only the slices its shards hold), starts bitwise at
+from_pretrained(dir, dtype=float32) on them, and trains within 1e-5 of the eagerly-built run."""
 
 from pathlib import Path
 from typing import Any, Dict, Iterator
@@ -51,15 +51,32 @@ def _saved(out: Path, run: str, rank: int) -> Dict[str, Any]:
     return torch.load(out / f"{run}_rank{rank}.pt", weights_only=True)
 
 
+# Outside the layers, by model: the stages that read each tensor (the embedding the first, the
+# final norm and the head the last, GPT-2's head tied to its embedding both), and so hold it.
+OUTSIDE = {
+    "llama": {"model.embed_tokens.weight": (0,), "model.norm.weight": (1,), "lm_head.weight": (1,)},
+    "qwen2": {"model.embed_tokens.weight": (0,), "model.norm.weight": (1,), "lm_head.weight": (1,)},
+    "gpt2": {
+        "transformer.wte.weight": (0, 1),
+        "lm_head.weight": (0, 1),
+        "transformer.wpe.weight": (0,),
+        "transformer.ln_f.weight": (1,),
+        "transformer.ln_f.bias": (1,),
+    },
+}
+
+
 def _own_keys(out: Path, model: str, stage: int, *, scratch: bool = False) -> set:
     """The checkpoint's keys of the tensors a process of stage ``stage`` holds: its layers, and
-    everything outside the layers."""
+    of what lies outside the layers, what its stage reads (``OUTSIDE``)."""
     first, stop = sum(BALANCE[:stage]), sum(BALANCE[: stage + 1])
     prefix = LAYERS[model] + "."
     whole = FromScratch(model, build="eager").model if scratch else reference(out / model)
     keys = set(whole.state_dict())
-    return {
-        k for k in keys if not k.startswith(prefix) or first <= int(k[len(prefix) :].split(".")[0]) < stop
+    outside = {k for k in keys if not k.startswith(prefix)}
+    assert outside == set(OUTSIDE[model]), outside
+    return {k for k in keys - outside if first <= int(k[len(prefix) :].split(".")[0]) < stop} | {
+        k for k in outside if stage in OUTSIDE[model][k]
     }
 
 

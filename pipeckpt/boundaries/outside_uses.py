@@ -1,0 +1,228 @@
+"""Which stages of a ``pipeline_of`` model read each of its parameters outside the named layers.
+
+Under the distributed engine every stage replays the model's own ``forward`` (engines/distributed/
+rooted.py), yet a stage needs only the outside parameters whose values reach what it computes: the
+input embedding on the first stage, the final norm and LM head on the last, a tied weight on both.
+Why a probe and not module names per family: what a model computes outside its layers, and in which
+order, is its own code (Gemma scales its embedding, T5 normalises the encoder's output before the
+decoder's layers read it, BART ties four names to one weight). So ``forward`` runs once on fake
+tensors (nothing is allocated or computed), each layer's output cut from the graph there as a later
+stage's received copy of it is. A parameter is read by the stage of layer ``i`` when the graph of
+layer ``i``'s output reaches it, and by the last stage when the graph of the model's output does.
+Every outside parameter takes a gradient in the probe, so a frozen one (LoRA's base) is found too.
+
+A parameter that code outside its own module's call reads (``self.embed.weight[ids]`` in the root's
+``forward``, a layer that reads another module's weight) is marked ``everywhere``: its module cannot
+stand in for it where it is not held (engines/distributed/outside_parts.py), so every stage keeps it.
+"""
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from pipeckpt._compat import FakeTensorMode, own_tensors, set_own_tensor, tree_flatten, tree_map
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.boundaries.recorded import recording
+
+__all__ = ["OutsideUses", "outside_uses"]
+
+
+@dataclass(frozen=True)
+class OutsideUses:
+    """What a ``pipeline_of`` model's layers and output read outside the layers, by parameter name.
+
+    Args:
+        layers: per layer (in ``pipeline_of`` order), the outside parameters its call's output
+            depends on other than through another layer's output.
+        output: the outside parameters the model's output depends on other than through a layer's.
+        everywhere: the outside parameters read outside their own module's call.
+    """
+
+    layers: Tuple[FrozenSet[str], ...]
+    output: FrozenSet[str]
+    everywhere: FrozenSet[str]
+
+    def stages(self, ranges: Sequence[Tuple[int, int]], names: Iterable[str]) -> Dict[str, Tuple[int, ...]]:
+        """For each parameter of ``names``, the stages (of ``ranges``, layer index ranges) that hold it."""
+        last = len(ranges) - 1
+        out: Dict[str, Tuple[int, ...]] = {}
+        for name in names:
+            if name in self.everywhere:
+                out[name] = tuple(range(len(ranges)))
+                continue
+            held = {j for j, (a, b) in enumerate(ranges) if any(name in self.layers[i] for i in range(a, b))}
+            if name in self.output:
+                held.add(last)
+            out[name] = tuple(sorted(held))
+        return out
+
+
+class _Reads(TorchFunctionMode):
+    """Marks the outside parameters an op reads while their own module's call is not running."""
+
+    def __init__(self, owner: Dict[int, Tuple[str, Tuple[nn.Module, ...]]]) -> None:
+        super().__init__()
+        self.owner = owner
+        self.running: List[nn.Module] = []
+        self.outside: Set[str] = set()
+
+    def enter(self, module: nn.Module, _args: Any) -> None:
+        self.running.append(module)
+
+    def leave(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        self.running.pop()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, Tensor) for t in tree_flatten(out)[0]):  # metadata (.dtype, .shape) is no read
+            for t in tree_flatten((args, kwargs or {}))[0]:
+                found = self.owner.get(id(t)) if isinstance(t, Tensor) else None
+                if found is not None and not any(m is h for m in self.running for h in found[1]):
+                    self.outside.add(found[0])
+        return out
+
+
+def _reached(tensors: Iterable[Any], names: Dict[int, str]) -> FrozenSet[str]:
+    """The parameters of ``names`` (by id) that the autograd graphs of ``tensors`` reach."""
+    found: Set[str] = set()
+    seen: Set[int] = set()
+    todo: List[Any] = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in names:
+            found.add(names[id(variable)])
+        todo.extend(n for n, _ in node.next_functions)
+    return frozenset(found)
+
+
+def _cut(value: Any) -> Any:
+    """``value`` with each tensor a new leaf, as a later stage receives a layer's output."""
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+
+    return tree_map(leaf, value)
+
+
+def outside_uses(
+    spec: ModulePipeline,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    device: torch.device,
+    *,
+    fake: bool = True,
+) -> OutsideUses:
+    """:class:`OutsideUses` of ``spec``'s model called with ``args`` and ``kwargs`` (one call as the
+    user's step makes it), leaving the model as it was; raises what the model's ``forward`` raises.
+    ``fake``: on fake tensors (the model's meta tensors on ``device``); else on its real tensors, in
+    eval mode (no BatchNorm statistics move), for a model whose code reads values (a mask compared
+    with a causal one), which fake tensors do not hold."""
+    root = spec.root
+    inside = {id(p) for p in spec.parameters()}
+    names = {id(p): n for n, p in root.named_parameters() if id(p) not in inside}
+    outputs: List[Any] = [None] * len(spec)
+    with ExitStack() as stack:
+        stack.callback(_restore_attributes, root, _attributes(root))  # a value the model caches on a call
+        if fake:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            _fake_tensors(root, names, device, stack)
+            args, kwargs = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, Tensor) else t, (args, kwargs)
+            )
+        else:
+            _real_tensors(root, names, stack)
+        holders: Dict[int, List[nn.Module]] = {}  # a tied weight: every module that holds it
+        for module in root.modules():
+            for _, t, is_param in own_tensors(module):
+                if is_param and id(t) in names:
+                    holders.setdefault(id(t), []).append(module)
+        reads = _Reads({i: (names[i], tuple(ms)) for i, ms in holders.items()})
+        for module in {id(m): m for ms in holders.values() for m in ms}.values():
+            stack.enter_context(module.register_forward_pre_hook(reads.enter))
+            stack.enter_context(module.register_forward_hook(reads.leave))
+        for index, layer in enumerate(spec):
+            layer.forward = _probe_layer(index, layer.forward, outputs)
+            stack.callback(layer.__dict__.pop, "forward", None)
+        with torch.enable_grad(), reads:
+            out = root(*args, **kwargs)
+        layer_uses = tuple(
+            _reached(tree_flatten(o)[0], names) if o is not None else frozenset() for o in outputs
+        )
+        return OutsideUses(layer_uses, _reached(tree_flatten(out)[0], names), frozenset(reads.outside))
+
+
+def _fake_tensors(root: nn.Module, names: Dict[int, str], device: torch.device, stack: ExitStack) -> None:
+    """Every tensor of ``root`` swapped for a fake one (tied ones stay tied; the outside parameters
+    ``names``, re-keyed to their fakes, take a gradient) until ``stack`` closes."""
+    made: Dict[int, Tensor] = {}
+    swapped: List[Tuple[nn.Module, str, Tensor, bool]] = []
+    stack.callback(_restore, swapped)
+    for owner in root.modules():
+        for name, t, is_param in own_tensors(owner):
+            if id(t) not in made:
+                fake = torch.empty_like(t, device=device if t.is_meta else t.device)
+                grad = id(t) in names or (is_param and t.requires_grad)
+                made[id(t)] = nn.Parameter(fake, grad and fake.is_floating_point()) if is_param else fake
+                if id(t) in names:
+                    names[id(made[id(t)])] = names.pop(id(t))
+            swapped.append((owner, name, t, is_param))
+            set_own_tensor(owner, name, made[id(t)], is_param)
+
+
+def _real_tensors(root: nn.Module, names: Dict[int, str], stack: ExitStack) -> None:
+    """``root`` in eval mode, its outside parameters ``names`` taking a gradient, until ``stack`` closes."""
+    modes = [(m, m.training) for m in root.modules()]
+    params = [p for p in root.parameters() if id(p) in names and p.is_floating_point()]
+    flags = [(p, p.requires_grad) for p in params]
+    stack.callback(lambda: [m.train(t) for m, t in modes] and None)
+    stack.callback(lambda: [p.requires_grad_(g) for p, g in flags] and None)
+    root.eval()
+    for p in params:
+        p.requires_grad_(True)
+
+
+def _probe_layer(index: int, own: Any, outputs: List[Any]) -> Any:
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        found = recording()
+        fn = own if found is None else found.carried(own)
+        out = fn(*args, **kwargs)
+        outputs[index] = out if outputs[index] is None else (outputs[index], out)
+        cut = _cut(out)
+        if found is None:
+            return cut
+        value, recorded = cut
+        found.add(recorded)
+        return value
+
+    return probed
+
+
+_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+def _attributes(root: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
+    """Each module's own attributes (a shallow copy): the demo Transformer keeps its causal mask and
+    position table, made on its first call, as plain attributes, which must not stay fake."""
+    return [(m, {k: v for k, v in m.__dict__.items() if k not in _SLOTS}) for m in root.modules()]
+
+
+def _restore_attributes(root: nn.Module, saved: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
+    for module, attributes in saved:
+        for key in [k for k in module.__dict__ if k not in _SLOTS and k not in attributes]:
+            del module.__dict__[key]
+        module.__dict__.update(attributes)
+
+
+def _restore(swapped: Sequence[Tuple[nn.Module, str, Tensor, bool]]) -> None:
+    for owner, name, t, is_param in reversed(swapped):
+        set_own_tensor(owner, name, t, is_param)

@@ -1,0 +1,69 @@
+"""Under the distributed engine each rank of a ``pipeline_of`` model holds, of the parameters outside
+its layers, what its stage reads (engines/distributed/outside_parts.py), and the memory model counts
+exactly that per stage (memory/outside_share.py): HF Llama (untied head) and GPT-2 (head tied to the
+embedding, held by both ends), profiled from token ids, 2 stages of 2 layers, GPipe."""
+
+from typing import Dict
+
+import torch
+import transformers as hf
+from torch import nn
+
+from pipeckpt import pipeline_of
+from pipeckpt.checkpointing.modes import parse_modes
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.rooted import RootInput
+from pipeckpt.stages.partition import StagePlan
+
+IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+CPU = torch.device("cpu")
+PLAN = StagePlan(balance=(2, 2), devices=(CPU, CPU), modes=parse_modes("never", 2))
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _stage_params(model: nn.Module, layers: str, schedule: str) -> Dict[int, int]:
+    fitted = profile(pipeline_of(model, layers), RootInput((), dict(input_ids=IDS)), rounds=1)
+    prediction = predict(fitted, PLAN, chunks=2, optimizer="sgd", schedule=schedule)
+    return {j: s.params for j, s in enumerate(prediction.stages)}
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = hf.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return hf.LlamaForCausalLM(config)
+
+
+def test_each_rank_counts_the_outside_parameters_its_stage_reads() -> None:
+    model = _llama()
+    layers = model.model.layers
+    stage = _stage_params(model, "model.layers", "gpipe")
+    assert stage[0] == _bytes(layers[0]) + _bytes(layers[1]) + _bytes(model.model.embed_tokens)
+    assert stage[1] == _bytes(layers[2]) + _bytes(layers[3]) + _bytes(model.model.norm) + _bytes(
+        model.lm_head
+    )
+
+
+def test_a_tied_embedding_counts_on_both_ranks_that_hold_a_copy() -> None:
+    torch.manual_seed(0)
+    config = hf.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    model = hf.GPT2LMHeadModel(config)
+    t = model.transformer
+    stage = _stage_params(model, "transformer.h", "gpipe")
+    assert stage[0] == _bytes(t.h[0]) + _bytes(t.h[1]) + _bytes(t.wte) + _bytes(t.wpe)
+    assert stage[1] == _bytes(t.h[2]) + _bytes(t.h[3]) + _bytes(t.wte) + _bytes(t.ln_f)
+
+
+def test_the_local_engine_counts_them_all_on_its_last_stage() -> None:
+    model = _llama()
+    layers = model.model.layers
+    stage = _stage_params(model, "model.layers", "local")
+    outside = _bytes(model.model.embed_tokens) + _bytes(model.model.norm) + _bytes(model.lm_head)
+    assert stage[0] == _bytes(layers[0]) + _bytes(layers[1])
+    assert stage[1] == _bytes(layers[2]) + _bytes(layers[3]) + outside
