@@ -29,7 +29,9 @@ def has_tokenizer(directory: Optional[str]) -> bool:
 def _load_tokenizer(directory: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    # No code from the directory: a tokenizer that needs its own module is refused before this call
+    # (app/models/hf_directory.py); a direct user of the data module gets transformers' refusal.
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
 def token_range(tokenizer: Optional[str]) -> int:
