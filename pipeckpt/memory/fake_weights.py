@@ -11,7 +11,7 @@ stays as it was for the engine to make each process's stages real.
 """
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,12 +31,15 @@ def state_bytes(module: nn.Module) -> int:
 
 
 @contextmanager
-def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
+def fake_weights(
+    module: nn.Module, device: torch.device, *, what: str = "checkpoint='auto'", fix: Optional[str] = None
+) -> Iterator[Any]:
     """Within: ``module``'s meta parameters and buffers replaced by fake tensors on ``device``
     (tied ones stay tied, ``requires_grad`` kept), under the fake mode this yields, which the
     profile runs in; after: the meta tensors back in their places. An op fake tensors cannot run
     (one that reads a value: ``.item()``, a data-dependent shape) is a config error naming the
-    module: the plan needs values the meta build does not have."""
+    module: the plan needs values the meta build does not have. ``what`` names the planner in it,
+    ``fix`` replaces its remedy (``checkpoint='auto'``'s by default)."""
     swapped: List[Tuple[nn.Module, str, Tensor, bool]] = []
     made: Dict[int, Tensor] = {}
     with fake_mode() as mode:
@@ -53,11 +56,12 @@ def fake_weights(module: nn.Module, device: torch.device) -> Iterator[Any]:
             yield mode
         except (RuntimeError, NotImplementedError) as error:  # torch's fake tensors refused an op
             raise config_error(
-                f"checkpoint='auto' with {type(module).__name__} built on the meta device",
-                "auto profiles a module built on meta on fake tensors, which hold no values, and its "
+                f"{what} with {type(module).__name__} built on the meta device",
+                "a module built on meta is profiled on fake tensors, which hold no values, and its "
                 f"step failed there ({type(error).__name__}: {str(error).splitlines()[0]})",
-                "choose the checkpoint modes yourself (`python -m pipeckpt.plan` predicts their peaks), "
-                "or build the module eagerly (not in configure_model, nor under "
+                fix
+                or "choose the checkpoint modes yourself (`python -m pipeckpt.plan` predicts their "
+                "peaks), or build the module eagerly (not in configure_model, nor under "
                 "init_module(empty_init=True))",
             ) from error
         finally:

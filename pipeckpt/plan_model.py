@@ -1,0 +1,172 @@
+"""The model ``python -m pipeckpt.plan`` profiles, built as a fit builds it, and the pipeline's input.
+
+Why a module of its own: a fit builds a model in two steps, ``__init__`` (Hydra's ``instantiate``)
+and Lightning's ``configure_model`` hook, which under the ``pipe`` strategy runs on the meta device
+(the Hugging Face models of ``model=hf`` are built there, so that each process reads only its own
+stages' weights). A plan that skipped the second step found no model to plan. Here both steps run:
+on the meta device when the plan runs on fake tensors (then swapped for fake tensors of the same
+shapes, :func:`~pipeckpt.memory.fake_weights.fake_weights`: nothing allocated), for real otherwise.
+A ``pipeline_of`` model's input is the arguments ``training_step`` calls it with
+(:func:`~pipeckpt.memory.budget.first_call`), not the batch: its own ``forward`` computes the loss.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, open_dict
+
+from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.app.models.hf import HFCausalLM
+from pipeckpt.app.models.hf_directory import local_directory
+from pipeckpt.boundaries.contract import pipelined_sequential
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.memory.budget import first_call
+from pipeckpt.memory.fake_weights import fake_weights
+from pipeckpt.memory.profile import fake_mode
+
+__all__ = ["Built", "built", "build", "loss", "batch", "plannable"]
+
+#: The files a pretrained directory keeps its weights in (what ``from_pretrained`` reads).
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+
+
+def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (the bundled models' loss, classifiers and GPT alike)."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+def batch(cfg: DictConfig) -> Any:
+    """The first training batch of the configured data (drawn for real: its seed is a real draw)."""
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+def _weightless(cfg: DictConfig) -> Optional[Path]:
+    """``model.path``'s directory when ``model=hf`` names one that holds a config.json and no
+    weights: a plan reads shapes only, so the config alone plans it (a fit would refuse it)."""
+    target = cfg.model.get("_target_")
+    if not isinstance(target, str) or not issubclass(get_class(target), HFCausalLM):
+        return None
+    path = cfg.model.get("path")
+    if path is None:
+        return None
+    directory = local_directory(str(path))
+    has_config = (directory / "config.json").is_file()
+    if not has_config or any((directory / name).exists() for name in WEIGHT_FILES):
+        return None
+    return directory
+
+
+def plannable(cfg: DictConfig) -> Tuple[DictConfig, Optional[str]]:
+    """``cfg`` as the plan builds it, and a line saying what changed (None: nothing): a ``model.path``
+    directory without weights becomes ``model.config`` (the shapes are all a plan reads), the data's
+    tokenizer still the directory's."""
+    directory = _weightless(cfg)
+    if directory is None:
+        return cfg, None
+    planned = cfg.copy()
+    with open_dict(planned):
+        if "tokenizer" in planned.get("data", {}):
+            planned.data.tokenizer = cfg.data.tokenizer  # resolved while model.path still names it
+        planned.model.path, planned.model.config = None, str(directory)
+    return planned, f"model.path={cfg.model.path}: no weights in the directory, planned from its config.json"
+
+
+def build(cfg: DictConfig, extra: Dict[str, Any]) -> Any:
+    """The configured module, ``configure_model`` run as a fit runs it (in the device and dtype
+    context the caller sets); ``extra``: keyword arguments for the model (``tensor_parallel``)."""
+    try:
+        module = instantiate(cfg.model, **extra)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, PipeckptConfigError):
+            raise error.__cause__ from None
+        if "tensor_parallel" not in extra:
+            raise
+        raise config_error(
+            f"memory.tp={extra['tensor_parallel']} with model._target_={cfg.model._target_}",
+            "the model is built as one tensor-parallel rank's share by its tensor_parallel "
+            f"argument ({error})",
+            "use a model that takes it (model=llama3) or drop memory.tp",
+        ) from None
+    hook = getattr(module, "configure_model", None)
+    if callable(hook):
+        hook()
+    return module
+
+
+@dataclass(frozen=True)
+class Built:
+    """A module the plan profiles, with its pipelined layers and one batch of their input.
+
+    Args:
+        module: the LightningModule, built (``configure_model`` run).
+        sequential: what ``configure_pipeline()`` returns.
+        inputs: one batch of the pipeline's input (a ``pipeline_of`` model's: its call's arguments).
+        targets: the loss's target; None for a ``pipeline_of`` model, whose ``forward`` computes it.
+    """
+
+    module: Any
+    sequential: torch.nn.Sequential
+    inputs: Any
+    targets: Any
+
+    @property
+    def loss_fn(self) -> Optional[Any]:
+        return loss if self.targets is not None else None
+
+
+def _pipeline_input(module: Any, sequential: torch.nn.Sequential, drawn: Any) -> Tuple[Any, Any]:
+    if isinstance(sequential, ModulePipeline):
+        return first_call(module, sequential, drawn), None
+    inputs, targets = drawn
+    return inputs, targets
+
+
+@contextmanager
+def built(
+    cfg: DictConfig, drawn: Any, *, fake: bool, extra: Optional[Dict[str, Any]] = None
+) -> Iterator[Built]:
+    """Within: the module built for the plan on fake tensors (``fake``) or real ones, with the
+    pipeline's input taken from the batch ``drawn``. On fake tensors the module is built on the meta
+    device, as ``configure_model`` builds under the ``pipe`` strategy, and its tensors swapped for
+    fake ones while the plan runs; a module that cannot be built there is built under the fake mode."""
+    extra = extra or {}
+    if not fake:
+        module = build(cfg, extra)
+        sequential = pipelined_sequential(module)
+        yield Built(module, sequential, *_pipeline_input(module, sequential, drawn))
+        return
+    module = _on_meta(cfg, extra)
+    if module is None:  # a build that reads a value it made: under the fake mode, as before
+        with fake_mode():
+            module = build(cfg, extra)
+            sequential = pipelined_sequential(module)
+            yield Built(module, sequential, *_pipeline_input(module, sequential, drawn))
+        return
+    sequential = pipelined_sequential(module)
+    inputs, targets = _pipeline_input(module, sequential, drawn)
+    with fake_weights(module, torch.device("cpu"), what="python -m pipeckpt.plan", fix=_FAKE_FIX):
+        yield Built(module, sequential, inputs, targets)
+
+
+_FAKE_FIX = (
+    "plan it on real tensors (memory.fake=false) where it fits, or plan a model whose step reads no value"
+)
+
+
+def _on_meta(cfg: DictConfig, extra: Dict[str, Any]) -> Optional[Any]:
+    """The module built on the meta device, or None where its build cannot run there."""
+    try:
+        with torch.device("meta"):
+            return build(cfg, extra)
+    except PipeckptConfigError:
+        raise
+    except Exception:  # any other failure on meta only means: build it under the fake mode
+        return None

@@ -1,0 +1,153 @@
+"""The plan command's per-rank table (``memory.fsdp``/``memory.tp``): one rank's memory per stage.
+
+Why apart from :mod:`pipeckpt.plan`: the table of one device per stage profiles the model as it is;
+this one builds it in the compute dtype, as one tensor-parallel rank's share where the model can be
+built so (its ``tensor_parallel`` argument) or split by its own plan (a ``pipeline_of`` model's
+``config.base_model_tp_plan``), and spreads each stage's state over its ranks
+(:mod:`pipeckpt.memory.sharding`). A ``pipeline_of`` model's parameters outside its layers
+(embedding, final norm, head) are counted where the walk counts them (the bytes a stage holds
+beyond its layers'), whole on every rank: the engine shards the layers only.
+"""
+
+import inspect
+from dataclasses import replace
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig
+from torch import nn
+
+from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines import engine_class
+from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.memory.budget import first_microbatch
+from pipeckpt.memory.predict import Prediction, predict
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.repeated import repeat_layer, shortened
+from pipeckpt.memory.sharding import Layout, RankState, RankTable, per_rank, rank_state
+from pipeckpt.plan_model import Built, built
+from pipeckpt.settings import PipeSettings
+from pipeckpt.stages.partition import plan as make_plan
+
+__all__ = ["takes_tensor_parallel", "rank_run", "with_outside"]
+
+
+def takes_tensor_parallel(cfg: DictConfig) -> bool:
+    """Whether the configured model is built as one rank's share by a ``tensor_parallel`` argument."""
+    target = cfg.model.get("_target_")
+    if not isinstance(target, str):
+        return False
+    try:
+        return "tensor_parallel" in inspect.signature(get_class(target)).parameters
+    except (ImportError, ValueError, TypeError):
+        return False
+
+
+def rank_run(
+    cfg: DictConfig,
+    settings: PipeSettings,
+    layout: Layout,
+    drawn: Any,
+    *,
+    fake: bool,
+    optimizer: str,
+    schedule: Optional[str],
+) -> Tuple[RankTable, Optional[str]]:
+    """One rank's table for ``layout``, and a line to print above it (None: nothing to say)."""
+    by_argument = layout.tp > 1 and takes_tensor_parallel(cfg)
+    extra = {"tensor_parallel": layout.tp} if by_argument else {}
+    with built(cfg, drawn, fake=fake, extra=extra) as b:
+        note = None
+        if layout.tp > 1 and not by_argument:
+            layout, note = _own_plan(cfg, b.sequential, layout)
+        prediction, ranges = _predicted(b, settings, fake=fake, optimizer=optimizer, schedule=schedule)
+        return with_outside(prediction, b.sequential, ranges, layout, optimizer), note
+
+
+def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tuple[Layout, str]:
+    """``layout`` with the model's own tensor-parallel plan, for a model built whole."""
+    if not isinstance(sequential, ModulePipeline):
+        raise config_error(
+            f"memory.tp={layout.tp} with model._target_={cfg.model._target_}",
+            "the model is built as one tensor-parallel rank's share by its tensor_parallel argument, "
+            "or split by its own plan (a pipeline_of model's config.base_model_tp_plan)",
+            "use a model that takes it (model=llama3) or drop memory.tp",
+        )
+    split = model_plan(sequential, layout.tp)
+    note = (
+        f"memory.tp={layout.tp}: parameters split by the model's own plan ({len(split)} entries per layer); "
+        "activations profiled on the whole layers (an upper bound)"
+    )
+    return replace(layout, tp_plan=tuple(split.items())), note
+
+
+def _predicted(
+    b: Built, settings: PipeSettings, *, fake: bool, optimizer: str, schedule: Optional[str]
+) -> Tuple[Prediction, List[Tuple[int, int]]]:
+    """The walk's prediction for the plan's stages, a run of identical blocks of a Sequential profiled
+    once on fake tensors; and each stage's range of layers."""
+    sequential = b.sequential
+    stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=b.inputs)
+    rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
+    short, index, count = shortened(sequential) if fake and not rooted else (sequential, 0, 1)
+    chunks = settings.chunks
+    fitted = profile(
+        short,
+        first_microbatch(b.inputs, chunks),
+        loss_fn=b.loss_fn,
+        target=first_microbatch(b.targets, chunks) if b.targets is not None else None,
+        fake=fake,
+    )
+    fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
+    schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
+    prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
+    return prediction, list(stage_plan.ranges)
+
+
+def with_outside(
+    prediction: Prediction,
+    sequential: nn.Sequential,
+    ranges: Sequence[Tuple[int, int]],
+    layout: Layout,
+    optimizer: str,
+) -> RankTable:
+    """:func:`~pipeckpt.memory.sharding.rank_table` with a ``pipeline_of`` model's parameters
+    outside its layers counted where the walk counts them (the bytes a stage holds beyond its
+    layers'), whole on every rank: master dtype, their gradients and optimizer state."""
+    layers = list(sequential)
+    outside = _outside(sequential)
+    whole = rank_state([outside], Layout(precision=layout.precision), optimizer) if outside else None
+    as_built = _bytes(outside) if outside else 0
+    ranks = []
+    for s, (a, b) in zip(prediction.stages, ranges):
+        state = rank_state(layers[a:b], layout, optimizer)
+        beyond = s.params - sum(_bytes(layer) for layer in layers[a:b])
+        if whole is not None and beyond > 0:
+            share = beyond / as_built  # 1 on the stage that holds them all
+            state = RankState(
+                state.params + round(share * whole.params),
+                state.grads + round(share * whole.grads),
+                state.optimizer + round(share * whole.optimizer),
+                state.unsharded,
+                state.collectives,
+            )
+        ranks.append(per_rank(s, state))
+    return RankTable(
+        ranks=tuple(ranks), layout=layout, schedule=prediction.schedule, chunks=prediction.chunks
+    )
+
+
+def _bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters as built (each tensor once), as the walk counts them."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _outside(sequential: nn.Sequential) -> Optional[nn.Module]:
+    """A ``pipeline_of`` model's parameters outside its layers, as one module; None for a Sequential."""
+    if not isinstance(sequential, ModulePipeline):
+        return None
+    inside = {id(p) for p in sequential.parameters()}
+    own = [p for p in sequential.root.parameters() if id(p) not in inside]
+    return nn.ParameterList(own) if own else None
