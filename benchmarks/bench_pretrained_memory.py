@@ -40,6 +40,7 @@ import lightning as L
 import torch
 import transformers
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import pipeckpt
 
@@ -61,6 +62,8 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "full": dict(hidden=2048, inter=5632, layers=17, heads=16, vocab=32000, width=4096, linears=24),
     "medium": dict(hidden=1024, inter=2816, layers=8, heads=8, vocab=32000, width=2048, linears=12),
     "smoke": dict(hidden=64, inter=128, layers=4, heads=4, vocab=256, width=64, linears=8),
+    # The issue's case where the vocabulary outweighs the layers: embedding and head 94% of the model.
+    "vocab": dict(hidden=128, inter=344, layers=4, heads=4, vocab=32000, width=64, linears=8),
 }
 
 
@@ -122,10 +125,12 @@ def _reading(spec: Dict[str, Any], imports: float, start: float) -> "L.Callback"
         """The rank's memory at train start, then out: the reading is the start, not a step."""
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            held = [p for p in module.parameters() if not p.is_meta]
+            held = [
+                p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if not p.is_meta
+            ]
             row = dict(
-                case=spec["case"], build=spec["build"], rank=trainer.global_rank,
-                imports=imports, s=time.perf_counter() - start, **_status(),
+                case=spec["case"], build=spec["build"], rank=trainer.global_rank, layout=spec.get("layout"),
+                imports=imports, s=time.perf_counter() - start, **_status(), world=spec["world"],
                 held=sum(p.numel() * p.element_size() for p in held) / 2**20,
             )  # fmt: skip
             with open(os.path.join(spec["out"], f"rank{trainer.global_rank}.json"), "w") as f:
@@ -152,9 +157,13 @@ def _worker(path: str) -> None:
     else:
         module = _Linears(size["width"], size["linears"], eager=spec["build"] == "eager")
         data = DataLoader(TensorDataset(torch.randn(4, size["width"])), batch_size=4)
-    strategy = pipeckpt.PipelineStrategy(engine="distributed", stages=spec["pp"], chunks=2, timeout=1800)
+    dp = spec["world"] // spec["pp"]
+    sharded = dict(dp=dp, data_parallel="fsdp") if dp > 1 else {}
+    strategy = pipeckpt.PipelineStrategy(
+        engine="distributed", stages=spec["pp"], chunks=2, timeout=1800, **sharded
+    )
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=spec["pp"], max_steps=1,
+        strategy=strategy, accelerator="cpu", devices=spec["world"], max_steps=1,
         callbacks=[_reading(spec, imports, start)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         num_sanity_val_steps=0,
@@ -192,17 +201,19 @@ def _parameters(size: Dict[str, Any]) -> int:
     return 2 * v * h + h + n * (4 * h * h + 3 * h * i + 2 * h)  # untied embedding and head, norms
 
 
-def _table(rows: List[Dict[str, Any]]) -> List[str]:
+def _table(rows: List[Dict[str, Any]], size: Dict[str, Any]) -> List[str]:
     lines = [
-        "| case | build | rank | imports MiB | held MiB | bound MiB | peak (VmHWM) MiB | now (VmRSS) MiB "
-        "| peak - imports - held | within bound | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | layout | build | rank | imports MiB | held MiB | held / fair share | bound MiB "
+        "| peak (VmHWM) MiB | now (VmRSS) MiB | peak - imports - held | within bound | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        fair = (_parameters(size) * 4 / 2**20 / r["world"]) if r["case"] == "llama" and "world" in r else None
         bound = r["imports"] + 1.15 * r["held"]
         excess = r["VmHWM"] - r["imports"] - r["held"]
         lines.append(
-            f"| {r['case']} | {r['build']} | {r['rank']} | {r['imports']:,.0f} | {r['held']:,.0f} | "
+            f"| {r['case']} | {r.get('layout', '')} | {r['build']} | {r['rank']} | {r['imports']:,.0f} | "
+            f"{r['held']:,.2f} | {'%.2fx' % (r['held'] / fair) if fair else '-'} | "
             f"{bound:,.0f} | {r['VmHWM']:,.0f} | {r['VmRSS']:,.0f} | {excess:+,.0f} | "
             f"{'yes' if r['VmHWM'] <= bound else 'NO'} | {r['s']:.0f} |"
         )
@@ -218,6 +229,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, in seconds")
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help="--smoke: --size smoke")
     parser.add_argument("--cases", default="sequential,llama")
+    parser.add_argument("--layouts", default="pp4", help="llama: pp<N> or pp<N>xfsdp<M>, comma-separated")
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker)
@@ -237,13 +249,18 @@ def main() -> None:
     rows: List[Dict[str, Any]] = []
     if "sequential" in cases:
         for build in ("meta", "eager"):
-            spec = dict(case="sequential", build=build, size=size_name, pp=2)
+            spec = dict(case="sequential", build=build, size=size_name, pp=2, world=2)
             rows += run_ranks(os.path.abspath(__file__), 2, spec, timeout=1800)
     if "llama" in cases:
         with tempfile.TemporaryDirectory() as directory:
             _run(["--save", size_name, directory])
-            spec = dict(case="llama", build="meta", size=size_name, pp=4, dir=directory)
-            rows += run_ranks(os.path.abspath(__file__), 4, spec, timeout=1800)
+            for layout in args.layouts.split(","):  # "pp4", "pp2xfsdp2"
+                pp, _, fsdp = layout.partition("xfsdp")
+                world = int(pp[2:]) * int(fsdp or 1)
+                spec = dict(
+                    case="llama", build="meta", size=size_name, pp=int(pp[2:]), world=world, dir=directory
+                )
+                rows += run_ranks(os.path.abspath(__file__), world, dict(spec, layout=layout), timeout=1800)
             rows.append(json.loads(_run(["--eager", directory]).strip().splitlines()[-1]))
     linear = size["width"] * (size["width"] + 1) * size["linears"] * 4 / 2**20
     text = "\n".join(
@@ -257,7 +274,7 @@ def main() -> None:
             "from_pretrained(dir, dtype=float32).",
             "imports: VmRSS after the imports; held: parameters held for real; bound: imports + 1.15 x held.",
             "",
-            *_table(rows),
+            *_table(rows, size),
         ]
     )
     print(text)

@@ -1,0 +1,37 @@
+"""One process of tests/engines/distributed/test_outside_parts_distributed.py (the pattern of
+distributed_pytree_worker.py): each run of the spec trains ``model`` (tests/support/vocab_models.py)
+under ``engine="distributed"`` with ``strategy`` for 3 steps and writes ``<name>.rank<R>.pt``: the
+bytes of the parameters the rank holds when the fit starts (an FSDP shard's local bytes), and the
+tensors it holds after training, whole (a shard gathered)."""
+
+from pathlib import Path
+from typing import Any, Dict
+
+import lightning as L
+import torch
+from support.pretrained_models import held_whole
+from support.ranks import quiet_trainer, serve
+from support.vocab_models import VocabModule, loader
+from torch.distributed.tensor import DTensor
+
+from pipeckpt import PipelineStrategy
+
+
+class _HeldBytes(L.Callback):
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if not p.is_meta]
+        self.bytes = sum(p.numel() * p.element_size() for p in local)
+
+
+def run(spec: Dict[str, Any], out: str, world: int) -> None:
+    strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
+    module = VocabModule(spec["model"])
+    held = _HeldBytes()
+    trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[held])
+    trainer.fit(module, loader(spec["model"]))
+    result = dict(held_bytes=held.bytes, trained=held_whole(module.model))
+    torch.save(result, Path(out) / f"{spec['name']}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    serve(run)
