@@ -38,7 +38,8 @@ def bart() -> nn.Module:
     config = hf.BartConfig(
         vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
         decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, forced_eos_token_id=None,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0,
+        forced_eos_token_id=None,
         **COMMON,
     )  # fmt: skip
     return hf.BartForConditionalGeneration(config)
