@@ -23,6 +23,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
 from pipeckpt.memory.budget import first_microbatch
+from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
@@ -62,8 +63,10 @@ def rank_run(
         note = None
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
-        prediction, ranges = _predicted(b, settings, fake=fake, optimizer=optimizer, schedule=schedule)
-        return with_outside(prediction, b.sequential, ranges, layout, optimizer), note
+        prediction, ranges, outside = _predicted(
+            b, settings, fake=fake, optimizer=optimizer, schedule=schedule
+        )
+        return with_outside(prediction, b.sequential, ranges, layout, optimizer, outside), note
 
 
 def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tuple[Layout, str]:
@@ -85,9 +88,10 @@ def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tup
 
 def _predicted(
     b: Built, settings: PipeSettings, *, fake: bool, optimizer: str, schedule: Optional[str]
-) -> Tuple[Prediction, List[Tuple[int, int]]]:
+) -> Tuple[Prediction, List[Tuple[int, int]], Optional[Sequence[OutsideParam]]]:
     """The walk's prediction for the plan's stages, a run of identical blocks of a Sequential profiled
-    once on fake tensors; and each stage's range of layers."""
+    once on fake tensors; each stage's range of layers; a ``pipeline_of`` model's parameters outside
+    its layers and who reads them."""
     sequential = b.sequential
     stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=b.inputs)
     rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
@@ -103,7 +107,7 @@ def _predicted(
     fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
     schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
-    return prediction, list(stage_plan.ranges)
+    return prediction, list(stage_plan.ranges), fitted.outside_params
 
 
 def with_outside(
@@ -112,10 +116,44 @@ def with_outside(
     ranges: Sequence[Tuple[int, int]],
     layout: Layout,
     optimizer: str,
+    outside: Optional[Sequence[OutsideParam]] = None,
 ) -> RankTable:
     """:func:`~pipeckpt.memory.sharding.rank_table` with a ``pipeline_of`` model's parameters
-    outside its layers counted where the walk counts them (the bytes a stage holds beyond its
-    layers'), whole on every rank: master dtype, their gradients and optimizer state."""
+    outside its layers counted where the walk counts them: under the distributed engine on the stages
+    that read them (``outside``), sharded where a stage alone holds one (the engine shards those with
+    the layers), else whole; under the local engine all on the last stage, whole. Whole: master dtype,
+    their gradients and optimizer state."""
+    layers = list(sequential)
+    root = getattr(sequential, "root", None)
+    unsharded = Layout(precision=layout.precision)
+    if outside is None or root is None or prediction.schedule == "local":
+        return _on_the_last_stage(prediction, sequential, ranges, layout, optimizer)
+    ranks = []
+    for s, (a, b), (alone, whole) in zip(prediction.stages, ranges, sharded_share(outside, ranges)):
+        state = rank_state([*layers[a:b], *units(root, alone)], layout, optimizer)
+        if whole:
+            kept = rank_state(units(root, whole), unsharded, optimizer)
+            state = replace(
+                state,
+                params=state.params + kept.params,
+                grads=state.grads + kept.grads,
+                optimizer=state.optimizer + kept.optimizer,
+            )
+        ranks.append(per_rank(s, state))
+    return RankTable(
+        ranks=tuple(ranks), layout=layout, schedule=prediction.schedule, chunks=prediction.chunks
+    )
+
+
+def _on_the_last_stage(
+    prediction: Prediction,
+    sequential: nn.Sequential,
+    ranges: Sequence[Tuple[int, int]],
+    layout: Layout,
+    optimizer: str,
+) -> RankTable:
+    """:func:`with_outside` where one process holds every parameter outside the layers (the local
+    engine: the walk counts them on the last stage) or there are none (a Sequential)."""
     layers = list(sequential)
     outside = _outside(sequential)
     whole = rank_state([outside], Layout(precision=layout.precision), optimizer) if outside else None

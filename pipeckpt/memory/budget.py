@@ -5,7 +5,6 @@ builds, and once made it is ordinary settings, so every engine builds what it wo
 from the same settings written by hand. Where the batch comes from: docs/DESIGN.md, memory/budget.
 """
 
-import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -24,7 +23,7 @@ from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
-from pipeckpt.memory.sharding import Layout, RankState, rank_state
+from pipeckpt.memory.sharding import Layout, stage_rank_states
 from pipeckpt.memory.timing import for_compile
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
@@ -210,7 +209,9 @@ def resolve_auto(
             shared_device=engine.shares_device(base),
             # Only the local engine's step keeps the Trainer's order (zero_grad after the forward).
             stale_grads=stale_grads and schedule == "local",
-            rank_states=None if layout is None else _rank_states(sequential, layout, counted),
+            rank_states=None
+            if layout is None
+            else stage_rank_states(sequential, layout, counted, next(iter(profiled.values())).outside_params),
         )
     chosen = replace(
         settings,
@@ -222,25 +223,6 @@ def resolve_auto(
         memory_search=None,
     )
     return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled, layout=layout)
-
-
-def _rank_states(
-    sequential: nn.Sequential, layout: Layout, optimizer: Union[str, torch.optim.Optimizer]
-) -> Callable[[Tuple[int, ...]], List[Tuple[RankState, RankState]]]:
-    """Each stage's state on one of its ranks and unsharded, per balance: every layer an FSDP2 unit,
-    as the distributed engine shards a stage."""
-    layers = list(sequential)
-    unsharded = Layout(precision=layout.precision)  # the dtype the module's parameters are kept in
-
-    @functools.cache
-    def states(balance: Tuple[int, ...]) -> List[Tuple[RankState, RankState]]:
-        edges = [0, *itertools.accumulate(balance)]
-        return [
-            (rank_state(layers[a:b], layout, optimizer), rank_state(layers[a:b], unsharded, optimizer))
-            for a, b in itertools.pairwise(edges)
-        ]
-
-    return states
 
 
 def resolve_for(

@@ -11,7 +11,7 @@ engine's one process holds them all; its walk counts them on the last stage, as 
 """
 
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from pipeckpt.boundaries.outside_uses import OutsideUses, outside_uses
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.rooted import RootInput
 
-__all__ = ["OutsideParam", "outside_params", "stage_share"]
+__all__ = ["OutsideParam", "outside_params", "sharded_share", "stage_share", "units"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class OutsideParam:
         layers: the layers (by index) whose calls read it.
         output: the model's output reads it (the last stage).
         everywhere: read outside its module's call: every stage holds it.
+        shared: held by several modules (a tied weight): never FSDP-sharded.
     """
 
     name: str
@@ -42,6 +43,7 @@ class OutsideParam:
     layers: FrozenSet[int]
     output: bool
     everywhere: bool
+    shared: bool = False
 
     def held_by(self, start: int, stop: int, last: bool) -> bool:
         """Whether the stage of layers ``[start, stop)`` (the last one when ``last``) holds it."""
@@ -59,24 +61,49 @@ def outside_params(spec: ModulePipeline, call: RootInput) -> Tuple[OutsideParam,
     except Exception:  # the engine holds everything everywhere where its probe fails
         uses = None
     inside = {id(p) for p in spec.parameters()}
+    holders: Dict[int, int] = {}
+    for m in spec.root.modules():
+        for t in m.parameters(recurse=False):
+            holders[id(t)] = holders.get(id(t), 0) + 1
     out = []
     for name, p in spec.root.named_parameters():
         if id(p) in inside:
             continue
         size = p.numel() * p.element_size()
+        shared = holders[id(p)] > 1
         if uses is None:
-            out.append(OutsideParam(name, size, p.requires_grad, frozenset(), False, True))
+            out.append(OutsideParam(name, size, p.requires_grad, frozenset(), False, True, shared))
             continue
         readers = frozenset(i for i, used in enumerate(uses.layers) if name in used)
-        out.append(
-            OutsideParam(name, size, p.requires_grad, readers, name in uses.output, name in uses.everywhere)
-        )
+        read = (name in uses.output, name in uses.everywhere, shared)
+        out.append(OutsideParam(name, size, p.requires_grad, readers, *read))
     return tuple(out)
 
 
 def stage_share(params: Sequence[OutsideParam], start: int, stop: int, last: bool) -> List[OutsideParam]:
     """The parameters of ``params`` that the stage of layers ``[start, stop)`` holds."""
     return [p for p in params if p.held_by(start, stop, last)]
+
+
+def sharded_share(
+    params: Sequence[OutsideParam], ranges: Sequence[Tuple[int, int]]
+) -> List[Tuple[List[str], List[str]]]:
+    """Per stage of ``ranges``: the names of the outside parameters it holds that FSDP shards over
+    its replicas (held by that stage alone and by one module, as engines/distributed/outside_parts.py
+    shards them), and of those it holds whole."""
+    last = len(ranges) - 1
+    holds = [[p for p in params if p.held_by(a, b, j == last)] for j, (a, b) in enumerate(ranges)]
+    count = {p.name: sum(p in held for held in holds) for p in params}
+    out = []
+    for held in holds:
+        alone = [p.name for p in held if count[p.name] == 1 and not p.shared]
+        out.append((alone, [p.name for p in held if p.name not in alone]))
+    return out
+
+
+def units(root: nn.Module, names: Sequence[str]) -> List[nn.Module]:
+    """The parameters ``names`` of ``root``, one FSDP unit each, as ``rank_state`` counts units."""
+    return [nn.ParameterList([root.get_parameter(n)]) for n in names]
 
 
 def _device(module: nn.Module) -> torch.device:

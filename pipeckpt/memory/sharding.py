@@ -7,15 +7,18 @@ computes (``pipeckpt.app.models.llama``, ``tensor_parallel``). :func:`per_rank` 
 on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", states the rules.
 """
 
+import functools
+import itertools
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
-from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
+from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction
 from pipeckpt.memory.walk import StageMemory
 
@@ -26,6 +29,7 @@ __all__ = [
     "RankTable",
     "PRECISIONS",
     "shard_numel",
+    "stage_rank_states",
     "split_shapes",
     "rank_state",
     "per_rank",
@@ -270,6 +274,33 @@ class RankTable:
     @property
     def peak(self) -> int:
         return max(r.peak for r in self.ranks)
+
+
+def stage_rank_states(
+    sequential: nn.Sequential,
+    layout: Layout,
+    optimizer: Union[str, torch.optim.Optimizer],
+    outside: Optional[Sequence[OutsideParam]] = None,
+) -> Callable[[Tuple[int, ...]], List[Tuple[RankState, RankState]]]:
+    """Each stage's state on one of its ranks and unsharded, per balance: every layer an FSDP2 unit,
+    as the distributed engine shards a stage, and of a ``pipeline_of`` model's parameters outside
+    the layers (``outside``), each one that the stage alone holds (memory/outside_share.py)."""
+    layers = list(sequential)
+    unsharded = Layout(precision=layout.precision)  # the dtype the module's parameters are kept in
+    root: Optional[nn.Module] = getattr(sequential, "root", None)
+
+    @functools.cache
+    def states(balance: Tuple[int, ...]) -> List[Tuple[RankState, RankState]]:
+        edges = [0, *itertools.accumulate(balance)]
+        ranges = list(itertools.pairwise(edges))
+        alone = [a for a, _ in sharded_share(outside, ranges)] if outside and root is not None else []
+        out = []
+        for j, (a, b) in enumerate(ranges):
+            stage = [*layers[a:b], *(units(root, alone[j]) if alone and root is not None else [])]
+            out.append((rank_state(stage, layout, optimizer), rank_state(stage, unsharded, optimizer)))
+        return out
+
+    return states
 
 
 def rank_table(

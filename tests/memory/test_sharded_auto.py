@@ -24,6 +24,7 @@ from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed import DistributedEngine
 from pipeckpt.memory.auto import with_balance_modes
 from pipeckpt.memory.budget import AutoPlan, first_microbatch, resolve_auto
+from pipeckpt.memory.outside_share import units
 from pipeckpt.memory.predict import predict, with_balance
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput
@@ -148,8 +149,9 @@ def test_a_tensor_parallel_plan_splits_each_parameter_as_torchs_styles_do() -> N
     assert predicted == held and predicted != whole
 
 
-def test_a_pipeline_of_models_own_parameters_count_whole_on_its_last_stages_rank() -> None:
-    # The engine shards the layers only; the embeddings, final norm and head stay whole on each rank.
+def test_a_pipeline_of_models_own_parameters_count_sharded_on_the_stage_that_alone_reads_them() -> None:
+    # As the engine shards them (engines/distributed/outside_parts.py): the embedding with the first
+    # stage's layers, the final norm and the head with the last's.
     module = HFModule("llama", whole)
     spec = module.configure_pipeline()
     ids = batches(1)[0]["input_ids"]
@@ -160,9 +162,8 @@ def test_a_pipeline_of_models_own_parameters_count_whole_on_its_last_stages_rank
     chosen = resolve_auto(
         settings, spec, devices=[torch.device("cpu")], batch=batch, profiles=once, layout=layout
     )
-    in_layers = {id(p) for layer in spec for p in layer.parameters()}
-    outside = sum(p.numel() * 4 for p in module.model.parameters() if id(p) not in in_layers)
-    assert outside > 0
-    state = rank_state(list(spec)[2:], layout, "adamw")
-    last = chosen.choice.prediction.stages[-1]
-    assert last.params == state.params + state.unsharded + outside
+    reads = [["model.embed_tokens.weight"], ["model.norm.weight", "lm_head.weight"]]
+    assert not module.model.config.tie_word_embeddings
+    for j, (stage, names) in enumerate(zip(chosen.choice.prediction.stages, reads)):
+        state = rank_state([*list(spec)[2 * j : 2 * j + 2], *units(module.model, names)], layout, "adamw")
+        assert stage.params == state.params + state.unsharded, f"stage {j}"

@@ -34,19 +34,22 @@ def materialize_mine(
     device: torch.device,
     *,
     sharded: bool = False,
-    dropped: Set[int] = frozenset(),  # type: ignore[assignment]
+    outside: Tuple[Set[int], Set[int]] = (set(), set()),
 ) -> None:
     """``module``'s meta tensors made real on ``device``, but for the layers of stages other than
     ``mine`` (which stay on meta): every initial value as an eager build with the same seed draws it,
     and no draw past this process's last layer. ``sharded``: this process will hold only shards of
     its layers' tensors, so a pretrained checkpoint is read into them once they are laid out
-    (``weights.pretrained.read_later``, after sharding), each rank its own slices."""
+    (``weights.pretrained.read_later``, after sharding), each rank its own slices. ``outside``: of
+    a module pipeline's tensors outside the layers, the ids of those no stage of this process reads
+    (left on meta) and of those it shards too (read once sharded)."""
     parts = split(layers, stage_plan.balance)
     elsewhere = {id(t) for j, p in enumerate(parts) if j not in mine for t in (*p.parameters(), *p.buffers())}
     own = {id(t) for j in mine for t in (*parts[j].parameters(), *parts[j].buffers())}
     elsewhere -= own
-    elsewhere |= dropped  # a module pipeline's outside tensors no stage of this process reads
-    with reading_later(own if sharded else set()):
+    dropped, shardable = outside
+    elsewhere |= dropped
+    with reading_later(own | shardable if sharded else set()):
         materialize(module, device, keep=lambda t: id(t) not in elsewhere, agree=_past_every_draw)
 
 
@@ -67,13 +70,13 @@ def agreed_plan(
     device: torch.device,
     names: Optional[Sequence[str]] = None,
     mine: Sequence[int] = (),
-    dropped: Optional[Callable[[StagePlan], Set[int]]] = None,
+    outside: Optional[Callable[[StagePlan], Tuple[Set[int], Set[int]]]] = None,
 ) -> Tuple[StagePlan, int]:
     """The plan of ``stages`` stages every process agrees on (rank 0's: a profiled balance may
     differ between processes, and so may ``torch.initial_seed()``, returned with it), and the
     layers made ready for it: those of this process's stages ``mine`` made real when the module was
-    built on the meta device (:func:`materialize_mine`; ``dropped(plan)``: ids of tensors outside
-    the layers that stay on meta too), deferred BatchNorm, compiled."""
+    built on the meta device (:func:`materialize_mine`; ``outside(plan)``: its ``outside``),
+    deferred BatchNorm, compiled."""
     meta_build = built_on_meta(module)
     if meta_build and settings.balance is None and settings.balance_by != "params":
         raise config_error(
@@ -102,7 +105,7 @@ def agreed_plan(
             mine,
             device,
             sharded=settings.data_parallel == "fsdp",
-            dropped=dropped(stage_plan) if dropped is not None else set(),
+            outside=outside(stage_plan) if outside is not None else (set(), set()),
         )
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)

@@ -6,7 +6,7 @@ FSDP2, the schedules), and the engine class keeps to choosing and stepping; as
 :class:`.checkpoints.EngineCheckpoints` does for files.
 """
 
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -15,7 +15,12 @@ from torch import nn
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.side_inputs import Signatures
 from pipeckpt.engines.distributed.agreed_plan import agreed_plan
-from pipeckpt.engines.distributed.outside_parts import OutsideParts, agreed_uses, outside_parts
+from pipeckpt.engines.distributed.outside_parts import (
+    OutsideParts,
+    agreed_uses,
+    held_parameters,
+    outside_parts,
+)
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
 from pipeckpt.engines.distributed.schedules import ScheduleKind, Schedules
@@ -121,11 +126,11 @@ class EngineBuilding:
         ranks = [[j for j in range(top.stages) if top.rank_of(j) == r] for r in range(top.pp)]
         found: List[OutsideParts] = []
 
-        def dropped(plan: StagePlan) -> Set[int]:
+        def outside(plan: StagePlan) -> Tuple[Set[int], Set[int]]:
             found.append(outside_parts(spec, uses, plan.ranges, mine, ranks))
-            return found[-1].dropped
+            return found[-1].dropped, found[-1].shardable_tensors()
 
-        stage_plan = self._prepare(module, spec, names=names, dropped=dropped)  # before the routing
+        stage_plan = self._prepare(module, spec, names=names, outside=outside)  # before the routing
         parts = found[-1] if found else outside_parts(spec, uses, stage_plan.ranges, mine, ranks)
         step = PipelinedStep(module, spec.root, [], self.processes, chunks=s.chunks, device=self._device)  # type: ignore[arg-type]
         self.modules, self.routing, self.replicas, ties = build_rooted(
@@ -139,8 +144,9 @@ class EngineBuilding:
             parts=parts,
         )
         self.outside = parts
-        if (sharding := self._sharding()) is not None:  # the layers sharded; the rest stays replicated
-            sharding.shard_layers(self.modules, self.replicas)
+        if (sharding := self._sharding()) is not None:  # the layers sharded, and what only this rank holds
+            sharding.shard_layers(self.modules, self.replicas, outside=parts.shardable)
+            step.outside = [p for _, p in held_parameters(spec.root, parts)]  # sharding made them anew
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)
         self.root = spec.root
 
@@ -161,7 +167,7 @@ class EngineBuilding:
         module: LightningModule,
         layers: nn.Sequential,
         names: Optional[Sequence[str]] = None,
-        dropped: Optional[Callable[[StagePlan], Set[int]]] = None,
+        outside: Optional[Callable[[StagePlan], Tuple[Set[int], Set[int]]]] = None,
     ) -> StagePlan:
         """The plan every process agrees on, its layers made ready (:func:`.wiring.agreed_plan`),
         each with its random stream (rank 0's seed; a resume restores its own later)."""
@@ -170,7 +176,7 @@ class EngineBuilding:
         stages = self.topology.stages
         mine = self.topology.stages_of(self.processes.rank)
         self.plan, seed = agreed_plan(
-            module, layers, s, stages=stages, device=self._device, names=names, mine=mine, dropped=dropped
+            module, layers, s, stages=stages, device=self._device, names=names, mine=mine, outside=outside
         )
         self.seed_layers(layers, self.plan, seed=seed)
         return self.plan

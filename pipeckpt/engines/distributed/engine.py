@@ -183,7 +183,7 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
                 "data in the loader"
             ) from error
         if hook != "training_step" and self.sharding is not None:
-            self.sharding.reshard(self.modules)
+            self.sharding.reshard([*self.modules, *self.sharding.outside])
         return result
 
     def take_step_gradients(self) -> None:
@@ -223,7 +223,7 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
             self.root.__dict__.pop("forward", None)
         self.processes.close()
         if self.sharding is not None:  # a step that failed may have left parameters gathered
-            self.sharding.reshard(self.modules)
+            self.sharding.reshard([*self.modules, *self.sharding.outside])
         if self.step is not None:
             self.step.clear()
         super().teardown(module)

@@ -42,12 +42,20 @@ class OutsideParts:
         dropped: ids of the outside tensors this rank does not hold (those of a meta build stay
             the same tensors; a held one of it is replaced when made real, hence names above).
         standing_in: the modules outside the layers whose calls zeros answer on this rank.
+        shardable: the modules outside the layers this rank shards under ``data_parallel='fsdp'``,
+            innermost first: each holds parameters of its own that no other module holds and that
+            no other pipeline rank holds (a weight tied across ranks is summed whole: ``.ties``).
     """
 
     stages: Dict[str, Tuple[int, ...]]
     held: List[str]
     dropped: Set[int]
     standing_in: List[nn.Module] = field(default_factory=list)
+    shardable: List[nn.Module] = field(default_factory=list)
+
+    def shardable_tensors(self) -> Set[int]:
+        """Ids of the parameters of :attr:`shardable` now (a meta build's, before they are made real)."""
+        return {id(t) for m in self.shardable for _, t, is_param in own_tensors(m) if is_param}
 
 
 def agreed_uses(module: LightningModule, spec: ModulePipeline, device: torch.device) -> Optional[OutsideUses]:
@@ -126,7 +134,29 @@ def outside_parts(
                     stages[n], changed = every, True
     dropped = {id(p) for n, p in named if not set(stages[n]) & set(mine)}
     held = [n for n, p in named if id(p) not in dropped]
-    return OutsideParts(stages, held, dropped, _standing_in(spec, dropped))
+    rank_of = {j: r for r, js in enumerate(ranks) for j in js}
+    alone = {id(p) for n, p in named if id(p) not in dropped and len({rank_of[j] for j in stages[n]}) == 1}
+    return OutsideParts(stages, held, dropped, _standing_in(spec, dropped), _shardable(spec, alone))
+
+
+def _shardable(spec: ModulePipeline, alone: Set[int]) -> List[nn.Module]:
+    """The modules outside the layers (none above them) whose own parameters are all in ``alone``
+    and held by no other module, deepest first (FSDP2 shards a child before its parent)."""
+    layers = {id(m) for layer in spec for m in layer.modules()}
+    around = {id(m) for name in spec.names for m in _ancestors(spec.root, name)}
+    holders: Dict[int, int] = {}
+    for m in spec.root.modules():
+        for _, t, is_param in own_tensors(m):
+            if is_param:
+                holders[id(t)] = holders.get(id(t), 0) + 1
+    found: List[Tuple[int, nn.Module]] = []
+    for name, m in spec.root.named_modules():
+        if id(m) in layers or id(m) in around:
+            continue
+        own = [t for _, t, is_param in own_tensors(m) if is_param]
+        if own and all(id(t) in alone and holders[id(t)] == 1 for t in own):
+            found.append((name.count("."), m))
+    return [m for _, m in sorted(found, key=lambda pair: -pair[0])]
 
 
 def held_parameters(root: nn.Module, parts: OutsideParts) -> List[Tuple[str, nn.Parameter]]:

@@ -109,6 +109,7 @@ class Sharding:
     reshard_after_forward: bool
     policy: MixedPrecisionPolicy
     tp: Optional[TensorParallel] = None
+    outside: Sequence[nn.Module] = ()  # a module pipeline's modules outside its layers, sharded
 
     @classmethod
     def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh], *, precision: str) -> Optional["Sharding"]:
@@ -171,12 +172,28 @@ class Sharding:
         stage_module.register_forward_pre_hook(_gathered(sharded))
         return stage_module
 
-    def shard_layers(self, stage_modules: Sequence[nn.Module], replicas: Optional[Replicas]) -> None:
-        """A module pipeline's stages sharded; the parameters outside their layers stay with
-        ``replicas``, which no longer average the sharded ones."""
-        inside = {id(p) for m in stage_modules for p in m.parameters()}
+    def shard_layers(
+        self,
+        stage_modules: Sequence[nn.Module],
+        replicas: Optional[Replicas],
+        outside: Sequence[nn.Module] = (),
+    ) -> None:
+        """A module pipeline's stages sharded, and the modules ``outside`` its layers that only this
+        pipeline rank holds (an embedding, a final norm, a head), each an FSDP2 root of its own: its
+        call gathers it, its backward reduce-scatters its gradient (every micro-batch's: torch's stage
+        defers only its own module's). The rest stays with ``replicas``, which no longer average the
+        sharded ones."""
+        inside = {id(p) for m in (*stage_modules, *outside) for p in m.parameters()}
         for m in stage_modules:
             self.shard(m, list(m.stage.partition.children()))  # type: ignore[union-attr]
+        options: Dict[str, Any] = dict(
+            mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.policy
+        )
+        for m in outside:  # innermost first; replica 0's values are everyone's already (Replicas.broadcast)
+            fully_shard(m, **options)
+        self.outside = [m for m in outside if not any(o is not m and _within(m, o) for o in outside)]
+        for m in self.outside:
+            make_fsdp_root(m)
         if replicas is not None:
             replicas.params = [p for p in replicas.params if id(p) not in inside]
 
@@ -209,6 +226,10 @@ class Sharding:
         over_dp = torch.stack([dp, over_tp[1]])
         dist.all_reduce(over_dp, group=self.shard_group)
         return plain + over_tp[0] + over_dp.sum()
+
+
+def _within(module: nn.Module, other: nn.Module) -> bool:
+    return any(m is module for m in other.modules())
 
 
 #: The dimension a gradient's shards are summed over, by the mesh dimension it is split on.
