@@ -27,7 +27,16 @@ from pipeckpt.weights.adapters import init_adapters
 from pipeckpt.weights.listing import Listing, list_checkpoint
 from pipeckpt.weights.matching import candidates, check
 
-__all__ = ["pretrained", "Pretrained", "marked_in", "fill", "in_checkpoint", "reading_later", "read_later"]
+__all__ = [
+    "pretrained",
+    "Pretrained",
+    "marked_in",
+    "fill",
+    "in_checkpoint",
+    "reading_later",
+    "read_later",
+    "pending_reads",
+]
 
 M = TypeVar("M", bound=nn.Module)
 MISSING = ("error", "init")
@@ -214,6 +223,19 @@ def reading_later(ids: Set[int]) -> Iterator[None]:
         yield
     finally:
         _later.difference_update(ids)
+
+
+def pending_reads(module: nn.Module) -> Set[int]:
+    """Ids of the tensors of ``module`` whose values :func:`read_later` will read (each replica the
+    same checkpoint): nothing need give them values before, and touching their pages before they
+    are sharded would make a process hold them whole for a moment."""
+    inside = {id(m) for m in module.modules()}  # a marked model, or a stage of one
+    return {
+        id(own_tensor(owner, slot, is_param))
+        for source in list(_marks.values())
+        for (owner, slot, is_param), _ in source.pending
+        if id(owner) in inside
+    }
 
 
 def read_later(module: nn.Module) -> None:

@@ -33,6 +33,7 @@ from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.guards import side_effect_free
 from pipeckpt.stages.partition import StagePlan
 from pipeckpt.stages.stage import Stage
+from pipeckpt.weights.pretrained import pending_reads
 
 __all__ = ["RootRouting", "RootStageModule", "check_module_pipeline", "build_rooted"]
 
@@ -295,5 +296,6 @@ def build_rooted(
         assert processes.dp_group is not None
         src = dist.get_global_rank(processes.dp_group, 0)  # replica 0 (not pipeline_rank under tp > 1)
         replicas = Replicas(module, group=processes.dp_group, src=src, size=topology.dp)
-        replicas.broadcast()  # before the ties: each replica's copies then start from replica 0's
+        # before the ties: each replica's copies then start from replica 0's
+        replicas.broadcast(skip=pending_reads(module))
     return modules, routing, replicas, ties

@@ -29,6 +29,7 @@ from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.engines.distributed.ties import Replicas
 from pipeckpt.settings import PipeSettings
+from pipeckpt.weights.pretrained import pending_reads
 
 __all__: List[str] = []
 
@@ -151,9 +152,10 @@ class Sharding:
         sharded apart (split over ``tp`` first); returns it (sharded in place)."""
         layers = list(layers)
         if self.replicas.size() > 1:
+            later = pending_reads(stage_module)  # every replica reads them from the checkpoint once sharded
             with torch.no_grad():
                 for t in (*stage_module.parameters(), *stage_module.buffers()):
-                    if not t.is_meta:
+                    if not t.is_meta and id(t) not in later:
                         dist.broadcast(t.data, src=self.src, group=self.group)
         if self.tp is not None:
             self.tp.split(layers)

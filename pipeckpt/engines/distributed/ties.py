@@ -143,13 +143,15 @@ class Replicas:
         self.buffers = [b for b in module.buffers() if not b.is_meta]
         self.group, self.src, self.size = group, src, size
 
-    def broadcast(self) -> None:
+    def broadcast(self, skip: Set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Every replica starts from replica 0's parameters and buffers (global rank ``src``), as DDP
         makes its module's: the same seed alone does not promise the same weights (a model may draw
-        them per rank, or load them on rank 0 only)."""
+        them per rank, or load them on rank 0 only). ``skip``: ids of tensors every replica reads from
+        the same checkpoint later (receiving them would touch every page of tensors about to be sharded)."""
         with torch.no_grad():
             for t in (*self.params, *self.buffers):
-                dist.broadcast(t.data, src=self.src, group=self.group)
+                if id(t) not in skip:
+                    dist.broadcast(t.data, src=self.src, group=self.group)
 
     def average(self, gradients: List[Gradient]) -> List[Gradient]:
         """``gradients`` of one step, each the mean over the replicas' copies. A parameter that some
