@@ -25,6 +25,8 @@ Command::
     # (benchmarks/RESULTS_pretrained_memory.md: its table, main's beside it, and the diagnosis)
     python benchmarks/bench_pretrained_memory.py --smoke --out /tmp/smoke.md   # tiny sizes
     python benchmarks/bench_pretrained_memory.py --size medium --cases llama    # a 0.168e9 Llama
+    python benchmarks/bench_pretrained_memory.py --size vocab --cases llama --layouts pp2,pp4,pp2xfsdp2
+    # (the vocabulary outweighs the layers: who holds the embedding and head, against a fair share)
 """
 
 import argparse
@@ -212,7 +214,7 @@ def _table(rows: List[Dict[str, Any]], size: Dict[str, Any]) -> List[str]:
         bound = r["imports"] + 1.15 * r["held"]
         excess = r["VmHWM"] - r["imports"] - r["held"]
         lines.append(
-            f"| {r['case']} | {r.get('layout', '')} | {r['build']} | {r['rank']} | {r['imports']:,.0f} | "
+            f"| {r['case']} | {r.get('layout') or ''} | {r['build']} | {r['rank']} | {r['imports']:,.0f} | "
             f"{r['held']:,.2f} | {'%.2fx' % (r['held'] / fair) if fair else '-'} | "
             f"{bound:,.0f} | {r['VmHWM']:,.0f} | {r['VmRSS']:,.0f} | {excess:+,.0f} | "
             f"{'yes' if r['VmHWM'] <= bound else 'NO'} | {r['s']:.0f} |"
@@ -269,10 +271,13 @@ def main() -> None:
             f"sequential: {size['linears']} x Linear({size['width']}, {size['width']}), {linear:,.0f} MiB "
             "fp32, pp2 on 2 processes; meta = built in configure_model, eager = built in __init__.",
             f"llama: {_parameters(size) / 1e9:.3f}e9 parameters ({_parameters(size) * 4 / 2**20:,.0f} MiB "
-            "fp32), saved in bf16 shards; meta = pp4 on 4 processes, built in configure_model and filled "
+            "fp32), saved in bf16 shards; meta = the layout's processes (pp<N>, x fsdp<M> replicas sharded), "
+            "built in configure_model and filled "
             "by pipeckpt.pretrained; eager = one process doing what every eager rank does first, "
             "from_pretrained(dir, dtype=float32).",
-            "imports: VmRSS after the imports; held: parameters held for real; bound: imports + 1.15 x held.",
+            "imports: VmRSS after the imports; held: parameters held for real (a shard's own bytes); "
+            "held / fair share: held against all the parameters / the processes; "
+            "bound: imports + 1.15 x held.",
             "",
             *_table(rows, size),
         ]
