@@ -16,9 +16,10 @@ A parameter that code outside its own module's call reads (``self.embed.weight[i
 stand in for it where it is not held (engines/distributed/outside_parts.py), so every stage keeps it.
 """
 
-from contextlib import ExitStack
+import logging
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -134,6 +135,7 @@ def outside_uses(
     with ExitStack() as stack:
         stack.callback(_restore_attributes, root, _attributes(root))  # a value the model caches on a call
         if fake:
+            stack.enter_context(_quiet(logging.getLogger("torch._subclasses.fake_tensor")))
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             _fake_tensors(root, names, device, stack)
             args, kwargs = tree_map(
@@ -210,6 +212,18 @@ def _probe_layer(index: int, own: Any, outputs: List[Any]) -> Any:
 _SLOTS = ("_parameters", "_buffers", "_modules")
 
 
+@contextmanager
+def _quiet(log: logging.Logger) -> Iterator[None]:
+    """``log`` silent within: fake tensors log an op they cannot run as an error before raising it,
+    and a probe that then runs on real tensors has nothing to report."""
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _attributes(root: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
     """Each module's own attributes (a shallow copy): the demo Transformer keeps its causal mask and
     position table, made on its first call, as plain attributes, which must not stay fake."""
@@ -217,10 +231,17 @@ def _attributes(root: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
 
 
 def _restore_attributes(root: nn.Module, saved: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
+    """The tensors a call left in modules' attributes taken back; anything else it set stays, as a
+    first call sets it (transformers marks a model whose output-capturing hooks it installed: undoing
+    the mark alone would install them twice, and record every router's logits twice)."""
     for module, attributes in saved:
-        for key in [k for k in module.__dict__ if k not in _SLOTS and k not in attributes]:
-            del module.__dict__[key]
-        module.__dict__.update(attributes)
+        for key, value in list(module.__dict__.items()):
+            if key in _SLOTS or not isinstance(value, Tensor):
+                continue
+            if key not in attributes:
+                del module.__dict__[key]
+            elif attributes[key] is not value:
+                module.__dict__[key] = attributes[key]
 
 
 def _restore(swapped: Sequence[Tuple[nn.Module, str, Tensor, bool]]) -> None:

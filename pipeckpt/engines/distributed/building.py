@@ -55,7 +55,6 @@ class EngineBuilding:
     ties: Optional[Ties]
     replicas: Optional[Replicas]
     routing: Optional[RootRouting]
-    outside: Optional[OutsideParts]
     root: Optional[nn.Module]
     sharding: Optional[Sharding]
     plan: Optional[StagePlan]
@@ -143,7 +142,6 @@ class EngineBuilding:
             pin_memory=s.pin_memory,
             parts=parts,
         )
-        self.outside = parts
         if (sharding := self._sharding()) is not None:  # the layers sharded, and what only this rank holds
             sharding.shard_layers(self.modules, self.replicas, outside=parts.shardable)
             step.outside = [p for _, p in held_parameters(spec.root, parts)]  # sharding made them anew

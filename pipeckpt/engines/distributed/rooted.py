@@ -87,6 +87,9 @@ class RootRouting:
         # micro-batch -> the generators' states at this rank's first pass of it, this step
         self._starts: Dict[int, Tuple[Tensor, Optional[Tensor]]] = {}
         self._routed: List[nn.Module] = []
+        self.standing_in: List[
+            nn.Module
+        ] = []  # modules outside the layers answered by zeros (.outside_parts)
         for index, layer in enumerate(spec):
             layer.forward = self._route(index, layer)
             self._routed.append(layer)
@@ -178,8 +181,9 @@ class RootRouting:
         return out
 
     def restore(self) -> None:
-        """Every routed layer gets its own forward back."""
-        for layer in self._routed:
+        """Every routed layer gets its own forward back, and every module stood in for its own: a
+        later fit (a validate, then fit) probes and builds the model afresh."""
+        for layer in [*self._routed, *self.standing_in]:
             layer.__dict__.pop("forward", None)
 
 
@@ -278,6 +282,7 @@ def build_rooted(
     drop(spec.root, parts)  # the outside tensors no stage of this rank reads to meta, their calls answered
     outside = held_parameters(spec.root, parts)
     routing = RootRouting(spec, stage_plan.ranges, names)
+    routing.standing_in = list(parts.standing_in)
     modules = build_stages(
         spec,
         stage_plan,
