@@ -379,7 +379,7 @@ def _check_memory_settings(s: PipeSettings) -> None:
             "set checkpoint='auto' (ckpt=auto in the configs), or drop memory_budget",
         )
     if s.memory_budget is not None:
-        parse_bytes(s.memory_budget)
+        parse_bytes(s.memory_budget, "memory_budget")
     search = s.memory_search
     if search is not None:
         if isinstance(search, str) or not isinstance(search, (list, tuple)) or not search:

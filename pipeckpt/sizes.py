@@ -5,7 +5,7 @@ Read by the settings' model-free checks, the memory model and the reports above 
 live below all of them; none needs torch."""
 
 import re
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Union
 
 from pipeckpt._errors import config_error
 
@@ -21,11 +21,13 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30})
 
 
-def parse_bytes(value: Union[int, float, str]) -> int:
+def parse_bytes(value: Union[int, float, str], name: Optional[str] = None) -> int:
     """``2GiB``, ``1.5 GB``, ``512MiB`` or a plain number of bytes, as bytes.
 
     Args:
         value: the size, a number of bytes or a string with a unit.
+        name: the setting as its user wrote it (``memory_budget`` in Python, ``memory.budget`` in
+            the app), so that a refusal names what to fix; without it, the refusal names the value.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number, unit = float(value), ""
@@ -34,9 +36,10 @@ def parse_bytes(value: Union[int, float, str]) -> int:
         number, unit = (float(match.group(1)), match.group(2).upper()) if match else (-1.0, "?")
     if unit not in _UNITS or number <= 0:
         raise config_error(
-            f"memory budget {value!r}",
-            "must be a positive size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
-            "write it as e.g. 20GiB or 512MiB",
+            f"{name}={value!r}" if name else repr(value),
+            "is not a size, which is a positive number of bytes or a number with a unit "
+            "(KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
+            "write it as e.g. 12GiB or 800MB",
         )
     return int(number * _UNITS[unit])
 

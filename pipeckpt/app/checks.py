@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.engines import engine_class
+from pipeckpt.sizes import parse_bytes
 
 __all__ = ["Range", "check_config", "check_overrides"]
 
@@ -62,6 +63,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_ranges(cfg, "")
     _check_model(cfg)
     _check_data_follows_model(cfg)
+    _check_budget(cfg)
     strategy = cfg.get("strategy")
     if isinstance(strategy, DictConfig) and "_target_" in strategy:
         _check_schedule(strategy.get("schedule"))
@@ -151,6 +153,14 @@ def _check_data_follows_model(cfg: DictConfig) -> None:
                     f"set model.{key}={data[key]} and drop the data.{key} override (the data follows "
                     f"model.{key} unless told otherwise)",
                 )
+
+
+def _check_budget(cfg: DictConfig) -> None:
+    """``memory.budget`` is a string to the schema; unchecked here, a typo would surface from the
+    strategy's settings under the Python argument's name, after the corpus is loaded."""
+    memory = cfg.get("memory")
+    if isinstance(memory, DictConfig) and memory.get("budget") is not None:
+        parse_bytes(memory.budget, "memory.budget")
 
 
 def _check_schedule(name: Any) -> None:

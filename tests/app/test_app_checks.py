@@ -117,6 +117,12 @@ def test_the_other_models_and_data_have_their_ranges_too(tmp_path, overrides, na
     assert refusal(tmp_path, *overrides).startswith(f"{named}: must be ")
 
 
+def test_a_memory_budget_that_is_not_a_size_is_refused_naming_it_and_the_forms(tmp_path):
+    message = refusal(tmp_path, "ckpt=auto", "memory.budget=abc")
+    assert message.startswith("memory.budget='abc': is not a size"), message
+    assert "GiB" in message and "e.g. 12GiB or 800MB" in message
+
+
 def test_heads_that_do_not_divide_the_width_are_refused_naming_both(tmp_path):
     message = refusal(tmp_path, "model.d_model=100", "model.n_heads=3")
     assert message.startswith("model.d_model=100 with model.n_heads=3: ")
@@ -205,3 +211,10 @@ def test_train_py_hints_to_quote_a_non_ascii_path_with_exit_1_and_no_traceback(t
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
     assert "HINT: quote the value" in done.stderr
+
+
+def test_train_py_refuses_a_memory_budget_that_is_not_a_size_with_exit_1_and_no_traceback(tmp_path):
+    done = run_train(tmp_path, "ckpt=auto", "memory.budget=abc")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert "Configuration error: memory.budget='abc': is not a size" in done.stderr

@@ -46,7 +46,7 @@ def test_the_plan_command_prints_one_row_per_stage_and_writes_the_png(tmp_path: 
 def test_a_bad_budget_is_a_configuration_error(tmp_path: Path) -> None:
     result = _plan("model=mlp", "+memory.budget=lots", cwd=tmp_path)
     assert result.returncode == 1
-    assert "Configuration error: memory budget 'lots'" in result.stderr
+    assert "Configuration error: memory.budget='lots': is not a size" in result.stderr
 
 
 def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_batch() -> None:

@@ -133,7 +133,7 @@ def test_budgets_parse_with_units() -> None:
     assert parse_bytes("512 MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes(4096) == 4096
-    with pytest.raises(PipeckptConfigError, match="memory budget '2 parsecs'"):
+    with pytest.raises(PipeckptConfigError, match="'2 parsecs': is not a size"):
         parse_bytes("2 parsecs")
 
 

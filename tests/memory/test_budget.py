@@ -41,7 +41,7 @@ def test_a_search_without_modes_or_with_an_unknown_item_is_a_configuration_error
 
 
 def test_an_unparseable_budget_fails_in_the_settings() -> None:
-    with pytest.raises(PipeckptConfigError, match="memory budget '20 gigs'"):
+    with pytest.raises(PipeckptConfigError, match="memory_budget='20 gigs': is not a size"):
         PipeSettings(checkpoint="auto", memory_budget="20 gigs")
 
 
