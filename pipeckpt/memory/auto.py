@@ -187,7 +187,8 @@ def choose(
             f"stage {stage.stage} (layers {stage.layers[0]}-{stage.layers[1] - 1}) with chunks={c}, "
             f"balance={list(b)} in its least-memory mode {stage.mode}, whose largest term is {term} "
             f"({human(size)}; {_terms(stage)})",
-            f"raise memory.budget to at least {human(least)}, or add chunks, stages or devices",
+            f"raise memory_budget (memory.budget in the app) to at least {human(least)}, or add chunks, "
+            "stages or devices",
         )
     return best
 

@@ -108,6 +108,13 @@ def test_an_infeasible_budget_names_the_smallest_feasible_one_and_its_stage() ->
     assert choose(PROFILES[4], need, balance=BALANCE, chunks=4).prediction.peak <= need
 
 
+def test_an_infeasible_budgets_hint_names_the_python_argument_and_the_app_key() -> None:
+    with pytest.raises(PipeckptConfigError) as refused:
+        choose(PROFILES[4], 1, balance=BALANCE, chunks=4)
+    hint = str(refused.value).split(". HINT: ", 1)[1]
+    assert hint.startswith("raise memory_budget (memory.budget in the app) to at least "), hint
+
+
 def test_the_chosen_plan_stays_within_the_budget_as_measured() -> None:
     torch.manual_seed(0)
     seq = gpt_layers(vocab_size=256, d_model=64, n_heads=4, n_layers=4, seq_len=32, dropout=0.1)
