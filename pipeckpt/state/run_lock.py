@@ -6,7 +6,9 @@ find no file, pick the same names and overwrite each other's checkpoints. Here g
 an advisory lock (``flock``) on a hidden file of each checkpoint directory while the run trains; the
 kernel drops it when the process ends, however it ends, so a killed run never blocks the next. A
 filesystem without locks (some network filesystems), or a system without ``flock``, is left
-unguarded.
+unguarded. A directory the run cannot write (read-only, another user's) is refused here too, on
+every rank and before the first step: rank 0 alone meeting the ``OSError`` would leave the others
+waiting at the broadcast, and the step's checkpoint would fail later anyway.
 """
 
 import contextlib
@@ -49,6 +51,24 @@ def _describe(text: str) -> str:
         return "a process that holds its lock"
 
 
+def _refuse(why: str, directory: str, detail: str) -> None:
+    """Raises the refusal :meth:`RunLock._lock` found, on every rank."""
+    if why == "unwritable":
+        raise config_error(
+            f"checkpoint directory {directory!r}",
+            f"this run cannot write there ({detail}), so it could save no checkpoint",
+            "give this run a writable checkpoint directory (ModelCheckpoint(dirpath=...), or a writable "
+            "hydra.run.dir in train.py), or make this one writable",
+        )
+    raise config_error(
+        f"checkpoint directory {directory!r}",
+        f"another run is writing to it ({_describe(detail)}), and two runs at once would "
+        "overwrite each other's checkpoints",
+        "give this run a directory of its own (ModelCheckpoint(dirpath=...), or hydra.run.dir "
+        "in train.py), or start it when the other run has ended",
+    )
+
+
 class RunLock:
     """The locks of one run on its checkpoint directories."""
 
@@ -65,7 +85,7 @@ class RunLock:
                 if isinstance(c, ModelCheckpoint) and c.dirpath
             }
         )
-        taken: Optional[Tuple[str, str]] = None
+        taken: Optional[Tuple[str, str, str]] = None
         if trainer.is_global_zero:
             for directory in directories:
                 taken = self._lock(directory)
@@ -74,28 +94,25 @@ class RunLock:
         taken = trainer.strategy.broadcast(taken, src=0)
         if taken is not None:
             self.release()
-            directory, owner = taken
-            raise config_error(
-                f"checkpoint directory {directory!r}",
-                f"another run is writing to it ({_describe(owner)}), and two runs at once would "
-                "overwrite each other's checkpoints",
-                "give this run a directory of its own (ModelCheckpoint(dirpath=...), or hydra.run.dir "
-                "in train.py), or start it when the other run has ended",
-            )
+            _refuse(*taken)
 
-    def _lock(self, directory: str) -> Optional[Tuple[str, str]]:
-        """Takes the lock of ``directory``; (directory, its holder) when another run holds it."""
+    def _lock(self, directory: str) -> Optional[Tuple[str, str, str]]:
+        """Takes the lock of ``directory``; (why not, directory, the holder or the system's words)
+        when another run holds it or the directory cannot be written."""
         if fcntl is None:
             return None
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as error:  # read-only, no permission: said on every rank, not raised on one
+                return "unwritable", directory, error.strerror or str(error)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 with os.fdopen(fd, "r") as held:
-                    return directory, held.read()
+                    return "taken", directory, held.read()
             except OSError as error:
                 os.close(fd)
                 if error.errno in _NO_LOCKS:
