@@ -1,6 +1,7 @@
 """The bundled text (:mod:`pipeckpt.app.data.text`) as a Hugging Face model reads it: batches of
 ``{"input_ids", "labels"}`` (the model shifts the labels itself), tokenized by a pretrained directory's
-own tokenizer when it has one, and otherwise by the app's bytes (ids 0-255).
+own tokenizer when it has one, and otherwise by the app's bytes (ids 0-255; a directory without one is
+said in one line).
 
 Why not the byte pairs the app's own models read: a pretrained model knows its tokenizer's ids, and
 its ``forward`` computes the loss from ``labels=``, so the training step is ``self.model(**batch).loss``
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from pipeckpt.app.data.text import TextDataModule, Windows, read_corpus
@@ -42,6 +44,18 @@ def token_range(tokenizer: Optional[str]) -> int:
     return len(_load_tokenizer(tokenizer))
 
 
+@rank_zero_only
+def _say_bytes(directory: str) -> None:
+    """A model's directory without its tokenizer trains on bytes, ids its embedding learned for other
+    tokens: a run that works but learns little, so it is said once, not left to be guessed."""
+    print(
+        f"pipeckpt: {directory} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}), so the model "
+        "reads the text's bytes (ids 0-255); set data.tokenizer to a directory holding the model's "
+        "tokenizer to train on its tokens",
+        flush=True,
+    )
+
+
 class HFWindows(Windows):
     """Windows of ``seq_len`` tokens as ``{"input_ids": w, "labels": w}``."""
 
@@ -70,6 +84,8 @@ class HFTextDataModule(TextDataModule):
     def _tokens(self) -> Tensor:
         corpus = read_corpus(self.path, pattern=self.pattern, max_bytes=self.max_bytes)
         if not has_tokenizer(self.tokenizer):
+            if self.tokenizer is not None:
+                _say_bytes(self.tokenizer)
             return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
         assert self.tokenizer is not None
         text = corpus.decode("utf-8", errors="replace")
