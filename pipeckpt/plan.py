@@ -129,7 +129,7 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             fsdp=_degree(values, "fsdp"),
             tp=_degree(values, "tp"),
             reshard=values.get("reshard", "false").lower() in ("1", "true", "yes"),
-            available=parse_bytes(values["available"]) if "available" in values else None,
+            available=parse_bytes(values["available"], "memory.available") if "available" in values else None,
         ),
         rest,
     )
@@ -214,7 +214,7 @@ def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
     check_names(given, "strategy")
     settings = PipeSettings(**given)
     engine_class(settings.engine).check_settings(settings)
-    return settings, parse_bytes(budget) if budget is not None else None
+    return settings, parse_bytes(budget, "memory.budget") if budget is not None else None
 
 
 def _per_rank_run(

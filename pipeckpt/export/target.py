@@ -19,21 +19,15 @@ from typing import List, Optional
 
 from pipeckpt._errors import PipeckptSaveError, config_error, save_error
 from pipeckpt.state.files import hidden_sibling_prefix
-from pipeckpt.state.save_errors import REFUSALS, storage_error
+from pipeckpt.state.save_errors import REFUSALS, filesystem_fixes, storage_error
 
 __all__ = ["RECORD", "check_target", "probe_writable", "refusal", "write_record"]
 
 RECORD = ".pipeckpt-export.json"
 """The files an export wrote, listed in its directory: what a later export may replace."""
 
-_ELSEWHERE = "or pass another out"
-_FIXES = {
-    errno.ENOSPC: f"free space on that filesystem (an export needs about the model's size) {_ELSEWHERE}",
-    errno.EDQUOT: f"free space within your quota there {_ELSEWHERE}",
-    errno.EROFS: f"mount that filesystem writable {_ELSEWHERE}",
-    errno.EACCES: f"give this user write access to that directory {_ELSEWHERE}",
-    errno.EPERM: f"give this user write access to that directory {_ELSEWHERE}",
-}
+_ELSEWHERE = "pass another out"
+_FIXES = filesystem_fixes(_ELSEWHERE, space=" (an export needs about the model's size)")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -101,7 +95,7 @@ def refusal(target: Path, error: BaseException, *, setting: str = "out") -> Opti
         f"{setting}={str(target)!r}",
         f"{REFUSALS.get(code, os.strerror(code))}{where}, so nothing was exported and nothing "
         "partial is left",
-        _FIXES.get(code, _ELSEWHERE.removeprefix("or ")),
+        _FIXES.get(code, _ELSEWHERE),
     )
 
 

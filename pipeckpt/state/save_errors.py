@@ -18,7 +18,16 @@ from torch.distributed.tensor import DTensor
 from pipeckpt._errors import PipeckptSaveError, save_error
 from pipeckpt.sizes import human
 
-__all__ = ["REFUSALS", "NamingWriter", "checkpoint_bytes", "named", "not_written", "refused", "storage_error"]
+__all__ = [
+    "REFUSALS",
+    "NamingWriter",
+    "checkpoint_bytes",
+    "filesystem_fixes",
+    "named",
+    "not_written",
+    "refused",
+    "storage_error",
+]
 
 REFUSALS: Dict[int, str] = {
     errno.ENOSPC: "no space left on device",
@@ -30,13 +39,21 @@ REFUSALS: Dict[int, str] = {
 """The errors of a filesystem that will not take the checkpoint, as pipeckpt names them."""
 
 _ELSEWHERE = "point ModelCheckpoint(dirpath=...) (or the Trainer's default_root_dir) elsewhere"
-_FIXES = {
-    errno.ENOSPC: f"free space on that filesystem or {_ELSEWHERE}",
-    errno.EDQUOT: f"free space within your quota there, ask for a larger quota, or {_ELSEWHERE}",
-    errno.EROFS: f"mount that filesystem writable or {_ELSEWHERE}",
-    errno.EACCES: f"give this user write access to that directory or {_ELSEWHERE}",
-    errno.EPERM: f"give this user write access to that directory or {_ELSEWHERE}",
-}
+
+
+def filesystem_fixes(elsewhere: str, space: str = "") -> Dict[int, str]:
+    """The fix of each error of :data:`REFUSALS`, ending in ``elsewhere`` (where else to write);
+    ``space``: what the writer needs, said beside the fix for a full filesystem."""
+    return {
+        errno.ENOSPC: f"free space on that filesystem{space} or {elsewhere}",
+        errno.EDQUOT: f"free space within your quota there, ask for a larger quota, or {elsewhere}",
+        errno.EROFS: f"mount that filesystem writable or {elsewhere}",
+        errno.EACCES: f"give this user write access to that directory or {elsewhere}",
+        errno.EPERM: f"give this user write access to that directory or {elsewhere}",
+    }
+
+
+_FIXES = filesystem_fixes(_ELSEWHERE)
 
 
 def storage_error(error: Optional[BaseException]) -> Optional[OSError]:
