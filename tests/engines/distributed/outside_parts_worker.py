@@ -2,7 +2,7 @@
 distributed_pytree_worker.py): each run of the spec trains ``model`` (tests/support/vocab_models.py)
 under ``engine="distributed"`` with ``strategy`` for 3 steps and writes ``<name>.rank<R>.pt``: the
 bytes of the parameters the rank holds when the fit starts (an FSDP shard's local bytes), and the
-tensors it holds after training, whole (a shard gathered)."""
+tensors it holds after training, whole (a shard gathered); and the run's checkpoint, ``<name>.ckpt``."""
 
 from pathlib import Path
 from typing import Any, Dict
@@ -29,6 +29,7 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     held = _HeldBytes()
     trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[held])
     trainer.fit(module, loader(spec["model"]))
+    trainer.save_checkpoint(str(Path(out) / f"{spec['name']}.ckpt"))
     result = dict(held_bytes=held.bytes, trained=held_whole(module.model))
     torch.save(result, Path(out) / f"{spec['name']}.rank{trainer.global_rank}.pt")
 

@@ -19,6 +19,7 @@ import support.ranks as ranks
 import torch
 from support.seven_models import relative_difference
 from support.vocab_models import VocabModule, loader
+from test_distributed_pytree import _state
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "outside_parts_worker.py"
@@ -81,6 +82,16 @@ def test_pp4_and_pp2_x_fsdp2_training_equals_one_process(four, run) -> None:
     for rank, saved in enumerate(_ranks(four, run, 4)):
         held = saved["trained"]
         assert relative_difference(held, {k: want[k] for k in held}) <= 1e-5, f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["llama_pp4", "llama_pp2_fsdp2"])
+def test_the_checkpoint_holds_every_key_once_and_loads_strictly_into_the_unpipelined_model(four, run) -> None:
+    state = _state(four / f"{run}.ckpt")["state_dict"]
+    module = VocabModule("llama")
+    module.load_state_dict(state, strict=True)  # the embedding and head written by their stage alone
+    trained = {k: v for r in _ranks(four, run, 4) for k, v in r["trained"].items()}
+    assert relative_difference({k: v for k, v in module.model.state_dict().items()}, trained) == 0
 
 
 @pytest.mark.slow
