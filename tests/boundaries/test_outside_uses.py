@@ -157,3 +157,17 @@ def test_a_rank_holds_only_what_its_stages_read_and_zeros_answer_for_the_rest() 
     out = model.model.embed_tokens(IDS)
     assert out.device == CPU and out.shape == (2, 8, 32) and out.dtype == torch.float32
     assert not out.any()
+
+
+def test_reading_the_first_batch_for_the_probe_leaves_a_shuffled_loaders_order_as_it_was() -> None:
+    # The probe reads the fit's first batch on rank 0 only: every rank must then read the same order.
+    from torch.utils.data import DataLoader
+
+    from pipeckpt.engines.distributed import outside_parts
+
+    data = list(range(32))
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    untouched = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    with outside_parts._generators_kept(loader):
+        next(iter(loader))
+    assert [b.tolist() for b in loader] == [b.tolist() for b in untouched]

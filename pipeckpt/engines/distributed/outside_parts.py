@@ -15,8 +15,9 @@ A parameter whose holders cannot be told (the probe failed: no batch before a fi
 tensors cannot run; or code outside its module reads it) is held by every stage, as before.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,8 @@ def _probe(module: LightningModule, spec: ModulePipeline, device: torch.device) 
             loader = fit_train_loader(trainer) if trainer is not None else None
             if loader is None:
                 raise RuntimeError("no training batch before the fit")
-            batch = next(iter(loader))
+            with _generators_kept(loader):
+                batch = next(iter(loader))
             args, kwargs = capture_call(module, spec.root, "training_step", batch, (0,), {})  # type: ignore[arg-type]
         try:
             return outside_uses(spec, tuple(args), dict(kwargs), device)
@@ -105,6 +107,27 @@ def _probe(module: LightningModule, spec: ModulePipeline, device: torch.device) 
             if any(t.is_meta for t in (*spec.root.parameters(), *spec.root.buffers())):
                 raise
             return outside_uses(spec, tuple(args), dict(kwargs), device, fake=False)
+
+
+@contextmanager
+def _generators_kept(loader: Any) -> Iterator[None]:
+    """Within, ``loader`` may be read: the generators it and its samplers draw from (a shuffled
+    order, its workers' seeds) are set back after, so that this rank reads what the others read."""
+    found: Dict[int, torch.Generator] = {}
+    for holder in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ):
+        g = getattr(holder, "generator", None)
+        if isinstance(g, torch.Generator):
+            found[id(g)] = g
+    states = [(g, g.get_state()) for g in found.values()]
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
 
 
 def outside_parts(
