@@ -152,7 +152,7 @@ def test_a_rank_holds_only_what_its_stages_read_and_zeros_answer_for_the_rest() 
     parts = outside_parts(spec, uses, [(0, 2), (2, 4)], mine=[1], ranks=[[0], [1]])
     assert parts.held == ["model.norm.weight", "lm_head.weight"]
     assert parts.standing_in == [model.model.embed_tokens]
-    drop(model, parts)
+    drop(model, parts, CPU)
     assert model.model.embed_tokens.weight.is_meta
     out = model.model.embed_tokens(IDS)
     assert out.device == CPU and out.shape == (2, 8, 32) and out.dtype == torch.float32

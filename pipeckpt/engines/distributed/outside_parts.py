@@ -94,7 +94,10 @@ def _probe(module: LightningModule, spec: ModulePipeline, device: torch.device) 
                 else ((example,), {})
             )
         else:
-            trainer = getattr(module, "_trainer", None)
+            try:
+                trainer = module.trainer
+            except RuntimeError:  # not attached to a Trainer: no fit to read a batch of
+                trainer = None
             loader = fit_train_loader(trainer) if trainer is not None else None
             if loader is None:
                 raise RuntimeError("no training batch before the fit")
@@ -219,9 +222,10 @@ def _ancestors(root: nn.Module, name: str) -> List[nn.Module]:
     return path
 
 
-def drop(root: nn.Module, parts: OutsideParts) -> None:
+def drop(root: nn.Module, parts: OutsideParts, device: torch.device) -> None:
     """The tensors this rank does not hold to the meta device (a tied one stays one tensor), and
-    each module standing in answered by zeros of its output's shapes."""
+    each module standing in answered by zeros of its output's shapes (on its inputs' device, else
+    on ``device``, this rank's)."""
     made: Dict[int, Tensor] = {}
     for module in root.modules():
         for name, t, is_param in own_tensors(module):
@@ -231,16 +235,16 @@ def drop(root: nn.Module, parts: OutsideParts) -> None:
                     made[id(t)] = nn.Parameter(meta, t.requires_grad) if is_param else meta
                 set_own_tensor(module, name, made[id(t)], is_param)
     for module in parts.standing_in:
-        module.forward = _zeros_of(module.forward, module)
+        module.forward = _zeros_of(module.forward, module, device)
 
 
-def _zeros_of(own: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+def _zeros_of(own: Callable[..., Any], module: nn.Module, fallback: torch.device) -> Callable[..., Any]:
     """``module``'s forward answered by zeros: its own ``forward`` run on meta tensors (its buffers
     on meta for the call) gives the shapes and dtypes; the device is its real inputs'."""
 
     def zeros(*args: Any, **kwargs: Any) -> Any:
         devices = [t.device for t in _tensors((args, kwargs)) if not t.is_meta]
-        device = devices[0] if devices else torch.device("cpu")
+        device = devices[0] if devices else fallback
         on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) else t, (args, kwargs))
         buffers = [
             (m, n, t) for m in module.modules() for n, t, p in own_tensors(m) if not p and not t.is_meta

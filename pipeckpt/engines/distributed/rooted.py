@@ -279,7 +279,9 @@ def build_rooted(
     topology = processes.topology
     assert topology is not None
     ties = _rooted_ties(module, spec, stage_plan, parts, topology=topology, processes=processes)
-    drop(spec.root, parts)  # the outside tensors no stage of this rank reads to meta, their calls answered
+    drop(
+        spec.root, parts, step.device
+    )  # the outside tensors no stage of this rank reads to meta, their calls answered
     outside = held_parameters(spec.root, parts)
     routing = RootRouting(spec, stage_plan.ranges, names)
     routing.standing_in = list(parts.standing_in)
