@@ -19,7 +19,7 @@ stand in for it where it is not held (engines/distributed/outside_parts.py), so 
 import logging
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Set, Tuple
+from typing import Any, Container, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ from pipeckpt._compat import FakeTensorMode, own_tensors, set_own_tensor, tree_f
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import recording
 
-__all__ = ["OutsideUses", "outside_uses"]
+__all__ = ["OutsideUses", "holds", "outside_uses"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,17 @@ class OutsideUses:
         last = len(ranges) - 1
         out: Dict[str, Tuple[int, ...]] = {}
         for name in names:
-            if name in self.everywhere:
-                out[name] = tuple(range(len(ranges)))
-                continue
-            held = {j for j, (a, b) in enumerate(ranges) if any(name in self.layers[i] for i in range(a, b))}
-            if name in self.output:
-                held.add(last)
-            out[name] = tuple(sorted(held))
+            readers = {i for i, used in enumerate(self.layers) if name in used}
+            read = (readers, name in self.output, name in self.everywhere)
+            out[name] = tuple(j for j, (a, b) in enumerate(ranges) if holds(*read, a, b, j == last))
         return out
+
+
+def holds(readers: Container[int], output: bool, everywhere: bool, start: int, stop: int, last: bool) -> bool:
+    """Whether the stage of layers ``[start, stop)`` (the last stage when ``last``) holds a parameter
+    that the layers ``readers`` read (and the model's output when ``output``; everything, read outside
+    its module's call, when ``everywhere``): the one rule of the engine and the memory model."""
+    return everywhere or (last and output) or any(i in readers for i in range(start, stop))
 
 
 class _Reads(TorchFunctionMode):

@@ -16,7 +16,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from pipeckpt.boundaries.outside_uses import OutsideUses, outside_uses
+from pipeckpt.boundaries.outside_uses import OutsideUses, holds, outside_uses
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.rooted import RootInput
 
@@ -47,7 +47,7 @@ class OutsideParam:
 
     def held_by(self, start: int, stop: int, last: bool) -> bool:
         """Whether the stage of layers ``[start, stop)`` (the last one when ``last``) holds it."""
-        return self.everywhere or (last and self.output) or any(i in self.layers for i in range(start, stop))
+        return holds(self.layers, self.output, self.everywhere, start, stop, last)
 
 
 def outside_params(spec: ModulePipeline, call: RootInput) -> Tuple[OutsideParam, ...]:
