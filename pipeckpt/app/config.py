@@ -121,6 +121,7 @@ class TextDataConfig:
 class HFTextDataConfig(TextDataConfig):
     _target_: str = "pipeckpt.app.data.HFTextDataModule"
     tokenizer: Optional[str] = MISSING  # a directory whose tokenizer makes the ids, if it holds one
+    sample_prompt: Optional[str] = MISSING  # printed after training with the model's greedy continuation
 
 
 @dataclass

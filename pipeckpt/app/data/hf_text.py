@@ -74,12 +74,15 @@ class HFTextDataModule(TextDataModule):
     Args:
         tokenizer: a local directory; its tokenizer makes the ids if it holds one (the model's
             pretrained directory), else (or None) the ids are the text's bytes.
+        sample_prompt: a text whose greedy continuation the app prints after training (None: none).
         **kwargs: :class:`TextDataModule`'s.
     """
 
-    def __init__(self, *, tokenizer: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, tokenizer: Optional[str] = None, sample_prompt: Optional[str] = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.sample_prompt = tokenizer, sample_prompt
 
     def _tokens(self) -> Tensor:
         corpus = read_corpus(self.path, pattern=self.pattern, max_bytes=self.max_bytes)
