@@ -125,6 +125,30 @@ class HFTextDataConfig(TextDataConfig):
 
 
 @dataclass
+class DatasetDataConfig:
+    _target_: str = "pipeckpt.app.data.DatasetDataModule"
+    path: str = MISSING  # a .jsonl/.json/.parquet/.csv/.arrow file, a directory of them, or save_to_disk's
+    format: str = MISSING  # text, prompt_response or chat
+    tokenizer: Optional[str] = MISSING  # the model's tokenizer directory
+    seq_len: int = _in(_COUNT)
+    batch_size: int = _in(_COUNT)
+    text_field: str = MISSING
+    prompt_field: str = MISSING
+    response_field: str = MISSING
+    messages_field: str = MISSING
+    chat_template: Optional[str] = MISSING  # None: the tokenizer's own; chatml; or a Jinja file
+    train_on_prompt: bool = MISSING  # labels on the prompt's tokens too
+    packing: bool = MISSING  # several examples a row, never attending across
+    too_long: str = MISSING  # truncate or drop rows longer than seq_len
+    val_fraction: float = _in(_FRACTION)
+    val_path: Optional[str] = MISSING  # the validation rows' own file (then val_fraction is unused)
+    seed: int = _in(_SEED)
+    num_workers: int = _in(_AT_LEAST_0)
+    num_proc: Optional[int] = _in(_COUNT)  # tokenizing processes; None: the CPU cores for 10k+ rows
+    sample_prompt: Optional[str] = MISSING  # printed after training with the model's greedy continuation
+
+
+@dataclass
 class _SyntheticConfig:
     """What every synthetic data set takes: its size, batch size and seed."""
 
@@ -257,6 +281,7 @@ _SCHEMAS: dict[tuple[Optional[str], str], Any] = {
     ("model", "hf_schema"): HFConfig,
     ("data", "text_schema"): TextDataConfig,
     ("data", "hf_text_schema"): HFTextDataConfig,
+    ("data", "dataset_schema"): DatasetDataConfig,
     ("data", "synthetic_schema"): SyntheticTokensConfig,
     ("data", "synthetic_vectors_schema"): SyntheticVectorsConfig,
     ("data", "synthetic_images_schema"): SyntheticImagesConfig,

@@ -23,7 +23,11 @@ MODEL_OF_DATA = {
     "synthetic": "gpt",
     "synthetic_vectors": "mlp",
     "synthetic_images": "convnet",
+    "dataset": "hf",
 }
+# What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
+# until the data's setup, so any names do).
+SETTINGS_OF_DATA = {"dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"]}
 
 
 def compose_train(tmp_path: Path, *overrides: str):
@@ -47,7 +51,9 @@ def options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)], ids=str)
 def test_every_config_in_conf_passes_the_checks(tmp_path, group, option):
-    overrides = [f"{group}={option}"] + ([f"model={MODEL_OF_DATA[option]}"] if group == "data" else [])
+    overrides = [f"{group}={option}"]
+    if group == "data":
+        overrides += [f"model={MODEL_OF_DATA[option]}", *SETTINGS_OF_DATA.get(option, [])]
     check_config(compose_train(tmp_path, *overrides))
 
 

@@ -21,7 +21,11 @@ MODEL_OF_DATA = {
     "synthetic": "gpt",
     "synthetic_vectors": "mlp",
     "synthetic_images": "convnet",
+    "dataset": "hf",
 }
+# What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
+# until the data's setup, so any names do).
+SETTINGS_OF_DATA = {"dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"]}
 
 
 def options(group: str) -> list[str]:
@@ -55,7 +59,7 @@ def test_every_group_has_options():
 def test_every_config_composes_and_builds(tmp_path, group, option):
     overrides = [f"{group}={option}"]
     if group == "data":
-        overrides.append(f"model={MODEL_OF_DATA[option]}")
+        overrides += [f"model={MODEL_OF_DATA[option]}", *SETTINGS_OF_DATA.get(option, [])]
     if (group, option) == ("ckpt", "auto"):
         overrides.append("memory.budget=1GiB")  # auto plans to a budget; without one it is an error
     objects = build(compose_train(tmp_path, *overrides))
