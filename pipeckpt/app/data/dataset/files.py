@@ -12,13 +12,12 @@ characters without a word. Each is found before or after the library's read and 
 """
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from pipeckpt._errors import config_error
 
-__all__ = ["DataFiles", "find_files", "load_table", "row_name"]
+__all__ = ["DataFiles", "find_files", "load_tables"]
 
 #: The ``datasets`` builder reading each file suffix.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -68,6 +67,8 @@ def find_files(path: str, setting: str = "data.path", split: str = "train") -> D
                 f"point {setting} at one split's folder ({root / splits[0] if splits else root})",
             )
         root = root / split
+    if (root / "state.json").is_file():  # one Dataset's save_to_disk: its .arrow files hold the rows
+        return DataFiles(named, "arrow", sorted(root.glob("*.arrow")))
     files = sorted(f for f in root.iterdir() if f.is_file() and f.suffix in _BUILDERS)
     kinds = sorted({_BUILDERS[f.suffix] for f in files})
     if not files:
@@ -112,15 +113,18 @@ def _broken_json_line(file: Path) -> Optional[Tuple[int, str]]:
     return None
 
 
-def load_table(files: DataFiles) -> Any:
-    """The rows of ``files`` as a ``datasets.Dataset``, read once and cached by ``datasets``."""
+def load_tables(files: DataFiles) -> List[Tuple[Path, Any]]:
+    """Each file of ``files`` with its rows as a ``datasets.Dataset``, read once and cached by
+    ``datasets``. One table a file: its rows are named in it, and files whose other columns differ
+    (one file's row carrying a column the others lack) still read."""
     import datasets
 
     _check_bytes(files)
-    try:
-        table = datasets.load_dataset(files.builder, data_files=[str(f) for f in files.files], split="train")
-    except Exception as error:  # the library names neither the file nor the line
-        for file in files.files:
+    tables = []
+    for file in files.files:
+        try:
+            table = datasets.load_dataset(files.builder, data_files=[str(file)], split="train")
+        except Exception as error:  # the library names neither the file nor the line
             broken = _broken_json_line(file) if file.suffix == ".jsonl" else None
             if broken is not None:
                 raise config_error(
@@ -128,31 +132,14 @@ def load_table(files: DataFiles) -> Any:
                     broken[1],
                     "each line of a .jsonl file is one JSON object; fix or remove the line",
                 ) from None
-        raise config_error(
-            files.setting,
-            f"datasets could not read it as {files.builder} ({type(error).__name__}: {error})",
-            "check that the files are valid for their suffix",
-        ) from None
-    if len(table) == 0:
-        raise config_error(files.setting, "it holds no rows", "point it at files holding rows")
-    return table
-
-
-def _rows_in(file: Path, builder: str) -> int:
-    """How many rows ``file`` holds, as ``builder`` reads it."""
-    if builder == "json" and file.suffix == ".jsonl":
-        return sum(1 for line in file.read_text(encoding="utf-8").splitlines() if line.strip())
-    import datasets
-
-    return len(datasets.load_dataset(builder, data_files=[str(file)], split="train"))
-
-
-def row_name(files: DataFiles, index: int) -> str:
-    """Row ``index`` (0-based, over all files) as its file and 1-based row: ``row 38 of chat.jsonl``."""
-    counts: Dict[Path, int] = {}
-    for file in files.files:
-        counts[file] = _rows_in(file, files.builder) if len(files.files) > 1 else index + 1
-        if index < counts[file]:
-            return f"row {index + 1} of {file.name}"
-        index -= counts[file]
-    return f"row {index + 1} of {os.path.basename(str(files.files[-1]))}"
+            raise config_error(
+                f"{files.setting}: {file.name}",
+                f"datasets could not read it as {files.builder} ({type(error).__name__}: {error})",
+                "check that the file is valid for its suffix",
+            ) from None
+        if len(table) == 0:
+            raise config_error(
+                f"{files.setting}: {file.name}", "it holds no rows", "remove it, or fill it with rows"
+            )
+        tables.append((file, table))
+    return tables

@@ -11,15 +11,15 @@ The app's ``data=dataset``; a Python user passes the same arguments::
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from pipeckpt._errors import config_error
 from pipeckpt.app.data.dataset.examples import Rendering, render_row, tokenizer_of
-from pipeckpt.app.data.dataset.files import DataFiles, find_files, load_table, row_name
+from pipeckpt.app.data.dataset.files import DataFiles, find_files, load_tables
 from pipeckpt.app.data.dataset.packing import Rows, pack, packing_refusal
 from pipeckpt.app.data.dataset.resumable import ResumableLoader
 from pipeckpt.app.data.dataset.templates import chat_template
@@ -37,6 +37,18 @@ def _digest(directory: str) -> str:
         if file.is_file() and file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             hasher.update(file.name.encode() + file.read_bytes())
     return hasher.hexdigest()
+
+
+@rank_zero_only
+def _say_too_long(setting: str, count: int, lengths: List[int], seq_len: int, too_long: str) -> None:
+    """One line for the rows longer than ``seq_len``: a run that learns from cut answers, or from
+    fewer rows, should not have to be guessed at."""
+    done = "dropped" if too_long == "drop" else "cut to their first seq_len tokens"
+    print(
+        f"pipeckpt: {count} of {len(lengths)} rows of {setting} are longer than seq_len={seq_len} tokens "
+        f"(the longest: {max(lengths)}), {done} (data.too_long)",
+        flush=True,
+    )
 
 
 class DatasetDataModule(L.LightningDataModule):
@@ -134,39 +146,41 @@ class DatasetDataModule(L.LightningDataModule):
         """The rows of ``files`` tokenized (cached by ``datasets``: keyed by the rows, the settings and
         the tokenizer's digest), refused at the first row that cannot be used, the too long ones cut
         or dropped."""
-        table = load_table(files)
-        missing = [f for f in self.fields.values() if f not in table.column_names]
-        if missing:
-            setting = {v: k for k, v in self.fields.items()}[missing[0]]
-            raise config_error(
-                f"{files.setting}: the column {missing[0]!r}",
-                f"no row has it (the columns are {table.column_names})",
-                f"set data.{setting}_field to the column holding the {setting}",
+        import datasets
+
+        tokenized = []
+        for file, table in load_tables(files):
+            missing = [f for f in self.fields.values() if f not in table.column_names]
+            if missing:
+                setting = {v: k for k, v in self.fields.items()}[missing[0]]
+                raise config_error(
+                    f"{files.setting}: the column {missing[0]!r} of {file.name}",
+                    f"no row has it (the columns are {table.column_names})",
+                    f"set data.{setting}_field to the column holding the {setting}",
+                )
+            table = table.select_columns(list(self.fields.values()))
+            procs = self.num_proc or ((os.cpu_count() or 1) if len(table) >= 10_000 else 1)
+            examples = table.map(
+                render_row,
+                fn_kwargs={"rendering": rendering},
+                remove_columns=table.column_names,
+                num_proc=procs if procs > 1 else None,
+                desc=f"Tokenizing {file.name}",
             )
-        procs = self.num_proc or ((os.cpu_count() or 1) if len(table) >= 10_000 else 1)
-        examples = table.map(
-            render_row,
-            fn_kwargs={"rendering": rendering},
-            remove_columns=table.column_names,
-            num_proc=procs if procs > 1 else None,
-            desc=f"Tokenizing {files.setting}",
-        )
-        problems = examples["problem"]
-        first = next((i for i, p in enumerate(problems) if p), None)
-        if first is not None:
-            raise config_error(
-                f"{files.setting}: {row_name(files, first)}",
-                problems[first],
-                f"fix or remove the row (data.format={self.format} reads {sorted(self.fields.values())})",
-            )
+            problems = examples["problem"]
+            first = next((i for i, p in enumerate(problems) if p), None)
+            if first is not None:
+                raise config_error(
+                    f"{files.setting}: row {first + 1} of {file.name}",
+                    problems[first],
+                    f"fix or remove the row (data.format={self.format} reads {sorted(self.fields.values())})",
+                )
+            tokenized.append(examples)
+        examples = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
         lengths = examples["length"]
         long = [i for i, n in enumerate(lengths) if n > self.seq_len]
         if long:
-            done = "dropped" if self.too_long == "drop" else "cut to their first seq_len tokens"
-            rank_zero_info(
-                f"pipeckpt: {len(long)} of {len(lengths)} rows of {files.setting} are longer than "
-                f"seq_len={self.seq_len} tokens (the longest: {max(lengths)}), {done} (data.too_long)"
-            )
+            _say_too_long(files.setting, len(long), lengths, self.seq_len, self.too_long)
             if self.too_long == "drop":
                 dropped = set(long)
                 examples = examples.select([i for i in range(len(lengths)) if i not in dropped])

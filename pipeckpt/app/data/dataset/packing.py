@@ -62,7 +62,10 @@ def packing_refusal(config: Any) -> Optional[str]:
         return f"transformers has no causal LM for its config {type(config).__name__}"
     code = sys.modules[model_class.__module__]
     if getattr(code, "create_causal_mask", None) is not masking_utils.create_causal_mask:
-        return f"its modeling code ({model_class.__module__}) builds its own masks, blind to packed examples"
+        return (
+            f"its modeling code ({model_class.__module__}) builds no mask with transformers.masking_utils, "
+            "so it cannot see where packed examples end"
+        )
     return None
 
 
