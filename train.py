@@ -29,6 +29,7 @@ SLURM (one process per GPU, the distributed engine):
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import hydra
@@ -41,6 +42,9 @@ from omegaconf import DictConfig
 from pipeckpt import PipeckptCheckpointError, PipeckptConfigError, PipeckptSaveError
 from pipeckpt.app.checks import check_config, check_overrides
 from pipeckpt.app.config import register
+from pipeckpt.app.sample import sample_after_training
+from pipeckpt.app.throughput import ThroughputLog
+from pipeckpt.export import HFExport
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
 from pipeckpt.sizes import human
@@ -81,6 +85,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # validate a requeued SLURM job's preemption checkpoint instead.
         summary["val_loss_end"] = validate(_final_checkpoint(trainer, cfg.output_dir))
         say(f"val_loss at end:   {summary['val_loss_end']:.4f}", flush=True)
+    if trainer.is_global_zero:  # no collective: the other ranks may leave
+        export = next((c.dirpath for c in callbacks if isinstance(c, HFExport)), None)
+        line = sample_after_training(
+            trainer, model, datamodule, export_dir=export, output_dir=Path(cfg.output_dir)
+        )
+        if line is not None:
+            print(line, flush=True)
+    throughput = next((c for c in callbacks if isinstance(c, ThroughputLog)), None)
+    summary["throughput"] = throughput.summary() if throughput is not None else {}
     report = next((c for c in callbacks if isinstance(c, StageReport)), None)
     if report is not None and report.stats:
         summary["stages"] = report.stats
@@ -127,6 +140,13 @@ def _summary_line(summary: dict[str, Any]) -> str:
         f" (from step {summary['first_step']} to {summary['global_step']})" if summary["first_step"] else ""
     )
     parts.append(f"{steps} steps{resumed} in {summary['fit_s']:.1f} s")
+    rates = summary.get("throughput") or {}
+    kind = "tokens" if "tokens_per_sec" in rates else "samples"
+    if rates:
+        per_device = rates[f"{kind}_per_sec_per_device"]
+        parts.append(f"{rates[f'{kind}_per_sec']:.0f} {kind}/s ({per_device:.0f} per device)")
+    if "mfu" in rates:
+        parts.append(f"MFU {100 * rates['mfu']:.1f}%")
     if "stages" in summary:
         peaks = ", ".join(human(s.peak_activation_bytes) for s in summary["stages"])
         parts.append(f"peak activations per stage [{peaks}]")

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeckpt.app.throughput import model_flops_per_token
+
 __all__ = ["SIZES", "gpt_layers", "GPT"]
 
 #: Architecture presets. ``small`` is GPT-2 small (124M parameters with the
@@ -188,6 +190,7 @@ class GPT(L.LightningModule):
         # The sizes built, not None for "the size's": a resume of another model names the real values.
         self.hparams.update(arch)
         self.layers = gpt_layers(vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, **arch)
+        self.flops_per_token = model_flops_per_token(self.layers)  # for the MFU (app/throughput.py)
 
     def configure_pipeline(self) -> nn.Sequential:
         return self.layers

@@ -29,6 +29,7 @@ from pipeckpt.app.models.hf_directory import (
     read_json,
     refuse_code,
 )
+from pipeckpt.app.throughput import model_flops_per_token
 
 __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
 
@@ -214,6 +215,7 @@ class HFCausalLM(L.LightningModule):
         )
         self.directory = local_directory(path) if path is not None else None
         self.model: Optional[nn.Module] = None
+        self.flops_per_token: Optional[int] = None  # the whole model's, once built (app/throughput.py)
 
     def configure_model(self) -> None:
         """Under the ``pipe`` strategy this runs on the meta device: the model is built empty and
@@ -234,6 +236,7 @@ class HFCausalLM(L.LightningModule):
             )
             if self.directory is not None:
                 model = pipeckpt.pretrained(model, self.directory, ignore=self.ignore_keys)
+        self.flops_per_token = model_flops_per_token(model)  # the whole model, before any stage is cut
         self.model = model
 
     def configure_pipeline(self) -> nn.Module:
