@@ -39,6 +39,12 @@ def _digest(directory: str) -> str:
     return hasher.hexdigest()
 
 
+def _column(table: Any, name: str) -> List[Any]:
+    """A column as a list, read as one Arrow array (``datasets`` would decode it row by row)."""
+    values: List[Any] = table.with_format("arrow")[name].to_pylist()
+    return values
+
+
 @rank_zero_only
 def _say_too_long(setting: str, count: int, lengths: List[int], seq_len: int, too_long: str) -> None:
     """One line for the rows longer than ``seq_len``: a run that learns from cut answers, or from
@@ -167,7 +173,7 @@ class DatasetDataModule(L.LightningDataModule):
                 num_proc=procs if procs > 1 else None,
                 desc=f"Tokenizing {file.name}",
             )
-            problems = examples["problem"]
+            problems = _column(examples, "problem")
             first = next((i for i, p in enumerate(problems) if p), None)
             if first is not None:
                 raise config_error(
@@ -177,7 +183,7 @@ class DatasetDataModule(L.LightningDataModule):
                 )
             tokenized.append(examples)
         examples = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
-        lengths = examples["length"]
+        lengths = _column(examples, "length")
         long = [i for i, n in enumerate(lengths) if n > self.seq_len]
         if long:
             _say_too_long(files.setting, len(long), lengths, self.seq_len, self.too_long)
@@ -187,7 +193,9 @@ class DatasetDataModule(L.LightningDataModule):
         return examples
 
     def _rows(self, examples: Any) -> Rows:
-        lengths = [len(ids) for ids in examples["input_ids"]]
+        import pyarrow.compute  # datasets' own dependency
+
+        lengths = pyarrow.compute.list_value_length(examples.with_format("arrow")["input_ids"]).to_pylist()
         rows = pack(lengths, self.seq_len) if self.packing else [[i] for i, n in enumerate(lengths) if n]
         tokenizer = tokenizer_of(self.tokenizer or "")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
