@@ -29,7 +29,6 @@ from pipeckpt.app.models.hf_directory import (
     read_json,
     refuse_code,
 )
-from pipeckpt.app.throughput import model_flops_per_token
 
 __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
 
@@ -236,7 +235,9 @@ class HFCausalLM(L.LightningModule):
             )
             if self.directory is not None:
                 model = pipeckpt.pretrained(model, self.directory, ignore=self.ignore_keys)
-        self.flops_per_token = model_flops_per_token(model)  # the whole model, before any stage is cut
+        # 6 x the non-embedding parameters as transformers counts them (a token's forward and backward),
+        # of the whole model before any stage is cut; for the MFU (app/throughput.py)
+        self.flops_per_token = 6 * int(model.num_parameters(exclude_embeddings=True))
         self.model = model
 
     def configure_pipeline(self) -> nn.Module:
