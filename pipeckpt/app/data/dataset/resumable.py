@@ -62,6 +62,7 @@ class ResumableLoader(DataLoader):
         sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed)
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
         self.drawn = 0  # batches drawn this pass, counting those skipped on resume
+        self.drawn_epoch: Optional[int] = None  # the epoch of that pass (None: no pass begun)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
@@ -71,16 +72,24 @@ class ResumableLoader(DataLoader):
         first = True
         for batch in batches:
             if first:  # the sampler's pass starts with the first batch: now its skip is known
-                self.drawn = sampler.started_at // self.batch_size
+                self.drawn, self.drawn_epoch = sampler.started_at // self.batch_size, sampler.epoch
                 first = False
             self.drawn += 1
             yield batch
 
     def state_dict(self) -> Dict[str, int]:
-        """Where the loader stands: the order (seed, epoch) and the batches drawn from it."""
+        """Where the loader stands: the order (seed, epoch) and the batches of that epoch drawn.
+
+        Between two passes the sampler already holds the next epoch (Lightning sets it when the epoch
+        starts) while ``drawn`` still counts the last pass: that epoch has none drawn yet. A loaded
+        state whose pass has not begun is still where it said."""
         sampler = self.sampler
-        assert isinstance(sampler, ResumableSampler)
-        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": self.drawn}
+        assert isinstance(sampler, ResumableSampler) and self.batch_size is not None
+        if sampler.resume is not None and sampler.resume["epoch"] == sampler.epoch:
+            batches = sampler.resume["skip"] // self.batch_size
+        else:
+            batches = self.drawn if self.drawn_epoch == sampler.epoch else 0
+        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches": batches}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Makes the next pass over ``state``'s epoch start after its drawn batches."""
