@@ -72,12 +72,19 @@ class _Codec:
 
 
 def greedy_sample(
-    model: Any, prompt: str, tokenizer: Any, source: str, new_tokens: int = NEW_TOKENS
+    model: Any,
+    prompt: str,
+    tokenizer: Any,
+    source: str,
+    new_tokens: int = NEW_TOKENS,
+    prompt_ids: Optional[List[int]] = None,
 ) -> Sample:
     """``model``'s greedy continuation of ``prompt`` by up to ``new_tokens`` tokens (``generate`` with
-    ``do_sample=False``, one beam), in eval mode and without gradients; the model's mode is restored."""
+    ``do_sample=False``, one beam), in eval mode and without gradients; the model's mode is restored.
+    ``prompt_ids``: the prompt as the data encodes it (a chat: a user turn and the generation prompt),
+    else its tokens without special tokens."""
     codec = _Codec(tokenizer)
-    ids = codec.encode(prompt)
+    ids = prompt_ids if prompt_ids is not None else codec.encode(prompt)
     device = next(model.parameters()).device
     inputs = torch.tensor([ids], dtype=torch.long, device=device)
     was_training = model.training
@@ -126,8 +133,10 @@ def sample_after_training(
     if model is None or not callable(getattr(model, "generate", None)):
         return "sample: none (data.sample_prompt is continued by a Hugging Face model: model=hf)"
     tokenizer = getattr(datamodule, "tokenizer", None)
+    as_data = getattr(datamodule, "prompt_ids", None)  # data=dataset: rendered as its rows are
+    ids = as_data(prompt) if callable(as_data) else None
     if _whole_here(trainer, model):
-        sample = greedy_sample(model, prompt, tokenizer, "the trained model")
+        sample = greedy_sample(model, prompt, tokenizer, "the trained model", prompt_ids=ids)
     elif export_dir is not None and (export_dir / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -138,7 +147,7 @@ def sample_after_training(
             trust_remote_code=bool(getattr(module, "trust_remote_code", False)),
         )
         exported.to(trainer.strategy.root_device)
-        sample = greedy_sample(exported, prompt, tokenizer, f"the export {export_dir}")
+        sample = greedy_sample(exported, prompt, tokenizer, f"the export {export_dir}", prompt_ids=ids)
     else:
         return (
             "sample: none (the model's stages lie on several processes or devices, and the sample does "

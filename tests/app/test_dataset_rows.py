@@ -220,3 +220,9 @@ def test_a_second_setup_reads_the_tokenized_rows_from_the_cache(tiny, tmp_path, 
     again = module(path, tiny)
     assert sorted(datasets_cache.rglob("*.arrow")) == cached
     assert len(again.train_set) + len(again.val_set) == 40
+
+
+def test_a_chats_sample_prompt_is_a_user_turn_and_the_generation_prompt(tiny, tmp_path):
+    data = module(write_rows(tmp_path / "chat.jsonl", chats(40)), tiny)
+    ids = data.prompt_ids("what sat on the mat")
+    assert decoded(tiny, ids) == "<|im_start|>user\nwhat sat on the mat<|im_end|>\n<|im_start|>assistant\n"

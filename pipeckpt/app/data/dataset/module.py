@@ -201,6 +201,20 @@ class DatasetDataModule(L.LightningDataModule):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return Rows(examples, rows, seq_len=self.seq_len, pad_id=pad or 0, packed=self.packing)
 
+    def prompt_ids(self, prompt: str) -> List[int]:
+        """``prompt`` as this data's rows begin: a chat's (or a templated pair's) user turn followed by
+        the template's generation prompt, else its tokens as a row's (the tokenizer's start token
+        included); what the app's sample after training continues."""
+        rendering = self._rendering()
+        tokenizer = tokenizer_of(rendering.tokenizer)
+        if rendering.template is None:
+            return list(tokenizer(prompt)["input_ids"])
+        chat = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(
+            chat, chat_template=rendering.template, tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _check_packing(self) -> None:
         module = self.trainer.lightning_module if self.trainer is not None else None
         config = getattr(module, "hf_config", None)
