@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -632,3 +632,36 @@ def test_output_collector_is_the_dict_of_lists_transformers_hooks_append_recorde
     token = collector.set({"router_logits": []})
     collector.reset(token)
     assert collector.get() is None
+
+
+def test_validates_after_this_step_tells_the_steps_a_validation_follows(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.said: list[int] = []
+            self.validated: list[int] = []
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if _compat.validates_after_this_step(trainer):
+                self.said.append(trainer.global_step)
+
+        def on_validation_start(self, trainer, *args) -> None:
+            self.validated.append(trainer.global_step)
+
+    record = Record()
+    trainer = Trainer(
+        max_steps=7,
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        limit_train_batches=20,
+    )
+    trainer.fit(BoringModel())
+    assert record.said == record.validated == [3, 6]

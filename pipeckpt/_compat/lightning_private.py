@@ -75,6 +75,13 @@ def set_saved_step(callback: Any, step: int) -> None:
     callback._last_global_step_saved = step
 
 
+def validates_after_this_step(trainer: Any) -> bool:
+    """Whether the fit validates once this training step's hooks are done (Lightning asks its private
+    ``_should_check_val_fx`` then, and runs the loop only when validation is enabled)."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(trainer.enable_validation and loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
 def last_checkpoint_path(callback: Any, trainer: Any) -> str:
     """The path a ``save_last`` ModelCheckpoint gives this run's last checkpoint now: the one it
     wrote (``last_model_path``), else ``last.ckpt`` under its template (``CHECKPOINT_NAME_LAST``),
@@ -159,4 +166,5 @@ __all__ = [
     "sigterm_broadcast",
     "sync_ddp_if_available",
     "unwrap_optimizer",
+    "validates_after_this_step",
 ]

@@ -4,17 +4,20 @@ Why: ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` only when it saves
 validation, every ``every_n_train_steps``), so a run of 53 steps validated every 50 ends with
 ``last.ckpt`` at step 50 and its last 3 steps in no checkpoint. This callback writes it once more
 when training ends, if the final step is not in it yet, through the strategy (atomic, sharded
-under the distributed engine). Under the name the ModelCheckpoint gave this run: ``last-v1.ckpt``
+under the distributed engine). When ``max_steps`` ends the run, it is written at the end of that
+step, unless a validation follows it (after which ModelCheckpoint saves it): by the end of training
+Lightning has counted the epoch complete, so a checkpoint written then would resume at the next
+epoch and skip the rest of this one. Under the name the ModelCheckpoint gave this run: ``last-v1.ckpt``
 when another run's ``last.ckpt`` is in the directory, which this run must not overwrite; and a run
 that starts while another trains in the same directory is refused (:mod:`pipeckpt.state.run_lock`).
 """
 
-from typing import List
+from typing import Any, List
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from pipeckpt._compat import last_checkpoint_path, saved_step, set_saved_step
+from pipeckpt._compat import last_checkpoint_path, saved_step, set_saved_step, validates_after_this_step
 from pipeckpt.state.run_lock import RunLock
 
 __all__ = ["FinalCheckpoint", "save_final"]
@@ -47,6 +50,13 @@ class FinalCheckpoint(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._lock.claim(trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        last_step = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        if last_step and not validates_after_this_step(trainer):
+            save_final(trainer)  # the epoch still in progress, as the data's position is
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         save_final(trainer)

@@ -3,8 +3,8 @@ training loader (pipeckpt/app/data/dataset/resumable.py) saves its position (the
 epoch, the batches drawn) in the checkpoint, the same on every data-parallel replica, and a resumed
 run trains on exactly the batches an uninterrupted one trains on, to the same parameters, without
 Lightning's "dataloader is not resumable" warning, under the local engine and under the distributed
-one with 2 stages x 2 replicas. Not yet: a run that ``max_steps`` stops between two checkpoints
-(its last.ckpt is written after Lightning counted the epoch complete; the strict xfail below).
+one with 2 stages x 2 replicas, and when ``max_steps`` stops the first run between two checkpoints
+(its last.ckpt written at the end of the final step, before Lightning counts the epoch complete).
 
 What Lightning does to the loader (lightning/pytorch/trainer/connectors/data_connector.py): it
 rebuilds a training loader (``_update_dataloader``: the loader's class re-instantiated around a
@@ -340,12 +340,6 @@ def test_the_local_engine_resumes_mid_epoch_with_the_next_unseen_batch(tmp_path,
     check_resumed(whole_local, tmp_path, output, replica_of=[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a run that max_steps stops mid-epoch between two validations ends with last.ckpt written "
-    "by FinalCheckpoint at on_train_end, after Lightning counted the epoch complete: the resumed run "
-    "starts epoch 1 and never trains the rest of epoch 0 (pipeckpt/state/final_checkpoint.py)",
-)
 def test_a_run_stopped_by_max_steps_between_checkpoints_resumes_mid_epoch(tmp_path, whole_local, tiny, rows):
     output = interrupted_and_resumed(tmp_path, tiny, rows, "strategy.engine=local", stop_at=4, processes=1)
     check_resumed(whole_local, tmp_path, output, replica_of=[0], stop_at=4)
