@@ -44,7 +44,7 @@ def final_parameters(out: Path) -> Dict[str, torch.Tensor]:
 def test_a_chat_jsonl_trains_with_the_chatml_template(tmp_path, tiny):
     path = write_rows(tmp_path / "chat.jsonl", chats(200))
     out = run(tmp_path / "run", tiny, f"data.path={path}", "data.format=chat", "data.chat_template=chatml")
-    assert "4 steps in" in out.splitlines()[-1]
+    assert "4 steps in" in out.splitlines()[-1] and " tokens/s (" in out.splitlines()[-1]
 
 
 def test_a_prompt_response_jsonl_trains(tmp_path, tiny):

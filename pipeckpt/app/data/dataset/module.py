@@ -76,7 +76,8 @@ class DatasetDataModule(L.LightningDataModule):
         val_path: the validation rows' own file or directory.
         seed: the split's and the training order's seed.
         num_workers: the loaders' worker processes.
-        num_proc: processes tokenizing; None: one a CPU core for 10,000 rows or more, else one.
+        num_proc: processes tokenizing; None: for 10,000 rows or more, one a CPU core of this training
+            process's share of the host, else one.
         sample_prompt: a text whose greedy continuation the app prints after training.
     """
 
@@ -165,7 +166,7 @@ class DatasetDataModule(L.LightningDataModule):
                     f"set data.{setting}_field to the column holding the {setting}",
                 )
             table = table.select_columns(list(self.fields.values()))
-            procs = self.num_proc or ((os.cpu_count() or 1) if len(table) >= 10_000 else 1)
+            procs = self.num_proc or (self._cores_per_process() if len(table) >= 10_000 else 1)
             examples = table.map(
                 render_row,
                 fn_kwargs={"rendering": rendering},
@@ -191,6 +192,13 @@ class DatasetDataModule(L.LightningDataModule):
                 dropped = set(long)
                 examples = examples.select([i for i in range(len(lengths)) if i not in dropped])
         return examples
+
+    def _cores_per_process(self) -> int:
+        """This process's share of the host's cores: every training process on a host tokenizes (into
+        the one cache), and a pool of workers a process, each as large as the host, would oversubscribe
+        it (the trainer's devices: its processes on this host)."""
+        processes = self.trainer.num_devices if self.trainer is not None else 1
+        return max(1, (os.cpu_count() or 1) // max(1, processes))
 
     def _rows(self, examples: Any) -> Rows:
         import pyarrow.compute  # datasets' own dependency
