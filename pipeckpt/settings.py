@@ -17,7 +17,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.compiling import check_compile
 from pipeckpt.checkpointing.layer_rng import LAYER_RNG, check_layer_rng
 from pipeckpt.checkpointing.modes import CheckpointMode, parse_modes
-from pipeckpt.sizes import OPTIMIZERS, parse_bytes
+from pipeckpt.settings_memory import MEMORY_SEARCH, check_memory_settings
 
 __all__ = [
     "PipeSettings",
@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 BALANCE_BY = ("params", "time", "memory")
-MEMORY_SEARCH = ("modes", "chunks", "balance")
 
 #: The checkpoint setting, parsed: ``"auto"`` or the modes as given (one for every stage, or one each).
 Modes = Union[str, Tuple[CheckpointMode, ...]]
@@ -191,7 +190,10 @@ class PipeSettings:
         check_layer_rng(self.layer_rng)
         object.__setattr__(self, "_modes", _parse_checkpoint(self))
         check_compile(self.compile, self.modes)
-        _check_memory_settings(self)
+        search = check_memory_settings(
+            self.checkpoint, self.memory_budget, self.memory_search, self.memory_optimizer
+        )
+        object.__setattr__(self, "memory_search", search)
         if self.balance is not None:
             object.__setattr__(self, "balance", [int(b) for b in self.balance])
         if self.placement is not None:
@@ -362,39 +364,3 @@ def _check_int_list(name: str, value: Optional[Sequence[Any]], *, minimum: int, 
     ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value)
     if not ok:
         raise config_error(f"{name}={value!r}", f"must be a non-empty list of integers >= {minimum}", hint)
-
-
-def _check_memory_settings(s: PipeSettings) -> None:
-    """``checkpoint='auto'`` and the ``memory_*`` settings that drive it."""
-    if s.checkpoint == "auto" and s.memory_budget is None:
-        raise config_error(
-            "checkpoint='auto' without memory_budget",
-            "auto chooses each stage's mode to fit a memory budget, so it needs one",
-            "set memory_budget (bytes per device, e.g. '20GiB'; memory.budget=20GiB in the configs)",
-        )
-    if s.checkpoint != "auto" and s.memory_budget is not None:
-        raise config_error(
-            f"memory_budget={s.memory_budget!r} with checkpoint={s.checkpoint!r}",
-            "the budget is what checkpoint='auto' plans to; with modes given, nothing uses it",
-            "set checkpoint='auto' (ckpt=auto in the configs), or drop memory_budget",
-        )
-    if s.memory_budget is not None:
-        parse_bytes(s.memory_budget, "memory_budget")
-    search = s.memory_search
-    if search is not None:
-        if isinstance(search, str) or not isinstance(search, (list, tuple)) or not search:
-            search = [search]
-        bad = [v for v in search if v not in MEMORY_SEARCH]
-        if bad or "modes" not in search:
-            raise config_error(
-                f"memory_search={s.memory_search!r}",
-                f"is a list of {list(MEMORY_SEARCH)} that includes modes",
-                "e.g. memory_search=['modes', 'chunks'] (memory.search=[modes,chunks] in the configs)",
-            )
-        object.__setattr__(s, "memory_search", list(search))
-    if s.memory_optimizer is not None and s.memory_optimizer not in OPTIMIZERS:
-        raise config_error(
-            f"memory_optimizer={s.memory_optimizer!r}",
-            f"the memory model counts the state of {list(OPTIMIZERS)}",
-            "name the optimizer your configure_optimizers returns (adamw for the bundled models)",
-        )
