@@ -1,0 +1,174 @@
+"""Whether a layout fits its devices, and with which checkpoint modes: the search's memory function.
+
+Why a function of its own: the search asks it of thousands of layouts, so it answers in two steps
+of rising cost. :meth:`Memory.state_bytes` reads parameter shapes only (one rank's share of the
+parameters, gradients and optimizer state, :func:`pipeckpt.memory.sharding.rank_state`): a layout
+whose state alone exceeds the device is gone before anything is profiled. :meth:`Memory.fit` then
+profiles one micro-batch, once per distinct tensor-parallel share and micro-batch size (every layout
+with that shape reuses it), and lets :func:`pipeckpt.memory.auto.choose` pick each stage's mode
+under the device's memory with the per-rank states of :func:`~pipeckpt.memory.sharding.stage_rank_states`;
+layouts that differ only in their data-parallel replicas share one answer.
+
+A looped schedule's rank holds ``virtual_stages`` stages: each is planned as a stage of a 1F1B
+pipeline of ``pp x virtual_stages`` stages (GPipe's for looped BFS) within an equal share of the
+device, and the rank's peak is the sum of its stages' peaks, an upper bound (docs/LAYOUT.md).
+"""
+
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from pipeckpt.engines.distributed.schedules import lookup
+from pipeckpt.layout.candidates import Candidate
+from pipeckpt.memory.auto import DEFAULT_MODES, choose
+from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.profile import ModelProfile
+from pipeckpt.memory.sharding import Layout, stage_rank_states
+from pipeckpt.stages.partition import min_max_partition
+
+__all__ = ["Fitted", "Shapes", "Memory", "memory_schedule", "balance_of"]
+
+#: The model's layers as one tensor-parallel rank computes them, and the plan that splits them
+#: (empty: already one rank's share), by tensor-parallel degree.
+LayersOf = Callable[[int], Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]]
+#: One micro-batch's profile, by tensor-parallel degree and micro-batch size (samples).
+ProfileOf = Callable[[int, int], ModelProfile]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the memory function reads of a model: its layers and profiles, by tensor-parallel degree."""
+
+    layers: LayersOf
+    profile: ProfileOf
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A layout that fits: its modes chosen, the stages' balance, each pipeline rank's predicted peak."""
+
+    candidate: Candidate
+    balance: Tuple[int, ...]
+    peaks: Tuple[int, ...]  # bytes, one per pipeline rank
+    prediction: Prediction  # the memory model's, per stage (times from the profile)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)
+
+
+def memory_schedule(schedule: str) -> str:
+    """The schedule the memory model predicts for ``schedule``'s stages: its own for GPipe and 1F1B;
+    GPipe's for looped BFS (all forwards first), 1F1B's for the other looped ones."""
+    kind = lookup(schedule)
+    if kind.cls.__name__ in ("ScheduleGPipe", "ScheduleLoopedBFS"):
+        return "gpipe"
+    return "1f1b"
+
+
+def balance_of(sequential: nn.Sequential, stages: int) -> Tuple[int, ...]:
+    """The engine's default balance (``balance_by='params'``): layers per stage by parameter count."""
+    costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in sequential]
+    return min_max_partition(costs, stages)
+
+
+class Memory:
+    """The search's memory function for one model on one kind of device.
+
+    Args:
+        shapes: the model's layers and profiles.
+        device_bytes: one device's memory.
+        global_batch: samples per optimizer step, over every replica.
+        precision: Lightning's precision name (compute and master dtypes).
+        optimizer: whose state to count.
+        modes: the checkpoint modes ``choose`` may give a stage.
+    """
+
+    def __init__(
+        self,
+        shapes: Shapes,
+        *,
+        device_bytes: int,
+        global_batch: int,
+        precision: str = "32-true",
+        optimizer: Union[str, torch.optim.Optimizer, type] = "adamw",
+        modes: Sequence[object] = DEFAULT_MODES,
+    ) -> None:
+        self.shapes, self.device_bytes, self.global_batch = shapes, device_bytes, global_batch
+        self.precision, self.optimizer, self.modes = precision, optimizer, list(modes)
+        self._built: Dict[int, Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]] = {}
+        self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
+        self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
+
+    def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
+        if tp not in self._built:
+            self._built[tp] = self.shapes.layers(tp)
+        return self._built[tp]
+
+    def layout(self, c: Candidate) -> Layout:
+        """How ``c`` spreads a stage's parameters over ranks, as the memory model reads it."""
+        _, plan = self._layers(c.tp)
+        return Layout(fsdp=c.dp_shard, tp=c.tp, precision=self.precision, tp_plan=plan)
+
+    def state_bytes(self, c: Candidate) -> int:
+        """The largest pipeline rank's share of parameters, gradients and optimizer state under ``c``
+        (parameters outside the layers not counted: a lower bound, safe to prune by)."""
+        sequential, _ = self._layers(c.tp)
+        balance = balance_of(sequential, c.stages)
+        states = stage_rank_states(sequential, self.layout(c), self.optimizer)(balance)  # type: ignore[arg-type]
+        kind = lookup(c.schedule)
+        per_rank = []
+        for r in range(c.pp):
+            held = [states[j][0] for j in kind.stages_of(r, c.pp, c.stages)]
+            per_rank.append(sum(s.params + s.grads + s.optimizer for s in held))
+        return max(per_rank)
+
+    def profile(self, tp: int, microbatch: int) -> ModelProfile:
+        """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once."""
+        key = (tp, microbatch)
+        if key not in self._profiles:
+            self._profiles[key] = self.shapes.profile(tp, microbatch)
+        return self._profiles[key]
+
+    @property
+    def profiled(self) -> List[Tuple[int, int]]:
+        """The ``(tp, micro-batch size)`` shapes profiled so far."""
+        return list(self._profiles)
+
+    def fit(self, c: Candidate) -> Fitted:
+        """``c`` with each stage's mode chosen under the device's memory, and each rank's peak.
+        Raises :class:`~pipeckpt.PipeckptConfigError` (choose's, naming the smallest budget that
+        would fit) where no modes do."""
+        sequential, _ = self._layers(c.tp)
+        microbatch = self.global_batch // c.dp // c.chunks
+        schedule = memory_schedule(c.schedule)
+        budget = self.device_bytes // c.virtual_stages
+        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget)
+        if key not in self._answers:
+            fitted = self.profile(c.tp, microbatch)
+            states = stage_rank_states(
+                sequential,
+                self.layout(c),
+                self.optimizer,  # type: ignore[arg-type]
+                fitted.outside_params,
+            )
+            choice = choose(
+                fitted,
+                budget,
+                balance=balance_of(sequential, c.stages),
+                chunks=c.chunks,
+                optimizer=self.optimizer,
+                schedule=schedule,
+                modes=self.modes,  # type: ignore[arg-type]
+                rank_states=states,
+            )
+            names = tuple(m.name for m in choice.modes)
+            self._answers[key] = (names, choice.balance, choice.prediction)
+        names, balance, prediction = self._answers[key]
+        kind = lookup(c.schedule)
+        peaks = tuple(
+            sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
+        )
+        return Fitted(replace(c, modes=names), balance, peaks, prediction)

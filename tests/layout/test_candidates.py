@@ -1,0 +1,114 @@
+"""The layouts the search enumerates: the engine's own rules, counted exactly."""
+
+import pytest
+
+from pipeckpt import PipeckptConfigError
+from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
+from pipeckpt.engines.distributed.topology import resolve
+from pipeckpt.layout.candidates import (
+    SCHEDULES,
+    Candidate,
+    Model,
+    candidates,
+    chunk_counts,
+    degrees,
+    virtual_stage_counts,
+)
+from pipeckpt.settings import PipeSettings
+
+
+def test_the_seven_schedules_are_the_engines_proven_ones() -> None:
+    proven = {
+        "ScheduleGPipe",
+        "Schedule1F1B",
+        "ScheduleInterleaved1F1B",
+        "ScheduleLoopedBFS",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleDualPipeV",
+    }
+    assert {lookup(s).cls.__name__ for s in SCHEDULES} == proven
+
+
+def test_degrees_multiply_to_the_world() -> None:
+    found = list(degrees(8, Model(layers=8, heads=8, tensor_parallel=True)))
+    assert all(pp * tp * r * s == 8 for pp, tp, r, s in found)
+    assert len(found) == len(set(found))
+
+
+def test_degrees_of_a_world_of_four_without_tensor_parallelism() -> None:
+    found = sorted(degrees(4, Model(layers=6, heads=4, tensor_parallel=False)))
+    # pp 1: dp 4 as (4, 1), (2, 2), (1, 4); pp 2: dp 2 as (2, 1), (1, 2); pp 4: (1, 1)
+    assert found == [(1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 4, 1), (2, 1, 1, 2), (2, 1, 2, 1), (4, 1, 1, 1)]
+
+
+def test_tensor_parallel_degree_divides_heads_and_kv_heads() -> None:
+    tps = {tp for _, tp, _, _ in degrees(16, Model(layers=32, heads=32, kv_heads=2, tensor_parallel=True))}
+    assert tps == {1, 2}
+
+
+def test_pipeline_degree_never_exceeds_the_layers() -> None:
+    pps = {pp for pp, _, _, _ in degrees(8, Model(layers=3))}
+    assert pps == {1, 2}
+
+
+def test_virtual_stages_per_schedule() -> None:
+    assert virtual_stage_counts("1f1b", 2, 8) == [1]
+    assert virtual_stage_counts("zbv_zero_bubble", 2, 8) == [2]
+    assert virtual_stage_counts("interleaved_1f1b", 2, 8) == [2, 3, 4]
+    assert virtual_stage_counts("interleaved_1f1b", 2, 5) == [2]
+    assert virtual_stage_counts("interleaved_1f1b", 1, 8) == []
+
+
+def test_chunks_divide_the_replica_batch_and_meet_the_schedules_rule() -> None:
+    assert chunk_counts("gpipe", pp=4, virtual_stages=1, replica_batch=12) == [1, 2, 3, 4, 6, 12]
+    assert chunk_counts("1f1b", pp=4, virtual_stages=1, replica_batch=12) == [4, 6, 12]
+    # DualPipeV needs a micro-batch per stage: 2 x pp stages
+    assert chunk_counts("dual_pipe_v", pp=2, virtual_stages=2, replica_batch=8) == [4, 8]
+
+
+def test_every_candidate_is_a_topology_the_engine_resolves() -> None:
+    found = candidates(4, Model(layers=6, heads=4), global_batch=16)
+    assert len(found) > 20
+    for c in found:
+        s = PipeSettings(**c.settings())
+        topology = resolve(
+            world=4,
+            stages=s.stages,
+            virtual_stages=c.virtual_stages,
+            dp=s.dp,
+            chunks=c.chunks,
+            kind=lookup(c.schedule),
+            tp=c.tp,
+            dp_shard=s.dp_shard,
+        )
+        assert (topology.pp, topology.dp, topology.stages) == (c.pp, c.dp, c.stages)
+        assert microbatch_rule(lookup(c.schedule), c.chunks, c.pp, c.stages) is None
+
+
+def test_a_single_rank_pipeline_is_listed_under_gpipe_only() -> None:
+    found = candidates(2, Model(layers=4), global_batch=4)
+    assert {c.schedule for c in found if c.pp == 1} == {"gpipe"}
+
+
+def test_data_parallel_degree_divides_the_global_batch() -> None:
+    found = candidates(4, Model(layers=4), global_batch=2)
+    assert {c.dp for c in found} == {1, 2}
+
+
+def test_settings_of_a_hybrid_sharded_tensor_parallel_layout() -> None:
+    c = Candidate(pp=2, tp=2, dp_replicate=2, dp_shard=2, schedule="1f1b", virtual_stages=1, chunks=4)
+    s = c.settings()
+    assert (s["dp"], s["dp_shard"], s["data_parallel"], s["tensor_parallel"], s["stages"]) == (
+        4,
+        2,
+        "fsdp",
+        2,
+        2,
+    )
+    assert c.world == 16
+
+
+def test_an_unknown_schedule_is_refused_by_name() -> None:
+    with pytest.raises(PipeckptConfigError, match="schedule='zigzag'"):
+        candidates(2, Model(layers=4), global_batch=4, schedules=["zigzag"])
