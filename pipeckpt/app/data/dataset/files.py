@@ -117,7 +117,14 @@ def load_tables(files: DataFiles) -> List[Tuple[Path, Any]]:
     """Each file of ``files`` with its rows as a ``datasets.Dataset``, read once and cached by
     ``datasets``. One table a file: its rows are named in it, and files whose other columns differ
     (one file's row carrying a column the others lack) still read."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise config_error(
+            "data=dataset",
+            "it reads files with the datasets library, which is not installed",
+            'pip install "pipeckpt[hf]" (or pip install datasets)',
+        ) from None
 
     _check_bytes(files)
     tables = []
