@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Tuple
 import torch
 
 from pipeckpt._errors import config_error
+from pipeckpt.weights.hub import local_directory
 
 __all__ = ["as_config", "copy_source_files", "origin_of", "read_config", "recorded", "source_dtype"]
 
@@ -143,16 +144,10 @@ def recorded(hyper_parameters: Any) -> Optional[Tuple[str, Any]]:
 
 def _local(path: str) -> Optional[Path]:
     """The directory holding config.json that ``path`` names: itself, or the snapshot of a Hub id
-    in huggingface_hub's local cache (never downloaded); None where there is none."""
-    if (Path(path).expanduser() / "config.json").is_file():
-        return Path(path).expanduser()
-    try:
-        from huggingface_hub import snapshot_download
-
-        cached = Path(snapshot_download(path, local_files_only=True))
-    except Exception:  # not a Hub id, or not in the cache: huggingface_hub says so in many ways
-        return None
-    return cached if (cached / "config.json").is_file() else None
+    in huggingface_hub's local cache (never downloaded: :mod:`pipeckpt.weights.hub`); None where
+    there is none."""
+    found = local_directory(path)
+    return found if (found / "config.json").is_file() else None
 
 
 def source_dtype(origin: Optional[Path]) -> Optional[torch.dtype]:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from pipeckpt._compat import local_extent, own_tensor, own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.weights.adapters import init_adapters
+from pipeckpt.weights.hub import absent, local_directory
 from pipeckpt.weights.listing import Listing, list_checkpoint
 from pipeckpt.weights.matching import candidates, check
 
@@ -43,6 +44,10 @@ MISSING = ("error", "init")
 _marks: "weakref.WeakKeyDictionary[nn.Module, Pretrained]" = weakref.WeakKeyDictionary()
 _later: Set[int] = set()  # ids of the meta tensors whose reads wait for their sharded layout
 Slot = Tuple[nn.Module, str, bool]  # (owner, attribute, is a parameter)
+_ABSENT_HINT = (
+    "pass the directory save_pretrained wrote, or a Hub id after downloading it (huggingface-cli "
+    "download org/name, or huggingface_hub.snapshot_download)"
+)
 
 
 def pretrained(module: M, path: Union[str, Path], *, missing: str = "error", ignore: Sequence[str] = ()) -> M:
@@ -53,9 +58,11 @@ def pretrained(module: M, path: Union[str, Path], *, missing: str = "error", ign
     Args:
         module: the model, e.g. ``AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))``.
         path: a Hugging Face directory (``model.safetensors.index.json`` and its shards, or
-            ``model.safetensors``), a ``.safetensors`` file, or a file ``torch.save`` wrote a state
-            dict to. Keys are ``module``'s own (``state_dict()``); a Hugging Face checkpoint saved
-            with or without the model's ``base_model_prefix`` fits either way, as in ``from_pretrained``.
+            ``model.safetensors``), a Hub id (``org/name``) whose snapshot is in huggingface_hub's
+            local cache (never downloaded: :mod:`pipeckpt.weights.hub`), a ``.safetensors`` file, or
+            a file ``torch.save`` wrote a state dict to. Keys are ``module``'s own (``state_dict()``);
+            a Hugging Face checkpoint saved with or without the model's ``base_model_prefix`` fits
+            either way, as in ``from_pretrained``.
             A directory's files are read only from inside it, or from its Hub repository folder for
             a snapshot of huggingface_hub's cache (:mod:`pipeckpt.weights.confinement`).
         missing: ``"error"``: a parameter or saved buffer the checkpoint lacks is an error naming
@@ -80,7 +87,10 @@ def pretrained(module: M, path: Union[str, Path], *, missing: str = "error", ign
             "build it in configure_model under the pipe strategy (or under "
             "trainer.init_module(empty_init=True)), or load it eagerly with from_pretrained",
         )
-    source = Pretrained(Path(path), missing)
+    found = local_directory(path)
+    if not found.exists():
+        raise config_error(f"pretrained(path={str(path)!r})", absent(), _ABSENT_HINT)
+    source = Pretrained(found, missing)
     patterns = [ignore] if isinstance(ignore, str) else list(ignore)  # one pattern is not its letters
     check(module, source.listing(), source.path, missing=missing, ignore=patterns)
     _marks[module] = source

@@ -7,11 +7,11 @@ tokenizers library), imports the Python files a config's ``auto_map`` names when
 asks on a terminal when not told), and follows any symbolic link. Here every file it will read is
 confined to the directory (or its Hub repository folder: :mod:`pipeckpt.weights.confinement`), every
 JSON one parsed, and code refused unless ``model.trust_remote_code`` is set, each refusal naming the
-file; a Hub id is looked up in huggingface_hub's local cache only, never downloaded.
+file; a Hub id is looked up in huggingface_hub's local cache only, never downloaded
+(:mod:`pipeckpt.weights.hub`, shared with :func:`pipeckpt.pretrained`).
 """
 
 import json
-import re
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -20,6 +20,7 @@ import torch
 from pipeckpt._errors import config_error
 from pipeckpt.app.data.hf_text import has_tokenizer, token_range
 from pipeckpt.weights.confinement import within
+from pipeckpt.weights.hub import local_directory
 from pipeckpt.weights.listing import list_checkpoint
 from pipeckpt.weights.matching import check
 
@@ -46,25 +47,7 @@ _TOKENIZER = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 _REWRITE = "write the directory again with save_pretrained, or restore the file from where it came"
-
-
-def local_directory(value: str) -> Path:
-    """The directory ``value`` names: itself when it exists, else the snapshot of the Hub id
-    ``value`` (``org/name``) in huggingface_hub's local cache (``HF_HUB_CACHE``), never downloaded;
-    ``value`` as given when neither (its refusal names it)."""
-    given = Path(value).expanduser()
-    if given.exists() or not _HUB_ID.fullmatch(value):
-        return given
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return given
-    try:
-        return Path(snapshot_download(value, local_files_only=True))
-    except (OSError, ValueError):  # not in the cache (LocalEntryNotFoundError), or not a Hub id
-        return given
 
 
 def checked_files(directory: Path, setting: str, names: Tuple[str, ...] = _CONFIG + _TOKENIZER) -> None:
