@@ -94,7 +94,9 @@ def _check_model(cfg: DictConfig) -> None:
     model = cfg.get("model")
     if isinstance(model, DictConfig) and str(model.get("_target_", "")).endswith(".HFCausalLM"):
         from pipeckpt.app.models.hf import check_tokens, checked_config  # transformers, only for model=hf
+        from pipeckpt.app.models.hf_resume import check_resumed_path
 
+        check_resumed_path(model.path, cfg.get("ckpt_path"))  # before the directory is read
         built = checked_config(model.path, model.config, model.seq_len)
         data = cfg.get("data")
         if isinstance(data, DictConfig) and "tokenizer" in data:

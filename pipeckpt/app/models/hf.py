@@ -29,6 +29,7 @@ from pipeckpt.app.models.hf_directory import (
     read_json,
     refuse_code,
 )
+from pipeckpt.app.models.hf_resume import PATH_HPARAM
 
 __all__ = ["HFCausalLM", "hf_config", "checked_config", "check_tokens", "decoder_layers"]
 
@@ -205,7 +206,7 @@ class HFCausalLM(L.LightningModule):
         super().__init__()
         # ``path`` is the data's corpus to Lightning, which refuses two values of one hparam.
         self.save_hyperparameters(ignore=["path"])
-        self.hparams["pretrained_path"] = path
+        self.hparams[PATH_HPARAM] = path
         self.path, self.layers, self.lr, self.weight_decay = path, layers, lr, weight_decay
         self.trust_remote_code, self.ignore_keys = trust_remote_code, [str(k) for k in ignore_keys]
         self.hparams["ignore_keys"] = self.ignore_keys  # plain strings: Hydra's list is no checkpoint data
