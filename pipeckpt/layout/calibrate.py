@@ -1,0 +1,156 @@
+"""``cluster=local``: this machine described by a short measurement, cached per host and torch version.
+
+Why measured: a CPU's matmul rate, its memory bandwidth and gloo's cost between two local processes
+have no datasheet, and a shared machine's figures are its own. The measurement takes a few seconds
+(one torch thread, as the app runs each process: ``threads: 1`` in conf/train.yaml), so it is made
+once and kept in the user's cache directory; delete the file to measure again.
+"""
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+__all__ = ["cache_file", "measure", "measured"]
+
+_MATMUL = 512  # float32 matmul side: large enough to run at the core's rate, fast enough to repeat
+_BANDWIDTH_BYTES = 8 * 2**20  # all-reduce size for gloo's bandwidth (latency is a 1-element all-reduce)
+
+
+def cache_file() -> Path:
+    """Where the measurement is kept: ``$XDG_CACHE_HOME`` (else ``~/.cache``)/pipeckpt, by host
+    and torch version."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeckpt"
+    host = platform.node() or "host"
+    return root / f"cluster-local-{host}-torch{torch.__version__}.json"
+
+
+def measured() -> Dict[str, Any]:
+    """The machine's figures (:func:`measure`'s), from the cache file when it holds them, else
+    measured now and written there."""
+    path = cache_file()
+    try:
+        m: Dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        m = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(m, indent=1))
+    m["file"] = str(path)
+    return m
+
+
+def measure() -> Dict[str, Any]:
+    """The machine's figures: float32 matmul FLOP/s on one thread, memory copy bandwidth, and gloo
+    all-reduce bandwidth and latency between 2 local processes (medians)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flops = _matmul_flops()
+        copy = _copy_bytes_per_s()
+    finally:
+        torch.set_num_threads(threads)
+    latency, bandwidth = _gloo()
+    return {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count() or 1,
+        "memory_bytes": _memory_bytes(),
+        "matmul_flops": flops,
+        "memory_bytes_per_s": copy,
+        "gloo_latency_s": latency,
+        "gloo_bytes_per_s": bandwidth,
+        "torch": torch.__version__,
+    }
+
+
+def _matmul_flops(rounds: int = 7) -> float:
+    a, b = torch.randn(_MATMUL, _MATMUL), torch.randn(_MATMUL, _MATMUL)
+    a @ b  # warm-up
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * _MATMUL**3 / min(times)  # the fastest: the rate the core reaches when not preempted
+
+
+def _copy_bytes_per_s(rounds: int = 5) -> float:
+    src = torch.ones(16 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / min(times)  # read + write
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def _gloo() -> Tuple[float, float]:
+    """Median latency (1-element all-reduce) and bandwidth (a ring all-reduce of 2 moves the whole
+    buffer once each way: seconds = latency + bytes / bandwidth) between 2 spawned processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result: List[float] = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    latency, big = result
+    return latency, _BANDWIDTH_BYTES / max(big - latency, 1e-9)
+
+
+def _worker(rank: int, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        small, big = torch.ones(1), torch.ones(_BANDWIDTH_BYTES // 4)
+        lat = _timed(lambda: dist.all_reduce(small), 30)
+        bw = _timed(lambda: dist.all_reduce(big), 7)
+        if rank == 0:
+            queue.put([lat, bw])
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed(fn: Any, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
