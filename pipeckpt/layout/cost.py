@@ -1,0 +1,344 @@
+"""A layout's predicted step time on a cluster: compute, recompute, the bubble, communication and the
+engine's own cost, from the model's FLOPs and bytes and the cluster's rates.
+
+Why a pure function of numbers: the search prices thousands of layouts, so nothing here touches a
+tensor; the rules it applies are the project's own (the schedules' op orders from
+:mod:`pipeckpt.layout.orders`, which micro-batches ``except_last`` keeps from
+:func:`pipeckpt.checkpointing.order.kept`, the modes from :func:`pipeckpt.checkpointing.modes.parse_mode`,
+the engine's balance by parameters, its mesh in :mod:`pipeckpt.layout.links`). docs/LAYOUT.md,
+"The cost model", states every formula, constant and blind spot.
+"""
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+
+from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import NEVER, CheckpointMode, parse_mode
+from pipeckpt.checkpointing.order import kept
+from pipeckpt.layout.cluster import Cluster
+from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s, send_s
+from pipeckpt.layout.model_costs import ModelCosts, dtype_bytes
+from pipeckpt.layout.orders import RankOp, rank_orders, simulate
+from pipeckpt.stages.partition import min_max_partition
+
+__all__ = ["ENGINE_S_PER_MICROBATCH", "Layout", "StepEstimate", "estimate", "balance"]
+
+#: The distributed engine's own seconds per micro-batch and stage (its forward and backward
+#: together): measured on this project's 2-core machine by benchmarks/bench_layout_engine_cost.py,
+#: 2026-12-02: the fastest rounds of 14 read 1.12 and 1.18 ms, the median 4.1 ms with three other
+#: developers' jobs on the 2 cores (benchmarks/RESULTS_layout.md, "Engine cost per micro-batch").
+#: Host work: on a GPU it overlaps the kernels it launches when they run longer, so there it is an
+#: upper bound.
+ENGINE_S_PER_MICROBATCH = 1.15e-3
+
+#: Elements AdamW's step reads and writes per parameter (torch.optim.AdamW: reads the parameter, its
+#: gradient and two moments, writes the parameter and the moments); the step is memory-bound.
+ADAMW_ELEMENTS_PER_PARAM = 7
+
+
+class Layout(Protocol):
+    """What :func:`estimate` reads of a layout (:class:`pipeckpt.layout.candidates.Candidate`)."""
+
+    @property
+    def pp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def dp_replicate(self) -> int: ...
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def virtual_stages(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def modes(self) -> Tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One optimizer step on the rank that finishes last; the parts add up to ``step_s``."""
+
+    step_s: float
+    compute_s: float  # forward and backward kernels, recompute excluded
+    recompute_s: float  # forwards run again in backward (with their tensor-parallel all-reduces)
+    bubble_s: float  # idle: waiting on other stages (the schedule's fill and drain)
+    comm_s: float  # every collective and send the rank runs, overlapped or not
+    exposed_comm_s: float  # the part of it on the critical path
+    engine_s: float  # the engine's own cost per micro-batch
+    tokens_per_s_per_device: float
+    mfu: float  # model FLOPs (no recompute) per second over the world's peak
+    optimizer_s: float = 0.0  # the optimizer's step (memory-bound)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    forward: float  # compute of one micro-batch's forward (head included on the last stage)
+    backward: float
+    tp: float  # tensor-parallel all-reduces of one forward (and again of one backward)
+    recompute: float  # one recomputed micro-batch
+    host: float  # offload: one direction of the stage input over the host link
+    gather: float  # FSDP's all-gather of the stage's parameters
+    gather_unit: float
+
+
+def balance(model: ModelCosts, stages: int) -> Tuple[int, ...]:
+    """Layers per stage as the engine cuts them by default (``balance_by='params'``: each layer
+    weighs 1 + its parameters, the largest stage made as small as it can be)."""
+    if stages > model.layers:
+        raise config_error(
+            f"{stages} stages", f"cannot exceed the model's {model.layers} layers", "use fewer stages"
+        )
+    return min_max_partition([1 + p for p in model.layer_params], stages)
+
+
+def estimate(
+    candidate: Layout,
+    model: ModelCosts,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: str,
+    reshard_after_forward: bool = False,
+    engine_s_per_microbatch: float = ENGINE_S_PER_MICROBATCH,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> StepEstimate:
+    """The predicted step of ``candidate`` training ``model`` on ``cluster``.
+
+    Args:
+        candidate: degrees, schedule, stages per rank, micro-batches and a mode per stage (empty:
+            ``never``).
+        model: the model's costs (:mod:`pipeckpt.layout.model_costs`).
+        cluster: the cluster (:func:`pipeckpt.layout.cluster.cluster`), as many devices as the layout.
+        global_batch: samples per optimizer step over all replicas.
+        seq_len: tokens per sample.
+        precision: Lightning's precision name (the device's rate and the dtypes moved).
+        reshard_after_forward: FSDP frees gathered parameters after each forward (the engine's
+            default is False: gathered once per step).
+        engine_s_per_microbatch: the engine's own cost of one micro-batch on one stage.
+        stage_layers: layers per stage (default :func:`balance`).
+    """
+    c = candidate
+    stages = c.pp * c.virtual_stages
+    dp = c.dp_replicate * c.dp_shard
+    world = c.pp * c.tp * dp
+    if world != cluster.world:
+        raise config_error(
+            f"layout pp{c.pp} x tp{c.tp} x dp{dp} ({world} devices) on cluster {cluster.name!r}",
+            f"the layout must use the cluster's {cluster.world} devices",
+            "cut the cluster to the layout's devices (cluster(..., devices=N)) or change the degrees",
+        )
+    if global_batch % (dp * c.chunks):
+        raise config_error(
+            f"global_batch={global_batch} with dp={dp} and chunks={c.chunks}",
+            "every replica cuts its share into equal micro-batches",
+            f"use a global batch that is a multiple of {dp * c.chunks}",
+        )
+    tokens = global_batch // (dp * c.chunks) * seq_len
+    cuts = tuple(stage_layers) if stage_layers is not None else balance(model, stages)
+    modes = _modes(c, stages)
+    mesh = Mesh(cluster, pp=c.pp, tp=c.tp, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard)
+    st = _stages(model, cluster, mesh, c, cuts, modes, tokens=tokens, seq_len=seq_len, precision=precision)
+    orders = rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
+    keep = _kept(orders)
+    e = engine_s_per_microbatch / 2  # half with the forward, half with the backward (or input pass)
+
+    def time_of(op: RankOp, *, comm: bool = True) -> float:
+        j, kind, i = op
+        s = st[j]
+        if kind == "W":
+            return s.backward / 2
+        work = s.forward if kind == "F" else s.backward / 2 if kind == "I" else s.backward
+        # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
+        regather = s.gather_unit + max(0.0, s.gather - s.gather_unit - work) if reshard_after_forward else 0.0
+        per_op = s.tp + s.host + regather if comm else 0.0
+        if kind == "F":
+            return work + e + per_op
+        redo = s.recompute if modes[j].recomputes(i, c.chunks, keep=keep[j]) else 0.0
+        return work + redo + e + per_op
+
+    act = tokens * model.boundary_bytes_per_token
+    owner = {j: r for r, ops in enumerate(orders) for j, _, _ in ops}
+    sends = [
+        send_s(act, mesh.boundary_bytes_per_s(owner[j], owner[j + 1]), cluster.latency_s)
+        for j in range(stages - 1)
+    ]
+    start, tail, tail_comm, optimizer, grads_comm = _per_rank(
+        model, cluster, mesh, c, cuts, st, orders, precision
+    )
+    if reshard_after_forward:
+        start = [0.0] * c.pp
+    ends = simulate(orders, time_of, stages=stages, send_s=lambda j: sends[j], start_s=start)
+    quiet = simulate(orders, time_of, stages=stages, start_s=start)
+    finish = [ends[r] + tail[r] for r in range(c.pp)]
+    r = max(range(c.pp), key=lambda k: finish[k])
+    step = finish[r]
+    ops = orders[r]
+    compute = sum(
+        st[j].forward if k == "F" else st[j].backward / 2 if k in ("I", "W") else st[j].backward
+        for j, k, _ in ops
+    )
+    recompute = sum(
+        st[j].recompute
+        for j, k, i in ops
+        if k in ("B", "I") and modes[j].recomputes(i, c.chunks, keep=keep[j])
+    )
+    per_op_comm = sum(time_of(op) - time_of(op, comm=False) for op in ops)
+    send_exposed = max(0.0, max(ends) - max(quiet))
+    exposed = per_op_comm + start[r] + tail_comm[r] + send_exposed
+    engine = e * sum(1 for _, k, _ in ops if k != "W")
+    bubble = max(0.0, step - compute - recompute - exposed - engine - optimizer[r])
+    sent = sum(sends[j] if k == "F" and j < stages - 1 else 0.0 for j, k, _ in ops) + sum(
+        sends[j - 1] if k in ("B", "I") and j > 0 else 0.0 for j, k, _ in ops
+    )
+    carried = sum(st[j].tp + st[j].host for j, k, _ in ops if k != "W")  # all-reduces, host copies
+    comm = carried + sent + _collectives(st, ops, reshard_after_forward) + grads_comm[r]
+    peak = cluster.device.peak_flops[precision]
+    flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
+    return StepEstimate(
+        step_s=step,
+        compute_s=compute,
+        recompute_s=recompute,
+        bubble_s=bubble,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        engine_s=engine,
+        tokens_per_s_per_device=global_batch * seq_len / step / world,
+        mfu=flops / (step * world * peak),
+        optimizer_s=optimizer[r],
+    )
+
+
+def _modes(c: Layout, stages: int) -> Tuple[CheckpointMode, ...]:
+    if not c.modes:
+        return (NEVER,) * stages
+    if len(c.modes) != stages:
+        raise config_error(
+            f"modes {list(c.modes)}",
+            f"one checkpoint mode per stage, and there are {stages} stages",
+            "give a mode per stage",
+        )
+    return tuple(parse_mode(m) for m in c.modes)
+
+
+def _kept(orders: Sequence[Sequence[RankOp]]) -> Dict[int, FrozenSet[int]]:
+    """Per stage, the micro-batches ``except_last`` keeps on its rank's order (a split backward's
+    input pass is the stage's backward, its weight pass no op of the stage's activations)."""
+    out = {}
+    for ops in orders:
+        seen = [(j, "B" if k == "I" else k, i) for j, k, i in ops if k != "W"]
+        for j in {j for j, _, _ in ops}:
+            out[j] = kept(seen, j)
+    return out
+
+
+def _stages(
+    model: ModelCosts,
+    cluster: Cluster,
+    mesh: Mesh,
+    c: Layout,
+    cuts: Sequence[int],
+    modes: Sequence[CheckpointMode],
+    *,
+    tokens: int,
+    seq_len: int,
+    precision: str,
+) -> List[_Stage]:
+    """Each stage's times for one micro-batch of ``tokens`` tokens."""
+    rate = cluster.device.flops(precision)
+    flops = model.flops_at(seq_len)
+    act = tokens * model.boundary_bytes_per_token
+    # Megatron's rule (Shoeybi et al. 2019, section 3): two all-reduces of the layer's activations
+    # in its forward and two in its backward, each over the tensor-parallel group.
+    one_ar = all_reduce_s(act, c.tp, mesh.tp_bytes_per_s, cluster.latency_s)
+    host = cluster.device.host_bytes_per_s
+    out = []
+    edges = [0, *itertools.accumulate(cuts)]
+    for j, (a, b) in enumerate(itertools.pairwise(edges)):
+        layers = sum(flops[a:b]) * tokens / c.tp / rate
+        head = model.head_flops * tokens / c.tp / rate if j == len(cuts) - 1 else 0.0
+        tp = 2 * (b - a) * one_ar
+        mode = modes[j]
+        share = 0.0 if not mode.checkpoints else model.selective_share if mode.selective else 1.0
+        params = sum(model.layer_params[a:b]) / c.tp * dtype_bytes(precision)
+        gather = gather_s(params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a))
+        out.append(
+            _Stage(
+                forward=layers + head,
+                backward=model.backward_factor * (layers + head),
+                tp=tp,
+                recompute=share * (layers + tp),
+                host=act / host if mode.offloads and host > 0 else 0.0,
+                gather=gather,
+                gather_unit=gather / max(1, b - a),
+            )
+        )
+    return out
+
+
+def _grad_bytes(precision: str) -> int:
+    """Bytes of a reduced gradient element: float32 under mixed precision (FSDP's reduce dtype is
+    the parameters' master dtype, docs/DISTRIBUTED.md), else the compute dtype."""
+    return 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
+
+
+def _per_rank(
+    model: ModelCosts,
+    cluster: Cluster,
+    mesh: Mesh,
+    c: Layout,
+    cuts: Sequence[int],
+    st: Sequence[_Stage],
+    orders: Sequence[Sequence[RankOp]],
+    precision: str,
+) -> Tuple[List[float], List[float], List[float], List[float], List[float]]:
+    """Per pipeline rank: when it may start (FSDP's first all-gather, prefetched under the first
+    forward), what it adds after its last op (gradient reduce-scatter and all-reduces, overlapped with
+    the last micro-batch's backward except the last unit's; the embedding's all-reduce, whose gradient
+    is made last, not at all; the optimizer step), of that the communication, the optimizer, and the
+    gradients' collectives whole (overlapped or not)."""
+    lat = cluster.latency_s
+    grad = _grad_bytes(precision)
+    master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
+    edges = [0, *itertools.accumulate(cuts)]
+    starts, tails, comms, opts, wholes = [], [], [], [], []
+    for ops in orders:
+        mine = sorted({j for j, _, _ in ops})
+        units = sum(cuts[j] for j in mine)
+        params = sum(sum(model.layer_params[edges[j] : edges[j + 1]]) for j in mine) / c.tp
+        first = ops[0][0] if ops else 0
+        gather = sum(st[j].gather for j in mine)
+        unit = gather / max(1, units)
+        starts.append(unit + max(0.0, gather - unit - st[first].forward))
+        rs = gather_s(params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units)
+        ar = all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
+        dp = c.dp_replicate * c.dp_shard
+        head = model.head_params / c.tp if len(cuts) - 1 in mine else 0.0
+        emb = model.embedding_params / c.tp if 0 in mine else 0.0
+        ar_head = all_reduce_s(head * grad, dp, mesh.dp_bytes_per_s, lat)
+        ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
+        overlapped = rs + ar + ar_head
+        last = ops[-1][0] if ops else 0
+        comm = (overlapped / max(1, units)) + max(
+            0.0, overlapped * (1 - 1 / max(1, units)) - st[last].backward
+        )
+        comm += ar_emb
+        held = params / c.dp_shard + head + emb
+        opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
+        tails.append(comm + opt)
+        comms.append(comm)
+        opts.append(opt)
+        wholes.append(overlapped + ar_emb)
+    return starts, tails, comms, opts, wholes
+
+
+def _collectives(st: Sequence[_Stage], ops: Sequence[RankOp], reshard: bool) -> float:
+    """FSDP's all-gathers a rank runs in a step, overlapped or not."""
+    mine = {j for j, _, _ in ops}
+    if not reshard:
+        return sum(st[j].gather for j in mine)
+    return sum(st[j].gather for j, k, _ in ops if k in ("F", "B", "I"))

@@ -1,0 +1,242 @@
+"""The cost model's parts, each against a hand computation from the inputs stated here: a toy model of
+identical layers on a toy cluster whose rates make every term easy to write down."""
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from pipeckpt.layout.cluster import Cluster, from_mapping
+from pipeckpt.layout.cost import ADAMW_ELEMENTS_PER_PARAM, StepEstimate, estimate
+from pipeckpt.layout.model_costs import ModelCosts, model_costs_from_config, model_costs_from_profile
+from pipeckpt.layout.orders import rank_orders, simulate
+from pipeckpt.memory.predict import _makespan
+from pipeckpt.memory.profile import fake_mode, profile
+
+RATE = 1e12  # FLOP/s achieved (peak 2e12 x efficiency 0.5)
+F = 1e6  # forward FLOPs per token of each layer
+LAYERS = 4
+PARAMS = 1000  # per layer
+BPT = 8.0  # boundary bytes per token
+BW = 1e9  # bytes/s, every link
+HOST = 2e9
+SEQ = 16
+BATCH = 8
+FAST = 1e30  # a link or memory so fast that its term is zero
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    tp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    schedule: str = "gpipe"
+    virtual_stages: int = 1
+    chunks: int = 1
+    modes: Tuple[str, ...] = ()
+
+
+def toy(**changes: Any) -> ModelCosts:
+    m = ModelCosts(
+        name="toy",
+        seq_len=SEQ,
+        hidden=4,
+        heads=1,
+        vocab=10,
+        layer_flops=(F,) * LAYERS,
+        layer_attention_flops=(0.0,) * LAYERS,
+        layer_params=(PARAMS,) * LAYERS,
+        embedding_params=0,
+        head_params=0,
+        head_flops=0.0,
+        boundary_bytes_per_token=BPT,
+        selective_share=0.25,
+    )
+    return replace(m, **changes)
+
+
+def toy_cluster(devices: int, *, per_node: int = 0, link: float = BW, memory: float = FAST) -> Cluster:
+    per_node = per_node or devices
+    spec: Dict[str, Any] = {
+        "name": "toy",
+        "nodes": devices // per_node,
+        "devices_per_node": per_node,
+        "device": {
+            "name": "toy",
+            "memory_bytes": 2**40,
+            "peak_flops": {"bf16-mixed": 2 * RATE},
+            "memory_bytes_per_s": memory,
+            "efficiency": 0.5,
+            "host_bytes_per_s": HOST,
+        },
+        "intra_node_bytes_per_s": link,
+        "inter_node_bytes_per_s": link / 10,
+        "latency_s": 0.0,
+    }
+    return from_mapping(spec)
+
+
+def run(layout: Layout, devices: int = 1, *, model: Any = None, **kw: Any) -> StepEstimate:
+    c = kw.pop("cluster", None) or toy_cluster(devices)
+    return estimate(
+        layout,
+        model or toy(),
+        c,
+        global_batch=kw.pop("global_batch", BATCH),
+        seq_len=SEQ,
+        precision="bf16-mixed",
+        engine_s_per_microbatch=kw.pop("engine", 0.0),
+        **kw,
+    )
+
+
+def forward_s(layers: int, tokens: int, tp: int = 1) -> float:
+    return layers * F * tokens / tp / RATE
+
+
+def test_one_stage_has_no_bubble_and_counts_forward_and_two_backwards() -> None:
+    m = 4
+    e = run(Layout(chunks=m))
+    tokens = BATCH // m * SEQ
+    assert e.compute_s == pytest.approx(m * 3 * forward_s(LAYERS, tokens))
+    assert e.bubble_s == pytest.approx(0.0, abs=1e-15)
+    assert e.step_s == pytest.approx(e.compute_s)
+    assert e.tokens_per_s_per_device == pytest.approx(BATCH * SEQ / e.step_s)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 2)])
+def test_gpipe_bubble_is_p_minus_1_over_m_of_the_compute(p: int, m: int) -> None:
+    e = run(Layout(pp=p, chunks=m), p, cluster=toy_cluster(p, link=FAST))
+    assert e.bubble_s == pytest.approx((p - 1) / m * e.compute_s)
+
+
+def test_interleaving_divides_the_bubble_by_the_stages_per_rank() -> None:
+    p, v, m = 2, 2, 4
+    e = run(
+        Layout(pp=p, schedule="interleaved_1f1b", virtual_stages=v, chunks=m),
+        p,
+        cluster=toy_cluster(p, link=FAST),
+    )
+    assert e.bubble_s == pytest.approx((p - 1) / (v * m) * e.compute_s)
+
+
+def test_always_adds_one_forward_except_last_all_but_one_selective_its_share() -> None:
+    m = 4
+    tokens = BATCH // m * SEQ
+    never = run(Layout(chunks=m, modes=("never",)))
+    always = run(Layout(chunks=m, modes=("always",)))
+    assert always.recompute_s == pytest.approx(m * forward_s(LAYERS, tokens))
+    assert always.step_s - never.step_s == pytest.approx(always.recompute_s)
+    # gpipe on one stage runs every forward, then backward from micro-batch 0: only that one is kept
+    assert run(Layout(chunks=m, modes=("except_last",))).recompute_s == pytest.approx(
+        (m - 1) * forward_s(LAYERS, tokens)
+    )
+    assert run(Layout(chunks=m, modes=("selective",))).recompute_s == pytest.approx(
+        m * 0.25 * forward_s(LAYERS, tokens)
+    )
+
+
+def test_offload_adds_the_stage_input_over_the_host_link_both_ways() -> None:
+    m = 2
+    tokens = BATCH // m * SEQ
+    always = run(Layout(chunks=m, modes=("always",)))
+    offload = run(Layout(chunks=m, modes=("offload",)))
+    assert offload.step_s - always.step_s == pytest.approx(m * 2 * tokens * BPT / HOST)
+
+
+def test_doubling_tp_halves_compute_and_adds_four_all_reduces_per_layer() -> None:
+    m = 2
+    tokens = BATCH // m * SEQ
+    one = run(Layout(chunks=m), 1)
+    two = run(Layout(tp=2, chunks=m), 2)
+    assert two.compute_s == pytest.approx(one.compute_s / 2)
+    # Megatron: 2 all-reduces forward + 2 backward per layer; a ring of 2 moves 2(n-1)/n = 1 buffer
+    all_reduce = 2 * (2 - 1) / 2 * tokens * BPT / BW
+    assert two.exposed_comm_s == pytest.approx(LAYERS * m * 4 * all_reduce)
+    assert two.step_s == pytest.approx(two.compute_s + two.exposed_comm_s)
+    # the same group across two nodes runs at the network's rate (a tenth of the node's)
+    apart = run(Layout(tp=2, chunks=m), cluster=toy_cluster(2, per_node=1))
+    assert apart.exposed_comm_s == pytest.approx(10 * two.exposed_comm_s)
+
+
+def test_data_parallel_all_reduce_of_float32_gradients() -> None:
+    e = run(Layout(dp_replicate=2, chunks=1), 2)
+    whole = LAYERS * PARAMS * 4  # bf16-mixed reduces float32 gradients
+    assert e.comm_s == pytest.approx(2 * (2 - 1) / 2 * whole / BW)
+
+
+def test_fsdp_gathers_bf16_parameters_and_reduce_scatters_float32_gradients() -> None:
+    e = run(Layout(dp_shard=2, chunks=1), 2)
+    gather = (2 - 1) / 2 * LAYERS * PARAMS * 2 / BW
+    scatter = (2 - 1) / 2 * LAYERS * PARAMS * 4 / BW
+    assert e.comm_s == pytest.approx(gather + scatter)
+    assert 0 < e.exposed_comm_s <= e.comm_s
+
+
+def test_optimizer_step_is_memory_bound() -> None:
+    e = run(Layout(dp_shard=2), 2, cluster=toy_cluster(2, link=FAST, memory=1e9))
+    held = LAYERS * PARAMS / 2  # the rank's shard, float32 master, AdamW's elements
+    assert e.optimizer_s == pytest.approx(held * ADAMW_ELEMENTS_PER_PARAM * 4 / 1e9)
+
+
+def test_engine_cost_per_microbatch_and_stage() -> None:
+    m = 4
+    e = run(Layout(chunks=m), engine=1e-3)
+    assert e.engine_s == pytest.approx(m * 1e-3)
+    assert e.step_s == pytest.approx(e.compute_s + e.engine_s)
+
+
+def test_simulation_agrees_with_the_memory_models_makespan() -> None:
+    """Unequal stages, GPipe and 1F1B: the layout simulation and memory/predict.py's makespan."""
+    p, m = 3, 5
+    cost = {0: (1.0, 2.5), 1: (2.0, 3.0), 2: (0.5, 1.5)}
+    for schedule in ("gpipe", "1f1b"):
+        orders = rank_orders(schedule, p, 1, m)
+        ends = simulate(orders, lambda op: cost[op[0]][0 if op[1] == "F" else 1], stages=p)
+        staged = [[(k, i) for _, k, i in ops] for ops in orders]
+        times = [{(k, i): cost[j][0 if k == "F" else 1] for k, i in staged[j]} for j in range(p)]
+        assert max(ends) == pytest.approx(_makespan(staged, times, local=False))
+
+
+def test_gpt_config_gives_megatrons_equation_3() -> None:
+    """Narayanan et al. SC'21 Eq. 3: a step with full recompute is 96 B s l h^2 (1 + s/6h + V/16lh)."""
+    h, heads, layers, s, v = 256, 4, 3, 128, 1000
+    m = model_costs_from_config(dict(n_embd=h, n_head=heads, n_layer=layers, vocab_size=v), seq_len=s)
+    with_recompute = m.model_flops_per_token(s) + sum(m.flops_at(s))
+    assert with_recompute == pytest.approx(96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)))
+    # attention rescales with the sequence
+    assert m.flops_at(2 * s)[0] - m.flops_at(s)[0] == pytest.approx(4 * s * h)
+
+
+def test_config_parameters_equal_transformers_own_count() -> None:
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300,
+    )  # fmt: skip
+    gpt2 = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=300, n_positions=32)
+    for config, cls, tied in (
+        (llama, transformers.LlamaForCausalLM, False),
+        (gpt2, transformers.GPT2LMHeadModel, True),
+    ):
+        with torch.device("meta"):
+            model = cls(config)
+        counted = model_costs_from_config(config, seq_len=8).params
+        # a tied head is counted again on the last stage, which holds it too
+        assert counted - (config.vocab_size * 64 if tied else 0) == model.num_parameters()
+
+
+def test_profile_costs_are_the_flop_counts_per_token() -> None:
+    b, rate = 4, 1e12
+    with fake_mode():
+        seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        x = torch.randn(b, 8)
+    p = profile(seq, x, fake=True, flops_per_s=rate)
+    m = model_costs_from_profile(p, flops_per_s=rate)
+    assert m.layer_flops[0] == pytest.approx(2 * 8 * 16)  # per sample (a token here)
+    assert m.layer_flops[2] == pytest.approx(2 * 16 * 2)
+    assert m.layer_params == (8 * 16 + 16, 0, 16 * 2 + 2)
+    assert m.boundary_bytes_per_token == pytest.approx(2 * 4)  # the last output, float32, per sample
