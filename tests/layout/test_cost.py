@@ -240,3 +240,46 @@ def test_profile_costs_are_the_flop_counts_per_token() -> None:
     assert m.layer_flops[2] == pytest.approx(2 * 16 * 2)
     assert m.layer_params == (8 * 16 + 16, 0, 16 * 2 + 2)
     assert m.boundary_bytes_per_token == pytest.approx(2 * 4)  # the last output, float32, per sample
+
+
+@pytest.mark.parametrize(
+    "schedule, v, m",
+    [
+        ("interleaved_1f1b", 2, 4),
+        ("interleaved_1f1b", 3, 6),
+        ("looped_bfs", 2, 4),
+        ("interleaved_zero_bubble", 2, 4),
+        ("zbv_zero_bubble", 2, 4),
+        ("dual_pipe_v", 2, 4),
+    ],
+)
+def test_looped_orders_are_the_live_schedules(schedule: str, v: int, m: int) -> None:
+    """A looped schedule built around live stages on a fake 2-rank world orders rank 0's ops as
+    rank_orders says (DualPipeV's overlapped forward-backward pairs, which the live order lists as
+    one action without a micro-batch, expanded into their two ops)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipeckpt._compat import live_op_order
+    from pipeckpt.engines.distributed.schedules import lookup
+
+    pp, kind = 2, lookup(schedule)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [
+            PipelineStage(nn.Linear(2, 2), j, pp * v, torch.device("cpu"))
+            for j in kind.stages_of(0, pp, pp * v)
+        ]
+        live = live_op_order(kind.cls(stages, n_microbatches=m, loss_fn=lambda out, target: out.sum()))
+    finally:
+        dist.destroy_process_group()
+    mine = list(rank_orders(schedule, pp, v, m)[0])
+    if schedule != "dual_pipe_v":
+        assert mine == live
+    else:
+        rest = iter(mine)
+        assert all(op in rest for op in live)  # the live ops, in order, among ours
+    for j in kind.stages_of(0, pp, pp * v):  # every micro-batch forward and backward once per stage
+        assert sorted(i for s, k, i in mine if s == j and k == "F") == list(range(m))
+        assert sorted(i for s, k, i in mine if s == j and k in ("B", "I")) == list(range(m))
