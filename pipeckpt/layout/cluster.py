@@ -6,6 +6,7 @@ figure with its datasheet) or by a user's few lines. Only ``local``, this machin
 (:mod:`pipeckpt.layout.calibrate`), once per host and torch version, and cached.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -123,6 +124,12 @@ def cluster(spec: Union[str, Mapping[str, Any], Cluster], *, devices: Optional[i
 
 
 def _read(path: Path) -> Mapping[str, Any]:
+    return dict(_parsed(path, path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(path: Path, mtime: int) -> Mapping[str, Any]:
+    """A preset's mapping, parsed once per version of its file."""
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)

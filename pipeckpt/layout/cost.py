@@ -173,7 +173,7 @@ def estimate(
     if reshard_after_forward:
         start = [0.0] * c.pp
     ends = simulate(orders, time_of, stages=stages, send_s=lambda j: sends[j], start_s=start)
-    quiet = simulate(orders, time_of, stages=stages, start_s=start)
+    quiet = simulate(orders, time_of, stages=stages, start_s=start) if any(sends) else ends
     finish = [ends[r] + tail[r] for r in range(c.pp)]
     r = max(range(c.pp), key=lambda k: finish[k])
     step = finish[r]

@@ -129,49 +129,64 @@ def simulate(
         send_s: seconds a message over boundary ``j`` takes.
         start_s: per rank, when it may start (FSDP's first gather); default 0.
     """
+    plan = _dependencies(tuple(tuple(o) for o in orders), stages)
+    sends = [send_s(j) for j in range(stages - 1)]
     ranks = len(orders)
-    owner = {j: r for r, ops in enumerate(orders) for j, _, _ in ops}
     end: Dict[Tuple[str, int, int], float] = {}
     clock = [start_s[r] if r < len(start_s) else 0.0 for r in range(ranks)]
     position = [0] * ranks
-    while any(position[r] < len(orders[r]) for r in range(ranks)):
+    left = sum(len(o) for o in orders)
+    while left:
         progressed = False
         for r in range(ranks):
-            while position[r] < len(orders[r]):
-                j, kind, i = orders[r][position[r]]
-                ready = _ready(kind, j, i, end, stages, owner, r, send_s)
-                if ready is None:
-                    break
-                clock[r] = max(clock[r], ready) + time_of((j, kind, i))
-                end[("B" if kind == "I" else kind, j, i)] = clock[r]
-                position[r] += 1
+            ops, steps = orders[r], plan[r]
+            n = position[r]
+            while n < len(ops):
+                ready = clock[r]
+                for key, boundary in steps[n][1]:
+                    done = end.get(key)
+                    if done is None:
+                        break
+                    ready = max(ready, done + (sends[boundary] if boundary >= 0 else 0.0))
+                else:
+                    clock[r] = ready + time_of(ops[n])
+                    end[steps[n][0]] = clock[r]
+                    n += 1
+                    continue
+                break
+            if n != position[r]:
+                left -= n - position[r]
+                position[r] = n
                 progressed = True
         if not progressed:
             raise RuntimeError(f"op orders deadlock: {[list(o) for o in orders]}")
     return clock
 
 
-def _ready(
-    kind: str,
-    j: int,
-    i: int,
-    end: Dict[Tuple[str, int, int], float],
-    stages: int,
-    owner: Dict[int, int],
-    rank: int,
-    send_s: Callable[[int], float],
-) -> "float | None":
-    """When op ``(j, kind, i)`` may start, or None while a dependency has not run."""
-    deps: List[Tuple[Tuple[str, int, int], float]] = []
-    if kind == "F":
-        if j > 0:
-            deps.append((("F", j - 1, i), send_s(j - 1) if owner.get(j - 1) != rank else 0.0))
-    elif kind in ("B", "I"):
-        deps.append((("F", j, i), 0.0))
-        if j < stages - 1:
-            deps.append((("B", j + 1, i), send_s(j) if owner.get(j + 1) != rank else 0.0))
-    else:  # "W": after the input pass of the same micro-batch
-        deps.append((("B", j, i), 0.0))
-    if any(d not in end for d, _ in deps):
-        return None
-    return max([0.0, *(end[d] + s for d, s in deps)])
+_Key = Tuple[str, int, int]
+
+
+@functools.lru_cache(maxsize=512)
+def _dependencies(
+    orders: Tuple[Tuple[RankOp, ...], ...], stages: int
+) -> Tuple[Tuple[Tuple[_Key, Tuple[Tuple[_Key, int], ...]], ...], ...]:
+    """Per rank and op: the key its end is kept under, and what it waits for, each with the boundary
+    whose send it waits for too (-1: none, the dependency on the same rank)."""
+    owner = {j: r for r, ops in enumerate(orders) for j, _, _ in ops}
+    out = []
+    for rank, ops in enumerate(orders):
+        steps = []
+        for j, kind, i in ops:
+            deps: List[Tuple[_Key, int]] = []
+            if kind == "F":
+                if j > 0:
+                    deps.append((("F", j - 1, i), j - 1 if owner.get(j - 1) != rank else -1))
+            elif kind in ("B", "I"):
+                deps.append((("F", j, i), -1))
+                if j < stages - 1:
+                    deps.append((("B", j + 1, i), j if owner.get(j + 1) != rank else -1))
+            else:  # "W": after the input pass of the same micro-batch
+                deps.append((("B", j, i), -1))
+            steps.append((("B" if kind == "I" else kind, j, i), tuple(deps)))
+        out.append(tuple(steps))
+    return tuple(out)
