@@ -283,3 +283,25 @@ def test_looped_orders_are_the_live_schedules(schedule: str, v: int, m: int) -> 
     for j in kind.stages_of(0, pp, pp * v):  # every micro-batch forward and backward once per stage
         assert sorted(i for s, k, i in mine if s == j and k == "F") == list(range(m))
         assert sorted(i for s, k, i in mine if s == j and k in ("B", "I")) == list(range(m))
+
+
+def test_sends_cross_the_link_the_mesh_puts_between_the_stages() -> None:
+    """Two stages, one micro-batch: the forward's send and the backward's send are on the critical path,
+    over NVLink-like links on one node and a tenth of that across two."""
+    tokens = BATCH * SEQ
+    together = run(Layout(pp=2), 2)
+    apart = run(Layout(pp=2), cluster=toy_cluster(2, per_node=1))
+    quiet = run(Layout(pp=2), cluster=toy_cluster(2, link=FAST))
+    assert together.step_s - quiet.step_s == pytest.approx(2 * tokens * BPT / BW)
+    assert apart.step_s - quiet.step_s == pytest.approx(2 * tokens * BPT / (BW / 10))
+
+
+def test_except_last_keeps_what_the_order_lets_it_keep_under_1f1b() -> None:
+    """1F1B on 2 stages, 4 micro-batches: the first stage keeps only micro-batch 0 (its first backward),
+    the last stage every one (each backward follows its own forward); the first stage ends last."""
+    m = 4
+    tokens = BATCH // m * SEQ
+    e = run(
+        Layout(pp=2, schedule="1f1b", chunks=m, modes=("except_last",) * 2), cluster=toy_cluster(2, link=FAST)
+    )
+    assert e.recompute_s == pytest.approx((m - 1) * forward_s(LAYERS // 2, tokens))
