@@ -148,8 +148,9 @@ RUNS: List[Run] = [
         published=100,
         published_text="100 tok/s/GPU",
         stage_layers=(15, 16, 16, 16, 16, 16, 16, 15),
-        note="32 micro-batches of 1, seq 8192; torchtitan's split (embedding and head count as a layer); "
-        "published with torch.compile + Float8 + async TP, predicted in bf16 without them",
+        note="32 micro-batches of 1, seq 8192; torchtitan's generated split (generate_split_points: the "
+        "first stage layers // stages, the middle ones one more while extras remain); published with "
+        "torch.compile + Float8 + async TP, predicted in bf16 without them",
     ),
     Run(
         name="Llama 3.1 405B, PP 8 x TP 8 x FSDP 8, interleaved 1F1B, full AC",
@@ -163,7 +164,8 @@ RUNS: List[Run] = [
         published=128,
         published_text="128 tok/s/GPU",
         stage_layers=(7, *(8,) * 14, 7),
-        note="2 stages per rank assumed (the table does not say); otherwise as the 1F1B row",
+        note="2 stages per rank: torchtitan's default for a looped schedule without split points (the "
+        "table does not say); otherwise as the 1F1B row",
     ),
     megatron("1.7B", 2304, 24, 24, 1, 1, 32, 512, 137, fit=True),
     megatron("3.6B", 3072, 32, 30, 2, 1, 64, 512, 138),
