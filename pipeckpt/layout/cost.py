@@ -18,11 +18,26 @@ from pipeckpt.checkpointing.modes import NEVER, CheckpointMode, parse_mode
 from pipeckpt.checkpointing.order import kept
 from pipeckpt.layout.cluster import Cluster
 from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s, send_s
-from pipeckpt.layout.model_costs import ModelCosts, dtype_bytes
+from pipeckpt.layout.model_costs import (
+    ModelCosts,
+    dtype_bytes,
+    model_costs_from_config,
+    model_costs_from_profile,
+)
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
 from pipeckpt.stages.partition import min_max_partition
 
-__all__ = ["ENGINE_S_PER_MICROBATCH", "Layout", "StepEstimate", "estimate", "balance"]
+__all__ = [
+    "ENGINE_S_PER_MICROBATCH",
+    "Layout",
+    "StepEstimate",
+    "estimate",
+    "balance",
+    # what an estimate needs of a model, from pipeckpt.layout.model_costs
+    "ModelCosts",
+    "model_costs_from_config",
+    "model_costs_from_profile",
+]
 
 #: The distributed engine's own seconds per micro-batch and stage (its forward and backward
 #: together): measured on this project's 2-core machine by benchmarks/bench_layout_engine_cost.py,

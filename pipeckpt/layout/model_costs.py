@@ -8,11 +8,13 @@ estimate is checked against); any other model is read from the project's per-lay
 measurement on this machine.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from pipeckpt._errors import config_error
 from pipeckpt.memory.profile import ModelProfile
+from pipeckpt.memory.profile import profile as profile_fn
 
 __all__ = ["ModelCosts", "model_costs_from_config", "model_costs_from_profile", "dtype_bytes"]
 
@@ -162,8 +164,9 @@ def model_costs_from_config(config: Any, *, seq_len: int, precision: str = "bf16
 def model_costs_from_profile(
     profile: ModelProfile,
     *,
-    flops_per_s: float,
+    flops_per_s: Optional[float] = None,
     seq_len: int = 1,
+    microbatch: Optional[int] = None,
     hidden: int = 0,
     heads: int = 0,
     vocab: int = 0,
@@ -180,8 +183,10 @@ def model_costs_from_profile(
 
     Args:
         profile: :func:`pipeckpt.memory.profile.profile`'s result.
-        flops_per_s: the rate its times convert at.
+        flops_per_s: the rate its times convert at (None: a fake profile's, the default rate of
+            :func:`~pipeckpt.memory.profile.profile`; a measured profile needs the measuring device's).
         seq_len: tokens per sample of the profiled micro-batch (1: a sample is a token).
+        microbatch: samples in the profiled micro-batch (None: the profile's own count).
         hidden, heads, vocab: the model's, where it has them (0: not a transformer; tensor
             parallelism's all-reduces are then counted from the boundary).
         param_bytes: bytes per parameter in the profiled model (4: float32).
@@ -189,7 +194,15 @@ def model_costs_from_profile(
         attention_flops: per layer, the forward FLOPs per token per token of context, to rescale to
             another sequence length (None: zeros, the profile holds at ``seq_len`` only).
     """
-    tokens = max(1, profile.microbatch_size * seq_len)
+    if flops_per_s is None:
+        if not profile.fake:
+            raise config_error(
+                "model_costs_from_profile of a measured profile without flops_per_s",
+                "measured seconds become FLOPs at the rate of the device that measured them",
+                "pass flops_per_s=cluster('local').device.flops(precision)",
+            )
+        flops_per_s = float(inspect.signature(profile_fn).parameters["flops_per_s"].default)
+    tokens = max(1, (microbatch or profile.microbatch_size) * seq_len)
     layers = profile.layers
     forward = [x.forward_s for x in layers]
     total_f = sum(forward)

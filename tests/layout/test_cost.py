@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.layout.cluster import Cluster, from_mapping
 from pipeckpt.layout.cost import ADAMW_ELEMENTS_PER_PARAM, StepEstimate, estimate
 from pipeckpt.layout.model_costs import ModelCosts, model_costs_from_config, model_costs_from_profile
@@ -305,3 +306,16 @@ def test_except_last_keeps_what_the_order_lets_it_keep_under_1f1b() -> None:
         Layout(pp=2, schedule="1f1b", chunks=m, modes=("except_last",) * 2), cluster=toy_cluster(2, link=FAST)
     )
     assert e.recompute_s == pytest.approx((m - 1) * forward_s(LAYERS // 2, tokens))
+
+
+def test_profile_costs_default_to_the_fake_profiles_own_rate() -> None:
+    """A fake profile's times are FLOPs at profile()'s default rate; a measured one needs the rate of
+    the device that measured it."""
+    with fake_mode():
+        seq = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
+        x = torch.randn(4, 8)
+    m = model_costs_from_profile(profile(seq, x, fake=True))
+    assert m.layer_flops == pytest.approx((2 * 8 * 16, 2 * 16 * 2))
+    measured = profile(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)), torch.randn(4, 8), rounds=1)
+    with pytest.raises(PipeckptConfigError, match="flops_per_s"):
+        model_costs_from_profile(measured)
