@@ -45,6 +45,7 @@ from pipeckpt.state import preemption, termination
 from pipeckpt.state.files import AtomicCheckpointIO
 from pipeckpt.state.fit import check_fits
 from pipeckpt.strategy_meta import MetaBuildStrategy
+from pipeckpt.weights.pretrained import marked_in
 
 __all__ = ["PipelineStrategy"]
 
@@ -127,14 +128,16 @@ class PipelineStrategy(MetaBuildStrategy):
         module = self.lightning_module
         assert module is not None
         self.engine.check_module(module, self.precision_plugin)
-        self._materialize(module)
-        self.model = self.precision_plugin.convert_module(self.model)
-        if self.settings.modes == "auto":
-            self._choose_plan(trainer, module)
-        self.engine.build(
-            module, pipelined_sequential(module), self.parallel_devices or [torch.device("cpu")]
-        )
-        self.model_to_device()
+        launched = getattr(self.launcher, "procs", None) or ()  # the ranks this process started
+        with termination.stop_on_sigterm(self.global_rank, _loading(module), launched):
+            self._materialize(module)
+            self.model = self.precision_plugin.convert_module(self.model)
+            if self.settings.modes == "auto":
+                self._choose_plan(trainer, module)
+            self.engine.build(
+                module, pipelined_sequential(module), self.parallel_devices or [torch.device("cpu")]
+            )
+            self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             preemption.install(trainer, self.cluster_environment)  # SIGUSR1 answered at step boundaries
             answered = termination.install(trainer)  # SIGTERM too: a checkpoint, then a non-zero exit
@@ -298,6 +301,13 @@ class PipelineStrategy(MetaBuildStrategy):
 
 # The signature tools read at run time (Hydra, help()): the settings' fields with their defaults.
 PipelineStrategy.__signature__ = PipeSettings.signature()  # type: ignore[attr-defined]
+
+
+def _loading(module: Any) -> str:
+    """What :meth:`PipelineStrategy.setup` does to ``module``, for a SIGTERM's line."""
+    sources = sorted({str(source.path) for _, source in marked_in(module)})
+    read = f" (reading its pretrained weights from {', '.join(map(repr, sources))})" if sources else ""
+    return f"loading the model{read}"
 
 
 def _clip_by_whole_norm(plugin: Precision, engine: Engine, device: torch.device) -> Any:

@@ -665,3 +665,41 @@ def test_validates_after_this_step_tells_the_steps_a_validation_follows(tmp_path
     )
     trainer.fit(BoringModel())
     assert record.said == record.validated == [3, 6]
+
+
+def test_start_local_ranks_starts_this_nodes_other_ranks_as_lightnings_launch_does(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    started = []
+
+    class Started:
+        def __init__(self, command, env, cwd):
+            started.append((list(command), env["LOCAL_RANK"], env["WORLD_SIZE"]))
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    launcher = _compat.SubprocessScriptLauncher(LightningEnvironment(), num_processes=3, num_nodes=1)
+    _compat.start_local_ranks(launcher)
+    assert [(rank, world) for _, rank, world in started] == [("1", "3"), ("2", "3")]
+    assert all(command[0] == sys.executable for command, _, _ in started)
+    assert len(launcher.procs) == 2
+
+
+def test_split_threads_between_gives_each_process_its_share_unless_omp_num_threads_is_set(monkeypatch):
+    import os
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    try:
+        _compat.split_threads_between(num_processes=2)
+        share = int(os.environ["OMP_NUM_THREADS"])
+        assert torch.get_num_threads() == share >= 1
+        torch.set_num_threads(share + 1)
+        _compat.split_threads_between(num_processes=2)  # OMP_NUM_THREADS is set now: left alone
+        assert torch.get_num_threads() == share + 1
+    finally:
+        torch.set_num_threads(threads)

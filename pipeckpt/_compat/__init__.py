@@ -23,10 +23,12 @@ from pipeckpt._compat.lightning_private import (
     sampler_follows_loader,
     saved_step,
     set_saved_step,
-    validates_after_this_step,
     sigterm_broadcast,
+    split_threads_between,
+    start_local_ranks,
     sync_ddp_if_available,
     unwrap_optimizer,
+    validates_after_this_step,
 )
 from pipeckpt._compat.torch_private import (
     BACKWARD_ONE_CHUNK,
@@ -152,6 +154,8 @@ __all__ = [
     "set_saved_step",
     "validates_after_this_step",
     "sigterm_broadcast",
+    "split_threads_between",
+    "start_local_ranks",
     "sync_ddp_if_available",
     "register_pytree_node",
     "reverse_graph",

@@ -14,6 +14,12 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import (
     _init_dist_connection as init_dist_connection,
 )
+
+# How many threads each of a node's processes runs unless OMP_NUM_THREADS says: what Lightning's
+# launcher sets once it has started them (see start_local_ranks).
+from lightning.fabric.utilities.distributed import (
+    _set_num_threads_if_needed as split_threads_between,
+)
 from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available as sync_ddp_if_available,
 )
@@ -100,6 +106,16 @@ def last_checkpoint_path(callback: Any, trainer: Any) -> str:
     return path
 
 
+def start_local_ranks(launcher: Any) -> None:
+    """Starts this node's other ranks as Lightning's ``SubprocessScriptLauncher`` does (the script
+    again, or ``-m module``, with ``LOCAL_RANK`` set and Hydra's run directory kept), into its
+    ``procs``. Its ``launch`` does so in the private ``_call_children_scripts`` and then watches them
+    with a private observer that SIGKILLs every process, the launching one included, when any one
+    exits non-zero; a launcher that watches them otherwise
+    (:mod:`pipeckpt.engines.distributed.children`) needs the first step without the second."""
+    launcher._call_children_scripts()
+
+
 def fit_train_loader(trainer: Any) -> Any:
     """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
     or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
@@ -164,6 +180,8 @@ __all__ = [
     "saved_step",
     "set_saved_step",
     "sigterm_broadcast",
+    "split_threads_between",
+    "start_local_ranks",
     "sync_ddp_if_available",
     "unwrap_optimizer",
     "validates_after_this_step",

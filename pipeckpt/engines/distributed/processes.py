@@ -18,7 +18,6 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipeckpt._compat import (
-    SubprocessScriptLauncher,
     default_process_group_backend,
     default_store,
     init_dist_connection,
@@ -26,6 +25,7 @@ from pipeckpt._compat import (
 from pipeckpt._errors import config_error
 from pipeckpt.engines.base import World
 from pipeckpt.engines.distributed.auto_plan import check_auto
+from pipeckpt.engines.distributed.children import ScriptLauncher
 from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
@@ -136,7 +136,7 @@ class ProcessGroups:
 
     def launcher(self, environment: ClusterEnvironment) -> Any:
         _check_slurm_tasks(environment, devices=self.world.num_processes, num_nodes=self.world.num_nodes)
-        return SubprocessScriptLauncher(environment, self.world.num_processes, self.world.num_nodes)
+        return ScriptLauncher(environment, self.world.num_processes, self.world.num_nodes)
 
     def connect(self, environment: ClusterEnvironment, device: torch.device) -> None:
         assert self.topology is not None and self.settings.timeout is not None
