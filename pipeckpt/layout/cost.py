@@ -81,7 +81,7 @@ class StepEstimate:
     compute_s: float  # forward and backward kernels, recompute excluded
     recompute_s: float  # forwards run again in backward (with their tensor-parallel all-reduces)
     bubble_s: float  # idle: waiting on other stages (the schedule's fill and drain)
-    comm_s: float  # every collective and send the rank runs, overlapped or not
+    comm_s: float  # every collective and message of the rank, overlapped or not (at least exposed_comm_s)
     exposed_comm_s: float  # the part of it on the critical path
     engine_s: float  # the engine's own cost per micro-batch
     tokens_per_s_per_device: float
@@ -203,15 +203,16 @@ def estimate(
         if k in ("B", "I") and modes[j].recomputes(i, c.chunks, keep=keep[j])
     )
     per_op_comm = sum(time_of(op) - time_of(op, comm=False) for op in ops)
-    send_exposed = max(0.0, max(ends) - max(quiet))
-    exposed = per_op_comm + start[r] + tail_comm[r] + send_exposed
     engine = e * sum(1 for _, k, _ in ops if k != "W")
-    bubble = max(0.0, step - compute - recompute - exposed - engine - optimizer[r])
-    sent = sum(sends[j] if k == "F" and j < stages - 1 else 0.0 for j, k, _ in ops) + sum(
-        sends[j - 1] if k in ("B", "I") and j > 0 else 0.0 for j, k, _ in ops
-    )
+    busy = compute + recompute + per_op_comm + start[r] + tail_comm[r] + engine + optimizer[r]
+    # the sends' share of the step: what they lengthen it by, within what the rank's own work leaves
+    send_exposed = max(0.0, min(max(ends) - max(quiet), step - busy))
+    exposed = per_op_comm + start[r] + tail_comm[r] + send_exposed
+    bubble = max(0.0, step - busy - send_exposed)
+    sent = sum(_messages(j, k, sends, owner) for j, k, _ in ops)
     carried = sum(st[j].tp + st[j].host for j, k, _ in ops if k != "W")  # all-reduces, host copies
-    comm = carried + sent + _collectives(st, ops, reshard_after_forward) + grads_comm[r]
+    # at least the exposed part, which may hold sends between other stages on the step's critical path
+    comm = max(exposed, carried + sent + _collectives(st, ops, reshard_after_forward) + grads_comm[r])
     peak = cluster.device.peak_flops[precision]
     flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
     return StepEstimate(
@@ -349,6 +350,19 @@ def _per_rank(
         opts.append(opt)
         wholes.append(overlapped + ar_emb)
     return starts, tails, comms, opts, wholes
+
+
+def _messages(j: int, kind: str, sends: Sequence[float], owner: Dict[int, int]) -> float:
+    """Seconds of the messages an op's rank sends and receives for it: a forward receives from the
+    previous stage and sends to the next, a backward (or input pass) the other way; none between two
+    stages of one rank, none for a weight pass."""
+    if kind == "W":
+        return 0.0
+    out = 0.0
+    for a in (j - 1, j):  # boundary a joins stages a and a + 1
+        if 0 <= a < len(sends) and owner[a] != owner[a + 1]:
+            out += sends[a]
+    return out
 
 
 def _collectives(st: Sequence[_Stage], ops: Sequence[RankOp], reshard: bool) -> float:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipeckpt._errors import config_error
-from pipeckpt.engines.distributed.schedules import lookup
+from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
 from pipeckpt.memory.schedule import op_order
 
 __all__ = ["RankOp", "rank_orders", "simulate"]
@@ -35,6 +35,15 @@ def rank_orders(schedule: str, pp: int, virtual_stages: int, chunks: int) -> Tup
         chunks: micro-batches per step.
     """
     kind = lookup(schedule)
+    problem = microbatch_rule(kind, chunks, pp, pp * virtual_stages)
+    if problem:
+        raise config_error(f"chunks={chunks} with schedule={schedule!r} on pp={pp}", problem, "change chunks")
+    if kind.looped and (virtual_stages < 2 or (kind.traits.v_shape and virtual_stages != 2)):
+        raise config_error(
+            f"virtual_stages={virtual_stages} with schedule={schedule!r}",
+            "a looped schedule runs at least 2 stages per rank (a V-shaped one exactly 2)",
+            "set virtual_stages accordingly",
+        )
     if not kind.looped:
         if virtual_stages != 1:
             raise config_error(

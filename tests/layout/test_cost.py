@@ -319,3 +319,21 @@ def test_profile_costs_default_to_the_fake_profiles_own_rate() -> None:
     measured = profile(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)), torch.randn(4, 8), rounds=1)
     with pytest.raises(PipeckptConfigError, match="flops_per_s"):
         model_costs_from_profile(measured)
+
+
+@pytest.mark.parametrize(
+    "schedule, v",
+    [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zbv_zero_bubble", 2)],
+)
+@pytest.mark.parametrize("mode", ["never", "except_last", "always", "offload"])
+def test_parts_add_up_to_the_step(schedule: str, v: int, mode: str) -> None:
+    """pp 2 x tp 2 on 4 devices in 2 nodes (TP within a node, the pipeline across them): the step is
+    its parts, and what is exposed of the communication is part of it."""
+    layout = Layout(
+        pp=2, tp=2, dp_shard=1, schedule=schedule, virtual_stages=v, chunks=4, modes=(mode,) * (2 * v)
+    )
+    for reshard in (False, True):
+        e = run(layout, cluster=toy_cluster(4, per_node=2), engine=1e-4, reshard_after_forward=reshard)
+        parts = e.compute_s + e.recompute_s + e.bubble_s + e.exposed_comm_s + e.engine_s + e.optimizer_s
+        assert parts == pytest.approx(e.step_s)
+        assert 0 < e.exposed_comm_s <= e.comm_s and e.bubble_s >= 0
