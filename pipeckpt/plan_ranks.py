@@ -5,8 +5,8 @@ this one builds it in the compute dtype, as one tensor-parallel rank's share whe
 built so (its ``tensor_parallel`` argument) or split by its own plan (a ``pipeline_of`` model's
 ``config.base_model_tp_plan``), and spreads each stage's state over its ranks
 (:mod:`pipeckpt.memory.sharding`). A ``pipeline_of`` model's parameters outside its layers
-(embedding, final norm, head) are counted where the walk counts them (the bytes a stage holds
-beyond its layers'), whole on every rank: the engine shards the layers only.
+(embedding, final norm, head) are counted on the stages that read them (:func:`with_outside`),
+sharded and split over the vocabulary as the engine holds them.
 """
 
 import inspect
@@ -22,6 +22,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.engines.distributed.vocab_plan import own_outside_plan
 from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction, predict
@@ -78,10 +79,12 @@ def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tup
             "or split by its own plan (a pipeline_of model's config.base_model_tp_plan)",
             "use a model that takes it (model=llama3) or drop memory.tp",
         )
-    split = model_plan(sequential, layout.tp)
+    layer, outside = model_plan(sequential, layout.tp), own_outside_plan(sequential)
+    split = {**layer, **outside}
+    vocab = f", and {', '.join(outside)} over the vocabulary" if outside else ""
     note = (
-        f"memory.tp={layout.tp}: parameters split by the model's own plan ({len(split)} entries per layer); "
-        "activations profiled on the whole layers (an upper bound)"
+        f"memory.tp={layout.tp}: parameters split by the model's own plan ({len(layer)} entries per "
+        f"layer{vocab}); activations profiled on the whole layers (an upper bound)"
     )
     return replace(layout, tp_plan=tuple(split.items())), note
 
@@ -130,7 +133,8 @@ def with_outside(
         return _on_the_last_stage(prediction, sequential, ranges, layout, optimizer)
     ranks = []
     for s, (a, b), (alone, whole) in zip(prediction.stages, ranges, sharded_share(outside, ranges)):
-        state = rank_state([*layers[a:b], *units(root, alone)], layout, optimizer)
+        held = units(root, alone, layout.tp_plan, layout.tp)
+        state = rank_state([*layers[a:b], *held], layout, optimizer)
         if whole:
             kept = rank_state(units(root, whole), unsharded, optimizer)
             state = replace(

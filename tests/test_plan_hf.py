@@ -108,11 +108,15 @@ def test_a_tensor_parallel_degree_splits_the_layers_by_the_models_own_plan(
     capsys: pytest.CaptureFixture[str], pretrained: Path
 ) -> None:
     out = _planned(capsys, pretrained, *DISTRIBUTED, "trainer.precision=bf16-mixed", "memory.tp=2")
-    assert "memory.tp=2: parameters split by the model's own plan (7 entries per layer)" in out
+    assert (
+        "memory.tp=2: parameters split by the model's own plan (7 entries per layer, and lm_head, "
+        "model.embed_tokens over the vocabulary)" in out
+    )
     # Per layer on one of 2 ranks: q, o 64x64 and k, v 32x64 halved, gate, up, down 128x64 halved,
-    # the two norms (64 each) whole; and the embedding (512 x 64) whole; fp32 master weights.
+    # the two norms (64 each) whole; and the embedding (512 x 64) split over the vocabulary (its
+    # rows halved, as the engine splits it: engines/distributed/vocab_plan.py); fp32 master weights.
     per_layer = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) // 2 + 2 * 64
-    assert float(_rows(out)[0]["params"]) == round((2 * per_layer + 512 * 64) * 4 / MiB, 2)
+    assert float(_rows(out)[0]["params"]) == round((2 * per_layer + 512 * 64 // 2) * 4 / MiB, 2)
 
 
 def test_the_default_counts_the_model_configure_model_builds_against_the_memory_available(

@@ -11,6 +11,7 @@ engine's one process holds them all; its walk counts them on the last stage, as 
 """
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from pipeckpt.boundaries.outside_uses import OutsideUses, holds, outside_uses
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.rooted import RootInput
+from pipeckpt.memory.split_dims import split_dims
 
 __all__ = ["OutsideParam", "outside_params", "sharded_share", "stage_share", "units"]
 
@@ -90,7 +92,8 @@ def sharded_share(
 ) -> List[Tuple[List[str], List[str]]]:
     """Per stage of ``ranges``: the names of the outside parameters it holds that FSDP shards over
     its replicas (held by that stage alone and by one module, as engines/distributed/outside_parts.py
-    shards them), and of those it holds whole."""
+    shards them, and splits over ``tp`` where the plan names its module: :func:`units`), and of
+    those it holds whole."""
     last = len(ranges) - 1
     holds = [[p for p in params if p.held_by(a, b, j == last)] for j, (a, b) in enumerate(ranges)]
     count = {p.name: sum(p in held for held in holds) for p in params}
@@ -101,9 +104,25 @@ def sharded_share(
     return out
 
 
-def units(root: nn.Module, names: Sequence[str]) -> List[nn.Module]:
-    """The parameters ``names`` of ``root``, one FSDP unit each, as ``rank_state`` counts units."""
-    return [nn.ParameterList([root.get_parameter(n)]) for n in names]
+def units(
+    root: nn.Module, names: Sequence[str], plan: Sequence[Tuple[str, str]] = (), tp: int = 1
+) -> List[nn.Module]:
+    """The parameters ``names`` of ``root``, one FSDP unit each, as ``rank_state`` counts units: each
+    one tensor-parallel rank's share where ``plan`` (entries of ``tensor_parallel_plan``: a module's
+    path in ``root``, a style) splits its module over ``tp`` ranks, as the engine splits an embedding
+    or a head over the vocabulary (engines/distributed/vocab_plan.py)."""
+    out: List[nn.Module] = []
+    for name in names:
+        p = root.get_parameter(name)
+        path, _, own = name.rpartition(".")
+        style = next((st for pattern, st in plan if path and fnmatch(path, pattern)), None)
+        dim = split_dims(root.get_submodule(path), style).get(own) if tp > 1 else None
+        if dim is not None:
+            shape = list(p.shape)
+            shape[dim] = -(-shape[dim] // tp)
+            p = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        out.append(nn.ParameterList([p]))
+    return out
 
 
 def _device(module: nn.Module) -> torch.device:

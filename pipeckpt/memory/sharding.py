@@ -11,7 +11,7 @@ import functools
 import itertools
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.split_dims import split_dims
 from pipeckpt.memory.walk import StageMemory
 
 __all__ = [
@@ -136,16 +137,6 @@ def shard_numel(shape: Sequence[int], degree: int) -> int:
     return rows * rest
 
 
-#: Which dimension torch's tensor-parallel styles split, by style, module type and parameter name
-#: (a parameter not named here is replicated over ``tp``).
-_SPLIT_DIM: Dict[Tuple[str, Type[nn.Module]], Dict[str, int]] = {
-    ("colwise", nn.Linear): {"weight": 0, "bias": 0},
-    ("rowwise", nn.Linear): {"weight": 1},
-    ("colwise", nn.Embedding): {"weight": 1},
-    ("rowwise", nn.Embedding): {"weight": 0},
-}
-
-
 def split_shapes(unit: nn.Module, layout: Layout) -> List[Tuple[Tuple[int, ...], bool]]:
     """One tensor-parallel rank's shape of each parameter of ``unit`` under ``layout.tp_plan``, and
     whether it is trained (the first pattern that matches a submodule's path picks its style, as the
@@ -158,7 +149,7 @@ def split_shapes(unit: nn.Module, layout: Layout) -> List[Tuple[Tuple[int, ...],
     dims: Dict[int, int] = {}
     for name, module in unit.named_modules():
         style = next((st for pattern, st in layout.tp_plan if name and fnmatch(name, pattern)), None)
-        split = next((d for (st, t), d in _SPLIT_DIM.items() if st == style and isinstance(module, t)), {})
+        split = split_dims(module, style)
         for pname, p in module.named_parameters(recurse=False):
             if pname in split:
                 dims[id(p)] = split[pname]
@@ -296,7 +287,8 @@ def stage_rank_states(
         alone = [a for a, _ in sharded_share(outside, ranges)] if outside and root is not None else []
         out = []
         for j, (a, b) in enumerate(ranges):
-            stage = [*layers[a:b], *(units(root, alone[j]) if alone and root is not None else [])]
+            held = units(root, alone[j], layout.tp_plan, layout.tp) if alone and root is not None else []
+            stage = [*layers[a:b], *held]
             out.append((rank_state(stage, layout, optimizer), rank_state(stage, unsharded, optimizer)))
         return out
 

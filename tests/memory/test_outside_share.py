@@ -11,9 +11,13 @@ from torch import nn
 
 from pipeckpt import pipeline_of
 from pipeckpt.checkpointing.modes import parse_modes
+from pipeckpt.engines.distributed.tensor_parallel import layer_plan
+from pipeckpt.memory.outside_share import outside_params
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rooted import RootInput
+from pipeckpt.memory.sharding import Layout, stage_rank_states
+from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import StagePlan
 
 IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -67,3 +71,25 @@ def test_the_local_engine_counts_them_all_on_its_last_stage() -> None:
     outside = _bytes(model.model.embed_tokens) + _bytes(model.model.norm) + _bytes(model.lm_head)
     assert stage[0] == _bytes(layers[0]) + _bytes(layers[1])
     assert stage[1] == _bytes(layers[2]) + _bytes(layers[3]) + outside
+
+
+def test_under_tp2_the_embedding_and_head_count_half_their_rows_by_the_models_own_plan() -> None:
+    """``memory.tp=2`` (and ``checkpoint='auto'``) count what the engine splits over the vocabulary
+    (engines/distributed/vocab_plan.py): half of each vocabulary matrix per rank; the norm whole."""
+    model = _llama()
+    spec = pipeline_of(model, "model.layers")
+    outside = outside_params(spec, RootInput((), dict(input_ids=IDS)))
+    settings = PipeSettings(engine="distributed", tensor_parallel=2, data_parallel="fsdp")
+    plan = layer_plan(spec, settings).tensor_parallel_plan
+    assert plan is not None and plan["model.embed_tokens"] == "rowwise" and plan["lm_head"] == "colwise"
+    layout = Layout(tp=2, tp_plan=tuple(plan.items()))
+    split = [rank for rank, _ in stage_rank_states(spec, layout, "sgd", outside)((2, 2))]
+    layers = [rank for rank, _ in stage_rank_states(spec, layout, "sgd", None)((2, 2))]
+    embed, norm, head = _bytes(model.model.embed_tokens), _bytes(model.model.norm), _bytes(model.lm_head)
+    assert split[0].params == layers[0].params + embed // 2
+    assert split[1].params == layers[1].params + norm + head // 2
+    inside = tuple((k, v) for k, v in plan.items() if k not in ("model.embed_tokens", "lm_head"))
+    whole = [
+        rank for rank, _ in stage_rank_states(spec, Layout(tp=2, tp_plan=inside), "sgd", outside)((2, 2))
+    ]
+    assert whole[1].params == layers[1].params + norm + head  # without their entries: whole

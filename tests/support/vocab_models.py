@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import transformers as hf
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import pipeckpt
@@ -75,10 +76,30 @@ class VocabModule(L.LightningModule):
         return pipeckpt.pipeline_of(self.model, *self.layers)
 
     def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.model(**batch).loss
+        out = self.model(**batch)
+        logits = out.logits
+        # what the step sees: a DTensor split over the vocabulary where the engine splits the head
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        self.logits_seen = (type(logits).__name__, tuple(local.shape))
+        return out.loss
+
+    def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Losses(L.Callback):
+    """Each training step's loss, as the step returned it to Lightning (every rank: the step's)."""
+
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
 
 
 def batches(name: str, steps: int = 3) -> List[Dict[str, Any]]:

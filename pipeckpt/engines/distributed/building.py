@@ -143,6 +143,8 @@ class EngineBuilding:
             parts=parts,
         )
         if (sharding := self._sharding()) is not None:  # the layers sharded, and what only this rank holds
+            if sharding.tp is not None:  # its embedding and head split over the vocabulary first
+                step.vocab_parallel = sharding.tp.split_outside(spec, parts.shardable)
             sharding.shard_layers(self.modules, self.replicas, outside=parts.shardable)
             step.outside = [p for _, p in held_parameters(spec.root, parts)]  # sharding made them anew
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)

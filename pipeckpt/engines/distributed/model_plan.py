@@ -12,7 +12,7 @@ inside the layer. The rule:
   ``packed_colwise``, the MoE styles) is refused: it needs a collective or a layout these two do not
   give, and leaving it out while splitting its neighbours would compute other numbers;
 - an entry outside the pipelined layers (embeddings, the final norm, and the LM head of the model's
-  own plan) is skipped: what lies outside the layers is held whole by every rank of the pipeline;
+  own plan) is not a layer's: :mod:`.vocab_plan` splits the embedding and head over the vocabulary;
 - every pipelined layer must be split by the same entries (the plan is one per layer).
 """
 

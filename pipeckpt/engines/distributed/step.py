@@ -40,6 +40,7 @@ from pipeckpt.engines.distributed.replay import (
 )
 from pipeckpt.engines.distributed.schedules import Schedules
 from pipeckpt.engines.distributed.ties import Ties
+from pipeckpt.engines.distributed.vocab_loss import parallel_loss, plain_loss, whole_outputs
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
 from pipeckpt.stages.caller import capture_caller_state
 from pipeckpt.stages.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
@@ -88,6 +89,7 @@ class PipelinedStep:
         self.gradients: List[Tuple[nn.Parameter, Tensor]] = []
         self.ties: Optional[Ties] = None
         self.outside: List[nn.Parameter] = []  # a module pipeline's parameters outside its layers
+        self.vocab_parallel = False  # this rank's head is split over the vocabulary (.vocab_loss)
         self.signatures: Optional[Signatures] = None
         self.ranges: List[Tuple[int, int]] = []
         self._may_take: Set[int] = set()  # stages of this rank with a layer that declares keywords
@@ -137,12 +139,17 @@ class PipelinedStep:
             if train:
                 with gradients_set_aside(self._trained(), drop=self._zeroed_after_this_step()) as computed:
                     target = _targets(m) if last is not None else None
-                    schedule.step(*inputs, target=target, return_outputs=False)
+                    with parallel_loss(self.vocab_parallel):
+                        schedule.step(*inputs, target=target, return_outputs=False)
                 self.gradients = computed
             else:
-                schedule.step(*inputs, return_outputs=False)
+                with parallel_loss(self.vocab_parallel):
+                    schedule.step(*inputs, return_outputs=False)
                 if last is not None:  # forward only: the step sees the whole batch's output
-                    outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
+                    outputs = [
+                        whole_outputs(last.boundaries.rebuild_output(last.stage_index, o))
+                        for o in last.outputs
+                    ]
                     weights = lambda: loss_weights(self._calls(run), shift=shifts_labels(self.sequential))  # noqa: E731
                     output = gather(outputs, call=f"{self._name()}(...)", weights=weights)
                     with user_code(), answering(module, self.sequential, output, hook, run.recorder):
@@ -297,7 +304,7 @@ class PipelinedStep:
         except BaseException as error:  # the user's step: an error here is this rank's
             mark_own(error)
             raise
-        loss = step_loss(returned, run.hook)
+        loss = plain_loss(step_loss(returned, run.hook))  # the model's over a split vocabulary: a DTensor
         if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m
             rooted = not isinstance(self.sequential, nn.Sequential)  # a pipeline_of model's root
             run.weights = step_weights(self._calls(run), self.sequential) if rooted else None

@@ -9,14 +9,17 @@ rank's stages once they are real, and FSDP2 shards over ``dp`` on top (torchtita
 takes and returns plain tensors, replicated over ``tp``: what crosses a stage boundary is unchanged.
 A ``pipeline_of`` model without ``tensor_parallel_plan`` is split by its own plan (:mod:`.model_plan`),
 so whether a plan is missing is known only with the model (:func:`layer_plan`), not from the settings.
+Its embedding and head, outside the layers, are split over the vocabulary by the entries that name
+them (:mod:`.vocab_plan`), in the same plan: paths in the model, not in a layer.
 """
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from fnmatch import fnmatch
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,12 +30,24 @@ from torch.distributed.tensor.parallel import (
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.model_plan import SPLITTABLE, matches, model_plan, split_by
+from pipeckpt.engines.distributed.vocab_plan import outside_entries, outside_modules, own_outside_plan
 from pipeckpt.settings import PipeSettings
 
 __all__: List[str] = []
 
 #: The plan's names for torch's styles: a Linear or Embedding split by output or by input features.
 STYLES: Dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+#: The same names for a module outside the layers, split over the vocabulary (:mod:`.vocab_plan`): an
+#: embedding's rows (its token ids replicated), a head's outputs (its logits gathered whole).
+OUTSIDE_STYLES: Dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+}
+#: The model's output head (``get_output_embeddings()``) split by its outputs: its logits stay split
+#: over the vocabulary, a DTensor, for the model's loss to be computed on (:mod:`.vocab_loss`).
+LOGITS_SPLIT = lambda: ColwiseParallel(  # noqa: E731
+    input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
+)
 
 
 def check_tensor_parallel(s: PipeSettings) -> None:
@@ -85,16 +100,31 @@ def layer_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
     if tp == 1:
         return s
     if plan:
-        check_plan(list(layers), plan)
+        named_outside = _outside_patterns(layers, plan) if isinstance(layers, ModulePipeline) else set()
+        check_plan(list(layers), {p: st for p, st in plan.items() if p not in named_outside})
         return s
     if isinstance(layers, ModulePipeline):
-        return replace(s, tensor_parallel_plan=model_plan(layers, tp))
+        return replace(s, tensor_parallel_plan={**model_plan(layers, tp), **own_outside_plan(layers)})
     raise config_error(
         f"tensor_parallel={tp} without tensor_parallel_plan",
         "tensor parallelism splits the submodules a plan names, and an nn.Sequential pipeline has no "
         "plan of its own (a pipeline_of model's is its config's base_model_tp_plan)",
         "set tensor_parallel_plan (docs/DISTRIBUTED.md, 'Tensor parallel'), or tensor_parallel=1",
     )
+
+
+def _inside_patterns(spec: ModulePipeline, plan: Mapping[str, str]) -> Set[str]:
+    """The patterns of ``plan`` that name a submodule inside some layer of ``spec``."""
+    return {p for p in plan if any(matches(layer, p) for layer in spec)}
+
+
+def _outside_patterns(spec: ModulePipeline, plan: Mapping[str, str]) -> Set[str]:
+    """The patterns of ``plan`` that name no submodule inside a layer but a module outside the
+    layers (by its path in the model), checked (:func:`.vocab_plan.outside_entries`)."""
+    inside = _inside_patterns(spec, plan)
+    outside_entries(spec, plan, inside)
+    paths = list(outside_modules(spec))
+    return {p for p in plan if p not in inside and any(fnmatch(path, p) for path in paths)}
 
 
 def check_plan(layers: Sequence[nn.Module], plan: Mapping[str, str]) -> None:
@@ -161,3 +191,29 @@ class TensorParallel:
             }
             if styles:
                 parallelize_module(layer, self.mesh, styles)
+
+    def split_outside(self, spec: ModulePipeline, held: Sequence[nn.Module]) -> bool:
+        """The modules of ``held`` (outside ``spec``'s layers, this pipeline rank's alone) that the
+        plan names, split over the vocabulary in place (:mod:`.vocab_plan`); whether the model's
+        output head is among them (its logits then stay split: :mod:`.vocab_loss`)."""
+        mine = {id(m) for m in held}
+        entries = outside_entries(spec, self.plan, _inside_patterns(spec, self.plan))
+        head = _output_head(spec.root)
+        logits_split = False
+        for path, style in entries.items():
+            module = spec.root.get_submodule(path)
+            if id(module) not in mine:
+                continue
+            if module is head and style == "colwise":
+                parallelize_module(module, self.mesh, LOGITS_SPLIT())
+                logits_split = True
+            else:
+                parallelize_module(module, self.mesh, OUTSIDE_STYLES[style]())
+        return logits_split
+
+
+def _output_head(root: nn.Module) -> Optional[nn.Module]:
+    """The model's output head by its own account (transformers' ``get_output_embeddings``), if any."""
+    found = getattr(root, "get_output_embeddings", None)
+    head = found() if callable(found) else None
+    return head if isinstance(head, nn.Linear) else None

@@ -1,11 +1,13 @@
 """Tensor parallelism for a ``pipeline_of`` model from the model's own plan (``tensor_parallel=2``
 without ``tensor_parallel_plan``: the Hugging Face config's ``base_model_tp_plan`` cut at each
-pipelined layer).
+pipelined layer, and transformers' ``tp_plan`` for the input embedding and the head, split over the
+vocabulary).
 
-Without processes: the plan derived for Llama and Qwen2 (every projection, nothing outside the
-layers), and the refusals (a plan entry naming nothing, a model without a plan of its own, a style
-torch does not offer plainly, heads that do not divide), and ``checkpoint='auto'`` counting each
-rank's parameters by the derived plan as by the same plan given explicitly. One launch of 4 real
+Without processes: the plan derived for Llama and Qwen2 (every projection, the embedding and the
+head; not the final norm), and the refusals (a plan entry naming nothing, a model without a plan
+of its own, a style torch does not offer plainly, heads that do not divide), and
+``checkpoint='auto'`` counting each rank's parameters by the derived plan as by the same plan given
+explicitly. One launch of 4 real
 processes (pp2 x tp2, data_parallel='fsdp' with dp=1, gloo on CPU,
 tests/engines/distributed/tp_pipeline_of_worker.py) trains tiny HF Llama and Qwen2 (hidden 64,
 4 heads, 2 KV heads, 4 layers) 3 SGD steps on padded
@@ -78,7 +80,12 @@ def _settings(**options: Any) -> PipeSettings:
 @pytest.mark.parametrize("name", SCRATCH)
 def test_a_pipeline_of_model_is_split_by_its_configs_plan_inside_each_layer(name):
     settings = layer_plan(pipeline_of(_meta(name), "model.layers"), _settings())
-    assert settings.tensor_parallel_plan == LLAMA_PLAN  # embed_tokens, norm and lm_head stay whole
+    # and, by transformers' own plan, the input embedding and the head over the vocabulary; the norm whole
+    assert settings.tensor_parallel_plan == {
+        **LLAMA_PLAN,
+        "model.embed_tokens": "rowwise",
+        "lm_head": "colwise",
+    }
 
 
 def test_a_users_plan_entry_that_names_nothing_in_a_pipeline_of_model_is_refused_naming_it():
@@ -226,7 +233,8 @@ def test_every_process_starts_bitwise_at_from_pretrained_and_its_shards_at_the_s
             if "local" in v:  # a DTensor (every tensor of a layer under FSDP, over dp=1 alone)
                 assert torch.equal(v["local"], _slice(want[key], v)), key
                 shards += "tp" in v["mesh"]
-    assert shards == 4 * 2 * len(LLAMA_PLAN)  # split over tp: every projection of each process's two layers
+    # split over tp: every projection of each process's two layers, and its stage's embedding or head
+    assert shards == 4 * (2 * len(LLAMA_PLAN) + 1)
 
 
 @pytest.mark.slow
@@ -237,7 +245,7 @@ def test_each_process_reads_only_the_slices_its_shards_hold(four_processes):
         shards = sum(v["local"].numel() for v in held.values() if "local" in v)
         whole = sum(v["whole"].numel() for v in held.values() if "local" not in v)  # outside the layers
         split = sum(v["whole"].numel() - v["local"].numel() for v in held.values() if "local" in v)
-        assert split > 0  # the projections: half of each
+        assert split > 0  # the projections, and the embedding or head: half of each
         assert saved["bytes_read"] == 2 * (shards + whole)
 
 
