@@ -25,8 +25,10 @@ Command::
     # (benchmarks/RESULTS_pretrained_memory.md: its table, main's beside it, and the diagnosis)
     python benchmarks/bench_pretrained_memory.py --smoke --out /tmp/smoke.md   # tiny sizes
     python benchmarks/bench_pretrained_memory.py --size medium --cases llama    # a 0.168e9 Llama
-    python benchmarks/bench_pretrained_memory.py --size vocab --cases llama --layouts pp2,pp4,pp2xfsdp2
-    # (the vocabulary outweighs the layers: who holds the embedding and head, against a fair share)
+    python benchmarks/bench_pretrained_memory.py --size vocab --cases llama \
+        --layouts pp2,pp4,pp2xfsdp2,pp2xtp2
+    # (the vocabulary outweighs the layers: who holds the embedding and head, against a fair share;
+    # pp2xtp2: the model's own tensor-parallel plan, the embedding and head split over the vocabulary)
 """
 
 import argparse
@@ -159,8 +161,11 @@ def _worker(path: str) -> None:
     else:
         module = _Linears(size["width"], size["linears"], eager=spec["build"] == "eager")
         data = DataLoader(TensorDataset(torch.randn(4, size["width"])), batch_size=4)
-    dp = spec["world"] // spec["pp"]
-    sharded = dict(dp=dp, data_parallel="fsdp") if dp > 1 else {}
+    tp = spec.get("tp", 1)
+    dp = spec["world"] // (spec["pp"] * tp)
+    sharded: Dict[str, Any] = dict(dp=dp, data_parallel="fsdp") if dp > 1 else {}
+    if tp > 1:  # the model's own plan: its layers, and its embedding and head over the vocabulary
+        sharded.update(tensor_parallel=tp, data_parallel="fsdp")
     strategy = pipeckpt.PipelineStrategy(
         engine="distributed", stages=spec["pp"], chunks=2, timeout=1800, **sharded
     )
@@ -231,7 +236,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, in seconds")
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help="--smoke: --size smoke")
     parser.add_argument("--cases", default="sequential,llama")
-    parser.add_argument("--layouts", default="pp4", help="llama: pp<N> or pp<N>xfsdp<M>, comma-separated")
+    parser.add_argument(
+        "--layouts", default="pp4", help="llama: pp<N>, pp<N>xfsdp<M> or pp<N>xtp<K>, comma-separated"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker)
@@ -256,11 +263,14 @@ def main() -> None:
     if "llama" in cases:
         with tempfile.TemporaryDirectory() as directory:
             _run(["--save", size_name, directory])
-            for layout in args.layouts.split(","):  # "pp4", "pp2xfsdp2"
-                pp, _, fsdp = layout.partition("xfsdp")
-                world = int(pp[2:]) * int(fsdp or 1)
+            for layout in args.layouts.split(","):  # "pp4", "pp2xfsdp2", "pp2xtp2"
+                degrees = dict(
+                    (d.rstrip("0123456789"), int(d[len(d.rstrip("0123456789")) :])) for d in layout.split("x")
+                )
+                pp, tp = degrees["pp"], degrees.get("tp", 1)
+                world = pp * degrees.get("fsdp", 1) * tp
                 spec = dict(
-                    case="llama", build="meta", size=size_name, pp=int(pp[2:]), world=world, dir=directory
+                    case="llama", build="meta", size=size_name, pp=pp, tp=tp, world=world, dir=directory
                 )
                 rows += run_ranks(os.path.abspath(__file__), world, dict(spec, layout=layout), timeout=1800)
             rows.append(json.loads(_run(["--eager", directory]).strip().splitlines()[-1]))
@@ -271,7 +281,8 @@ def main() -> None:
             f"sequential: {size['linears']} x Linear({size['width']}, {size['width']}), {linear:,.0f} MiB "
             "fp32, pp2 on 2 processes; meta = built in configure_model, eager = built in __init__.",
             f"llama: {_parameters(size) / 1e9:.3f}e9 parameters ({_parameters(size) * 4 / 2**20:,.0f} MiB "
-            "fp32), saved in bf16 shards; meta = the layout's processes (pp<N>, x fsdp<M> replicas sharded), "
+            "fp32), saved in bf16 shards; meta = the layout's processes (pp<N>, x fsdp<M> replicas sharded, "
+            "x tp<K> split by the model's own plan), "
             "built in configure_model and filled "
             "by pipeckpt.pretrained; eager = one process doing what every eager rank does first, "
             "from_pretrained(dir, dtype=float32).",

@@ -22,6 +22,7 @@ processes trains Qwen2 as pp2 x tp2 x dp2 on each replica's half of every batch:
 """
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -117,6 +118,38 @@ def test_a_model_plan_style_that_torch_does_not_offer_plainly_is_refused_naming_
 def test_key_value_heads_that_the_tensor_parallel_ranks_do_not_divide_are_refused():
     with pytest.raises(PipeckptConfigError, match=r"(?s)tensor_parallel=4 with num_key_value_heads=2.*HINT"):
         layer_plan(pipeline_of(_meta("llama"), "model.layers"), _settings(tensor_parallel=4))
+
+
+def test_a_users_plan_names_the_parts_outside_the_layers_by_their_path_in_the_model():
+    plan = {**LLAMA_PLAN, "model.embed_tokens": "rowwise", "lm_head": "colwise"}
+    settings = layer_plan(pipeline_of(_meta("llama"), "model.layers"), _settings(tensor_parallel_plan=plan))
+    assert settings.tensor_parallel_plan == plan  # kept whole as given: the engine splits what it names
+
+
+def test_outside_the_layers_a_plan_entry_other_than_a_vocabulary_split_is_refused_naming_it():
+    for entry, style, named in [
+        ("model.norm", "rowwise", "model.norm (LlamaRMSNorm)"),
+        ("lm_head", "rowwise", "lm_head (Linear)"),
+        ("model.embed_tokens", "colwise", "model.embed_tokens (Embedding)"),
+    ]:
+        plan = {**LLAMA_PLAN, entry: style}
+        with pytest.raises(PipeckptConfigError, match=rf"(?s){re.escape(named)}.*over the vocabulary.*HINT"):
+            layer_plan(pipeline_of(_meta("llama"), "model.layers"), _settings(tensor_parallel_plan=plan))
+
+
+def test_a_tied_head_stays_whole_by_the_models_own_plan_and_a_plan_entry_naming_it_is_refused():
+    tied_config = config("llama")
+    tied_config.tie_word_embeddings = True  # Llama 3.2 1B's head, for one
+    with torch.device("meta"):
+        tied = transformers.LlamaForCausalLM(tied_config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    settings = layer_plan(pipeline_of(tied, "model.layers"), _settings())
+    assert settings.tensor_parallel_plan == LLAMA_PLAN  # neither the embedding nor the head split
+    plan = {**LLAMA_PLAN, "lm_head": "colwise"}
+    with pytest.raises(
+        PipeckptConfigError, match=r"(?s)entry 'lm_head' for lm_head: its weight is tied.*HINT.*untie"
+    ):
+        layer_plan(pipeline_of(tied, "model.layers"), _settings(tensor_parallel_plan=plan))
 
 
 def _stage_params(options: Dict[str, Any]) -> List[int]:
