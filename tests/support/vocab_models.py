@@ -71,6 +71,7 @@ class VocabModule(L.LightningModule):
         build, self.layers = MODELS[name]
         torch.manual_seed(0)
         self.model = build()
+        self.reads_logits = False
 
     def configure_pipeline(self) -> nn.Module:
         return pipeckpt.pipeline_of(self.model, *self.layers)
@@ -81,6 +82,9 @@ class VocabModule(L.LightningModule):
         # what the step sees: a DTensor split over the vocabulary where the engine splits the head
         local = logits.to_local() if isinstance(logits, DTensor) else logits
         self.logits_seen = (type(logits).__name__, tuple(local.shape))
+        if self.reads_logits:  # the next-token accuracy, computed on the logits with the plain labels
+            hits = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
+            self.log("accuracy", hits.float().mean())
         return out.loss
 
     def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:

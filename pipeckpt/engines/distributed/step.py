@@ -40,7 +40,12 @@ from pipeckpt.engines.distributed.replay import (
 )
 from pipeckpt.engines.distributed.schedules import Schedules
 from pipeckpt.engines.distributed.ties import Ties
-from pipeckpt.engines.distributed.vocab_loss import parallel_loss, plain_loss, whole_outputs
+from pipeckpt.engines.distributed.vocab_loss import (
+    parallel_loss,
+    plain_loss,
+    split_logits_read,
+    whole_outputs,
+)
 from pipeckpt.engines.distributed.wiring import LiveStage, Side, StageModule, shape_inference_loss
 from pipeckpt.stages.caller import capture_caller_state
 from pipeckpt.stages.gradients import gradients_set_aside, window_starts, zeroed_by_lightning
@@ -146,10 +151,9 @@ class PipelinedStep:
                 with parallel_loss(self.vocab_parallel):
                     schedule.step(*inputs, return_outputs=False)
                 if last is not None:  # forward only: the step sees the whole batch's output
-                    outputs = [
-                        whole_outputs(last.boundaries.rebuild_output(last.stage_index, o))
-                        for o in last.outputs
-                    ]
+                    outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
+                    if self.vocab_parallel:  # the logits split over the vocabulary, gathered whole
+                        outputs = [whole_outputs(o) for o in outputs]
                     weights = lambda: loss_weights(self._calls(run), shift=shifts_labels(self.sequential))  # noqa: E731
                     output = gather(outputs, call=f"{self._name()}(...)", weights=weights)
                     with user_code(), answering(module, self.sequential, output, hook, run.recorder):
@@ -302,7 +306,10 @@ class PipelinedStep:
             with within.again(output):
                 returned = self.module.training_step(run.microbatches[i], *run.rest, **run.kwargs)
         except BaseException as error:  # the user's step: an error here is this rank's
-            mark_own(error)
+            named = split_logits_read(error, self.module) if self.vocab_parallel else None
+            mark_own(named or error)
+            if named is not None:
+                raise named from error
             raise
         loss = plain_loss(step_loss(returned, run.hook))  # the model's over a split vocabulary: a DTensor
         if not run.weighed:  # a model's mean over label tokens or sum: the calls' weights, not 1/m

@@ -16,13 +16,14 @@ output whole, as without tensor parallelism.
 """
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, List
+from typing import Any, List, Optional
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from pipeckpt._compat import tree_map
+from pipeckpt._errors import PipeckptConfigError, config_error
 
 __all__: List[str] = []
 
@@ -45,3 +46,20 @@ def plain_loss(loss: Tensor) -> Tensor:
 def whole_outputs(output: Any) -> Any:
     """``output`` with each DTensor in it gathered whole (a forward-only step's logits)."""
     return tree_map(lambda t: plain_loss(t) if isinstance(t, DTensor) else t, output)
+
+
+def split_logits_read(error: BaseException, module: object) -> Optional[PipeckptConfigError]:
+    """The error a training step raised mixing the split logits with a plain tensor, named (None:
+    another error). torch refuses an operation on a DTensor and a plain tensor together."""
+    text = str(error)
+    if not isinstance(error, (RuntimeError, TypeError)) or "DTensor" not in text:
+        return None
+    return config_error(
+        f"{type(module).__name__}.training_step on the logits split over the vocabulary "
+        f"({text.splitlines()[0] if text else type(error).__name__})",
+        "under tensor_parallel the model's head returns its logits as a DTensor split over the "
+        "vocabulary, and the model's loss is computed on it without gathering them; the step used "
+        "them with a plain tensor",
+        "gather them where the step needs them whole (logits.full_tensor()), or give "
+        "tensor_parallel_plan without the head's entry (the head is then held whole)",
+    )

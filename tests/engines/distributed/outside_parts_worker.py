@@ -29,6 +29,7 @@ class _HeldBytes(L.Callback):
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
     strategy = PipelineStrategy(engine="distributed", **spec["strategy"])
     module = VocabModule(spec["model"])
+    module.reads_logits = bool(spec.get("reads_logits"))
     held, losses = _HeldBytes(), Losses()
     validate = bool(spec.get("validate"))  # at the epoch's end, after the 3 steps: its outputs whole
     options: Dict[str, Any] = dict(limit_val_batches=3) if validate else {}

@@ -174,3 +174,15 @@ def test_under_pp2_x_tp2_each_rank_holds_half_of_the_vocabulary_rows_of_its_stag
     for rank, saved in enumerate(_ranks(four, "llama_pp2_tp2", 4)):
         key = "model.embed_tokens.weight" if rank // 2 == 0 else "lm_head.weight"  # tp innermost
         assert tuple(saved["local_shapes"][key]) == (16000, 128), f"rank {rank}: {key}"
+
+
+@pytest.mark.slow
+def test_a_step_that_mixes_the_split_logits_with_a_plain_tensor_is_refused_naming_the_fix(tmp_path) -> None:
+    """Under pp2 x tp2 the step's logits are a DTensor split over the vocabulary: a step that compares
+    them with its plain labels fails on the last stage with the fix named, not torch's bare error."""
+    run = dict(FOUR[-1], name="reads_logits", reads_logits=True, validate=False)
+    codes = ranks.exit_codes(WORKER, 4, [run], tmp_path, within_s=START_S)
+    assert codes[2:] == [1, 1] and any(codes[:2]), codes  # the last stage's ranks raised, the rest stopped
+    text = ranks.logs(tmp_path, 4)
+    assert "VocabModule.training_step on the logits split over the vocabulary" in text
+    assert "HINT: gather them where the step needs them whole (logits.full_tensor())" in text
