@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.data import SyntheticImages, SyntheticTokens, SyntheticVectors, TextDataModule
 from pipeckpt.app.data.text import read_corpus
 
@@ -83,9 +84,14 @@ def test_training_uses_every_offset_and_validation_tiles_without_overlap():
     assert torch.equal(dm.val_set[1][0][0], dm.val_set.data[16].long())
 
 
-def test_a_validation_split_smaller_than_a_batch_is_an_error():
-    with pytest.raises(ValueError, match="val_fraction"):
+def test_a_validation_split_smaller_than_a_batch_is_refused_naming_the_settings():
+    with pytest.raises(PipeckptConfigError) as error:
         text(max_bytes=2_000, val_fraction=0.05, batch_size=16)
+    message = str(error.value)
+    assert message.startswith(
+        "data.batch_size=16: the validation split holds 6 windows, fewer than one batch"
+    )
+    assert "data.max_bytes" in message and "data.val_fraction" in message
 
 
 def test_text_batches_have_the_configured_shape():

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from pipeckpt.app.data.text import TextDataModule, Windows, read_corpus
+from pipeckpt.app.data.text import TextDataModule, Windows, check_validation, read_corpus
 
 __all__ = ["HFTextDataModule", "has_tokenizer", "token_range"]
 
@@ -102,8 +102,4 @@ class HFTextDataModule(TextDataModule):
         cut = len(data) - int(len(data) * self.val_fraction)
         self.train_set = HFWindows(data[:cut], seq_len=self.seq_len, stride=1)
         self.val_set = HFWindows(data[cut:], seq_len=self.seq_len, stride=self.seq_len)
-        if len(self.val_set) < self.batch_size:
-            raise ValueError(
-                f"validation split too small for one batch (windows: {len(self.val_set)}, "
-                f"batch_size: {self.batch_size}); raise data.max_bytes or data.val_fraction"
-            )
+        check_validation(self.val_set, self.batch_size)

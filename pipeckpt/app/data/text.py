@@ -19,7 +19,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["TextDataModule", "read_corpus"]
+from pipeckpt._errors import config_error
+
+__all__ = ["TextDataModule", "check_validation", "read_corpus"]
 
 #: Directories of the standard library that hold installed packages, not the library.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -67,6 +69,16 @@ def read_corpus(path: Optional[str], *, pattern: str = "*.py", max_bytes: int) -
     return corpus
 
 
+def check_validation(windows: Dataset, batch_size: int) -> None:
+    """Refuses a validation split of fewer windows than one batch, naming the settings that grow it."""
+    if len(windows) < batch_size:  # type: ignore[arg-type]
+        raise config_error(
+            f"data.batch_size={batch_size}",
+            f"the validation split holds {len(windows)} windows, fewer than one batch",  # type: ignore[arg-type]
+            "raise data.max_bytes or data.val_fraction, or lower data.batch_size",
+        )
+
+
 class Windows(Dataset):
     """Windows of ``seq_len + 1`` bytes, as (input, target) shifted by one.
 
@@ -76,9 +88,10 @@ class Windows(Dataset):
 
     def __init__(self, data: torch.Tensor, *, seq_len: int, stride: int) -> None:
         if len(data) < seq_len + 1:
-            raise ValueError(
-                f"text too short for one window (bytes: {len(data)}, window: seq_len + 1 = {seq_len + 1}); "
-                f"use a bigger corpus (data.max_bytes, data.val_fraction) or a smaller seq_len"
+            raise config_error(
+                f"data.seq_len={seq_len} on a text of {len(data)} tokens",
+                f"one window takes seq_len + 1 = {seq_len + 1} tokens",
+                "use a bigger corpus (data.max_bytes, data.val_fraction) or a smaller seq_len",
             )
         self.data = data
         self.seq_len = seq_len
@@ -139,11 +152,7 @@ class TextDataModule(L.LightningDataModule):
         cut = len(data) - int(len(data) * self.val_fraction)
         self.train_set = Windows(data[:cut], seq_len=self.seq_len, stride=1)
         self.val_set = Windows(data[cut:], seq_len=self.seq_len, stride=self.seq_len)
-        if len(self.val_set) < self.batch_size:
-            raise ValueError(
-                f"validation split too small for one batch (windows: {len(self.val_set)}, "
-                f"batch_size: {self.batch_size}); raise data.max_bytes or data.val_fraction"
-            )
+        check_validation(self.val_set, self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() runs before the dataloaders"
