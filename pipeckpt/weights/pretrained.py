@@ -1,15 +1,15 @@
 """A module built on the meta device, filled from a pretrained checkpoint where it is made real.
 
-Why: ``from_pretrained`` in every process reads the whole checkpoint in each, and a model built on
-the meta device (the way to build one larger than a process) had no way to get pretrained values.
+Why: ``from_pretrained`` in every process reads the whole checkpoint in each, and a model built on the
+meta device (the way to build one larger than a process) had no way to get pretrained values.
 :func:`pretrained` marks a module; when a process makes its own stages real
-(:mod:`pipeckpt.stages.materialize`), every tensor it keeps is read from the checkpoint by its key
-alone (``safetensors.safe_open`` per file, only the keys needed; a plain state-dict file is mapped,
-weights only), converted to the module's dtype. What the checkpoint does not hold and the module
-does not save (rotary frequencies, masks) comes from the module's own initialisation. Before any of
-that, marking the module checks it against the checkpoint on keys and shapes alone (:mod:`.matching`,
-from the index and the safetensors headers: :mod:`.listing`), so that a directory that cannot fill it
-is refused before any work.
+(:mod:`pipeckpt.stages.materialize`), every tensor it keeps is read from the checkpoint by its key alone
+(plain reads of its byte ranges a few MiB at a time, :mod:`.ranged_read`, only the keys and slices
+needed; a plain state-dict file is mapped, weights only), converted to the module's dtype. What the
+checkpoint does not hold and the module does not save (rotary frequencies, masks) comes from the
+module's own initialisation. Before any of that, marking the module checks it against the checkpoint on
+keys and shapes alone (:mod:`.matching`, from the index and the safetensors headers: :mod:`.listing`),
+so that a directory that cannot fill it is refused before any work.
 """
 
 import weakref
@@ -27,6 +27,7 @@ from pipeckpt.weights.adapters import init_adapters
 from pipeckpt.weights.hub import absent, local_directory
 from pipeckpt.weights.listing import Listing, list_checkpoint
 from pipeckpt.weights.matching import candidates, check
+from pipeckpt.weights.ranged_read import SafetensorsFile
 
 __all__ = [
     "pretrained",
@@ -132,25 +133,43 @@ class Pretrained:
                 for key in keys:
                     _copy(wanted[key], state[key], key, file)
                 continue
-            import safetensors
+            with SafetensorsFile(file) as ranged:  # plain reads of a few MiB: nothing mapped
+                for key in keys:
+                    if ranged.readable(key):
+                        _read_ranged(wanted[key], ranged, key, file)
+                        continue
+                    import safetensors
 
-            for key in keys:  # opened per key: the file's pages a read touched count as this
-                # process's resident memory until it is closed (safetensors maps the file)
-                with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-                    split = isinstance(wanted[key], DTensor)
-                    _copy(wanted[key], f.get_slice(key) if split else f.get_tensor(key), key, file)
+                    with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+                        split = isinstance(wanted[key], DTensor)
+                        _copy(wanted[key], f.get_slice(key) if split else f.get_tensor(key), key, file)
 
 
-def _copy(dest: Tensor, source: Any, key: str, file: Path) -> None:
-    """``source`` (a tensor, or a safetensors slice, read only here) into ``dest``: whole, or the part
-    of it that ``dest``'s shard holds when ``dest`` is a DTensor."""
-    shape = tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+def _read_ranged(dest: Tensor, source: SafetensorsFile, key: str, file: Path) -> None:
+    """``key`` of ``source`` into ``dest`` (:mod:`.ranged_read`): whole, or the part of it that
+    ``dest``'s shard holds when ``dest`` is a DTensor."""
+    _check_shape(dest, source.shape(key), key, file)
+    if isinstance(dest, DTensor):
+        _, offset = local_extent(dest)
+        source.read_into(dest.to_local(), key, offset)
+    else:
+        source.read_into(dest, key, (0,) * dest.dim())
+
+
+def _check_shape(dest: Tensor, shape: Tuple[int, ...], key: str, file: Path) -> None:
     if tuple(dest.shape) != shape:
         raise config_error(
             f"{key} in {str(file)!r} has shape {shape}, the module's {tuple(dest.shape)}",
             "a pretrained checkpoint fills a module of the same configuration",
             "build the module from the checkpoint's own config (AutoConfig.from_pretrained(path))",
         )
+
+
+def _copy(dest: Tensor, source: Any, key: str, file: Path) -> None:
+    """``source`` (a tensor, or a safetensors slice, read only here) into ``dest``: whole, or the part
+    of it that ``dest``'s shard holds when ``dest`` is a DTensor."""
+    shape = tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+    _check_shape(dest, shape, key, file)
     if isinstance(dest, DTensor):
         size, offset = local_extent(dest)
         dest = dest.to_local()

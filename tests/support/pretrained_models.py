@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 import pipeckpt
+from pipeckpt.weights.ranged_read import SafetensorsFile
 from support.hf_models import LAYERS, batches
 
 LAYERS = dict(LAYERS, qwen2="model.layers")
@@ -56,9 +57,15 @@ def tensor_keys(model: nn.Module) -> Set[str]:
 
 @contextmanager
 def keys_read() -> Iterator[List[str]]:
-    """Every key read through ``safetensors.safe_open``."""
+    """Every key read: by plain reads of its bytes (pipeckpt.weights.ranged_read), or through
+    ``safetensors.safe_open``."""
     read: List[str] = []
     original = safetensors.safe_open
+    ranged = SafetensorsFile.read_into
+
+    def read_into(self, dest, key, offset):
+        read.append(key)
+        return ranged(self, dest, key, offset)
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -86,10 +93,12 @@ def keys_read() -> Iterator[List[str]]:
             return getattr(self.inner, name)
 
     safetensors.safe_open = Recording
+    SafetensorsFile.read_into = read_into
     try:
         yield read
     finally:
         safetensors.safe_open = original
+        SafetensorsFile.read_into = ranged
 
 
 class FromPretrained(L.LightningModule):

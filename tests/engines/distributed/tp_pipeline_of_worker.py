@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 import pipeckpt
 from pipeckpt import PipelineStrategy
+from pipeckpt.weights.ranged_read import SafetensorsFile
 
 VOCAB, LENGTH, BATCH, STEPS = 64, 12, 8, 3
 CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
@@ -102,9 +103,16 @@ def held(module: nn.Module) -> Dict[str, Dict[str, Any]]:
 
 @contextmanager
 def bytes_read() -> Iterator[List[int]]:
-    """The bytes of every tensor read through ``safetensors.safe_open`` (whole, or a slice's)."""
+    """The bytes of every tensor read (whole, or a slice's), in the file's dtype: by plain reads
+    (pipeckpt.weights.ranged_read), or through ``safetensors.safe_open``."""
     counted: List[int] = []
     original = safetensors.safe_open
+    ranged = SafetensorsFile.read_into
+
+    def read_into(self: SafetensorsFile, dest: Tensor, key: str, offset: Any) -> None:
+        itemsize = {"F32": 4, "BF16": 2, "F16": 2}[self.entries[key]["dtype"]]
+        counted.append(dest.numel() * itemsize)
+        ranged(self, dest, key, offset)
 
     class Slice:
         def __init__(self, inner: Any) -> None:
@@ -141,10 +149,12 @@ def bytes_read() -> Iterator[List[int]]:
             return getattr(self.inner, name)
 
     safetensors.safe_open = Counting
+    SafetensorsFile.read_into = read_into  # type: ignore[method-assign]
     try:
         yield counted
     finally:
         safetensors.safe_open = original
+        SafetensorsFile.read_into = ranged  # type: ignore[method-assign]
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
