@@ -32,6 +32,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.model_plan import SPLITTABLE, matches, model_plan, split_by
 from pipeckpt.engines.distributed.vocab_plan import outside_entries, outside_modules, own_outside_plan
 from pipeckpt.settings import PipeSettings
+from pipeckpt.weights.pretrained import pending_reads
 
 __all__: List[str] = []
 
@@ -190,7 +191,7 @@ class TensorParallel:
                 name: STYLES[style]() for name, style in split_by(layer, self.plan).items()
             }
             if styles:
-                parallelize_module(layer, self.mesh, styles)
+                parallelize_module(layer, self.mesh, styles, src_data_rank=_source(layer))
 
     def split_outside(self, spec: ModulePipeline, held: Sequence[nn.Module]) -> bool:
         """The modules of ``held`` (outside ``spec``'s layers, this pipeline rank's alone) that the
@@ -205,11 +206,21 @@ class TensorParallel:
             if id(module) not in mine:
                 continue
             if module is head and style == "colwise":
-                parallelize_module(module, self.mesh, LOGITS_SPLIT())
+                parallelize_module(module, self.mesh, LOGITS_SPLIT(), src_data_rank=_source(module))
                 logits_split = True
             else:
-                parallelize_module(module, self.mesh, OUTSIDE_STYLES[style]())
+                parallelize_module(module, self.mesh, OUTSIDE_STYLES[style](), src_data_rank=_source(module))
         return logits_split
+
+
+def _source(module: nn.Module) -> Optional[int]:
+    """The tensor-parallel rank whose whole values each rank's slice is cut from: rank 0's (scattered),
+    or none where every parameter of ``module`` is read from a pretrained checkpoint once split
+    (each rank cuts its own slice of the allocated tensor, and nothing is sent: receiving a slice
+    touched its pages, and sending the whole made the sender's pages resident, both overwritten
+    by the read)."""
+    later = pending_reads(module)
+    return None if later and all(id(p) in later for p in module.parameters()) else 0
 
 
 def _output_head(root: nn.Module) -> Optional[nn.Module]:
