@@ -24,6 +24,7 @@ __all__ = [
     "PipeSettingsArgs",
     "Modes",
     "BALANCE_BY",
+    "LAYOUTS",
     "LAYER_RNG",
     "MEMORY_SEARCH",
     "check_balance_by",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 BALANCE_BY = ("params", "time", "memory")
+LAYOUTS = ("manual", "auto")
 
 #: The checkpoint setting, parsed: ``"auto"`` or the modes as given (one for every stage, or one each).
 Modes = Union[str, Tuple[CheckpointMode, ...]]
@@ -127,6 +129,13 @@ class PipeSettings:
     )
     engine: str = field(
         default="local", metadata=_help("'local' (one process) or 'distributed' (one process per stage)")
+    )
+    layout: str = field(
+        default="manual",
+        metadata=_help(
+            "'manual' (the stages, degrees, schedule, chunks and modes as given) or 'auto': searched "
+            "for the model on the cluster before the processes start (docs/LAYOUT.md)"
+        ),
     )
     schedule: Optional[str] = field(
         default=None,
@@ -259,6 +268,7 @@ class PipeSettingsArgs(TypedDict, total=False):
     compile: Any
     strict: bool
     engine: str
+    layout: str
     schedule: Optional[str]
     dp: Optional[int]
     virtual_stages: Optional[int]
@@ -328,6 +338,12 @@ def _check_types(s: PipeSettings) -> None:
         value = getattr(s, name)
         if not isinstance(value, str):
             raise config_error(f"{name}={value!r}", "is a name (a string)", f"set {name} to one of its names")
+    if s.layout not in LAYOUTS:
+        raise config_error(
+            f"layout={s.layout!r}",
+            f"is one of {list(LAYOUTS)}",
+            "set layout='auto' to search the layout, or leave it 'manual' (strategy.layout in the app)",
+        )
 
 
 def _is_count(value: Any) -> bool:
