@@ -11,6 +11,7 @@ One CPU (the default: tiny GPT on the standard library's sources, 2 stages, exce
     python train.py ckpt=always strategy.stages=4 strategy.chunks=8
     python train.py ckpt.modes=[always,except_last] trainer.precision=bf16-mixed
     python train.py -m ckpt=never,except_last,always       # one summary line per run
+    python train.py strategy.engine=distributed trainer.devices=4 strategy.layout=auto cluster=local
     python train.py ckpt_path=outputs/<run>/checkpoints/last.ckpt trainer.max_steps=400
 
 One host with several GPUs (one stage per GPU):
@@ -45,6 +46,7 @@ from pipeckpt.app.config import register
 from pipeckpt.app.sample import sample_after_training
 from pipeckpt.app.throughput import ThroughputLog
 from pipeckpt.export import HFExport
+from pipeckpt.plan_layout import apply_layout
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
 from pipeckpt.sizes import human
@@ -57,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Builds everything from ``cfg``, trains, and returns the run's summary."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    cfg = apply_layout(cfg)  # strategy.layout=auto: the searched layout, before anything is built
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)

@@ -30,6 +30,7 @@ from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.sharding import Layout, RankTable, format_ranks
 from pipeckpt.memory.timing import for_compile
+from pipeckpt.plan_layout import Answer, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
@@ -54,6 +55,8 @@ directory holding config.json alone (only shapes are read).
   python -m pipeckpt.plan model=llama3 model.size=8B model.seq_len=8192 strategy.stages=2 \
       strategy.chunks=8 data.batch_size=8 ckpt=selective trainer.precision=bf16-mixed \
       memory.fake=true memory.fsdp=4                                    # one rank's table
+  python -m pipeckpt.plan model=gpt strategy.engine=distributed trainer.devices=4 \
+      strategy.layout=auto cluster=local            # the top layouts on 4 processes, + PNG
 
 The configs' memory.budget, memory.search and memory.optimizer are the strategy's memory_*
 settings: with a budget the table marks each stage against it, prints the plan auto picks under
@@ -151,7 +154,7 @@ def _batch(cfg: DictConfig) -> Tuple[Any, Any]:
     return inputs, targets
 
 
-def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOptions, Optional[str]]:
+def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], MemoryOptions, Optional[str]]:
     """Composes the config, profiles and predicts; returns the prediction, the options and the
     auto choice's line (when a budget is given)."""
     options, overrides = split_options(argv)
@@ -163,6 +166,8 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable], MemoryOption
     check_config(cfg)  # train.py's checks, before the data and the model are built
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
+        return search_config(cfg, png=options.png or "layout_frontier.png"), options, None
     torch.manual_seed(cfg.seed)
     settings, budget = _settings(cfg)
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
@@ -305,6 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(line, flush=True)
     if isinstance(prediction, RankTable):
         print(format_ranks(prediction), flush=True)
+        return 0
+    if isinstance(prediction, Answer):
+        print(prediction.text(), f"wrote {options.png or 'layout_frontier.png'}", sep="\n", flush=True)
         return 0
     print(format_prediction(prediction, options.budget), flush=True)
     if choice is not None:

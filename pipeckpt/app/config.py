@@ -270,6 +270,9 @@ class TrainConfig:
     threads: Optional[int] = _in(_COUNT)  # torch.set_num_threads; None keeps torch's default
     ckpt_path: Optional[str] = MISSING  # a checkpoint to resume from
     validate: bool = MISSING  # validate before and after training, and print both losses
+    # cluster=NAME: the devices strategy.layout=auto searches for (conf/cluster/: a preset's fields, or
+    # name: local), checked field by field by pipeckpt.layout.cluster.cluster, naming cluster.<field>
+    cluster: Any = None
 
 
 _SCHEMAS: dict[tuple[Optional[str], str], Any] = {

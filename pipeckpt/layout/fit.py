@@ -20,15 +20,22 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.checkpointing.modes import NEVER, CheckpointMode, parse_modes
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.layout.candidates import Candidate
-from pipeckpt.memory.auto import DEFAULT_MODES, choose
-from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
+from pipeckpt.memory.predict import Prediction, predict, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.sharding import Layout, stage_rank_states
+from pipeckpt.memory.sharding import Layout, RankState, on_rank, stage_rank_states
+from pipeckpt.sizes import human
 from pipeckpt.stages.partition import min_max_partition
 
-__all__ = ["Fitted", "Shapes", "Memory", "memory_schedule", "balance_of"]
+__all__ = ["Fitted", "Shapes", "Memory", "memory_schedule", "balance_of", "EXACT_STAGES"]
+
+#: Up to this many stages every combination of modes is scored (7 modes: 343 plans); beyond, each
+#: stage takes its fastest mode that fits.
+EXACT_STAGES = 3
 
 #: The model's layers as one tensor-parallel rank computes them, and the plan that splits them
 #: (empty: already one rank's share), by tensor-parallel degree.
@@ -100,6 +107,7 @@ class Memory:
         self.precision, self.optimizer, self.modes = precision, optimizer, list(modes)
         self._built: Dict[int, Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]] = {}
         self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
+        self._states: Dict[Tuple[int, int, int, int, bool], int] = {}
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
 
     def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
@@ -115,15 +123,18 @@ class Memory:
     def state_bytes(self, c: Candidate) -> int:
         """The largest pipeline rank's share of parameters, gradients and optimizer state under ``c``
         (parameters outside the layers not counted: a lower bound, safe to prune by)."""
-        sequential, _ = self._layers(c.tp)
-        balance = balance_of(sequential, c.stages)
-        states = stage_rank_states(sequential, self.layout(c), self.optimizer)(balance)  # type: ignore[arg-type]
         kind = lookup(c.schedule)
-        per_rank = []
-        for r in range(c.pp):
-            held = [states[j][0] for j in kind.stages_of(r, c.pp, c.stages)]
-            per_rank.append(sum(s.params + s.grads + s.optimizer for s in held))
-        return max(per_rank)
+        key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape)
+        if key not in self._states:
+            sequential, _ = self._layers(c.tp)
+            balance = balance_of(sequential, c.stages)
+            states = stage_rank_states(sequential, self.layout(c), self.optimizer)(balance)  # type: ignore[arg-type]
+            per_rank = []
+            for r in range(c.pp):
+                held = [states[j][0] for j in kind.stages_of(r, c.pp, c.stages)]
+                per_rank.append(sum(s.params + s.grads + s.optimizer for s in held))
+            self._states[key] = max(per_rank)
+        return self._states[key]
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
         """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once."""
@@ -154,21 +165,65 @@ class Memory:
                 self.optimizer,  # type: ignore[arg-type]
                 fitted.outside_params,
             )
-            choice = choose(
-                fitted,
-                budget,
-                balance=balance_of(sequential, c.stages),
-                chunks=c.chunks,
-                optimizer=self.optimizer,
-                schedule=schedule,
-                modes=self.modes,  # type: ignore[arg-type]
-                rank_states=states,
-            )
-            names = tuple(m.name for m in choice.modes)
-            self._answers[key] = (names, choice.balance, choice.prediction)
+            balance = balance_of(sequential, c.stages)
+            self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
         names, balance, prediction = self._answers[key]
         kind = lookup(c.schedule)
         peaks = tuple(
             sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
         )
         return Fitted(replace(c, modes=names), balance, peaks, prediction)
+
+    def _choose(
+        self,
+        fitted: ModelProfile,
+        budget: int,
+        balance: Tuple[int, ...],
+        chunks: int,
+        schedule: str,
+        states: Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]],
+    ) -> Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]:
+        """The modes, balance and prediction: ``never`` everywhere where it fits (nothing is
+        recomputed, so no plan is faster: the makespan grows with every op's time); else
+        :func:`~pipeckpt.memory.auto.choose` over every combination up to :data:`EXACT_STAGES`
+        stages, and per stage the fastest mode that fits beyond (each stage's memory depends on its
+        own mode only, so the plan fits; the makespan is not proven least)."""
+        options = dict(chunks=chunks, optimizer=self.optimizer, schedule=schedule, rank_states=states)
+        try:
+            picked = choose(fitted, budget, balance=balance, modes=[NEVER], **options)  # type: ignore[arg-type]
+        except PipeckptConfigError:
+            if len(balance) > EXACT_STAGES:
+                return self._per_stage(fitted, budget, balance, chunks, schedule, states)
+            picked = choose(fitted, budget, balance=balance, modes=self.modes, **options)  # type: ignore[arg-type]
+        return tuple(m.name for m in picked.modes), picked.balance, picked.prediction
+
+    def _per_stage(
+        self,
+        fitted: ModelProfile,
+        budget: int,
+        balance: Tuple[int, ...],
+        chunks: int,
+        schedule: str,
+        states: Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]],
+    ) -> Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]:
+        def predicted(modes: Sequence[CheckpointMode]) -> Prediction:
+            plan = with_balance(with_balance_modes(balance, NEVER), balance, modes)
+            p = predict(fitted, plan, chunks=chunks, optimizer=self.optimizer, schedule=schedule)
+            ranks = tuple(on_rank(st, mine, whole) for st, (mine, whole) in zip(p.stages, states(balance)))
+            return replace(p, stages=ranks)
+
+        candidates = [parse_modes([m], 1)[0] for m in self.modes]  # type: ignore[list-item]
+        uniform = [predicted([m] * len(balance)) for m in candidates]
+        picked = []
+        for j in range(len(balance)):
+            fits = [(u.stages[j].time_s, u.stages[j].peak, m) for m, u in zip(candidates, uniform)]
+            fits = [f for f in fits if f[1] <= budget]
+            if not fits:
+                least = min(u.stages[j].peak for u in uniform)
+                raise config_error(
+                    f"memory budget {human(budget)}",
+                    f"no plan fits: stage {j} needs {human(least)} in its least-memory mode",
+                    "add devices or stages, or use a device with more memory",
+                )
+            picked.append(min(fits, key=lambda f: (f[0], f[1]))[2])
+        return tuple(m.name for m in picked), balance, predicted(picked)

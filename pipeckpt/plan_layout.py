@@ -1,0 +1,285 @@
+"""``strategy.layout=auto``: the layout search run on the configured model, for the plan command and
+for train.py.
+
+Why here, in the CLIs' layer: the search (:mod:`pipeckpt.layout`) takes a model's layers, profiles
+and costs as functions; building them from the configs is the plan command's job (the model built as
+a fit builds it, on fake tensors when it would not fit this machine: :mod:`pipeckpt.plan_model`), and
+train.py applies the pick to the configs before the strategy is built. The processes a run starts
+(Lightning's launcher runs this script again) do not search again: the launching process hands its
+pick to them in the environment (:data:`PICK_VARIABLE`), as their profiles would differ.
+"""
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.layout import cost
+from pipeckpt.layout.candidates import Candidate, Model, candidates
+from pipeckpt.layout.cluster import Cluster, cluster
+from pipeckpt.layout.fit import Memory, Shapes
+from pipeckpt.layout.report import draw, format_row, format_search
+from pipeckpt.layout.search import Estimate, Searched, search
+from pipeckpt.memory.budget import first_microbatch
+from pipeckpt.memory.precision import forward_context
+from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.repeated import identical_run, repeat_layer, shortened
+from pipeckpt.memory.sharding import PRECISIONS
+from pipeckpt.plan_model import Built, batch, built
+from pipeckpt.plan_ranks import takes_tensor_parallel
+
+__all__ = ["Answer", "search_config", "apply_layout", "PICK_VARIABLE"]
+
+#: The environment variable the launching process hands its pick to the processes it starts in.
+PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The search on the configured model: its answer, the cluster it ran for, and notes."""
+
+    searched: Searched
+    cluster: Cluster
+    profiled: Tuple[Tuple[int, int], ...]  # (tp, micro-batch size) shapes profiled
+
+    def text(self, top: int = 8) -> str:
+        d = self.cluster.device
+        where = (
+            f"on {self.cluster.name} ({self.cluster.world} x {d.name}, {d.memory_bytes / 2**30:.1f} GiB each)"
+        )
+        shapes = ", ".join(f"tp{tp} x {mb}" for tp, mb in self.profiled)
+        tail = f"profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
+        return f"{format_search(self.searched, top=top, device=where)}\n{tail}"
+
+
+def _world(cfg: DictConfig) -> Optional[int]:
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes") or 1
+    return int(devices) * int(nodes) if isinstance(devices, int) else None
+
+
+def _cluster(cfg: DictConfig) -> Cluster:
+    spec = cfg.get("cluster")
+    if spec is None:
+        raise config_error(
+            "strategy.layout=auto without cluster",
+            "the search needs the devices' figures",
+            "add cluster=local",
+        )
+    given = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else spec
+    return cluster(given, devices=_world(cfg))  # type: ignore[arg-type]
+
+
+def _check(cfg: DictConfig) -> None:
+    engine = cfg.strategy.get("engine")
+    if engine != "distributed":
+        raise config_error(
+            f"strategy.layout=auto with strategy.engine={engine}",
+            "the search lays a model out over a world of processes, which the distributed engine runs",
+            "add strategy.engine=distributed",
+        )
+
+
+def _heads(module: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The attention heads and KV heads of the model's config (None: it says none)."""
+    for m in (module, *getattr(module, "modules", lambda: [])()):
+        config = getattr(m, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int):
+            kv = getattr(config, "num_key_value_heads", None)
+            return heads, kv if isinstance(kv, int) else None
+    return None, None
+
+
+def _three_layers(cfg: DictConfig, full: torch.nn.Sequential) -> Optional[DictConfig]:
+    """The configs of the same model with three of its identical layers (first, middle, last), where
+    a ``pipeline_of`` model's layers are all alike and its ``model.config`` sets their count: its own
+    forward runs every layer, so it is profiled shortened this way and the middle layer repeated
+    (:func:`~pipeckpt.memory.repeated.repeat_layer`); None where that does not apply."""
+    config = cfg.model.get("config")
+    alike = identical_run(full) == (0, len(full))
+    if not isinstance(full, ModulePipeline) or len(full) <= 3 or not alike:
+        return None
+    if not isinstance(config, DictConfig) or "num_hidden_layers" not in config or cfg.model.get("path"):
+        return None
+    short = cfg.copy()
+    with open_dict(short):
+        short.model.config.num_hidden_layers = 3
+    return short
+
+
+class _Shapes:
+    """The configured model's layers and profiles by tensor-parallel degree, each build kept open
+    (its fake tensors alive) for the whole search."""
+
+    def __init__(self, cfg: DictConfig, drawn: Any, stack: contextlib.ExitStack, *, fake: bool) -> None:
+        self.cfg, self.drawn, self.stack, self.fake = cfg, drawn, stack, fake
+        self.by_argument = takes_tensor_parallel(cfg)
+        self._built: Dict[int, Built] = {}
+        self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
+
+    def built(self, tp: int) -> Built:
+        key = tp if self.by_argument else 1
+        if key not in self._built:
+            extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
+            self._built[key] = self.stack.enter_context(
+                built(self.cfg, self.drawn, fake=self.fake, extra=extra)
+            )
+        return self._built[key]
+
+    def layers(self, tp: int) -> Tuple[torch.nn.Sequential, Tuple[Tuple[str, str], ...]]:
+        sequential = self.built(tp).sequential
+        if tp == 1 or self.by_argument:
+            return sequential, ()
+        given = self.cfg.strategy.get("tensor_parallel_plan")
+        if given:
+            return sequential, tuple((str(k), str(v)) for k, v in given.items())
+        assert isinstance(sequential, ModulePipeline)  # Model.tensor_parallel says so
+        return sequential, tuple(model_plan(sequential, tp).items())
+
+    def profile(self, tp: int, microbatch: int) -> ModelProfile:
+        """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers where
+        the model is built as one (a layer split by a plan is profiled whole, the same for every tp)."""
+        key = (tp if self.by_argument else 1, microbatch)
+        if key not in self.profiles:
+            self.profiles[key] = self._profile(tp, microbatch)
+        return self.profiles[key]
+
+    def _profile(self, tp: int, microbatch: int) -> ModelProfile:
+        full = self.built(tp).sequential
+        short_cfg = _three_layers(self.cfg, full)
+        if short_cfg is None:
+            return self._profiled(self.built(tp), microbatch)
+        extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
+        with built(short_cfg, self.drawn, fake=True, extra=extra) as b:
+            return repeat_layer(self._profiled(b, microbatch), 1, len(full) - 2)
+
+    def _profiled(self, b: Built, microbatch: int) -> ModelProfile:
+        size = int(self.cfg.data.batch_size)
+        sequential = b.sequential
+        rooted = isinstance(sequential, ModulePipeline)
+        short, index, count = shortened(sequential) if not rooted else (sequential, 0, 1)
+        with forward_context(self.cfg.trainer.precision, torch.device("cpu")):
+            fitted = profile(
+                short,
+                first_microbatch(b.inputs, size // microbatch),
+                loss_fn=b.loss_fn,
+                target=first_microbatch(b.targets, size // microbatch) if b.targets is not None else None,
+                fake=self.fake,
+            )
+        return repeat_layer(fitted, index, count) if count > 1 else fitted
+
+
+def _cost(cfg: DictConfig, memory: Memory, where: Cluster, module: Any) -> Callable[[Candidate], Estimate]:
+    """:func:`pipeckpt.layout.cost.estimate` for this model on ``where``: its costs from its Hugging
+    Face config where it has one (the published FLOP count), else from one profile of the whole
+    layers (any micro-batch: the costs are per token; a fake profile's times are its FLOPs)."""
+    seq_len, precision = int(cfg.model.seq_len), str(cfg.trainer.precision)
+    global_batch = int(cfg.data.batch_size)
+    config = getattr(module, "hf_config", None)
+    if config is not None:
+        costs = cost.model_costs_from_config(config, seq_len=seq_len, precision=precision)
+    else:
+        microbatch = max(1, global_batch // where.world)
+        heads, _ = _heads(module)
+        costs = cost.model_costs_from_profile(
+            memory.profile(1, microbatch),
+            seq_len=seq_len,
+            microbatch=microbatch,
+            heads=heads or 0,
+            param_bytes=torch.empty((), dtype=torch.get_default_dtype()).element_size(),
+            name=str(cfg.model._target_).rsplit(".", 1)[-1],
+        )
+
+    def estimate(c: Candidate) -> Estimate:
+        return cost.estimate(c, costs, where, global_batch=global_batch, seq_len=seq_len, precision=precision)
+
+    return estimate
+
+
+@contextlib.contextmanager
+def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shapes"]]:
+    _check(cfg)
+    where = _cluster(cfg)
+    precision = str(cfg.trainer.precision)
+    drawn = batch(cfg)
+    fake = True  # memory is the same on fake tensors, times come from FLOPs: no layout pays a real step
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(PRECISIONS[precision][0] if precision in PRECISIONS else default_dtype)
+    try:
+        with contextlib.ExitStack() as stack:
+            shapes = _Shapes(cfg, drawn, stack, fake=fake)
+            whole = shapes.built(1)
+            heads, kv = _heads(whole.module)
+            splits = isinstance(whole.sequential, ModulePipeline) or bool(
+                cfg.strategy.get("tensor_parallel_plan")
+            )
+            model = Model(layers=len(whole.sequential), heads=heads, kv_heads=kv, tensor_parallel=splits)
+            optimizer = cfg.get("memory", {}).get("optimizer") or "adamw"
+            memory = Memory(
+                Shapes(shapes.layers, shapes.profile),
+                device_bytes=where.device.memory_bytes,
+                global_batch=int(cfg.data.batch_size),
+                precision=precision,
+                optimizer=optimizer,
+            )
+            yield memory, model, where, shapes
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def search_config(cfg: DictConfig, *, png: Optional[str] = None) -> Answer:
+    """The layouts of the configured model on the configured cluster, ranked (the plan command's
+    ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one."""
+    torch.manual_seed(cfg.seed)
+    with _searching(cfg) as (memory, model, where, shapes):
+        found = candidates(where.world, model, global_batch=int(cfg.data.batch_size))
+        searched = search(
+            found,
+            device_bytes=where.device.memory_bytes,
+            state=memory.state_bytes,
+            memory=memory.fit,
+            cost=_cost(cfg, memory, where, shapes.built(1).module),
+        )
+        answer = Answer(searched, where, tuple(shapes.profiles))
+    if png is not None:
+        draw(searched, png, where.device.memory_bytes)
+    return answer
+
+
+def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
+    """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
+    when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
+    batch per replica (``data.batch_size`` is the global batch under auto). The launching process
+    searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it."""
+    if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
+        return cfg
+    handed = os.environ.get(PICK_VARIABLE)
+    if handed is None:
+        answer = search_config(cfg)
+        best = answer.searched.best
+        say(answer.text(top=5), flush=True)
+        pick: Dict[str, Any] = {
+            "settings": best.candidate.settings(),
+            "dp": best.candidate.dp,
+            "row": format_row(1, best),
+        }
+        os.environ[PICK_VARIABLE] = json.dumps(pick)
+        say(f"strategy.layout=auto: training with {pick['row'].strip()}", flush=True)
+    else:
+        pick = json.loads(handed)
+    picked = cfg.copy()
+    with open_dict(picked):
+        for key, value in pick["settings"].items():
+            picked.strategy[key] = value
+        picked.strategy.layout = "manual"
+        picked.strategy.memory_budget = None
+        picked.strategy.memory_search = None
+        picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
+    return picked

@@ -1,0 +1,87 @@
+"""``strategy.layout=auto`` from the command line: the plan command ranks layouts, train.py trains with
+the pick, and a bad value is refused naming the setting.
+
+The plan runs in-process on a published preset (its figures are in conf/cluster/, no calibration);
+the acceptance command on ``cluster=local`` and the 4-process training run are slow tests.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support import forkserver
+
+from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.plan import main, run
+from pipeckpt.plan_layout import PICK_VARIABLE, Answer
+
+ROOT = Path(__file__).resolve().parents[2]
+AUTO = ["model=gpt", "strategy.engine=distributed", "trainer.devices=4", "strategy.layout=auto"]
+
+
+def test_the_plan_command_ranks_layouts_fastest_first(tmp_path: Path) -> None:
+    answer, _, _ = run([*AUTO, "cluster=h100_8", f"memory.png={tmp_path / 'frontier.png'}"])
+    assert isinstance(answer, Answer)
+    ranked = answer.searched.ranked
+    assert len(ranked) >= 3
+    times = [r.estimate.step_s for r in ranked]
+    assert times == sorted(times)
+    assert all(r.candidate.world == 4 for r in ranked)
+    assert all(r.fitted.peak <= answer.cluster.device.memory_bytes for r in ranked)
+
+
+def test_the_plan_command_prints_the_table_the_runner_up_line_and_the_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "frontier.png"
+    assert main([*AUTO, "cluster=h100_8", f"memory.png={png}"]) == 0
+    out = capsys.readouterr().out
+    assert "layout search:" in out and "tok/s/dev" in out
+    assert "runner-up " in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_misspelt_layout_is_refused_naming_the_setting() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"^layout='autoo': is one of \['manual', 'auto'\]"):
+        run(["strategy.layout=autoo"])
+
+
+def test_layout_auto_under_the_local_engine_is_refused_naming_the_engine() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"strategy.layout=auto with strategy.engine=local"):
+        run(["model=gpt", "strategy.layout=auto", "cluster=h100_8"])
+
+
+def test_the_strategy_built_with_layout_auto_says_where_the_search_runs() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"layout='auto' in PipelineStrategy"):
+        PipelineStrategy(engine="distributed", layout="auto")
+
+
+@pytest.mark.slow
+def test_the_acceptance_command_on_the_local_cluster_ranks_at_least_three_layouts(tmp_path: Path) -> None:
+    answer, _, _ = run([*AUTO, "cluster=local", f"memory.png={tmp_path / 'frontier.png'}"])
+    assert isinstance(answer, Answer)
+    assert len(answer.searched.ranked) >= 3
+
+
+@pytest.mark.slow
+def test_train_py_trains_with_the_layout_the_search_picks(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != PICK_VARIABLE}
+    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable,
+        "train.py",
+        *AUTO,
+        "cluster=local",
+        "trainer.max_steps=2",
+        "trainer.accelerator=cpu",
+        "validate=false",
+        "trainer.enable_progress_bar=false",
+        "strategy.timeout=300",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    done = forkserver.run(command, cwd=ROOT, env=env, timeout=900)  # kills the process group on timeout
+    assert done.returncode == 0, done.stderr[-3000:]
+    picked = next(line for line in done.stdout.splitlines() if line.startswith("strategy.layout=auto: training with"))
+    assert " 1 pp" in picked
+    assert "2 steps in" in done.stdout
