@@ -49,6 +49,7 @@ PARTS: Tuple[Tuple[str, str], ...] = (
     ("bubble_s", "pipeline bubble"),
     ("exposed_comm_s", "exposed communication"),
     ("engine_s", "engine cost per micro-batch"),
+    ("optimizer_s", "optimizer step"),
 )
 
 
@@ -181,12 +182,12 @@ def why_lost(runner_up: Ranked, best: Ranked) -> str:
     )
     if a.step_s <= b.step_s:
         return f"runner-up {name}: as fast, ranked second on its peak ({human(runner_up.fitted.peak)})"
-    worse = max(PARTS, key=lambda p: getattr(a, p[0]) - getattr(b, p[0]))
-    more = getattr(a, worse[0]) - getattr(b, worse[0])
+    worse = max(PARTS, key=lambda p: getattr(a, p[0], 0.0) - getattr(b, p[0], 0.0))
+    more = getattr(a, worse[0], 0.0) - getattr(b, worse[0], 0.0)  # an estimate may not split it out
     return (
         f"runner-up {name}: {100 * (a.step_s / b.step_s - 1):.1f}% slower "
         f"({a.step_s * 1e3:.1f} vs {b.step_s * 1e3:.1f} ms), most of it {worse[1]} "
-        f"(+{more * 1e3:.1f} ms)"
+        f"(+{more * 1e3:.2f} ms)"
     )
 
 

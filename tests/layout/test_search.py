@@ -139,12 +139,22 @@ def test_top_keeps_the_fastest() -> None:
     assert [r.candidate.pp for r in found.ranked] == [1, 2]
 
 
+def test_why_the_runner_up_lost_counts_an_optimizer_step_the_estimate_splits_out() -> None:
+    @dataclass(frozen=True)
+    class WithOptimizer(Step):
+        optimizer_s: float = 0.0
+
+    best = Ranked(fitted(layout(2), 1), WithOptimizer(1.0, compute_s=0.9, optimizer_s=0.1))
+    runner = Ranked(fitted(layout(4), 1), WithOptimizer(1.1, compute_s=0.9, optimizer_s=0.2))
+    assert "optimizer step (+100.00 ms)" in why_lost(runner, best)
+
+
 def test_why_the_runner_up_lost_names_the_part_it_loses_most_in() -> None:
     best = Ranked(fitted(layout(2), 1), Step(1.0, compute_s=0.8, bubble_s=0.2))
     runner = Ranked(fitted(layout(4), 1), Step(1.25, compute_s=0.8, bubble_s=0.4, exposed_comm_s=0.05))
     line = why_lost(runner, best)
     assert "25.0% slower" in line
-    assert "pipeline bubble (+200.0 ms)" in line
+    assert "pipeline bubble (+200.00 ms)" in line
 
 
 # -- the memory function on a real model ------------------------------------------------
