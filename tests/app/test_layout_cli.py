@@ -82,6 +82,7 @@ def test_train_py_trains_with_the_layout_the_search_picks(tmp_path: Path) -> Non
     ]
     done = forkserver.run(command, cwd=ROOT, env=env, timeout=900)  # kills the process group on timeout
     assert done.returncode == 0, done.stderr[-3000:]
-    picked = next(line for line in done.stdout.splitlines() if line.startswith("strategy.layout=auto: training with"))
-    assert " 1 pp" in picked
+    lines = done.stdout.splitlines()
+    first = next(line for line in lines if line.startswith(" 1 pp"))  # the table's first row
+    assert f"strategy.layout=auto: training with {first.strip()}" in lines
     assert "2 steps in" in done.stdout
