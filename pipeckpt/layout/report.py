@@ -77,7 +77,8 @@ def draw(searched: Searched, path: str, device_bytes: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = 2**30
+    top = max((r.fitted.peak for r in searched.ranked), default=device_bytes)
+    gib, unit = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB")  # the points' scale, not the device's
     fig, ax = plt.subplots(figsize=(8, 5))
     counts = Counter(r.candidate.schedule for r in searched.ranked)
     for schedule in sorted(counts):
@@ -107,8 +108,9 @@ def draw(searched: Searched, path: str, device_bytes: int) -> None:
             edgecolors="red",
             label=f"pick: {best.candidate.describe()}",
         )
-    ax.axvline(device_bytes / gib, color="grey", linestyle="--", label=f"device {human(device_bytes)}")
-    ax.set_xlabel("predicted peak per rank (GiB)")
+    if device_bytes <= 2 * top:  # else the line would squeeze every point against the axis
+        ax.axvline(device_bytes / gib, color="grey", linestyle="--", label=f"device {human(device_bytes)}")
+    ax.set_xlabel(f"predicted peak per rank ({unit}; the device holds {human(device_bytes)})")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title("layouts that fit: memory-time frontier")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))
