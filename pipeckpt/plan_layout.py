@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
 from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
@@ -78,7 +79,7 @@ def _cluster(cfg: DictConfig) -> Cluster:
 
 def _check(cfg: DictConfig) -> None:
     engine = cfg.strategy.get("engine")
-    if engine != "distributed":
+    if not engine_class(str(engine)).is_distributed:  # the engine's own word, not its name
         raise config_error(
             f"strategy.layout=auto with strategy.engine={engine}",
             "the search lays a model out over a world of processes, which the distributed engine runs",
