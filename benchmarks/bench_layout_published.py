@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from pipeckpt.layout.candidates import Candidate as Layout  # the search's own layout record
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.cost import StepEstimate, estimate
 from pipeckpt.layout.model_costs import ModelCosts, model_costs_from_config
@@ -45,18 +46,6 @@ LLAMA_405B = dict(  # Llama 3.1 405B's config.json
 def gpt(h: int, heads: int, layers: int) -> Dict[str, Any]:
     """Megatron's GPT of Table 1: a 4h GELU MLP, learnt positions, V = 51,200."""
     return dict(model_type="gpt2", n_embd=h, n_head=heads, n_layer=layers, vocab_size=51200, n_positions=2048)
-
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int
-    tp: int
-    dp_replicate: int
-    dp_shard: int
-    schedule: str
-    virtual_stages: int
-    chunks: int
-    modes: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
