@@ -74,6 +74,17 @@ class _Run:
     def __post_init__(self) -> None:
         self.recorder = LogRecorder(self.hook)
 
+    def scaled(self, loss: Tensor, i: int) -> Tensor:
+        """Micro-batch ``i``'s ``loss`` as the schedule backpropagates it (its weight in the step,
+        times ``scale``), kept detached in ``losses`` for the step's reported mean."""
+        if self.weights is None:
+            kept = loss.detach()
+            self.losses.append(kept if kept.dtype == torch.float32 else kept.float())
+            return loss * self.scale
+        weight = self.weights.weights[i] * self.microbatches.count  # losses.mean() in the step
+        self.losses.append(weigh(loss.detach().float(), weight))
+        return weigh(loss, weight * self.scale)
+
 
 class PipelinedStep:
     """Runs a LightningModule's step hooks through this process's schedules."""
@@ -141,23 +152,23 @@ class PipelinedStep:
         result = None
         self._run = run
         try:
-            if train:
-                with gradients_set_aside(self._trained(), drop=self._zeroed_after_this_step()) as computed:
-                    target = _targets(m) if last is not None else None
-                    with parallel_loss(self.vocab_parallel):
+            with parallel_loss(self.vocab_parallel):  # a loss over a split vocabulary, backward too
+                if train:
+                    trained, drop = self._trained(), self._zeroed_after_this_step()
+                    with gradients_set_aside(trained, drop=drop) as computed:
+                        target = _targets(m) if last is not None else None
                         schedule.step(*inputs, target=target, return_outputs=False)
-                self.gradients = computed
-            else:
-                with parallel_loss(self.vocab_parallel):
+                    self.gradients = computed
+                else:
                     schedule.step(*inputs, return_outputs=False)
-                if last is not None:  # forward only: the step sees the whole batch's output
-                    outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
-                    if self.vocab_parallel:  # the logits split over the vocabulary, gathered whole
-                        outputs = [whole_outputs(o) for o in outputs]
-                    weights = lambda: loss_weights(self._calls(run), shift=shifts_labels(self.sequential))  # noqa: E731
-                    output = gather(outputs, call=f"{self._name()}(...)", weights=weights)
-                    with user_code(), answering(module, self.sequential, output, hook, run.recorder):
-                        result = getattr(module, hook)(batch, *rest, **kwargs)
+            if not train and last is not None:  # forward only: the step sees the whole batch's output
+                outputs = [last.boundaries.rebuild_output(last.stage_index, o) for o in last.outputs]
+                if self.vocab_parallel:  # the logits split over the vocabulary, gathered whole
+                    outputs = [whole_outputs(o) for o in outputs]
+                weights = lambda: loss_weights(self._calls(run), shift=shifts_labels(self.sequential))  # noqa: E731
+                output = gather(outputs, call=f"{self._name()}(...)", weights=weights)
+                with user_code(), answering(module, self.sequential, output, hook, run.recorder):
+                    result = getattr(module, hook)(batch, *rest, **kwargs)
         finally:
             self._run = None
             for stage in stages:
@@ -316,13 +327,7 @@ class PipelinedStep:
             rooted = not isinstance(self.sequential, nn.Sequential)  # a pipeline_of model's root
             run.weights = step_weights(self._calls(run), self.sequential) if rooted else None
             run.weighed = True
-        if run.weights is None:
-            kept = loss.detach()
-            run.losses.append(kept if kept.dtype == torch.float32 else kept.float())
-            return loss * run.scale
-        weight = run.weights.weights[i] * run.microbatches.count  # losses.mean() below
-        run.losses.append(weigh(loss.detach().float(), weight))
-        return weigh(loss, weight * run.scale)
+        return run.scaled(loss, i)
 
     def _calls(self, run: _Run) -> List[Call]:
         return [self.call_of(i) for i in range(run.microbatches.count)]
