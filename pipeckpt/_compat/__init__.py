@@ -1,6 +1,6 @@
 """Every reach into a private name of torch, Lightning, torchgpipe or transformers, in one place: this
-package, a module per library (``torch_private``, ``lightning_private``, ``torchgpipe_private``,
-``transformers_private``).
+package, a module per library (``torch_private``, ``torch_dcp``, ``lightning_private``,
+``torchgpipe_private``, ``transformers_private``).
 
 Each entry says why no public API serves. ``tests/test_compat.py`` checks every
 one by name and behaviour, so an upgrade that removes or changes one fails there,
@@ -30,6 +30,13 @@ from pipeckpt._compat.lightning_private import (
     unwrap_optimizer,
     validates_after_this_step,
 )
+from pipeckpt._compat.torch_dcp import (
+    DcpMemoryFormat,
+    DcpStorageInfo,
+    dcp_file_extents,
+    dcp_files,
+    layout_by_name,
+)
 from pipeckpt._compat.torch_private import (
     BACKWARD_ONE_CHUNK,
     BWD_SEND,
@@ -40,8 +47,6 @@ from pipeckpt._compat.torch_private import (
     STAGE_META,
     STAGE_META_HOOKS,
     BatchNormBase,
-    DcpMemoryFormat,
-    DcpStorageInfo,
     FakeTensorMode,
     MemTracker,
     TorchDispatchMode,
@@ -50,13 +55,10 @@ from pipeckpt._compat.torch_private import (
     accumulate_keeping_graph,
     apply_function,
     apply_to_tensors,
-    dcp_file_extents,
-    dcp_files,
     default_store,
     dispatch_mode_stack,
     is_view,
     keep_buffers_out_of_state_dict,
-    layout_by_name,
     live_op_order,
     local_extent,
     make_fsdp_root,

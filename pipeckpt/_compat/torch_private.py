@@ -1,5 +1,5 @@
 """Every reach into torch's private names (torch.utils._python_dispatch, _pytree, pipelining's
-_backward, the memory tools, DCP's metadata classes).
+_backward, the memory tools); DCP's metadata classes are :mod:`pipeckpt._compat.torch_dcp`'s.
 
 Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
 behaviour.
@@ -259,38 +259,6 @@ def sac_stateful_ops() -> List[Any]:
     return [getattr(torch.ops.aten, n) for n in SAC_STATEFUL_OP_NAMES if hasattr(torch.ops.aten, n)]
 
 
-# -- torch.distributed.checkpoint -----------------------------------------------------
-# DCP's ``.metadata`` is a plain pickle of its Metadata dataclass, and two of the classes inside
-# it (the per-item file extent, the memory-format enum) and the function that rebuilds a layout
-# are private; a loader that admits exactly these classes must name them.
-from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMemoryFormat  # noqa: E402
-from torch.serialization import _get_layout as layout_by_name  # noqa: E402
-
-
-def dcp_files(metadata: Any) -> Dict[str, Any]:
-    """The file each item of a DCP checkpoint is stored in (its path relative to the checkpoint
-    directory), by DCP's flat key; None for an entry that is not DCP's private ``_StorageInfo``
-    (only a crafted ``.metadata`` holds one)."""
-    return {
-        index.fqn: info.relative_path if isinstance(info, DcpStorageInfo) else None
-        for index, info in metadata.storage_data.items()
-    }
-
-
-def dcp_file_extents(metadata: Any, keys: Any) -> Dict[str, int]:
-    """The bytes each shard file of a DCP checkpoint must hold at least (the furthest end of the
-    items of DCP's flat ``keys``), by file name relative to the checkpoint directory:
-    ``Metadata.storage_data`` maps every item to a private ``_StorageInfo`` (file, offset, length)."""
-    extents: Dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        if index.fqn not in keys:
-            continue
-        end = int(info.offset) + int(info.length)
-        extents[info.relative_path] = max(end, extents.get(info.relative_path, 0))
-    return extents
-
-
 # -- torch.distributed.pipelining -----------------------------------------------------
 
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
@@ -359,8 +327,6 @@ __all__ = [
     "is_view",
     "BACKWARD_ONE_CHUNK",
     "BatchNormBase",
-    "DcpMemoryFormat",
-    "DcpStorageInfo",
     "FORWARD_ONE_CHUNK",
     "FakeTensorMode",
     "MODULE_STATES",
@@ -372,12 +338,9 @@ __all__ = [
     "accumulate_keeping_graph",
     "apply_function",
     "apply_to_tensors",
-    "dcp_file_extents",
-    "dcp_files",
     "default_store",
     "dispatch_mode_stack",
     "keep_buffers_out_of_state_dict",
-    "layout_by_name",
     "live_op_order",
     "make_fsdp_root",
     "module_memory",
