@@ -35,6 +35,7 @@ from pipeckpt._errors import (
 from pipeckpt.state import safe_load
 from pipeckpt.state.directories import swap_into_place, temporary_beside
 from pipeckpt.state.files import atomic_write
+from pipeckpt.state.optimizer_names import optimizer_state_by_index, optimizer_state_by_name
 from pipeckpt.state.save_errors import NamingWriter, checkpoint_bytes, named, not_written
 from pipeckpt.state.sharded_index import DCP_METADATA as _DCP_METADATA
 from pipeckpt.state.sharded_index import META_FILE, ShardedIndex, read_index
@@ -53,56 +54,6 @@ __all__ = [
 _FORMAT_KEY, _FORMAT = "pipeckpt_sharded_format", 1
 _MODEL, _OPTIM = "state_dict", "optimizer_states"  # top-level keys of the DCP state dict
 _NO_DIST = "torch.distributed is disabled"  # DCP warns so whenever it runs in one process
-
-
-# -- optimizer state: index keys <-> parameter names -------------------------------------------
-
-
-def _param_count(state: Mapping[str, Any]) -> int:
-    return sum(len(group["params"]) for group in state["param_groups"])
-
-
-def optimizer_state_by_name(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` keyed by parameter name instead of position.
-
-    ``names[i]`` is the name of the optimizer's i-th parameter (flattened over ``param_groups``).
-    Both ``state`` and each group's ``params`` change from positions to names; parameters
-    without state have no entry, as in torch.
-    """
-    if _param_count(state) != len(names):
-        raise config_error(
-            f"{len(names)} parameter names for an optimizer of {_param_count(state)} parameters",
-            "optimizer_state_by_name needs one name per parameter, in the order of its param_groups",
-            "pass the names of the optimizer's parameters (e.g. from module.named_parameters())",
-        )
-    return {
-        "state": {names[index]: entry for index, entry in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[index] for index in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
-
-
-def optimizer_state_by_index(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """The inverse of :func:`optimizer_state_by_name`: keys become positions in ``names``,
-    the order of the parameters of the optimizer that will load the state."""
-    position = {name: index for index, name in enumerate(names)}
-    grouped = [name for group in state["param_groups"] for name in group["params"]]
-    unknown = [name for name in [*state["state"], *grouped] if name not in position]
-    if unknown:
-        raise config_error(
-            f"optimizer state for parameters {sorted(set(unknown))[:5]}",
-            "names a parameter that the optimizer being restored does not hold",
-            "resume into the module the checkpoint was written from (same parameter names)",
-        )
-    return {
-        "state": {position[name]: entry for name, entry in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [position[name] for name in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
 
 
 # -- save ----------------------------------------------------------------------------------------
