@@ -56,7 +56,9 @@ class Answer:
             f"on {self.cluster.name} ({self.cluster.world} x {d.name}, {d.memory_bytes / 2**30:.1f} GiB each)"
         )
         shapes = ", ".join(f"tp{tp} x {mb}" for tp, mb in self.profiled)
-        tail = f"profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
+        tail = f"memory profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
+        if self.cluster.name == "local":
+            tail += "; times from one micro-batch timed layer by layer on this machine"
         return f"{format_search(self.searched, top=top, device=where)}\n{tail}"
 
 
@@ -161,41 +163,77 @@ class _Shapes:
         with built(short_cfg, self.drawn, fake=True, extra=extra) as b:
             return repeat_layer(self._profiled(b, microbatch), 1, len(full) - 2)
 
-    def _profiled(self, b: Built, microbatch: int) -> ModelProfile:
+    def timed(self, microbatch: int) -> ModelProfile:
+        """One micro-batch through the whole model built on real tensors, timed on this machine (the
+        ``local`` cluster's compute): every layer run, none repeated, so each is its own time; on
+        the torch threads each training process takes (``threads``), as the rate it converts at is
+        one thread's."""
+        threads, wanted = torch.get_num_threads(), self.cfg.get("threads")
+        torch.set_num_threads(int(wanted) if wanted else threads)
+        try:
+            with built(self.cfg, self.drawn, fake=False) as b:
+                return self._profiled(b, microbatch, fake=False, shorten=False)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _profiled(
+        self, b: Built, microbatch: int, *, fake: Optional[bool] = None, shorten: bool = True
+    ) -> ModelProfile:
         size = int(self.cfg.data.batch_size)
         sequential = b.sequential
         rooted = isinstance(sequential, ModulePipeline)
-        short, index, count = shortened(sequential) if not rooted else (sequential, 0, 1)
+        short, index, count = shortened(sequential) if shorten and not rooted else (sequential, 0, 1)
         with forward_context(self.cfg.trainer.precision, torch.device("cpu")):
             fitted = profile(
                 short,
                 first_microbatch(b.inputs, size // microbatch),
                 loss_fn=b.loss_fn,
                 target=first_microbatch(b.targets, size // microbatch) if b.targets is not None else None,
-                fake=self.fake,
+                fake=self.fake if fake is None else fake,
             )
         return repeat_layer(fitted, index, count) if count > 1 else fitted
 
 
-def _cost(cfg: DictConfig, memory: Memory, where: Cluster, module: Any) -> Callable[[Candidate], Estimate]:
-    """:func:`pipeckpt.layout.cost.estimate` for this model on ``where``: its costs from its Hugging
-    Face config where it has one (the published FLOP count), else from one profile of the whole
-    layers (any micro-batch: the costs are per token; a fake profile's times are its FLOPs)."""
+def _cost(
+    cfg: DictConfig, memory: Memory, where: Cluster, shapes: "_Shapes"
+) -> Callable[[Candidate], Estimate]:
+    """:func:`pipeckpt.layout.cost.estimate` for this model on ``where``. On ``local`` (this machine)
+    the costs are a real step's: one micro-batch timed layer by layer here, its seconds converted at
+    the calibrated one-thread rate (a CPU runs a transformer's norms, softmax and small matmuls far
+    below its matmul peak, which no FLOP count sees). Elsewhere: from the model's Hugging Face config
+    where it has one (the published FLOP count), else from one fake profile of the whole layers (any
+    micro-batch: the costs are per token; a fake profile's times are its FLOPs)."""
     seq_len, precision = int(cfg.model.seq_len), str(cfg.trainer.precision)
     global_batch = int(cfg.data.batch_size)
+    module = shapes.built(1).module
     config = getattr(module, "hf_config", None)
-    if config is not None:
+    microbatch = max(1, global_batch // where.world)
+    heads, _ = _heads(module)
+    name = str(cfg.model._target_).rsplit(".", 1)[-1]
+    param_bytes = torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    if where.name == "local":
+        from pipeckpt.layout.calibrate import measured
+
+        costs = cost.model_costs_from_profile(
+            shapes.timed(microbatch),
+            flops_per_s=float(measured()["matmul_flops"]),  # the rate the timing process ran at
+            seq_len=seq_len,
+            microbatch=microbatch,
+            hidden=int(getattr(config, "hidden_size", 0) or 0),
+            heads=heads or 0,
+            param_bytes=param_bytes,
+            name=name,
+        )
+    elif config is not None:
         costs = cost.model_costs_from_config(config, seq_len=seq_len, precision=precision)
     else:
-        microbatch = max(1, global_batch // where.world)
-        heads, _ = _heads(module)
         costs = cost.model_costs_from_profile(
             memory.profile(1, microbatch),
             seq_len=seq_len,
             microbatch=microbatch,
             heads=heads or 0,
-            param_bytes=torch.empty((), dtype=torch.get_default_dtype()).element_size(),
-            name=str(cfg.model._target_).rsplit(".", 1)[-1],
+            param_bytes=param_bytes,
+            name=name,
         )
 
     def estimate(c: Candidate) -> Estimate:
@@ -246,7 +284,7 @@ def search_config(cfg: DictConfig, *, png: Optional[str] = None) -> Answer:
             device_bytes=where.device.memory_bytes,
             state=memory.state_bytes,
             memory=memory.fit,
-            cost=_cost(cfg, memory, where, shapes.built(1).module),
+            cost=_cost(cfg, memory, where, shapes),
         )
         answer = Answer(searched, where, tuple(shapes.profiles))
     if png is not None:

@@ -37,6 +37,8 @@ def measured() -> Dict[str, Any]:
     path = cache_file()
     try:
         m: Dict[str, Any] = json.loads(path.read_text())
+        if not set(_FIGURES) <= set(m):
+            raise ValueError(f"{path} predates {sorted(set(_FIGURES) - set(m))}")  # measured again
     except (OSError, ValueError):
         m = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,9 +47,24 @@ def measured() -> Dict[str, Any]:
     return m
 
 
+#: The figures a measurement holds (an older cache file without one of them is measured again).
+_FIGURES = (
+    "cores",
+    "memory_bytes",
+    "matmul_flops",
+    "memory_bytes_per_s",
+    "gloo_latency_s",
+    "gloo_bytes_per_s",
+    "gloo_all_gather_factor",
+    "gloo_reduce_scatter_factor",
+)
+
+
 def measure() -> Dict[str, Any]:
-    """The machine's figures: float32 matmul FLOP/s on one thread, memory copy bandwidth, and gloo
-    all-reduce bandwidth and latency between 2 local processes (medians)."""
+    """The machine's figures: float32 matmul FLOP/s on one thread, memory copy bandwidth, and gloo's
+    all-reduce bandwidth and latency between 2 local processes (medians), with its all-gather's and
+    reduce-scatter's time over the ring rule at that bandwidth (gloo runs both slower than its
+    all-reduce, where NCCL's ring runs all three at one bus bandwidth)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -55,7 +72,7 @@ def measure() -> Dict[str, Any]:
         copy = _copy_bytes_per_s()
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth = _gloo()
+    latency, bandwidth, gather, scatter = _gloo()
     return {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": _cpu_name(),
@@ -65,6 +82,8 @@ def measure() -> Dict[str, Any]:
         "memory_bytes_per_s": copy,
         "gloo_latency_s": latency,
         "gloo_bytes_per_s": bandwidth,
+        "gloo_all_gather_factor": gather,
+        "gloo_reduce_scatter_factor": scatter,
         "torch": torch.__version__,
     }
 
@@ -109,9 +128,11 @@ def _memory_bytes() -> int:
         return 8 * 2**30
 
 
-def _gloo() -> Tuple[float, float]:
+def _gloo() -> Tuple[float, float, float, float]:
     """Median latency (1-element all-reduce) and bandwidth (a ring all-reduce of 2 moves the whole
-    buffer once each way: seconds = latency + bytes / bandwidth) between 2 spawned processes."""
+    buffer once each way: seconds = latency + bytes / bandwidth) between 2 spawned processes, and the
+    all-gather's and reduce-scatter's seconds (of the same buffer, whole as the result or the input)
+    over the ring rule's ``latency + bytes / 2 / bandwidth``."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -127,8 +148,10 @@ def _gloo() -> Tuple[float, float]:
     finally:
         for p in procs:
             p.join(timeout=60)
-    latency, big = result
-    return latency, _BANDWIDTH_BYTES / max(big - latency, 1e-9)
+    latency, big, gathered, scattered = result
+    bandwidth = _BANDWIDTH_BYTES / max(big - latency, 1e-9)
+    ring = _BANDWIDTH_BYTES / 2 / bandwidth  # (n - 1) / n of the buffer through each link, n = 2
+    return latency, bandwidth, max(1.0, (gathered - latency) / ring), max(1.0, (scattered - latency) / ring)
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
@@ -138,10 +161,13 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         small, big = torch.ones(1), torch.ones(_BANDWIDTH_BYTES // 4)
+        half = torch.ones(_BANDWIDTH_BYTES // 8)
         lat = _timed(lambda: dist.all_reduce(small), 30)
         bw = _timed(lambda: dist.all_reduce(big), 7)
+        gathered = _timed(lambda: dist.all_gather_into_tensor(big, half), 7)
+        scattered = _timed(lambda: dist.reduce_scatter_tensor(half, big), 7)
         if rank == 0:
-            queue.put([lat, bw])
+            queue.put([lat, bw, gathered, scattered])
     finally:
         dist.destroy_process_group()
 

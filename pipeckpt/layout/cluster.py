@@ -72,6 +72,10 @@ class Cluster:
             (NVLink's per-GPU figure / 2 for a bidirectional datasheet figure).
         inter_node_bytes_per_s: one device's share of its node's network, one direction.
         latency_s: the fixed cost of one collective or send (its small-message time).
+        all_gather_factor, reduce_scatter_factor: the collective's time over the ring rule at the
+            link's bandwidth (:mod:`pipeckpt.layout.links`); 1 for NCCL, whose ring runs all-reduce,
+            all-gather and reduce-scatter at one bus bandwidth (nccl-tests), measured for gloo
+            (``local``), which runs the two slower than its all-reduce.
     """
 
     name: str
@@ -81,6 +85,8 @@ class Cluster:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     latency_s: float
+    all_gather_factor: float = 1.0
+    reduce_scatter_factor: float = 1.0
     source: str = field(default="", compare=False)  # where the figures come from (a file, a measurement)
 
     @property
@@ -141,7 +147,8 @@ def _local(devices: Optional[int]) -> Cluster:
     """This machine as ``devices`` processes (default 2) on one node, from its measurement
     (:func:`pipeckpt.layout.calibrate.measured`, cached). Each process gets ``min(1, cores /
     devices)`` of the one-thread matmul rate and memory bandwidth (the processes share the cores),
-    the machine's memory split evenly, and gloo's measured bandwidth and latency between every pair.
+    the machine's memory split evenly, and gloo's measured bandwidth, latency and collective factors
+    between every pair.
     The measurement is the achieved rate, so the efficiency is 1."""
     from pipeckpt.layout.calibrate import measured
 
@@ -164,6 +171,8 @@ def _local(devices: Optional[int]) -> Cluster:
         intra_node_bytes_per_s=link,
         inter_node_bytes_per_s=link,
         latency_s=float(m["gloo_latency_s"]),
+        all_gather_factor=float(m["gloo_all_gather_factor"]),
+        reduce_scatter_factor=float(m["gloo_reduce_scatter_factor"]),
         source=f"measured {m['when']} ({m['file']})",
     )
 
@@ -197,6 +206,7 @@ _CLUSTER_FIELDS = {
     "inter_node_bytes_per_s": float,
     "latency_s": float,
 }
+_FACTORS = ("all_gather_factor", "reduce_scatter_factor")
 _DEVICE_FIELDS = {"memory_bytes": int, "memory_bytes_per_s": float, "efficiency": float}
 
 
@@ -208,11 +218,13 @@ def from_mapping(spec: Mapping[str, Any], *, source: str = "given") -> Cluster:
         spec: :class:`Cluster`'s fields; ``device`` a mapping of :class:`Device`'s.
         source: where the mapping comes from, kept on the cluster.
     """
-    known = {"name", "device", "source", *_CLUSTER_FIELDS}
+    known = {"name", "device", "source", *_CLUSTER_FIELDS, *_FACTORS}
     _no_unknown(spec, known, "cluster")
     values: Dict[str, Any] = {
         k: _number(f"cluster.{k}", spec.get(k), t, zero=k == "latency_s") for k, t in _CLUSTER_FIELDS.items()
     }
+    for k in _FACTORS:  # optional: 1, the ring rule, unless given
+        values[k] = _number(f"cluster.{k}", spec.get(k, 1.0), float)
     device = spec.get("device")
     if not isinstance(device, Mapping):
         raise config_error(

@@ -281,7 +281,9 @@ def _stages(
         mode = modes[j]
         share = 0.0 if not mode.checkpoints else model.selective_share if mode.selective else 1.0
         params = sum(model.layer_params[a:b]) / c.tp * dtype_bytes(precision)
-        gather = gather_s(params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a))
+        gather = cluster.all_gather_factor * gather_s(
+            params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
+        )
         out.append(
             _Stage(
                 forward=layers + head,
@@ -330,7 +332,9 @@ def _per_rank(
         gather = sum(st[j].gather for j in mine)
         unit = gather / max(1, units)
         starts.append(unit + max(0.0, gather - unit - st[first].forward))
-        rs = gather_s(params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units)
+        rs = cluster.reduce_scatter_factor * gather_s(
+            params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
+        )
         ar = all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
         dp = c.dp_replicate * c.dp_shard
         head = model.head_params / c.tp if len(cuts) - 1 in mine else 0.0

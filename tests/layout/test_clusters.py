@@ -108,6 +108,8 @@ def test_local_is_measured_once_then_cached(tmp_path: Any, monkeypatch: Any) -> 
         "memory_bytes_per_s": 20e9,
         "gloo_latency_s": 1e-4,
         "gloo_bytes_per_s": 1e9,
+        "gloo_all_gather_factor": 2.0,
+        "gloo_reduce_scatter_factor": 3.5,
         "torch": "x",
     }
     calls = []
@@ -127,6 +129,24 @@ def test_local_is_measured_once_then_cached(tmp_path: Any, monkeypatch: Any) -> 
     assert four.device.flops("32-true") == pytest.approx(100e9 * 2 / 4)
     assert four.device.memory_bytes == 8 * 2**30 // 4
     assert (two.intra_node_bytes_per_s, two.latency_s, four.world) == (1e9, 1e-4, 4)
+    assert (four.all_gather_factor, four.reduce_scatter_factor) == (2.0, 3.5)
+
+
+def test_a_cache_file_without_a_newer_figure_is_measured_again(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calibrate.cache_file().parent.mkdir(parents=True)
+    calibrate.cache_file().write_text(json.dumps({"cores": 2, "matmul_flops": 1.0}))  # an older layout
+    figures = {k: 1.5 for k in calibrate._FIGURES}
+    monkeypatch.setattr(calibrate, "measure", lambda: dict(figures, when="now", cpu="test"))
+    assert cluster("local").reduce_scatter_factor == 1.5
+    assert json.loads(calibrate.cache_file().read_text())["gloo_all_gather_factor"] == 1.5
+
+
+def test_a_described_cluster_takes_collective_factors_and_defaults_them_to_the_ring_rule() -> None:
+    spec = dict(user_spec(), all_gather_factor=1.25)
+    assert (from_mapping(spec).all_gather_factor, from_mapping(spec).reduce_scatter_factor) == (1.25, 1.0)
+    with pytest.raises(PipeckptConfigError, match=r"^cluster.reduce_scatter_factor=-1"):
+        from_mapping(dict(user_spec(), reduce_scatter_factor=-1))
 
 
 @pytest.mark.slow

@@ -177,6 +177,14 @@ def test_fsdp_gathers_bf16_parameters_and_reduce_scatters_float32_gradients() ->
     assert 0 < e.exposed_comm_s <= e.comm_s
 
 
+def test_fsdp_collectives_scale_by_the_clusters_measured_factors() -> None:
+    slow = replace(toy_cluster(2), all_gather_factor=2.0, reduce_scatter_factor=3.0)  # gloo-like
+    e = run(Layout(dp_shard=2, chunks=1), 2, cluster=slow)
+    gather = 2.0 * (2 - 1) / 2 * LAYERS * PARAMS * 2 / BW
+    scatter = 3.0 * (2 - 1) / 2 * LAYERS * PARAMS * 4 / BW
+    assert e.comm_s == pytest.approx(gather + scatter)
+
+
 def test_optimizer_step_is_memory_bound() -> None:
     e = run(Layout(dp_shard=2), 2, cluster=toy_cluster(2, link=FAST, memory=1e9))
     held = LAYERS * PARAMS / 2  # the rank's shard, float32 master, AdamW's elements

@@ -1,0 +1,254 @@
+"""The layout search's predictions against measured steps on this machine (issue 44, item 5).
+
+For each model (the app's GPT, an HF Llama built from a config) and world (2 and 4 gloo processes of
+one torch thread each), the search (``strategy.layout=auto cluster=local``, as ``python -m
+pipeckpt.plan`` runs it) ranks every layout it finds; this benchmark then trains, through a real
+``Trainer`` with the app's own model, data and strategy, every feasible layout of GPipe and 1F1B at two
+chunk counts each (the least the schedule takes and twice that; one stage's pipeline runs GPipe only),
+and the search's own pick when it is another. Each layout's fit is warm-up steps, timed steps, and
+one more step counted by :class:`harness.live_bytes.LiveBytes` (every storage alive: parameters,
+gradients, optimizer state, the batch, what the step creates), the DTensors' local shards for
+FSDP and tensor parallelism.
+
+The ranks are started once (:func:`harness.ranks.run_ranks`) and fit every layout in turn, rounds
+interleaved (each round in another order), so the layouts share the machine's state alike. A
+layout's measured step is the median over rounds of its slowest rank's seconds per step; its
+measured peak per pipeline rank is the most any of that rank's replicas held.
+
+Reported per world: predicted against measured step time (Spearman's rank correlation), the pick's
+measured time against the measured best, and each layout's predicted peak against the measured
+one. The ``cluster=local`` figures are measured afresh at the start (``--calibrate``, the default)
+so they are the quiet machine's.
+
+Command::
+
+    python benchmarks/bench_layout_measured.py --out benchmarks/RESULTS_layout_measured.md   # ~30 min
+    python benchmarks/bench_layout_measured.py --quick       # a tiny GPT, 2 processes: checks the harness
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+from harness.machine import machine
+from harness.ranks import ranks_arguments, run_ranks
+from harness.spearman import spearman
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("gpipe", "1f1b")
+LLAMA = (
+    "model.config={model_type:llama,hidden_size:256,intermediate_size:688,num_hidden_layers:8,"
+    "num_attention_heads:8,num_key_value_heads:4,vocab_size:4096}"
+)
+CASES: Dict[str, List[str]] = {
+    "gpt": ["model=gpt", "model.size=mini"],
+    "llama": ["model=hf", LLAMA, "data.max_bytes=400000"],
+}
+QUICK: Dict[str, List[str]] = {"gpt": ["model=gpt", "model.size=tiny"]}
+
+
+def overrides(case: Sequence[str], world: int, batch: int) -> List[str]:
+    """The app's overrides of one search: the model, the distributed engine on ``world`` processes
+    of this machine, the global batch."""
+    return [
+        *case,
+        "strategy.engine=distributed",
+        "strategy.layout=auto",
+        "cluster=local",
+        "trainer.accelerator=cpu",
+        f"trainer.devices={world}",
+        f"data.batch_size={batch}",
+        "threads=1",
+    ]
+
+
+def _compose(args: Sequence[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from pipeckpt.app.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(args))
+
+
+def chosen(ranked: Sequence[Any]) -> List[Any]:
+    """The measured layouts of a search's ranked rows: GPipe and 1F1B at the least chunk count each
+    takes and twice that, the search's pick besides."""
+    out = []
+    for r in ranked:
+        c = r.candidate
+        if c.schedule not in SCHEDULES:
+            continue
+        alike = sorted({x.candidate.chunks for x in ranked if _same_but_chunks(x.candidate, c)})
+        wanted = {alike[0], 2 * alike[0]}
+        if c.chunks in wanted:
+            out.append(r)
+    if ranked and ranked[0] not in out:
+        out.append(ranked[0])
+    return out
+
+
+def _same_but_chunks(a: Any, b: Any) -> bool:
+    return (a.pp, a.tp, a.dp_replicate, a.dp_shard, a.schedule, a.virtual_stages) == (
+        b.pp,
+        b.tp,
+        b.dp_replicate,
+        b.dp_shard,
+        b.schedule,
+        b.virtual_stages,
+    )
+
+
+def searched(args: List[str]) -> Tuple[Any, List[Dict[str, Any]]]:
+    """The search's answer and the measured layouts' rows: the pick's settings as train.py hands
+    them on, the predicted step and per-rank peaks."""
+    from pipeckpt.app.checks import check_config
+    from pipeckpt.layout.report import format_row
+    from pipeckpt.plan_layout import search_config
+
+    cfg = _compose(args)
+    check_config(cfg)
+    answer = search_config(cfg)
+    rows = []
+    for r in chosen(answer.searched.ranked):
+        c = r.candidate
+        rows.append(
+            {
+                "layout": f"{c.describe()} {c.schedule} x{c.chunks}",
+                "pick": {"settings": c.settings(), "dp": c.dp, "row": format_row(1, r)},
+                "pp": c.pp,
+                "predicted_s": r.estimate.step_s,
+                "predicted_peaks": list(r.fitted.peaks),
+                "rank": answer.searched.ranked.index(r) + 1,
+                "modes": list(c.modes),
+            }
+        )
+    return answer, rows
+
+
+def worker(spec_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from harness.layout_fit import fit_layout
+
+    out: List[Dict[str, Any]] = []
+    rows = spec["rows"]
+    for r in range(spec["rounds"]):
+        order = list(range(len(rows)))
+        order = order[r % len(order) :] + order[: r % len(order)] if r % 2 == 0 else order[::-1]
+        for i in order:
+            seconds, peak, pp_rank = fit_layout(spec, rows[i])
+            out.append({"round": r, "row": i, "seconds": seconds, "peak": peak, "pp_rank": pp_rank})
+    with open(os.path.join(spec["out"], f"rank{os.environ['LOCAL_RANK']}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def measured(results: List[Dict[str, Any]], rows: List[Dict[str, Any]], rounds: int) -> None:
+    """Each row's measured seconds (median over rounds of the slowest rank) and peaks per pipeline rank."""
+    for i, row in enumerate(rows):
+        mine = [x for x in results if x["row"] == i]
+        per_round = [max(x["seconds"] for x in mine if x["round"] == r) for r in range(rounds)]
+        row["measured_s"] = statistics.median(per_round)
+        row["rounds_s"] = per_round
+        peaks = [0] * row["pp"]
+        for x in mine:
+            peaks[x["pp_rank"]] = max(peaks[x["pp_rank"]], x["peak"])
+        row["measured_peaks"] = peaks
+
+
+def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: float) -> List[str]:
+    mib = 2**20
+    pick = next(r for r in rows if r["rank"] == 1)
+    best = min(rows, key=lambda r: r["measured_s"])
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    errors = [(p - m) / m for r in rows for p, m in zip(r["predicted_peaks"], r["measured_peaks"]) if m > 0]
+    within = sum(abs(e) <= 0.10 for e in errors)
+    lines = [
+        f"### {name}, {world} processes ({len(rows)} layouts measured of {len(answer.searched.ranked)} "
+        f"that fit; {took:.0f} s)",
+        "",
+        "| search rank | layout | modes | predicted ms | measured ms (rounds) | predicted / measured "
+        "| predicted peak MiB per pp rank | measured peak MiB | peak error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: r["measured_s"]):
+        rounds = " ".join(f"{s * 1e3:.0f}" for s in r["rounds_s"])
+        errs = [(p - m) / m for p, m in zip(r["predicted_peaks"], r["measured_peaks"]) if m > 0]
+        lines.append(
+            f"| {r['rank']} | {r['layout']} | {','.join(r['modes']) or 'never'} "
+            f"| {r['predicted_s'] * 1e3:.0f} "
+            f"| {r['measured_s'] * 1e3:.0f} ({rounds}) | {r['predicted_s'] / r['measured_s']:.2f} "
+            f"| {' / '.join(f'{p / mib:.1f}' for p in r['predicted_peaks'])} "
+            f"| {' / '.join(f'{m / mib:.1f}' for m in r['measured_peaks'])} "
+            f"| {' / '.join(f'{100 * e:+.1f}%' for e in errs)} |"
+        )
+    lines += [
+        "",
+        f"- Spearman rank correlation, predicted vs measured step time: **{rho:.2f}** (bar: >= 0.8)",
+        f"- the search's pick ({pick['layout']}) measured {pick['measured_s'] * 1e3:.0f} ms, "
+        f"**{pick['measured_s'] / best['measured_s']:.2f}x** the measured best ({best['layout']}, "
+        f"{best['measured_s'] * 1e3:.0f} ms; bar: <= 1.10x)",
+        f"- per-rank peaks within 10%: **{within} of {len(errors)}** (errors "
+        f"{100 * min(errors):+.1f}% to {100 * max(errors):+.1f}%)",
+        "",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = ranks_arguments(__doc__.splitlines()[0], out="/dev/stdout", rounds=3, batch=16)
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--no-calibrate", action="store_true", help="keep the cached cluster=local figures")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    from pipeckpt.layout.calibrate import cache_file
+    from pipeckpt.layout.calibrate import measured as calibration
+
+    if not args.no_calibrate:
+        cache_file().unlink(missing_ok=True)
+    figures = calibration()
+    cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
+    worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
+    lines = [
+        f"Measured on {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"`cluster=local`: {figures['matmul_flops'] / 1e9:.1f} GFLOP/s one-thread matmul, "
+        f"{figures['memory_bytes_per_s'] / 1e9:.1f} GB/s copy, "
+        f"gloo {figures['gloo_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"and {figures['gloo_latency_s'] * 1e6:.0f} us; global batch {args.batch}, "
+        f"{args.warmup} warm-up + {args.timed} timed steps, {args.rounds} rounds.",
+        "",
+    ]
+    for name, case in cases.items():
+        for world in worlds:
+            began = time.time()
+            over = overrides(case, world, args.batch)
+            answer, rows = searched(over)
+            print(answer.text(top=5), flush=True)
+            spec = {
+                "overrides": over,
+                "rows": rows,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "timed": args.timed,
+            }
+            results = run_ranks(__file__, world, spec, timeout=args.timeout)
+            measured(results, rows, args.rounds)
+            lines += table(name, world, answer, rows, time.time() - began)
+            print("\n".join(lines[-len(rows) - 10 :]), flush=True)
+    with open(args.out, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

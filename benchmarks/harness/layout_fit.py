@@ -1,0 +1,100 @@
+"""One layout of the app's model fitted on the ranks of :func:`harness.ranks.run_ranks`: its seconds
+per step and this rank's peak bytes (:mod:`bench_layout_measured`'s worker).
+
+The model, data and strategy are the app's, built from the same overrides as train.py builds them
+and with the pick handed on as train.py hands it to the processes it starts
+(:data:`pipeckpt.plan_layout.PICK_VARIABLE`); only the Trainer's extras are off
+(:data:`harness.trainers.QUIET_CPU` less its sampler setting: the app's loaders are the strategy's).
+"""
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+
+from harness.live_bytes import LiveBytes
+from harness.trainers import QUIET_CPU
+
+__all__ = ["fit_layout", "ShardBytes"]
+
+
+def _local(value: Any) -> Any:
+    """``value``'s tensors, each DTensor as this rank's local tensor (whose storage the rank holds)."""
+    from pipeckpt._compat import tree_flatten
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tree_flatten(value)[0]]
+
+
+class ShardBytes(LiveBytes):
+    """:class:`LiveBytes` counting a DTensor by its local shard."""
+
+    def count(self, value: Any, *, op: Optional[str] = None) -> None:
+        super().count(_local(value), op=op)
+
+
+class Probe(Callback):
+    """Times the steps after ``warmup`` (one optimizer step a batch), then counts one more under
+    :class:`ShardBytes`."""
+
+    def __init__(self, warmup: int, timed: int) -> None:
+        self.warmup, self.timed = warmup, timed
+        self.starts: List[float] = []
+        self.tracker: Optional[ShardBytes] = None
+        self.peak = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
+        self.starts.append(time.perf_counter())
+        if len(self.starts) == self.warmup + self.timed + 1:
+            self.tracker = ShardBytes()
+            self.tracker.count_step_state(module, trainer.optimizers, batch)
+            self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.peak, self.tracker = self.tracker.peak, None
+
+    def seconds_per_step(self) -> float:
+        return (self.starts[self.warmup + self.timed] - self.starts[self.warmup]) / self.timed
+
+
+def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Tuple[float, int, int]:
+    """Fits ``row``'s layout (``row["pick"]``, as the search hands it on) for warm-up, timed and one
+    counted step; returns the seconds per timed step, this rank's peak bytes and its pipeline rank."""
+    from bench_layout_measured import _compose
+    from hydra.utils import instantiate
+
+    from pipeckpt.plan_layout import PICK_VARIABLE, apply_layout
+
+    steps = spec["warmup"] + spec["timed"] + 1
+    with tempfile.TemporaryDirectory() as root:
+        cfg = _compose([*spec["overrides"], f"trainer.max_steps={steps}", f"trainer.default_root_dir={root}"])
+        os.environ[PICK_VARIABLE] = json.dumps(row["pick"])
+        cfg = apply_layout(cfg)
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule = instantiate(cfg.data)
+        model = instantiate(cfg.model)
+        strategy = instantiate(cfg.strategy, _convert_="all")
+        probe = Probe(spec["warmup"], spec["timed"])
+        quiet = {k: v for k, v in QUIET_CPU.items() if k != "use_distributed_sampler"}
+        trainer = L.Trainer(
+            strategy=strategy,
+            devices=int(cfg.trainer.devices),
+            precision=cfg.trainer.precision,
+            max_steps=steps,
+            gradient_clip_val=cfg.trainer.gradient_clip_val,
+            default_root_dir=root,
+            callbacks=[probe],
+            **quiet,
+        )
+        trainer.fit(model, datamodule)
+    rank = trainer.global_rank
+    pp, tp = row["pp"], int(row["pick"]["settings"]["tensor_parallel"])
+    return probe.seconds_per_step(), probe.peak, (rank // tp) % pp
