@@ -126,6 +126,7 @@ class _Shapes:
         self.by_argument = takes_tensor_parallel(cfg)
         self._built: Dict[int, Built] = {}
         self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
+        self._timed: Dict[int, ModelProfile] = {}
 
     def built(self, tp: int) -> Built:
         key = tp if self.by_argument else 1
@@ -167,14 +168,19 @@ class _Shapes:
         """One micro-batch through the whole model built on real tensors, timed on this machine (the
         ``local`` cluster's compute): every layer run, none repeated, so each is its own time; on
         the torch threads each training process takes (``threads``), as the rate it converts at is
-        one thread's."""
+        one thread's. Taken before any fake build is open (a fake build swaps fake tensors in for
+        as long as it is open, and a real step run then would time fake kernels), then kept."""
+        if microbatch in self._timed:
+            return self._timed[microbatch]
+        assert not self._built, "timed before the fake builds: they swap in fake tensors while open"
         threads, wanted = torch.get_num_threads(), self.cfg.get("threads")
         torch.set_num_threads(int(wanted) if wanted else threads)
         try:
             with built(self.cfg, self.drawn, fake=False) as b:
-                return self._profiled(b, microbatch, fake=False, shorten=False)
+                self._timed[microbatch] = self._profiled(b, microbatch, fake=False, shorten=False)
         finally:
             torch.set_num_threads(threads)
+        return self._timed[microbatch]
 
     def _profiled(
         self, b: Built, microbatch: int, *, fake: Optional[bool] = None, shorten: bool = True
@@ -194,6 +200,12 @@ class _Shapes:
         return repeat_layer(fitted, index, count) if count > 1 else fitted
 
 
+def _local_microbatch(cfg: DictConfig, where: Cluster) -> int:
+    """The micro-batch the costs are taken at: the global batch over the world (the costs are per
+    token, so any size would do)."""
+    return max(1, int(cfg.data.batch_size) // where.world)
+
+
 def _cost(
     cfg: DictConfig, memory: Memory, where: Cluster, shapes: "_Shapes"
 ) -> Callable[[Candidate], Estimate]:
@@ -207,7 +219,7 @@ def _cost(
     global_batch = int(cfg.data.batch_size)
     module = shapes.built(1).module
     config = getattr(module, "hf_config", None)
-    microbatch = max(1, global_batch // where.world)
+    microbatch = _local_microbatch(cfg, where)
     heads, _ = _heads(module)
     name = str(cfg.model._target_).rsplit(".", 1)[-1]
     param_bytes = torch.empty((), dtype=torch.get_default_dtype()).element_size()
@@ -254,6 +266,8 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
     try:
         with contextlib.ExitStack() as stack:
             shapes = _Shapes(cfg, drawn, stack, fake=fake)
+            if where.name == "local":  # this machine's times, before any fake build is open
+                shapes.timed(_local_microbatch(cfg, where))
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
             splits = isinstance(whole.sequential, ModulePipeline) or bool(

@@ -110,6 +110,7 @@ def test_local_is_measured_once_then_cached(tmp_path: Any, monkeypatch: Any) -> 
         "gloo_bytes_per_s": 1e9,
         "gloo_all_gather_factor": 2.0,
         "gloo_reduce_scatter_factor": 3.5,
+        "memory_is_adamw": True,
         "torch": "x",
     }
     calls = []
