@@ -203,11 +203,40 @@ def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: 
     return lines
 
 
+def repredicted(saved: Dict[str, Any]) -> Tuple[Any, List[Dict[str, Any]]]:
+    """A saved measurement's rows with the search's predictions made now (the cost model may have
+    changed since): matched by layout; a pick the run did not measure is said."""
+    answer, rows = searched(saved["overrides"])
+    by_layout = {r["layout"]: r for r in saved["rows"]}
+    kept = []
+    for row in rows:
+        old = by_layout.get(row["layout"])
+        if old is None:
+            print(f"not measured: {row['layout']} (search rank {row['rank']})", flush=True)
+            continue
+        kept.append({**row, **{k: old[k] for k in ("measured_s", "rounds_s", "measured_peaks")}})
+    return answer, kept
+
+
+def _header(figures: Dict[str, Any], args: Any, when: str) -> List[str]:
+    return [
+        f"Measured on {machine()}, {when}; `cluster=local`: {figures['matmul_flops'] / 1e9:.1f} GFLOP/s "
+        f"one-thread matmul, AdamW at {figures['memory_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"gloo {figures['gloo_bytes_per_s'] / 1e9:.2f} GB/s and {figures['gloo_latency_s'] * 1e6:.0f} us "
+        f"(all-gather x{figures['gloo_all_gather_factor']:.2f}, reduce-scatter "
+        f"x{figures['gloo_reduce_scatter_factor']:.2f} the ring rule); global batch {args.batch}, "
+        f"{args.warmup} warm-up + {args.timed} timed steps, {args.rounds} rounds.",
+        "",
+    ]
+
+
 def main() -> None:
     parser = ranks_arguments(__doc__.splitlines()[0], out="/dev/stdout", rounds=3, batch=16)
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--no-calibrate", action="store_true", help="keep the cached cluster=local figures")
+    parser.add_argument("--save", help="also write the measurements to this JSON file")
+    parser.add_argument("--repredict", help="predict a saved JSON measurement again, measuring nothing")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -215,39 +244,47 @@ def main() -> None:
     from pipeckpt.layout.calibrate import cache_file
     from pipeckpt.layout.calibrate import measured as calibration
 
-    if not args.no_calibrate:
-        cache_file().unlink(missing_ok=True)
-    figures = calibration()
-    cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
-    worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
-    lines = [
-        f"Measured on {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-        f"`cluster=local`: {figures['matmul_flops'] / 1e9:.1f} GFLOP/s one-thread matmul, "
-        f"{figures['memory_bytes_per_s'] / 1e9:.1f} GB/s copy, "
-        f"gloo {figures['gloo_bytes_per_s'] / 1e9:.2f} GB/s "
-        f"and {figures['gloo_latency_s'] * 1e6:.0f} us; global batch {args.batch}, "
-        f"{args.warmup} warm-up + {args.timed} timed steps, {args.rounds} rounds.",
-        "",
-    ]
-    for name, case in cases.items():
-        for world in worlds:
-            began = time.time()
-            over = overrides(case, world, args.batch)
-            answer, rows = searched(over)
-            print(answer.text(top=5), flush=True)
-            spec = {
-                "overrides": over,
-                "rows": rows,
-                "rounds": args.rounds,
-                "warmup": args.warmup,
-                "timed": args.timed,
-            }
-            results = run_ranks(__file__, world, spec, timeout=args.timeout)
-            measured(results, rows, args.rounds)
-            lines += table(name, world, answer, rows, time.time() - began)
-            print("\n".join(lines[-len(rows) - 10 :]), flush=True)
+    if args.repredict:
+        saved = json.loads(Path(args.repredict).read_text())
+        cache_file().parent.mkdir(parents=True, exist_ok=True)
+        cache_file().write_text(json.dumps(saved["figures"]))  # the figures of the measured run
+        vars(args).update(saved["args"])
+        lines = _header(saved["figures"], args, saved["when"] + " (predicted again " + _now() + ")")
+        for entry in saved["runs"]:
+            answer, rows = repredicted(entry)
+            lines += table(entry["name"], entry["world"], answer, rows, entry["seconds"])
+    else:
+        if not args.no_calibrate:
+            cache_file().unlink(missing_ok=True)
+        figures = calibration()
+        cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
+        worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
+        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds")}
+        saved = {"figures": figures, "when": _now(), "args": kept, "runs": []}
+        lines = _header(figures, args, saved["when"])
+        for name, case in cases.items():
+            for world in worlds:
+                began = time.time()
+                over = overrides(case, world, args.batch)
+                answer, rows = searched(over)
+                print(answer.text(top=5), flush=True)
+                spec = {"overrides": over, "rows": rows, **kept}
+                results = run_ranks(__file__, world, spec, timeout=args.timeout)
+                measured(results, rows, args.rounds)
+                took = time.time() - began
+                saved["runs"].append(
+                    {"name": name, "world": world, "overrides": over, "rows": rows, "seconds": took}
+                )
+                lines += table(name, world, answer, rows, took)
+                print("\n".join(lines[-len(rows) - 10 :]), flush=True)
+                if args.save:
+                    Path(args.save).write_text(json.dumps(saved, indent=1, default=str))
     with open(args.out, "a") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 if __name__ == "__main__":

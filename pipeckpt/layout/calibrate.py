@@ -175,8 +175,8 @@ def _worker(rank: int, port: int, queue: Any) -> None:
         half = torch.ones(_BANDWIDTH_BYTES // 8)
         lat = _timed(lambda: dist.all_reduce(small), 30)
         bw = _timed(lambda: dist.all_reduce(big), 7)
-        gathered = _timed(lambda: dist.all_gather_into_tensor(big, half), 7)
-        scattered = _timed(lambda: dist.reduce_scatter_tensor(half, big), 7)
+        gathered = _timed(lambda: dist.all_gather_single(big, half), 7)
+        scattered = _timed(lambda: dist.reduce_scatter_single(half, big), 7)
         if rank == 0:
             queue.put([lat, bw, gathered, scattered])
     finally:

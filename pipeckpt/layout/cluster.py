@@ -76,6 +76,9 @@ class Cluster:
             link's bandwidth (:mod:`pipeckpt.layout.links`); 1 for NCCL, whose ring runs all-reduce,
             all-gather and reduce-scatter at one bus bandwidth (nccl-tests), measured for gloo
             (``local``), which runs the two slower than its all-reduce.
+        overlaps: whether communication runs beside compute: a GPU's (NCCL's own kernels and copy
+            engines); on a CPU only where a core is free for gloo's threads (``local``: more cores
+            than processes). Where not, every collective lengthens the step whole.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Cluster:
     latency_s: float
     all_gather_factor: float = 1.0
     reduce_scatter_factor: float = 1.0
+    overlaps: bool = True
     source: str = field(default="", compare=False)  # where the figures come from (a file, a measurement)
 
     @property
@@ -173,6 +177,7 @@ def _local(devices: Optional[int]) -> Cluster:
         latency_s=float(m["gloo_latency_s"]),
         all_gather_factor=float(m["gloo_all_gather_factor"]),
         reduce_scatter_factor=float(m["gloo_reduce_scatter_factor"]),
+        overlaps=int(m["cores"]) > n,
         source=f"measured {m['when']} ({m['file']})",
     )
 
@@ -218,13 +223,20 @@ def from_mapping(spec: Mapping[str, Any], *, source: str = "given") -> Cluster:
         spec: :class:`Cluster`'s fields; ``device`` a mapping of :class:`Device`'s.
         source: where the mapping comes from, kept on the cluster.
     """
-    known = {"name", "device", "source", *_CLUSTER_FIELDS, *_FACTORS}
+    known = {"name", "device", "source", "overlaps", *_CLUSTER_FIELDS, *_FACTORS}
     _no_unknown(spec, known, "cluster")
     values: Dict[str, Any] = {
         k: _number(f"cluster.{k}", spec.get(k), t, zero=k == "latency_s") for k, t in _CLUSTER_FIELDS.items()
     }
     for k in _FACTORS:  # optional: 1, the ring rule, unless given
         values[k] = _number(f"cluster.{k}", spec.get(k, 1.0), float)
+    values["overlaps"] = spec.get("overlaps", True)
+    if not isinstance(values["overlaps"], bool):
+        raise config_error(
+            f"cluster.overlaps={values['overlaps']!r}",
+            "true or false: whether communication runs beside compute",
+            "set cluster.overlaps: false where collectives take the compute's own cores (CPUs)",
+        )
     device = spec.get("device")
     if not isinstance(device, Mapping):
         raise config_error(

@@ -169,7 +169,7 @@ def estimate(
             return s.backward / 2
         work = s.forward if kind == "F" else s.backward / 2 if kind == "I" else s.backward
         # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
-        regather = s.gather_unit + max(0.0, s.gather - s.gather_unit - work) if reshard_after_forward else 0.0
+        regather = _exposed(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
         per_op = s.tp + s.host + regather if comm else 0.0
         if kind == "F":
             return work + e + per_op
@@ -331,7 +331,7 @@ def _per_rank(
         first = ops[0][0] if ops else 0
         gather = sum(st[j].gather for j in mine)
         unit = gather / max(1, units)
-        starts.append(unit + max(0.0, gather - unit - st[first].forward))
+        starts.append(_exposed(gather, unit, st[first].forward, cluster))
         rs = cluster.reduce_scatter_factor * gather_s(
             params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
         )
@@ -343,10 +343,7 @@ def _per_rank(
         ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
         overlapped = rs + ar + ar_head
         last = ops[-1][0] if ops else 0
-        comm = (overlapped / max(1, units)) + max(
-            0.0, overlapped * (1 - 1 / max(1, units)) - st[last].backward
-        )
-        comm += ar_emb
+        comm = _exposed(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
         opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
         tails.append(comm + opt)
@@ -354,6 +351,15 @@ def _per_rank(
         opts.append(opt)
         wholes.append(overlapped + ar_emb)
     return starts, tails, comms, opts, wholes
+
+
+def _exposed(whole: float, unit: float, under: float, cluster: Cluster) -> float:
+    """What of ``whole`` seconds of collectives the step waits for when all but the first (or
+    last) ``unit`` run under ``under`` seconds of compute; all of it where the cluster cannot run
+    communication beside compute (:attr:`Cluster.overlaps`)."""
+    if not cluster.overlaps:
+        return whole
+    return unit + max(0.0, whole - unit - under)
 
 
 def _messages(j: int, kind: str, sends: Sequence[float], owner: Dict[int, int]) -> float:

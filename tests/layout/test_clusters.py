@@ -131,6 +131,7 @@ def test_local_is_measured_once_then_cached(tmp_path: Any, monkeypatch: Any) -> 
     assert four.device.memory_bytes == 8 * 2**30 // 4
     assert (two.intra_node_bytes_per_s, two.latency_s, four.world) == (1e9, 1e-4, 4)
     assert (four.all_gather_factor, four.reduce_scatter_factor) == (2.0, 3.5)
+    assert not two.overlaps and not four.overlaps  # 2 cores, no core free for gloo beside compute
 
 
 def test_a_cache_file_without_a_newer_figure_is_measured_again(tmp_path: Any, monkeypatch: Any) -> None:
@@ -148,6 +149,9 @@ def test_a_described_cluster_takes_collective_factors_and_defaults_them_to_the_r
     assert (from_mapping(spec).all_gather_factor, from_mapping(spec).reduce_scatter_factor) == (1.25, 1.0)
     with pytest.raises(PipeckptConfigError, match=r"^cluster.reduce_scatter_factor=-1"):
         from_mapping(dict(user_spec(), reduce_scatter_factor=-1))
+    assert from_mapping(user_spec()).overlaps and not from_mapping(dict(user_spec(), overlaps=False)).overlaps
+    with pytest.raises(PipeckptConfigError, match=r"^cluster.overlaps='no'"):
+        from_mapping(dict(user_spec(), overlaps="no"))
 
 
 @pytest.mark.slow

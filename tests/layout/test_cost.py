@@ -185,6 +185,14 @@ def test_fsdp_collectives_scale_by_the_clusters_measured_factors() -> None:
     assert e.comm_s == pytest.approx(gather + scatter)
 
 
+def test_without_overlap_every_collective_lengthens_the_step_whole() -> None:
+    kept = run(Layout(dp_shard=2, chunks=2), 2)
+    serial = run(Layout(dp_shard=2, chunks=2), 2, cluster=replace(toy_cluster(2), overlaps=False))
+    assert 0 < kept.exposed_comm_s < kept.comm_s
+    assert serial.exposed_comm_s == pytest.approx(serial.comm_s)
+    assert serial.step_s == pytest.approx(kept.step_s - kept.exposed_comm_s + kept.comm_s)
+
+
 def test_optimizer_step_is_memory_bound() -> None:
     e = run(Layout(dp_shard=2), 2, cluster=toy_cluster(2, link=FAST, memory=1e9))
     held = LAYERS * PARAMS / 2  # the rank's shard, float32 master, AdamW's elements

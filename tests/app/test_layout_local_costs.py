@@ -1,0 +1,93 @@
+"""On ``cluster=local`` the search prices a layout from one micro-batch timed on this machine: the model
+built on real tensors and run before any fake build is open (an open fake build swaps fake tensors in,
+and a step run then times fake kernels), on the threads a training process takes."""
+
+import contextlib
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from pipeckpt import plan_layout
+from pipeckpt.layout import calibrate, cost
+from pipeckpt.plan import run
+
+AUTO = ["model=gpt", "strategy.engine=distributed", "trainer.devices=2", "strategy.layout=auto"]
+FIGURES: Dict[str, Any] = {
+    "when": "now",
+    "cpu": "test",
+    "cores": 2,
+    "memory_bytes": 8 * 2**30,
+    "matmul_flops": 100e9,
+    "memory_bytes_per_s": 5e9,
+    "gloo_latency_s": 1e-4,
+    "gloo_bytes_per_s": 1e9,
+    "gloo_all_gather_factor": 2.0,
+    "gloo_reduce_scatter_factor": 3.5,
+    "memory_is_adamw": True,
+    "file": "test",
+}
+
+
+@pytest.fixture
+def calibrated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+
+
+def test_the_local_costs_are_a_real_step_timed_before_any_fake_build(
+    calibrated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: List[bool] = []
+    real_built = plan_layout.built
+
+    @contextlib.contextmanager
+    def recording(*args: Any, fake: bool, **kwargs: Any) -> Any:
+        builds.append(fake)
+        with real_built(*args, fake=fake, **kwargs) as b:
+            yield b
+
+    profiles: List[Any] = []
+    real_costs = cost.model_costs_from_profile
+
+    def costs(profile: Any, **kwargs: Any) -> Any:
+        profiles.append((profile, kwargs))
+        return real_costs(profile, **kwargs)
+
+    monkeypatch.setattr(plan_layout, "built", recording)
+    monkeypatch.setattr(cost, "model_costs_from_profile", costs)
+    answer, _, _ = run([*AUTO, "cluster=local"])
+    assert builds[0] is False and all(builds[1:])  # the real build first, then only fake ones
+    [(profile, kwargs)] = profiles
+    assert profile.fake is False
+    assert kwargs["flops_per_s"] == FIGURES["matmul_flops"]  # the one-thread rate it was timed at
+    assert len(answer.searched.ranked) >= 3
+
+
+def test_the_timed_step_runs_on_the_threads_of_a_training_process(
+    calibrated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from pipeckpt.app.config import register
+    from pipeckpt.plan import CONF
+
+    seen: List[int] = []
+    real_profiled = plan_layout._Shapes._profiled
+
+    def profiled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("fake") is False:
+            seen.append(torch.get_num_threads())
+        return real_profiled(self, *args, **kwargs)
+
+    monkeypatch.setattr(plan_layout._Shapes, "_profiled", profiled)
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*AUTO, "cluster=local", "threads=1"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the launching process's own threads, not a training process's
+    try:
+        plan_layout.search_config(cfg)
+        assert seen == [1]
+        assert torch.get_num_threads() == 2  # given back
+    finally:
+        torch.set_num_threads(before)
