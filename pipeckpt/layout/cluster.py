@@ -76,6 +76,9 @@ class Cluster:
             link's bandwidth (:mod:`pipeckpt.layout.links`); 1 for NCCL, whose ring runs all-reduce,
             all-gather and reduce-scatter at one bus bandwidth (nccl-tests), measured for gloo
             (``local``), which runs the two slower than its all-reduce.
+        cores: the processors the devices share, where they share them (a CPU machine running more
+            processes than it has cores: a process idle in the bubble lends its core, and a step
+            takes at least all the processes' work over the cores); 0: each device its own.
         overlaps: whether communication runs beside compute: a GPU's (NCCL's own kernels and copy
             engines); on a CPU only where a core is free for gloo's threads (``local``: more cores
             than processes). Where not, every collective lengthens the step whole.
@@ -91,6 +94,7 @@ class Cluster:
     all_gather_factor: float = 1.0
     reduce_scatter_factor: float = 1.0
     overlaps: bool = True
+    cores: int = 0
     source: str = field(default="", compare=False)  # where the figures come from (a file, a measurement)
 
     @property
@@ -149,8 +153,8 @@ def _parsed(path: Path, mtime: int) -> Mapping[str, Any]:
 
 def _local(devices: Optional[int]) -> Cluster:
     """This machine as ``devices`` processes (default 2) on one node, from its measurement
-    (:func:`pipeckpt.layout.calibrate.measured`, cached). Each process gets ``min(1, cores /
-    devices)`` of the one-thread matmul rate and memory bandwidth (the processes share the cores),
+    (:func:`pipeckpt.layout.calibrate.measured`, cached). Each process runs at the one-thread matmul
+    rate and AdamW's bandwidth while it has a core (the cluster's ``cores`` bound the step beyond),
     the machine's memory split evenly, and gloo's measured bandwidth, latency and collective factors
     between every pair.
     The measurement is the achieved rate, so the efficiency is 1."""
@@ -158,12 +162,11 @@ def _local(devices: Optional[int]) -> Cluster:
 
     n = 2 if devices is None else _count("devices", devices)
     m = measured()
-    share = min(1.0, float(m["cores"]) / n)
     device = Device(
         name=f"{m['cpu']} ({m['cores']} cores), one torch thread per process",
         memory_bytes=int(m["memory_bytes"]) // n,
-        peak_flops={"32-true": float(m["matmul_flops"]) * share},
-        memory_bytes_per_s=float(m["memory_bytes_per_s"]) * share,
+        peak_flops={"32-true": float(m["matmul_flops"])},
+        memory_bytes_per_s=float(m["memory_bytes_per_s"]),
         efficiency=1.0,
     )
     link = float(m["gloo_bytes_per_s"])
@@ -178,6 +181,7 @@ def _local(devices: Optional[int]) -> Cluster:
         all_gather_factor=float(m["gloo_all_gather_factor"]),
         reduce_scatter_factor=float(m["gloo_reduce_scatter_factor"]),
         overlaps=int(m["cores"]) > n,
+        cores=int(m["cores"]),
         source=f"measured {m['when']} ({m['file']})",
     )
 
@@ -223,13 +227,14 @@ def from_mapping(spec: Mapping[str, Any], *, source: str = "given") -> Cluster:
         spec: :class:`Cluster`'s fields; ``device`` a mapping of :class:`Device`'s.
         source: where the mapping comes from, kept on the cluster.
     """
-    known = {"name", "device", "source", "overlaps", *_CLUSTER_FIELDS, *_FACTORS}
+    known = {"name", "device", "source", "overlaps", "cores", *_CLUSTER_FIELDS, *_FACTORS}
     _no_unknown(spec, known, "cluster")
     values: Dict[str, Any] = {
         k: _number(f"cluster.{k}", spec.get(k), t, zero=k == "latency_s") for k, t in _CLUSTER_FIELDS.items()
     }
     for k in _FACTORS:  # optional: 1, the ring rule, unless given
         values[k] = _number(f"cluster.{k}", spec.get(k, 1.0), float)
+    values["cores"] = _number("cluster.cores", spec.get("cores", 0), int, zero=True)
     values["overlaps"] = spec.get("overlaps", True)
     if not isinstance(values["overlaps"], bool):
         raise config_error(

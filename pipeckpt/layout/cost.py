@@ -25,6 +25,7 @@ from pipeckpt.layout.model_costs import (
     model_costs_from_profile,
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
+from pipeckpt.layout.rank_work import ADAMW_ELEMENTS_PER_PARAM, Stage, collectives, messages, per_rank, waited
 from pipeckpt.stages.partition import min_max_partition
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "StepEstimate",
     "estimate",
     "balance",
+    "ADAMW_ELEMENTS_PER_PARAM",
     # what an estimate needs of a model, from pipeckpt.layout.model_costs
     "ModelCosts",
     "model_costs_from_config",
@@ -46,10 +48,6 @@ __all__ = [
 #: Host work: on a GPU it overlaps the kernels it launches when they run longer, so there it is an
 #: upper bound.
 ENGINE_S_PER_MICROBATCH = 1.15e-3
-
-#: Elements AdamW's step reads and writes per parameter (torch.optim.AdamW: reads the parameter, its
-#: gradient and two moments, writes the parameter and the moments); the step is memory-bound.
-ADAMW_ELEMENTS_PER_PARAM = 7
 
 
 class Layout(Protocol):
@@ -87,17 +85,7 @@ class StepEstimate:
     tokens_per_s_per_device: float
     mfu: float  # model FLOPs (no recompute) per second over the world's peak
     optimizer_s: float = 0.0  # the optimizer's step (memory-bound)
-
-
-@dataclass(frozen=True)
-class _Stage:
-    forward: float  # compute of one micro-batch's forward (head included on the last stage)
-    backward: float
-    tp: float  # tensor-parallel all-reduces of one forward (and again of one backward)
-    recompute: float  # one recomputed micro-batch
-    host: float  # offload: one direction of the stage input over the host link
-    gather: float  # FSDP's all-gather of the stage's parameters
-    gather_unit: float
+    shared_s: float = 0.0  # waiting for a core, where the processes outnumber the cluster's cores
 
 
 def balance(model: ModelCosts, stages: int) -> Tuple[int, ...]:
@@ -169,7 +157,7 @@ def estimate(
             return s.backward / 2
         work = s.forward if kind == "F" else s.backward / 2 if kind == "I" else s.backward
         # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
-        regather = _exposed(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
+        regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
         per_op = s.tp + s.host + regather if comm else 0.0
         if kind == "F":
             return work + e + per_op
@@ -182,7 +170,7 @@ def estimate(
         send_s(act, mesh.boundary_bytes_per_s(owner[j], owner[j + 1]), cluster.latency_s)
         for j in range(stages - 1)
     ]
-    start, tail, tail_comm, optimizer, grads_comm = _per_rank(
+    start, tail, tail_comm, optimizer, grads_comm = per_rank(
         model, cluster, mesh, c, cuts, st, orders, precision
     )
     if reshard_after_forward:
@@ -209,10 +197,25 @@ def estimate(
     send_exposed = max(0.0, min(max(ends) - max(quiet), step - busy))
     exposed = per_op_comm + start[r] + tail_comm[r] + send_exposed
     bubble = max(0.0, step - busy - send_exposed)
-    sent = sum(_messages(j, k, sends, owner) for j, k, _ in ops)
+    # processes sharing fewer cores (a CPU): a rank idle in the bubble lends its core, and the step
+    # is at least every process's work over the cores
+    shared = (
+        max(
+            0.0,
+            sum(sum(map(time_of, o)) + start[k] + tail[k] for k, o in enumerate(orders))
+            * c.tp
+            * dp
+            / cluster.cores
+            - step,
+        )
+        if cluster.cores and world > cluster.cores
+        else 0.0
+    )
+    step += shared
+    sent = sum(messages(j, k, sends, owner) for j, k, _ in ops)
     carried = sum(st[j].tp + st[j].host for j, k, _ in ops if k != "W")  # all-reduces, host copies
     # at least the exposed part, which may hold sends between other stages on the step's critical path
-    comm = max(exposed, carried + sent + _collectives(st, ops, reshard_after_forward) + grads_comm[r])
+    comm = max(exposed, carried + sent + collectives(st, ops, reshard_after_forward) + grads_comm[r])
     peak = cluster.device.peak_flops[precision]
     flops = model.model_flops_per_token(seq_len) * global_batch * seq_len
     return StepEstimate(
@@ -226,6 +229,7 @@ def estimate(
         tokens_per_s_per_device=global_batch * seq_len / step / world,
         mfu=flops / (step * world * peak),
         optimizer_s=optimizer[r],
+        shared_s=shared,
     )
 
 
@@ -263,7 +267,7 @@ def _stages(
     tokens: int,
     seq_len: int,
     precision: str,
-) -> List[_Stage]:
+) -> List[Stage]:
     """Each stage's times for one micro-batch of ``tokens`` tokens."""
     rate = cluster.device.flops(precision)
     flops = model.flops_at(seq_len)
@@ -285,7 +289,7 @@ def _stages(
             params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
         )
         out.append(
-            _Stage(
+            Stage(
                 forward=layers + head,
                 backward=model.backward_factor * (layers + head),
                 tp=tp,
@@ -296,88 +300,3 @@ def _stages(
             )
         )
     return out
-
-
-def _grad_bytes(precision: str) -> int:
-    """Bytes of a reduced gradient element: float32 under mixed precision (FSDP's reduce dtype is
-    the parameters' master dtype, docs/DISTRIBUTED.md), else the compute dtype."""
-    return 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
-
-
-def _per_rank(
-    model: ModelCosts,
-    cluster: Cluster,
-    mesh: Mesh,
-    c: Layout,
-    cuts: Sequence[int],
-    st: Sequence[_Stage],
-    orders: Sequence[Sequence[RankOp]],
-    precision: str,
-) -> Tuple[List[float], List[float], List[float], List[float], List[float]]:
-    """Per pipeline rank: when it may start (FSDP's first all-gather, prefetched under the first
-    forward), what it adds after its last op (gradient reduce-scatter and all-reduces, overlapped with
-    the last micro-batch's backward except the last unit's; the embedding's all-reduce, whose gradient
-    is made last, not at all; the optimizer step), of that the communication, the optimizer, and the
-    gradients' collectives whole (overlapped or not)."""
-    lat = cluster.latency_s
-    grad = _grad_bytes(precision)
-    master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
-    edges = [0, *itertools.accumulate(cuts)]
-    starts, tails, comms, opts, wholes = [], [], [], [], []
-    for ops in orders:
-        mine = sorted({j for j, _, _ in ops})
-        units = sum(cuts[j] for j in mine)
-        params = sum(sum(model.layer_params[edges[j] : edges[j + 1]]) for j in mine) / c.tp
-        first = ops[0][0] if ops else 0
-        gather = sum(st[j].gather for j in mine)
-        unit = gather / max(1, units)
-        starts.append(_exposed(gather, unit, st[first].forward, cluster))
-        rs = cluster.reduce_scatter_factor * gather_s(
-            params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
-        )
-        ar = all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
-        dp = c.dp_replicate * c.dp_shard
-        head = model.head_params / c.tp if len(cuts) - 1 in mine else 0.0
-        emb = model.embedding_params / c.tp if 0 in mine else 0.0
-        ar_head = all_reduce_s(head * grad, dp, mesh.dp_bytes_per_s, lat)
-        ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
-        overlapped = rs + ar + ar_head
-        last = ops[-1][0] if ops else 0
-        comm = _exposed(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
-        held = params / c.dp_shard + head + emb
-        opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
-        tails.append(comm + opt)
-        comms.append(comm)
-        opts.append(opt)
-        wholes.append(overlapped + ar_emb)
-    return starts, tails, comms, opts, wholes
-
-
-def _exposed(whole: float, unit: float, under: float, cluster: Cluster) -> float:
-    """What of ``whole`` seconds of collectives the step waits for when all but the first (or
-    last) ``unit`` run under ``under`` seconds of compute; all of it where the cluster cannot run
-    communication beside compute (:attr:`Cluster.overlaps`)."""
-    if not cluster.overlaps:
-        return whole
-    return unit + max(0.0, whole - unit - under)
-
-
-def _messages(j: int, kind: str, sends: Sequence[float], owner: Dict[int, int]) -> float:
-    """Seconds of the messages an op's rank sends and receives for it: a forward receives from the
-    previous stage and sends to the next, a backward (or input pass) the other way; none between two
-    stages of one rank, none for a weight pass."""
-    if kind == "W":
-        return 0.0
-    out = 0.0
-    for a in (j - 1, j):  # boundary a joins stages a and a + 1
-        if 0 <= a < len(sends) and owner[a] != owner[a + 1]:
-            out += sends[a]
-    return out
-
-
-def _collectives(st: Sequence[_Stage], ops: Sequence[RankOp], reshard: bool) -> float:
-    """FSDP's all-gathers a rank runs in a step, overlapped or not."""
-    mine = {j for j, _, _ in ops}
-    if not reshard:
-        return sum(st[j].gather for j in mine)
-    return sum(st[j].gather for j, k, _ in ops if k in ("F", "B", "I"))

@@ -125,9 +125,9 @@ def test_local_is_measured_once_then_cached(tmp_path: Any, monkeypatch: Any) -> 
     assert len(calls) == 1  # the second read the cache
     assert calibrate.cache_file().is_relative_to(tmp_path)
     assert json.loads(calibrate.cache_file().read_text())["matmul_flops"] == figures["matmul_flops"]
-    # 2 processes on 2 cores: each the whole one-thread rate; 4 share them: half each
-    assert two.device.flops("32-true") == pytest.approx(100e9)
-    assert four.device.flops("32-true") == pytest.approx(100e9 * 2 / 4)
+    # each process runs at the one-thread rate while it has a core; 4 on 2 cores are bound by the cores
+    assert two.device.flops("32-true") == four.device.flops("32-true") == pytest.approx(100e9)
+    assert (two.cores, four.cores) == (2, 2)
     assert four.device.memory_bytes == 8 * 2**30 // 4
     assert (two.intra_node_bytes_per_s, two.latency_s, four.world) == (1e9, 1e-4, 4)
     assert (four.all_gather_factor, four.reduce_scatter_factor) == (2.0, 3.5)

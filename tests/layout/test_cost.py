@@ -193,6 +193,19 @@ def test_without_overlap_every_collective_lengthens_the_step_whole() -> None:
     assert serial.step_s == pytest.approx(kept.step_s - kept.exposed_comm_s + kept.comm_s)
 
 
+def test_processes_outnumbering_the_cores_take_all_their_work_over_the_cores() -> None:
+    """4 pipeline stages on 2 cores: a rank idle in GPipe's bubble lends its core, so the step is
+    the critical path where that is longer, else every process's work over the cores."""
+    whole = run(Layout(pp=4, chunks=8), 4)  # one core each
+    shared = run(Layout(pp=4, chunks=8), 4, cluster=replace(toy_cluster(4), cores=2))
+    work = 4 * whole.compute_s  # every stage's forward and backward, the same on each
+    assert whole.step_s < work / 2
+    assert shared.step_s == pytest.approx(work / 2)
+    assert shared.shared_s == pytest.approx(work / 2 - whole.step_s)
+    few = run(Layout(pp=4, chunks=1), 4, cluster=replace(toy_cluster(4), cores=2))
+    assert few.shared_s == 0.0  # one micro-batch: the critical path is every stage in turn
+
+
 def test_optimizer_step_is_memory_bound() -> None:
     e = run(Layout(dp_shard=2), 2, cluster=toy_cluster(2, link=FAST, memory=1e9))
     held = LAYERS * PARAMS / 2  # the rank's shard, float32 master, AdamW's elements

@@ -1,0 +1,122 @@
+"""What one pipeline rank's stages cost beyond their kernels: FSDP's gathers and reduce-scatters, the
+data-parallel all-reduces, the optimizer step, and the messages its ops send, with what of them
+the step waits for.
+
+Why apart from :mod:`pipeckpt.layout.cost`: the estimate walks the schedule's op order; these are
+the per-rank terms it adds before the rank's first op and after its last, priced from the mesh's
+links (:mod:`pipeckpt.layout.links`) and the cluster's overlap.
+"""
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+
+from pipeckpt.layout.cluster import Cluster
+from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
+from pipeckpt.layout.model_costs import ModelCosts, dtype_bytes
+from pipeckpt.layout.orders import RankOp
+
+if TYPE_CHECKING:
+    from pipeckpt.layout.cost import Layout
+
+__all__ = ["ADAMW_ELEMENTS_PER_PARAM", "Stage", "per_rank", "waited", "messages", "collectives"]
+
+#: Elements AdamW's step reads and writes per parameter (torch.optim.AdamW: reads the parameter, its
+#: gradient and two moments, writes the parameter and the moments); the step is memory-bound.
+ADAMW_ELEMENTS_PER_PARAM = 7
+
+
+@dataclass(frozen=True)
+class Stage:
+    forward: float  # compute of one micro-batch's forward (head included on the last stage)
+    backward: float
+    tp: float  # tensor-parallel all-reduces of one forward (and again of one backward)
+    recompute: float  # one recomputed micro-batch
+    host: float  # offload: one direction of the stage input over the host link
+    gather: float  # FSDP's all-gather of the stage's parameters
+    gather_unit: float
+
+
+def grad_bytes(precision: str) -> int:
+    """Bytes of a reduced gradient element: float32 under mixed precision (FSDP's reduce dtype is
+    the parameters' master dtype, docs/DISTRIBUTED.md), else the compute dtype."""
+    return 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
+
+
+def per_rank(
+    model: ModelCosts,
+    cluster: Cluster,
+    mesh: Mesh,
+    c: "Layout",
+    cuts: Sequence[int],
+    st: Sequence[Stage],
+    orders: Sequence[Sequence[RankOp]],
+    precision: str,
+) -> Tuple[List[float], List[float], List[float], List[float], List[float]]:
+    """Per pipeline rank: when it may start (FSDP's first all-gather, prefetched under the first
+    forward), what it adds after its last op (gradient reduce-scatter and all-reduces, overlapped with
+    the last micro-batch's backward except the last unit's; the embedding's all-reduce, whose gradient
+    is made last, not at all; the optimizer step), of that the communication, the optimizer, and the
+    gradients' collectives whole (overlapped or not)."""
+    lat = cluster.latency_s
+    grad = grad_bytes(precision)
+    master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
+    edges = [0, *itertools.accumulate(cuts)]
+    starts, tails, comms, opts, wholes = [], [], [], [], []
+    for ops in orders:
+        mine = sorted({j for j, _, _ in ops})
+        units = sum(cuts[j] for j in mine)
+        params = sum(sum(model.layer_params[edges[j] : edges[j + 1]]) for j in mine) / c.tp
+        first = ops[0][0] if ops else 0
+        gather = sum(st[j].gather for j in mine)
+        unit = gather / max(1, units)
+        starts.append(waited(gather, unit, st[first].forward, cluster))
+        rs = cluster.reduce_scatter_factor * gather_s(
+            params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
+        )
+        ar = all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
+        dp = c.dp_replicate * c.dp_shard
+        head = model.head_params / c.tp if len(cuts) - 1 in mine else 0.0
+        emb = model.embedding_params / c.tp if 0 in mine else 0.0
+        ar_head = all_reduce_s(head * grad, dp, mesh.dp_bytes_per_s, lat)
+        ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
+        overlapped = rs + ar + ar_head
+        last = ops[-1][0] if ops else 0
+        comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
+        held = params / c.dp_shard + head + emb
+        opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
+        tails.append(comm + opt)
+        comms.append(comm)
+        opts.append(opt)
+        wholes.append(overlapped + ar_emb)
+    return starts, tails, comms, opts, wholes
+
+
+def waited(whole: float, unit: float, under: float, cluster: Cluster) -> float:
+    """What of ``whole`` seconds of collectives the step waits for when all but the first (or
+    last) ``unit`` run under ``under`` seconds of compute; all of it where the cluster cannot run
+    communication beside compute (:attr:`Cluster.overlaps`)."""
+    if not cluster.overlaps:
+        return whole
+    return unit + max(0.0, whole - unit - under)
+
+
+def messages(j: int, kind: str, sends: Sequence[float], owner: Dict[int, int]) -> float:
+    """Seconds of the messages an op's rank sends and receives for it: a forward receives from the
+    previous stage and sends to the next, a backward (or input pass) the other way; none between two
+    stages of one rank, none for a weight pass."""
+    if kind == "W":
+        return 0.0
+    out = 0.0
+    for a in (j - 1, j):  # boundary a joins stages a and a + 1
+        if 0 <= a < len(sends) and owner[a] != owner[a + 1]:
+            out += sends[a]
+    return out
+
+
+def collectives(st: Sequence[Stage], ops: Sequence[RankOp], reshard: bool) -> float:
+    """FSDP's all-gathers a rank runs in a step, overlapped or not."""
+    mine = {j for j, _, _ in ops}
+    if not reshard:
+        return sum(st[j].gather for j in mine)
+    return sum(st[j].gather for j, k, _ in ops if k in ("F", "B", "I"))
