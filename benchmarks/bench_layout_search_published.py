@@ -27,7 +27,7 @@ CASES: List[Dict[str, Any]] = [
     {
         "name": "Llama 3.1 8B on 8 H100 (torchtitan Table 1: FSDP 8, local batch 2, seq 8192, selective AC, "
         "5,762 tok/s/GPU at 82.4 GiB)",
-        "config": LLAMA_8B,
+        "config": {**LLAMA_8B, "max_position_embeddings": 131072},
         "cluster": "h100_8",
         "devices": 8,
         "batch": 16,

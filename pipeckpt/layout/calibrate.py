@@ -104,10 +104,10 @@ def _matmul_flops(rounds: int = 7) -> float:
 
 def _optimizer_bytes_per_s(rounds: int = 5) -> float:
     """The memory bandwidth AdamW's step reaches, in the cost model's count of its traffic
-    (:data:`~pipeckpt.layout.cost.ADAMW_ELEMENTS_PER_PARAM` float32 elements a parameter): the rate
+    (:data:`~pipeckpt.layout.model_costs.ADAMW_ELEMENTS_PER_PARAM` float32 elements a parameter): the rate
     the optimizer term divides by. On a GPU the step runs at the memory's datasheet rate; on a CPU's
     one thread its arithmetic keeps it well below a plain copy's (2.8x below on this project's machine)."""
-    from pipeckpt.layout.cost import ADAMW_ELEMENTS_PER_PARAM
+    from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM
 
     params = [torch.nn.Parameter(torch.randn(2**18)) for _ in range(16)]  # 4M float32, 16 tensors
     for q in params:

@@ -19,13 +19,14 @@ from pipeckpt.checkpointing.order import kept
 from pipeckpt.layout.cluster import Cluster
 from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s, send_s
 from pipeckpt.layout.model_costs import (
+    ADAMW_ELEMENTS_PER_PARAM,
     ModelCosts,
     dtype_bytes,
     model_costs_from_config,
     model_costs_from_profile,
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
-from pipeckpt.layout.rank_work import ADAMW_ELEMENTS_PER_PARAM, Stage, collectives, messages, per_rank, waited
+from pipeckpt.layout.rank_work import Stage, collectives, messages, per_rank, waited
 from pipeckpt.stages.partition import min_max_partition
 
 __all__ = [

@@ -16,7 +16,17 @@ from pipeckpt._errors import config_error
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.profile import profile as profile_fn
 
-__all__ = ["ModelCosts", "model_costs_from_config", "model_costs_from_profile", "dtype_bytes"]
+__all__ = [
+    "ADAMW_ELEMENTS_PER_PARAM",
+    "ModelCosts",
+    "model_costs_from_config",
+    "model_costs_from_profile",
+    "dtype_bytes",
+]
+
+#: Elements AdamW's step reads and writes per parameter (torch.optim.AdamW: reads the parameter, its
+#: gradient and two moments, writes the parameter and the moments); the step is memory-bound.
+ADAMW_ELEMENTS_PER_PARAM = 7
 
 #: Bytes of the compute dtype under each Lightning precision name.
 _COMPUTE_BYTES = {"32-true": 4, "32": 4, "bf16-mixed": 2, "bf16-true": 2, "16-mixed": 2, "16-true": 2}

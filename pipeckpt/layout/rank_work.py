@@ -9,21 +9,14 @@ links (:mod:`pipeckpt.layout.links`) and the cluster's overlap.
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from pipeckpt.layout.cluster import Cluster
 from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
-from pipeckpt.layout.model_costs import ModelCosts, dtype_bytes
+from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM, ModelCosts, dtype_bytes
 from pipeckpt.layout.orders import RankOp
 
-if TYPE_CHECKING:
-    from pipeckpt.layout.cost import Layout
-
-__all__ = ["ADAMW_ELEMENTS_PER_PARAM", "Stage", "per_rank", "waited", "messages", "collectives"]
-
-#: Elements AdamW's step reads and writes per parameter (torch.optim.AdamW: reads the parameter, its
-#: gradient and two moments, writes the parameter and the moments); the step is memory-bound.
-ADAMW_ELEMENTS_PER_PARAM = 7
+__all__ = ["Stage", "per_rank", "waited", "messages", "collectives"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +40,7 @@ def per_rank(
     model: ModelCosts,
     cluster: Cluster,
     mesh: Mesh,
-    c: "Layout",
+    c: Any,  # the layout (pipeckpt.layout.cost.Layout: degrees, schedule, chunks)
     cuts: Sequence[int],
     st: Sequence[Stage],
     orders: Sequence[Sequence[RankOp]],
