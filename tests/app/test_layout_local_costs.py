@@ -3,6 +3,7 @@ built on real tensors and run before any fake build is open (an open fake build 
 and a step run then times fake kernels), on the threads a training process takes."""
 
 import contextlib
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -35,7 +36,7 @@ def calibrated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_local_costs_are_a_real_step_timed_before_any_fake_build(
-    calibrated: None, monkeypatch: pytest.MonkeyPatch
+    calibrated: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     builds: List[bool] = []
     real_built = plan_layout.built
@@ -55,7 +56,7 @@ def test_the_local_costs_are_a_real_step_timed_before_any_fake_build(
 
     monkeypatch.setattr(plan_layout, "built", recording)
     monkeypatch.setattr(cost, "model_costs_from_profile", costs)
-    answer, _, _ = run([*AUTO, "cluster=local"])
+    answer, _, _ = run([*AUTO, "cluster=local", f"memory.png={tmp_path / 'frontier.png'}"])
     assert builds[0] is False and all(builds[1:])  # the real build first, then only fake ones
     [(profile, kwargs)] = profiles
     assert profile.fake is False
