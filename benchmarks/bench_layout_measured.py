@@ -17,12 +17,14 @@ measured peak per pipeline rank is the most any of that rank's replicas held.
 
 Reported per world: predicted against measured step time (Spearman's rank correlation), the pick's
 measured time against the measured best, and each layout's predicted peak against the measured
-one. The ``cluster=local`` figures are measured afresh at the start (``--calibrate``, the default)
-so they are the quiet machine's.
+one. The ``cluster=local`` figures are measured afresh at the start (unless ``--no-calibrate``), so
+they are the quiet machine's; ``--repredict`` writes the saved run's figures back into that cache
+file, so the new predictions use the machine as it was measured.
 
 Command::
 
-    python benchmarks/bench_layout_measured.py --out benchmarks/RESULTS_layout_measured.md   # ~30 min
+    python benchmarks/bench_layout_measured.py --save run.json --out results.md   # ~75 min on 2 cores
+    python benchmarks/bench_layout_measured.py --repredict run.json           # the same runs, predicted anew
     python benchmarks/bench_layout_measured.py --quick       # a tiny GPT, 2 processes: checks the harness
 """
 
@@ -232,6 +234,7 @@ def _header(figures: Dict[str, Any], args: Any, when: str) -> List[str]:
 
 def main() -> None:
     parser = ranks_arguments(__doc__.splitlines()[0], out="/dev/stdout", rounds=3, batch=16)
+    parser.set_defaults(timeout=3000)  # one world's ranks: Llama on 4 processes takes ~35 min on 2 cores
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--no-calibrate", action="store_true", help="keep the cached cluster=local figures")
