@@ -57,7 +57,7 @@ class Answer:
         )
         shapes = ", ".join(f"tp{tp} x {mb}" for tp, mb in self.profiled)
         tail = f"memory profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
-        if self.cluster.name == "local":
+        if _this_machine(self.cluster):
             tail += "; times from one micro-batch timed layer by layer on this machine"
         return f"{format_search(self.searched, top=top, device=where)}\n{tail}"
 
@@ -200,6 +200,11 @@ class _Shapes:
         return repeat_layer(fitted, index, count) if count > 1 else fitted
 
 
+def _this_machine(where: Cluster) -> bool:
+    """``cluster=local``, measured here (a described cluster that happens to be named so is not)."""
+    return where.name == "local" and where.source.startswith("measured")
+
+
 def _local_microbatch(cfg: DictConfig, where: Cluster) -> int:
     """The micro-batch the costs are taken at: the global batch over the world (the costs are per
     token, so any size would do)."""
@@ -223,7 +228,7 @@ def _cost(
     heads, _ = _heads(module)
     name = str(cfg.model._target_).rsplit(".", 1)[-1]
     param_bytes = torch.empty((), dtype=torch.get_default_dtype()).element_size()
-    if where.name == "local":
+    if _this_machine(where):
         from pipeckpt.layout.calibrate import measured
 
         costs = cost.model_costs_from_profile(
@@ -266,7 +271,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
     try:
         with contextlib.ExitStack() as stack:
             shapes = _Shapes(cfg, drawn, stack, fake=fake)
-            if where.name == "local":  # this machine's times, before any fake build is open
+            if _this_machine(where):  # this machine's times, before any fake build is open
                 shapes.timed(_local_microbatch(cfg, where))
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
