@@ -12,8 +12,14 @@ parameters are still DTensors on the mesh, and what a user does next with them
 every rank at the same point (every rank fits the same layouts in the same order, so every rank
 finds or misses the same key), and kept for as long as the default group lives. A new default group
 (after ``dist.destroy_process_group()`` and a new init) starts afresh.
+
+They are let go at exit (``atexit``), while the interpreter still runs: a group this module still
+held after ``dist.destroy_process_group()`` would otherwise outlive the interpreter's finalisation,
+which need not free it, and reach the C++ runtime's exit with gloo's threads still running (a CI
+run's benchmark rank aborted there once: "terminate called without an active exception").
 """
 
+import atexit
 from typing import Any, Callable, Dict, Hashable, List, Optional, TypeVar
 
 import torch.distributed as dist
@@ -38,3 +44,12 @@ def kept(key: Hashable, make: Callable[[], T]) -> T:
     if key not in _kept:
         _kept[key] = make()
     return _kept[key]
+
+
+@atexit.register
+def _let_go() -> None:
+    """Drops every group and mesh kept, and the default group's reference, so that each is freed
+    (its threads joined) now, or by torch's own references' end, never after the interpreter's."""
+    global _world
+    _kept.clear()
+    _world = None
