@@ -27,6 +27,7 @@ from pipeckpt.layout.model_costs import (
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
 from pipeckpt.layout.rank_work import Stage, collectives, messages, per_rank, waited
+from pipeckpt.memory.engine_cost import ENGINE_S_PER_MICROBATCH  # re-exported: the layout's default
 from pipeckpt.stages.partition import min_max_partition
 
 __all__ = [
@@ -41,14 +42,6 @@ __all__ = [
     "model_costs_from_config",
     "model_costs_from_profile",
 ]
-
-#: The distributed engine's own seconds per micro-batch and stage (its forward and backward
-#: together): measured on this project's 2-core machine by benchmarks/bench_layout_engine_cost.py,
-#: 2026-12-02: the fastest rounds of 14 read 1.12 and 1.18 ms, the median 4.1 ms with three other
-#: developers' jobs on the 2 cores (benchmarks/RESULTS_layout.md, "Engine cost per micro-batch").
-#: Host work: on a GPU it overlaps the kernels it launches when they run longer, so there it is an
-#: upper bound.
-ENGINE_S_PER_MICROBATCH = 1.15e-3
 
 
 class Layout(Protocol):

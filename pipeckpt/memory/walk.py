@@ -13,6 +13,7 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from pipeckpt.checkpointing.modes import CheckpointMode
+from pipeckpt.memory.engine_cost import engine_s_per_microbatch
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes, optimizer_step_bytes
 from pipeckpt.memory.stage_model import _StageModel
 
@@ -369,8 +370,11 @@ def _op_times(
     loss = s.profile.loss if s.last else None
     lf = loss.forward_s if loss is not None else 0.0
     lb = loss.backward_s if loss is not None else 0.0
+    e = engine_s_per_microbatch(s.local) / 2  # the engine's own, half with each pass (memory/engine_cost)
     out = {}
     for i in range(m):
-        out[("F", i)] = s.forward_s + lf
-        out[("B", i)] = s.backward_s + lb + (s.recompute_s(mode) if mode.recomputes(i, m, keep=keep) else 0.0)
+        out[("F", i)] = s.forward_s + lf + e
+        out[("B", i)] = (
+            s.backward_s + lb + e + (s.recompute_s(mode) if mode.recomputes(i, m, keep=keep) else 0.0)
+        )
     return out
