@@ -1,5 +1,5 @@
 """The distributed engine's own cost per micro-batch and stage: the constant the layout cost model
-adds to every forward and backward (pipeckpt/layout/cost.py, ``ENGINE_S_PER_MICROBATCH``).
+adds to every forward and backward (pipeckpt/memory/engine_cost.py, ``ENGINE_S_PER_MICROBATCH``).
 
 A 2-stage pipeline of a model so small that its kernels cost next to nothing (the project's MLP,
 8 features, 2 hidden layers of 8) trains through a real ``Trainer`` on 2 gloo processes of one
