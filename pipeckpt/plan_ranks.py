@@ -29,6 +29,7 @@ from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, RankState, RankTable, per_rank, rank_state
+from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
@@ -65,7 +66,7 @@ def rank_run(
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
         prediction, ranges, outside = _predicted(
-            b, settings, fake=fake, optimizer=optimizer, schedule=schedule
+            b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule
         )
         return with_outside(prediction, b.sequential, ranges, layout, optimizer, outside), note
 
@@ -85,16 +86,24 @@ def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tup
     note = (
         f"memory.tp={layout.tp}: parameters split by the model's own plan ({len(layer)} entries per "
         f"layer{vocab}); activations profiled on the whole layers (an upper bound)"
+        + (", and the head's logits split as it is" if "colwise" in outside.values() else "")
     )
     return replace(layout, tp_plan=tuple(split.items())), note
 
 
 def _predicted(
-    b: Built, settings: PipeSettings, *, fake: bool, optimizer: str, schedule: Optional[str]
+    b: Built,
+    settings: PipeSettings,
+    layout: Layout,
+    *,
+    fake: bool,
+    optimizer: str,
+    schedule: Optional[str],
 ) -> Tuple[Prediction, List[Tuple[int, int]], Optional[Sequence[OutsideParam]]]:
     """The walk's prediction for the plan's stages, a run of identical blocks of a Sequential profiled
-    once on fake tensors; each stage's range of layers; a ``pipeline_of`` model's parameters outside
-    its layers and who reads them."""
+    once on fake tensors, the logits of a head ``layout`` splits over the vocabulary counted as one
+    rank holds them (memory/vocab_share.py); each stage's range of layers; a ``pipeline_of`` model's
+    parameters outside its layers and who reads them."""
     sequential = b.sequential
     stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=b.inputs)
     rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
@@ -108,6 +117,7 @@ def _predicted(
         fake=fake,
     )
     fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
+    fitted = split_over_vocabulary(fitted, layout.tp, layout.tp_plan)
     schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
     return prediction, list(stage_plan.ranges), fitted.outside_params

@@ -25,6 +25,7 @@ from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, stage_rank_states
 from pipeckpt.memory.timing import for_compile
+from pipeckpt.memory.vocab_share import split_profiles
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
 from pipeckpt.stages.materialize import on_meta
@@ -197,7 +198,8 @@ def resolve_auto(
         balances = balance_candidates(layers, base.stages, base.balance) if "balance" in search else None
         counted = settings.memory_optimizer or optimizer or "adam"
         choice = choose(
-            profiled,
+            # a head the layout splits over the vocabulary: each rank's share of its logits
+            profiled if layout is None else split_profiles(profiled, layout.tp, layout.tp_plan),
             budget,
             balance=base.balance,
             chunks=chunk_options,

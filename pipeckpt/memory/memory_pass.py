@@ -17,12 +17,14 @@ __all__: List[str] = []
 
 
 class Storages:
-    """Names every storage it is shown with a small integer, remembering its size."""
+    """Names every storage it is shown with a small integer, remembering its size and the shape of
+    the first tensor it was shown in."""
 
     def __init__(self, exclude: Sequence[Tensor]) -> None:
         self._ids: Dict[int, int] = {}
         self._keep: List[Any] = []  # the storages, alive for as long as the profile runs
         self.bytes: Dict[int, int] = {}
+        self.shapes: Dict[int, Tuple[int, ...]] = {}
         self._excluded = {id(t.untyped_storage()) for t in exclude}
         self._keep.extend(t.untyped_storage() for t in exclude)
 
@@ -38,6 +40,7 @@ class Storages:
                 self._ids[id(st)] = len(self._ids)
                 self._keep.append(st)
                 self.bytes[self._ids[id(st)]] = st.nbytes()
+                self.shapes[self._ids[id(st)]] = tuple(int(d) for d in t.shape)
             out.append(self._ids[id(st)])
         return tuple(dict.fromkeys(out))
 

@@ -9,20 +9,27 @@ under MemTracker: MemTracker charges a module what runs between its own hooks, a
 backward (where a tied head's weight gradient is added to the embedding's) runs after the layers'.
 So the model's ``forward`` runs once more with every layer passing its input straight on (no work),
 under a count of live bytes marked where the layers start and end, and where the gradient reaches them.
+The same count keeps apart the bytes shaped by the vocabulary (the head's logits, what the loss makes
+of them, the head's weight gradient), which tensor parallelism splits over ``tp`` where the head is
+split (memory/vocab_share.py): the frontier of (other, vocabulary) bytes live at once, from which
+the peak with the vocabulary's share divided by any ``tp`` follows.
 """
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeckpt._compat import TorchDispatchMode, tree_flatten, tree_unflatten
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import replay
 
-__all__ = ["OutsideMemory", "outside_memory"]
+__all__ = ["OutsideMemory", "outside_memory", "vocab_sized", "peak_over"]
+
+#: Bytes live at once, as (not shaped by the vocabulary, shaped by it).
+Points = Tuple[Tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class OutsideMemory:
         input_saved: the bytes of the last layer's output that the code after the layers saves
             for backward (a final norm's or a head's input): held by each micro-batch from its
             forward to its backward even where its last stage keeps nothing of its own (recompute).
+        head: the path in the model of its head (the ``nn.Linear`` outside the layers with the
+            most output features: the vocabulary), "" where there is none.
+        head_shape: the head's weight's shape, (vocabulary, hidden).
+        forward_points: the forward's live bytes as :data:`Points` above the start (the frontier:
+            none with both parts at least another's).
+        backward_points: the same over the head's backward, above what was live when it started.
     """
 
     after_forward: int
@@ -61,15 +74,69 @@ class OutsideMemory:
     after_grads: int = 0
     after_left: int = 0
     input_saved: int = 0
+    head: str = ""
+    head_shape: Tuple[int, ...] = ()
+    forward_points: Points = ()
+    backward_points: Points = ()
+
+
+def vocab_sized(shape: Sequence[int], head_shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` is shaped by the vocabulary of a head of weight ``head_shape``:
+    its last dimension is the head's output features (logits, log-probabilities, their gradients),
+    or it is the head's weight's shape (its gradient). Tensor parallelism splits both over ``tp``."""
+    return (
+        bool(head_shape) and bool(shape) and (shape[-1] == head_shape[0] or tuple(shape) == tuple(head_shape))
+    )
+
+
+def peak_over(points: Points, tp: int = 1) -> int:
+    """The most bytes live at once among ``points`` with the vocabulary's part split over ``tp``
+    ranks (rank 0's share: ``ceil``)."""
+    return max((other - (-vocab // tp) for other, vocab in points), default=0)
+
+
+def _head(spec: ModulePipeline) -> Tuple[str, Tuple[int, ...]]:
+    """The path and weight shape of the ``nn.Linear`` outside ``spec``'s layers with the most output
+    features (a language model's head), ``("", ())`` where there is none."""
+    inside = {id(m) for layer in spec for m in layer.modules()}
+    linears = [
+        (n, m) for n, m in spec.root.named_modules() if isinstance(m, nn.Linear) and id(m) not in inside
+    ]
+    if not linears:
+        return "", ()
+    name, head = max(linears, key=lambda pair: pair[1].out_features)
+    return name, tuple(head.weight.shape)
+
+
+class _Frontier:
+    """The (other, vocabulary) bytes seen live at once that no other point seen has both parts of at
+    least: enough for the peak under any split of the vocabulary's part (:func:`peak_over`)."""
+
+    def __init__(self) -> None:
+        self.points: List[Tuple[int, int]] = []
+
+    def see(self, other: int, vocab: int) -> None:
+        if any(o >= other and v >= vocab for o, v in self.points):
+            return
+        self.points = [(o, v) for o, v in self.points if o > other or v > vocab]
+        self.points.append((other, vocab))
+
+    def above(self, other: int, vocab: int) -> Points:
+        return tuple(sorted((o - other, v - vocab) for o, v in self.points))
 
 
 class _Live(TorchDispatchMode):
     """Live bytes of the storages created under it, and their peak since the last :meth:`mark`."""
 
-    def __init__(self, exclude: Sequence[Tensor], params: Sequence[Tensor]) -> None:
+    def __init__(
+        self, exclude: Sequence[Tensor], params: Sequence[Tensor], head_shape: Tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.vocab = 0  # of ``live``, the bytes shaped by the head's vocabulary (:func:`vocab_sized`)
+        self.head_shape = head_shape
+        self.frontier = _Frontier()
         self._seen: Dict[int, Any] = {id(t.untyped_storage()): t for t in exclude}
         self._params = {id(p.untyped_storage()): p for p in params}
         self.phase = "before"  # the forward's code before the layers, or "after" them
@@ -79,9 +146,16 @@ class _Live(TorchDispatchMode):
         self.peak = self.live
         return self.live
 
-    def _freed(self, key: int, size: int) -> None:
+    def restart(self) -> Tuple[int, int]:
+        """A new frontier from what is live now, returned as (other, vocabulary) bytes."""
+        self.frontier = _Frontier()
+        self.frontier.see(self.live - self.vocab, self.vocab)
+        return self.live - self.vocab, self.vocab
+
+    def _freed(self, key: int, size: int, vocab: bool) -> None:
         self._seen.pop(key, None)
         self.live -= size
+        self.vocab -= size if vocab else 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -94,14 +168,17 @@ class _Live(TorchDispatchMode):
                 st = t.untyped_storage()
                 if id(st) not in self._seen:
                     size = st.nbytes()
-                    self._seen[id(st)] = weakref.ref(st, self._on_free(id(st), size))
+                    vocab = vocab_sized(t.shape, self.head_shape)
+                    self._seen[id(st)] = weakref.ref(st, self._on_free(id(st), size, vocab))
                     self.live += size
+                    self.vocab += size if vocab else 0
         self.peak = max(self.peak, self.live)
+        self.frontier.see(self.live - self.vocab, self.vocab)
         return out
 
-    def _on_free(self, key: int, size: int) -> Callable[[Any], None]:
+    def _on_free(self, key: int, size: int, vocab: bool) -> Callable[[Any], None]:
         """The weakref callback that counts storage ``key`` of ``size`` bytes freed."""
-        return lambda _: self._freed(key, size)
+        return lambda _: self._freed(key, size, vocab)
 
 
 def _storage_bytes(tensors: Iterator[Tensor]) -> int:
@@ -119,7 +196,8 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
     data = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor)]
     inside = {id(p) for p in spec.parameters()}
     trained = [p for p in root.parameters() if p.requires_grad and id(p) not in inside]
-    live = _Live([*root.parameters(), *root.buffers(), *data], trained)
+    head, head_shape = _head(spec)
+    live = _Live([*root.parameters(), *root.buffers(), *data], trained, head_shape)
     saved_after: Set[int] = set()  # storages the code after the layers saves for backward
 
     def pack(t: Tensor) -> Tensor:
@@ -128,6 +206,7 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
         return t
 
     marks: Dict[str, int] = {}
+    points: Dict[str, Points] = {}
     carried: List[Tensor] = []
 
     def passing(i: int, recorded: Any) -> Callable[..., Any]:
@@ -160,9 +239,12 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             grads = [t for t in tensors if t.requires_grad]
             roots = [t for t in grads if t.dim() == 0] or grads
             del out, tensors, grads
+            points["forward"] = live.frontier.above(0, 0)
             start = live.mark()
+            base = live.restart()
             if head_input.requires_grad:
                 head_input.register_hook(lambda g: marks.__setitem__("after", live.peak - start))
+                head_input.register_hook(lambda g: points.__setitem__("backward", live.frontier.above(*base)))
                 head_input.register_hook(lambda g: marks.__setitem__("left", live.live - start))
                 head_input.register_hook(lambda g: marks.__setitem__("embeddings", live.mark()))
             carried.clear()
@@ -170,6 +252,7 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
             after_backward = marks.get("after", live.peak - start)
+            backward_points = points.get("backward", live.frontier.above(*base))
             before_backward = live.peak - marks["embeddings"] if "embeddings" in marks else 0
     finally:
         for layer in layers:
@@ -184,4 +267,8 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
         after_grads=_storage_bytes(iter(live.used["after"].values())),
         after_left=marks.get("left", 0),
         input_saved=input_saved,
+        head=head,
+        head_shape=head_shape,
+        forward_points=points["forward"],
+        backward_points=backward_points,
     )

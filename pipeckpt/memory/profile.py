@@ -10,7 +10,7 @@ allocated). docs/MEMORY.md, "memory/profile.py", says more.
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -84,6 +84,8 @@ class ModelProfile:
     # A pipeline_of model: its parameters outside the layers and who reads each (None: not told, or
     # not such a model), for the ranks of the distributed engine, which hold what their stages read.
     outside_params: Optional[Tuple[OutsideParam, ...]] = None
+    # Each storage's shape, as first seen (memory/vocab_share.py finds the logits' by it).
+    storage_shapes: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
     def bytes_of(self, ids: Set[int]) -> int:
         return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
@@ -225,6 +227,7 @@ def profile(
         fake=fake,
         outside=outside,
         outside_params=readers,
+        storage_shapes=dict(storages.shapes),
     )
 
 
