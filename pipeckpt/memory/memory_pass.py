@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import MemTracker, TorchDispatchMode, module_memory, sac_saved_ops, tree_flatten
+from pipeckpt.memory.rooted import outside_parameters
 
 __all__: List[str] = []
 
@@ -108,7 +109,7 @@ def memory_pass(
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack), _SacOutputs(probe):
         _forward_backward(probe, x)
     records, probe.records = probe.records, []
-    tracker = MemTracker()
+    tracker = _tracker(loss)
     with tracker:
         _forward_backward(probe, x)
     for module, record in zip(probe.layers, records):
@@ -136,7 +137,7 @@ def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:
     first node is done, holding the gradient changes nothing."""
     held: List[Tensor] = []
     handles = [m.register_forward_hook(_hold_output_gradient(held.append)) for m in probe.layers]
-    tracker = MemTracker()
+    tracker = _tracker(probe.layers[-1])
     try:
         with tracker:
             _forward_backward(probe, x)
@@ -149,6 +150,17 @@ def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:
         snap = module_memory(tracker, module)
         out.append(snap.get("Peak-Backward", 0) - snap.get("Pre-Backward", 0))
     return out
+
+
+def _tracker(last: Optional[nn.Module]) -> Any:
+    """A MemTracker that knows, beside the probe's own modules, the parameters (and gradients) of a
+    ``pipeline_of`` model outside its layers, which the chain's last link uses without holding them
+    as children (memory/rooted.py): untracked, MemTracker would count them made in its forward."""
+    tracker = MemTracker()
+    own = outside_parameters(last) if last is not None else None
+    if own:
+        tracker.track_external(nn.ParameterList(own))
+    return tracker
 
 
 def _hold_output_gradient(hold: Callable[[Tensor], None]) -> Callable[..., None]:
