@@ -12,7 +12,7 @@ pick to them in the environment (:data:`PICK_VARIABLE`), as their profiles would
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -35,6 +35,7 @@ from pipeckpt.memory.repeated import identical_run, repeat_layer, shortened
 from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_model import Built, batch, built
 from pipeckpt.plan_ranks import takes_tensor_parallel
+from pipeckpt.plan_tp_host import one_process_mesh, split, tp_host_s
 
 __all__ = ["Answer", "search_config", "apply_layout", "PICK_VARIABLE"]
 
@@ -127,6 +128,8 @@ class _Shapes:
         self._built: Dict[int, Built] = {}
         self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._timed: Dict[int, ModelProfile] = {}
+        self.split_profile: Optional[ModelProfile] = None  # timed_split's, where taken
+        self._rooted = False  # the timed build is a pipeline_of model (its own plan may split it)
 
     def built(self, tp: int) -> Built:
         key = tp if self.by_argument else 1
@@ -178,9 +181,32 @@ class _Shapes:
         try:
             with built(self.cfg, self.drawn, fake=False) as b:
                 self._timed[microbatch] = self._profiled(b, microbatch, fake=False, shorten=False)
+                self._rooted = isinstance(b.sequential, ModulePipeline)
         finally:
             torch.set_num_threads(threads)
         return self._timed[microbatch]
+
+    def timed_split(self, microbatch: int) -> Optional[ModelProfile]:
+        """:meth:`timed` with the model split by its own tensor-parallel plan over a one-process
+        mesh (:mod:`pipeckpt.plan_tp_host`: what a split costs each layer on the host); None where the
+        model splits itself (``tensor_parallel`` is its own argument), has no plan, or this process
+        is in a process group already. Taken after :meth:`timed` and before any fake build is open."""
+        assert not self._built, "timed before the fake builds: they swap in fake tensors while open"
+        given = self.cfg.strategy.get("tensor_parallel_plan")
+        if self.by_argument or not (given or self._rooted):  # no plan: nothing to split
+            return None
+        threads, wanted = torch.get_num_threads(), self.cfg.get("threads")
+        torch.set_num_threads(int(wanted) if wanted else threads)
+        try:
+            with one_process_mesh() as mesh, built(self.cfg, self.drawn, fake=False) as b:
+                layers = b.sequential
+                if mesh is None:
+                    return None
+                plan = given.items() if given else model_plan(layers, 2).items()  # type: ignore[arg-type]
+                split(list(layers), [(str(k), str(v)) for k, v in plan], mesh)
+                return self._profiled(b, microbatch, fake=False, shorten=False)
+        finally:
+            torch.set_num_threads(threads)
 
     def _profiled(
         self, b: Built, microbatch: int, *, fake: Optional[bool] = None, shorten: bool = True
@@ -241,6 +267,8 @@ def _cost(
             param_bytes=param_bytes,
             name=name,
         )
+        if shapes.split_profile is not None:  # a split layer's host work (plan_tp_host)
+            costs = replace(costs, tp_host_s=tp_host_s(shapes.timed(microbatch), shapes.split_profile))
     elif config is not None:
         costs = cost.model_costs_from_config(config, seq_len=seq_len, precision=precision)
     else:
@@ -273,6 +301,8 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
             shapes = _Shapes(cfg, drawn, stack, fake=fake)
             if _this_machine(where):  # this machine's times, before any fake build is open
                 shapes.timed(_local_microbatch(cfg, where))
+                if where.world > 1:
+                    shapes.split_profile = shapes.timed_split(_local_microbatch(cfg, where))
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
             splits = isinstance(whole.sequential, ModulePipeline) or bool(

@@ -276,6 +276,8 @@ def _stages(
         layers = sum(flops[a:b]) * tokens / c.tp / rate
         head = model.head_flops * tokens / c.tp / rate if j == len(cuts) - 1 else 0.0
         tp = 2 * (b - a) * one_ar
+        # a split layer's host work (DTensor's dispatch), the same whatever tp: ModelCosts.tp_host_s
+        forward_host, backward_host = ((b - a) * s for s in model.tp_host_s) if c.tp > 1 else (0.0, 0.0)
         mode = modes[j]
         share = 0.0 if not mode.checkpoints else model.selective_share if mode.selective else 1.0
         params = sum(model.layer_params[a:b]) / c.tp * dtype_bytes(precision)
@@ -284,10 +286,10 @@ def _stages(
         )
         out.append(
             Stage(
-                forward=layers + head,
-                backward=model.backward_factor * (layers + head),
+                forward=layers + head + forward_host,
+                backward=model.backward_factor * (layers + head) + backward_host,
                 tp=tp,
-                recompute=share * (layers + tp),
+                recompute=share * (layers + tp + forward_host),
                 host=act / host if mode.offloads and host > 0 else 0.0,
                 gather=gather,
                 gather_unit=gather / max(1, b - a),

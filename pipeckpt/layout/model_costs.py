@@ -61,6 +61,9 @@ class ModelCosts:
         selective_share: share of a layer's forward FLOPs that ``selective`` recomputes (pipeckpt's
             policy keeps every matmul and attention output: about 0).
         backward_factor: a layer's backward over its forward.
+        tp_host_s: the host's seconds a tensor-parallel split adds to one layer's forward and to its
+            backward per micro-batch, whatever ``tp`` (DTensor's dispatch: measured on ``local`` by
+            :mod:`pipeckpt.plan_tp_host`; 0 elsewhere, where it overlaps the kernels it launches).
     """
 
     name: str
@@ -77,6 +80,7 @@ class ModelCosts:
     boundary_bytes_per_token: float
     selective_share: float = 0.0
     backward_factor: float = 2.0
+    tp_host_s: Tuple[float, float] = (0.0, 0.0)
 
     @property
     def layers(self) -> int:

@@ -163,6 +163,23 @@ def test_doubling_tp_halves_compute_and_adds_four_all_reduces_per_layer() -> Non
     assert apart.exposed_comm_s == pytest.approx(10 * two.exposed_comm_s)
 
 
+def test_a_split_layer_pays_its_host_work_on_every_microbatch_whatever_tp() -> None:
+    # DTensor's dispatch (ModelCosts.tp_host_s) is host work per layer and micro-batch: it does not
+    # shrink with tp, counts as compute (the host is busy), and an unsplit layout never pays it
+    m, fwd, bwd = 2, 3e-3, 5e-3
+    host = toy(tp_host_s=(fwd, bwd))
+    for tp in (2, 4):
+        plain, split = run(Layout(tp=tp, chunks=m), tp), run(Layout(tp=tp, chunks=m), tp, model=host)
+        assert split.compute_s - plain.compute_s == pytest.approx(m * LAYERS * (fwd + bwd))
+        assert split.step_s - plain.step_s == pytest.approx(m * LAYERS * (fwd + bwd))
+    assert run(Layout(chunks=m), model=host).step_s == pytest.approx(run(Layout(chunks=m)).step_s)
+    # a recomputed forward is split too
+    always = run(Layout(tp=2, chunks=m, modes=("always",)), 2, model=host)
+    assert always.recompute_s - run(Layout(tp=2, chunks=m, modes=("always",)), 2).recompute_s == (
+        pytest.approx(m * LAYERS * fwd)
+    )
+
+
 def test_data_parallel_all_reduce_of_float32_gradients() -> None:
     e = run(Layout(dp_replicate=2, chunks=1), 2)
     whole = LAYERS * PARAMS * 4  # bf16-mixed reduces float32 gradients

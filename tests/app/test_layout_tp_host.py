@@ -1,0 +1,97 @@
+"""On ``cluster=local`` a tensor-parallel layout pays what splitting a layer costs on this machine's
+host (DTensor's dispatch), measured on the model split by its own plan over a one-process mesh
+(pipeckpt/plan_tp_host.py) and priced per layer and micro-batch whatever ``tp``."""
+
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeckpt import plan_layout
+from pipeckpt.layout import calibrate, cost
+from pipeckpt.plan_tp_host import one_process_mesh, tp_host_s
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA = (
+    "model.config={model_type:llama,hidden_size:64,intermediate_size:176,num_hidden_layers:4,"
+    "num_attention_heads:4,num_key_value_heads:2,vocab_size:512,max_position_embeddings:64,"
+    "tie_word_embeddings:false}"
+)
+FIGURES: Dict[str, Any] = {
+    "when": "now",
+    "cpu": "test",
+    "cores": 2,
+    "memory_bytes": 8 * 2**30,
+    "matmul_flops": 100e9,
+    "memory_bytes_per_s": 5e9,
+    "gloo_latency_s": 1e-4,
+    "gloo_bytes_per_s": 1e9,
+    "gloo_all_gather_factor": 2.0,
+    "gloo_reduce_scatter_factor": 3.5,
+    "memory_is_adamw": True,
+    "file": "test",
+}
+
+
+def _profile(*times: Any) -> Any:
+    return SimpleNamespace(layers=[SimpleNamespace(forward_s=f, backward_s=b) for f, b in times])
+
+
+def test_a_splits_host_work_is_the_mean_excess_per_layer_and_never_below_zero() -> None:
+    whole = _profile((1.0, 2.0), (1.0, 2.0), (1.0, 2.0))
+    split = _profile((1.3, 2.6), (1.1, 2.0), (0.9, 2.3))  # the last forward ran faster: noise, 0
+    forward, backward = tp_host_s(whole, split)
+    assert forward == pytest.approx((0.3 + 0.1 + 0.0) / 3)
+    assert backward == pytest.approx((0.6 + 0.0 + 0.3) / 3)
+
+
+def test_the_one_process_mesh_is_a_world_of_one_destroyed_after_the_block() -> None:
+    assert not dist.is_initialized()
+    with one_process_mesh() as mesh:
+        assert mesh is not None and mesh.size() == 1 and dist.get_world_size() == 1
+    assert not dist.is_initialized()
+
+
+def test_no_mesh_is_opened_where_the_process_is_in_a_group_already() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        with one_process_mesh() as mesh:
+            assert mesh is None
+        assert dist.is_initialized() and dist.group.WORLD is group  # left as it was
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_search_on_local_prices_the_host_work_of_an_hf_models_split_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from pipeckpt.app.config import register
+    from pipeckpt.plan import CONF
+
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+    seen: List[Any] = []
+    real_estimate = cost.estimate
+
+    def estimate(c: Any, costs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(costs.tp_host_s)
+        return real_estimate(c, costs, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "estimate", estimate)
+    register()
+    overrides = ["model=hf", LLAMA, "model.seq_len=32", "data.batch_size=4", "strategy.engine=distributed"]
+    overrides += ["trainer.devices=2", "strategy.layout=auto", "cluster=local", "threads=1"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    answer = plan_layout.search_config(cfg)
+    forward, backward = seen[0]
+    assert forward > 0 and backward > 0 and set(seen) == {(forward, backward)}
+    assert not dist.is_initialized()  # the one-process world is gone
+    split = [r for r in answer.searched.ranked if r.candidate.tp > 1]
+    assert split, "a 2-process world of this model has tensor-parallel layouts"
+    assert torch.get_num_threads() == 1
