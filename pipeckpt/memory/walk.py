@@ -126,7 +126,10 @@ class _StageWalk:
         self.embeddings = outside.before_backward if outside is not None and s.first else 0
         self.head_grads = self.outside.after_grads if self.outside is not None else 0
         self.loss = s.profile.loss if s.last and not self.rooted else None
-        self.loss_saved = s.profile.bytes_of(set(self.loss.saved)) if self.loss is not None else 0
+        # torch's PipelineStage keeps each micro-batch's output until its backward: on a pipeline_of
+        # model's last stage (distributed), the model's own outputs (its logits), beside what its loss saves.
+        kept = set(self.loss.outputs) if self.loss is not None and s.profile.outside is not None else set()
+        self.loss_saved = s.profile.bytes_of(set(self.loss.saved) | kept) if self.loss is not None else 0
         # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
         # activations (not on the first stage) and gradients (not on the last), and each
         # micro-batch's output until its backward.

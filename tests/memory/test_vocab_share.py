@@ -6,6 +6,7 @@ every tensor shaped by the vocabulary. The memory model counts the last stage's 
 untied head) on one micro-batch of 2 x 16 token ids, 2 stages of 2 layers, GPipe, ``never``, SGD;
 the expected figures by hand from the shapes."""
 
+from dataclasses import replace
 from typing import Tuple
 
 import pytest
@@ -78,10 +79,21 @@ def test_under_tp2_the_loss_saves_half_of_the_log_probabilities(untied) -> None:
 def test_under_tp2_the_last_stages_peak_drops_by_half_of_three_logits_tensors(untied) -> None:
     whole, plan = untied
     before, after = _last_stage(whole), _last_stage(split_over_vocabulary(whole, 2, plan))
-    # At its peak, the head's backward, the last stage holds the log-probabilities the loss saved
-    # and the gradients of the log-probabilities and of the logits: each half on a rank.
+    # At its peak, the head's backward, the last stage holds the log-probabilities the loss saved,
+    # the logits (torch's PipelineStage keeps the micro-batch's output until its backward) and the
+    # gradients of the log-probabilities and of the logits: four such tensors, each half on a rank.
     assert (before.peak_at, after.peak_at) == ("B0 loss", "B0 loss")
-    assert before.peak - after.peak == 3 * LOGITS // 2
+    assert before.peak - after.peak == 4 * LOGITS // 2
+
+
+def test_the_last_stage_keeps_each_micro_batchs_logits_and_loss_until_its_backward(untied) -> None:
+    whole, _ = untied
+    outputs = [whole.storage_shapes[i] for i in whole.loss.outputs]
+    assert sorted(outputs) == [(), (B * S, V)]  # the loss, and the logits (first seen flattened)
+    unkept = replace(whole, loss=replace(whole.loss, outputs=()))
+    before, after = _last_stage(unkept), _last_stage(whole)
+    assert (before.peak_at, after.peak_at) == ("B0 loss", "B0 loss")
+    assert after.peak - before.peak == LOGITS + 4  # the logits and the fp32 loss
 
 
 def test_under_tp2_the_first_stage_is_unchanged(untied) -> None:
