@@ -29,8 +29,9 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.budget import first_call
 from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.profile import fake_mode
+from pipeckpt.memory.repeated import identical_run
 
-__all__ = ["Built", "built", "build", "loss", "batch", "plannable"]
+__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "three_layers"]
 
 #: The files a pretrained directory keeps its weights in (what ``from_pretrained`` reads).
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
@@ -77,6 +78,25 @@ def plannable(cfg: DictConfig) -> Tuple[DictConfig, Optional[str]]:
             planned.data.tokenizer = cfg.data.tokenizer  # resolved while model.path still names it
         planned.model.path, planned.model.config = None, str(directory)
     return planned, f"model.path={cfg.model.path}: no weights in the directory, planned from its config.json"
+
+
+def three_layers(cfg: DictConfig, full: torch.nn.Sequential) -> Optional[DictConfig]:
+    """The configs of the same model with three of its identical layers (first, middle, last), where
+    a ``pipeline_of`` model's layers are all alike and its ``model.config`` sets their count: its own
+    forward runs every layer, so it is profiled shortened this way and the middle layer repeated
+    (:func:`~pipeckpt.memory.repeated.repeat_layer`); None where that does not apply. Why: a profile
+    on fake tensors costs more than linearly in the layers (torch's ``MemTracker`` walks its live
+    tensors at every op): minutes for 80 blocks, seconds for three, the prediction the same."""
+    config = cfg.model.get("config")
+    alike = identical_run(full) == (0, len(full))
+    if not isinstance(full, ModulePipeline) or len(full) <= 3 or not alike:
+        return None
+    if not isinstance(config, DictConfig) or "num_hidden_layers" not in config or cfg.model.get("path"):
+        return None
+    short = cfg.copy()
+    with open_dict(short):
+        short.model.config.num_hidden_layers = 3
+    return short
 
 
 def build(cfg: DictConfig, extra: Dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ sharded and split over the vocabulary as the engine holds them.
 
 import inspect
 from dataclasses import replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hydra.utils import get_class
@@ -26,11 +26,11 @@ from pipeckpt.engines.distributed.vocab_plan import own_outside_plan
 from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction, predict
-from pipeckpt.memory.profile import profile
+from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, RankState, RankTable, per_rank, rank_state
 from pipeckpt.memory.vocab_share import split_over_vocabulary
-from pipeckpt.plan_model import Built, built
+from pipeckpt.plan_model import Built, built, three_layers
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
 
@@ -65,8 +65,9 @@ def rank_run(
         note = None
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
+        three = (three_layers(cfg, b.sequential) if fake else None, drawn, extra)
         prediction, ranges, outside = _predicted(
-            b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule
+            b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule, three=three
         )
         return with_outside(prediction, b.sequential, ranges, layout, optimizer, outside), note
 
@@ -99,9 +100,12 @@ def _predicted(
     fake: bool,
     optimizer: str,
     schedule: Optional[str],
+    three: Tuple[Optional[DictConfig], Any, Dict[str, Any]] = (None, None, {}),
 ) -> Tuple[Prediction, List[Tuple[int, int]], Optional[Sequence[OutsideParam]]]:
-    """The walk's prediction for the plan's stages, a run of identical blocks of a Sequential profiled
-    once on fake tensors, the logits of a head ``layout`` splits over the vocabulary counted as one
+    """The walk's prediction for the plan's stages, a run of identical blocks profiled once on fake
+    tensors (a Sequential's cut to three, a ``pipeline_of`` model's built again with three where
+    ``three`` holds those configs, :func:`~pipeckpt.plan_model.three_layers`, the batch and the
+    build's arguments), the logits of a head ``layout`` splits over the vocabulary counted as one
     rank holds them (memory/vocab_share.py); each stage's range of layers; a ``pipeline_of`` model's
     parameters outside its layers and who reads them."""
     sequential = b.sequential
@@ -109,18 +113,28 @@ def _predicted(
     rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
     short, index, count = shortened(sequential) if fake and not rooted else (sequential, 0, 1)
     chunks = settings.chunks
-    fitted = profile(
-        short,
-        first_microbatch(b.inputs, chunks),
-        loss_fn=b.loss_fn,
-        target=first_microbatch(b.targets, chunks) if b.targets is not None else None,
-        fake=fake,
-    )
+    if three[0] is not None:  # a pipeline_of model built again with three of its layers
+        with built(three[0], three[1], fake=True, extra=three[2]) as short_b:
+            b, short, index, count = short_b, short_b.sequential, 1, len(sequential) - 2
+            fitted = _profiled(b, short, chunks, fake)
+    else:
+        fitted = _profiled(b, short, chunks, fake)
     fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
     fitted = split_over_vocabulary(fitted, layout.tp, layout.tp_plan)
     schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
     return prediction, list(stage_plan.ranges), fitted.outside_params
+
+
+def _profiled(b: Built, layers: nn.Sequential, chunks: int, fake: bool) -> ModelProfile:
+    """One micro-batch of ``b``'s batch through ``layers`` (``b.sequential`` or its cut)."""
+    return profile(
+        layers,
+        first_microbatch(b.inputs, chunks),
+        loss_fn=b.loss_fn,
+        target=first_microbatch(b.targets, chunks) if b.targets is not None else None,
+        fake=fake,
+    )
 
 
 def with_outside(

@@ -77,7 +77,10 @@ def repeat_layer(profile: ModelProfile, index: int, count: int) -> ModelProfile:
     layer = layers[index]
     sizes = dict(profile.storage_bytes)
     fresh = max(sizes, default=-1) + 1
-    own = (set(layer.saved) | set(layer.outputs) | set(layer.sac_kept)) - set(layer.inputs)
+    # What the layer made: not its inputs, nor what existed before it ran (a pipeline_of model's
+    # rotary cos and sin, made before the first layer and saved by every layer, stay shared).
+    before = set(profile.batch_inputs).union(*(_ids(earlier) for earlier in layers[:index]))
+    own = (set(layer.saved) | set(layer.outputs) | set(layer.sac_kept)) - set(layer.inputs) - before
     copies: List[LayerProfile] = [layer]
     previous: Dict[int, int] = {i: i for i in own}  # the last copy's ids of the layer's own storages
     for _ in range(count - 1):
@@ -106,6 +109,10 @@ def _shifted(profile: ModelProfile, index: int, count: int) -> Any:
         return frozenset({i if i < index else i + count - 1 for i in layers if i != index} | copies)
 
     return tuple(replace(o, layers=moved(o.layers)) for o in profile.outside_params)
+
+
+def _ids(layer: LayerProfile) -> FrozenSet[int]:
+    return frozenset((*layer.inputs, *layer.outputs, *layer.saved, *layer.sac_kept))
 
 
 def _renamed(layer: LayerProfile, mapping: Dict[int, int]) -> LayerProfile:

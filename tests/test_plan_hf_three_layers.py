@@ -1,0 +1,83 @@
+"""``python -m pipeckpt.plan model=hf "model.config={...}"`` on fake tensors profiles the model built
+again with three of its decoder layers and repeats the middle one (plan_model.three_layers), as the
+layout search does: a profile of every layer under torch's MemTracker costs more than linearly in the
+layers (minutes for Llama 3.1 70B's 80, over an hour for 405B's 126). The per-rank table must be the
+one the whole model's profile gives, to the byte, under every schedule and checkpointing mode."""
+
+from typing import Dict, List
+
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import pipeckpt.plan_ranks
+from pipeckpt.boundaries.pipeline_of import pipeline_of
+from pipeckpt.plan import run
+from pipeckpt.plan_model import three_layers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIG = (
+    "model.config={model_type:llama,hidden_size:64,intermediate_size:176,num_hidden_layers:7,"
+    "num_attention_heads:4,num_key_value_heads:2,vocab_size:512,max_position_embeddings:64,"
+    "tie_word_embeddings:false}"
+)
+BASE = [
+    "model=hf",
+    CONFIG,
+    "model.seq_len=32",
+    "strategy.engine=distributed",
+    "strategy.balance=[2,3,2]",
+    "strategy.stages=3",
+    "data.batch_size=4",
+    "strategy.chunks=4",
+    "trainer.precision=bf16-mixed",
+    "memory.fake=true",
+    "memory.fsdp=2",
+]
+
+
+def _table(argv: List[str]) -> object:
+    table, _options, _choice = run(argv)
+    return table
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["strategy.schedule=1f1b", "ckpt=per_layer", "memory.tp=2"],
+        ["strategy.schedule=gpipe", "ckpt=selective"],
+        ["strategy.schedule=1f1b", "ckpt=never", "memory.reshard=true"],
+    ],
+    ids=["1f1b-always1-tp2", "gpipe-selective", "1f1b-never-reshard"],
+)
+def test_three_layers_repeated_give_the_whole_models_table(
+    monkeypatch: pytest.MonkeyPatch, args: List[str]
+) -> None:
+    calls: Dict[str, int] = {"three": 0}
+
+    def counted(cfg: DictConfig, full: torch.nn.Sequential) -> object:
+        calls["three"] += 1
+        short = three_layers(cfg, full)
+        assert short is not None and short.model.config.num_hidden_layers == 3
+        return short
+
+    monkeypatch.setattr(pipeckpt.plan_ranks, "three_layers", counted)
+    shortened = _table([*BASE, *args])
+    assert calls["three"] == 1
+    monkeypatch.setattr(pipeckpt.plan_ranks, "three_layers", lambda cfg, full: None)
+    whole = _table([*BASE, *args])
+    assert shortened == whole
+
+
+def test_a_model_read_from_a_directory_or_with_three_layers_or_fewer_is_profiled_whole() -> None:
+    model, few = torch.nn.Module(), torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(5)])
+    few.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    full = pipeline_of(model, "layers")
+    cfg = OmegaConf.create({"model": {"config": {"num_hidden_layers": 5}, "path": None}})
+    assert three_layers(cfg, full).model.config.num_hidden_layers == 3
+    assert cfg.model.config.num_hidden_layers == 5  # the configs given are left as they are
+    assert three_layers(OmegaConf.create({"model": {"config": "/a/config.json", "path": None}}), full) is None
+    assert three_layers(OmegaConf.create({"model": {"config": None, "path": "/a"}}), full) is None
+    assert three_layers(cfg, pipeline_of(few, "layers")) is None
