@@ -17,9 +17,11 @@ from torch import nn
 from pipeckpt import pipeline_of
 from pipeckpt.checkpointing.modes import parse_modes
 from pipeckpt.engines.distributed.tensor_parallel import layer_plan
+from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput
+from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.settings import PipeSettings
@@ -42,12 +44,16 @@ def _llama(tied: bool = False) -> nn.Module:
     return hf.LlamaForCausalLM(config)
 
 
+def _call() -> RootInput:
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    return RootInput((), dict(input_ids=ids, labels=ids))
+
+
 def _profiled(model: nn.Module) -> Tuple[ModelProfile, Tuple[Tuple[str, str], ...]]:
     """The model's profile, and the plan the engine applies under ``tensor_parallel=2`` (the model's
     own: its layers' projections, and the embedding and head over the vocabulary where untied)."""
     spec = pipeline_of(model, "model.layers")
-    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
-    fitted = profile(spec, RootInput((), dict(input_ids=ids, labels=ids)), rounds=1)
+    fitted = profile(spec, _call(), rounds=1)
     settings = PipeSettings(engine="distributed", tensor_parallel=2, data_parallel="fsdp")
     plan = layer_plan(spec, settings).tensor_parallel_plan
     assert plan is not None
@@ -127,3 +133,17 @@ def test_the_loss_links_forward_peak_counts_its_logits_not_the_weights_outside_t
     # tensors); the embedding's and the head's weights (V x 48 fp32 each), held before the forward,
     # are not made by it.
     assert untied[0].loss.forward_peak == pytest.approx(2 * LOGITS, rel=0.02)
+
+
+def test_auto_under_a_layout_that_splits_the_head_walks_each_ranks_share_of_the_logits(untied) -> None:
+    whole, plan = untied
+    settings = PipeSettings(
+        engine="distributed", checkpoint="auto", memory_budget="1GiB", balance=[2, 2], chunks=1,
+        schedule="gpipe", memory_optimizer="sgd", data_parallel="fsdp", tensor_parallel=2,
+    )  # fmt: skip
+    spec = pipeline_of(_llama(), "model.layers")
+    layout = Layout(tp=2, tp_plan=plan)
+    chosen = resolve_auto(settings, spec, devices=[CPU], batch=_call(), profiles={1: whole}, layout=layout)
+    assert chosen.choice.modes[1].name == "never"
+    last, split = chosen.choice.prediction.stages[1], _last_stage(split_over_vocabulary(whole, 2, plan))
+    assert (last.activations, last.working, last.peak_at) == (split.activations, split.working, split.peak_at)
