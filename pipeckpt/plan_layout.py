@@ -31,9 +31,9 @@ from pipeckpt.layout.search import Estimate, Searched, search
 from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, profile
-from pipeckpt.memory.repeated import identical_run, repeat_layer, shortened
+from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import PRECISIONS
-from pipeckpt.plan_model import Built, batch, built
+from pipeckpt.plan_model import Built, batch, built, three_layers
 from pipeckpt.plan_ranks import takes_tensor_parallel
 from pipeckpt.plan_tp_host import one_process_mesh, split, tp_host_s
 
@@ -101,23 +101,6 @@ def _heads(module: Any) -> Tuple[Optional[int], Optional[int]]:
     return None, None
 
 
-def _three_layers(cfg: DictConfig, full: torch.nn.Sequential) -> Optional[DictConfig]:
-    """The configs of the same model with three of its identical layers (first, middle, last), where
-    a ``pipeline_of`` model's layers are all alike and its ``model.config`` sets their count: its own
-    forward runs every layer, so it is profiled shortened this way and the middle layer repeated
-    (:func:`~pipeckpt.memory.repeated.repeat_layer`); None where that does not apply."""
-    config = cfg.model.get("config")
-    alike = identical_run(full) == (0, len(full))
-    if not isinstance(full, ModulePipeline) or len(full) <= 3 or not alike:
-        return None
-    if not isinstance(config, DictConfig) or "num_hidden_layers" not in config or cfg.model.get("path"):
-        return None
-    short = cfg.copy()
-    with open_dict(short):
-        short.model.config.num_hidden_layers = 3
-    return short
-
-
 class _Shapes:
     """The configured model's layers and profiles by tensor-parallel degree, each build kept open
     (its fake tensors alive) for the whole search."""
@@ -160,7 +143,7 @@ class _Shapes:
 
     def _profile(self, tp: int, microbatch: int) -> ModelProfile:
         full = self.built(tp).sequential
-        short_cfg = _three_layers(self.cfg, full)
+        short_cfg = three_layers(self.cfg, full)
         if short_cfg is None:
             return self._profiled(self.built(tp), microbatch)
         extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
