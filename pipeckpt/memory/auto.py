@@ -9,6 +9,7 @@ in docs/DESIGN.md, memory/auto; tests/memory/test_auto.py checks it against brut
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -24,6 +25,7 @@ from pipeckpt.checkpointing.modes import (
     parse_mode,
     parse_modes,
 )
+from pipeckpt.memory.fastest_first import fastest_first
 from pipeckpt.memory.one_device import compose, gathered_gradient, held_per_step, process_peak
 from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
@@ -257,9 +259,19 @@ def _search_shared(
             if not any(all(a <= b for a, b in zip(terms(j, o), mine)) for o in kept):
                 kept = [o for o in kept if not all(a <= b for a, b in zip(mine, terms(j, o)))] + [m]
         options.append(kept)
+    # Fastest first: the first combination that fits (and those as fast, for the least peak) is the
+    # answer, so a search over many stages predicts only the combinations faster than it. ``least``
+    # is exact where nothing fits (every combination was seen), the only case that reads it.
+    options = [sorted(kept, key=lambda m: terms(j, m)) for j, kept in enumerate(options)]
+    times = [[terms(j, m)[0] for m in kept] for j, kept in enumerate(options)]
     best: Optional[Tuple[float, int, Tuple[CheckpointMode, ...]]] = None
     least: Optional[Tuple[int, StageMemory]] = None
-    for picked in _combinations(options):
+    for seen, (time_s, index) in enumerate(fastest_first(times)):
+        if best is not None and time_s > best[0]:
+            break
+        if seen == MAX_COMBINATIONS:
+            raise _too_many(math.prod(len(t) for t in times))
+        picked = tuple(options[j][i] for j, i in enumerate(index))
         memories = [per_mode[m.name].stages[j] for j, m in enumerate(picked)]
         if whole_of is not None:
             whole = whole_of(picked)
@@ -268,26 +280,25 @@ def _search_shared(
             whole = compose(memories, holds, chunks, stale_grads, tail=tail)
         if least is None or whole < least[0]:
             least = (whole, max(memories, key=lambda s: s.peak - s.params - s.optimizer))
-        if whole > budget_bytes:
-            continue
-        time_s = sum(s.time_s for s in memories)
-        if best is None or (time_s, whole) < best[:2]:
-            best = (time_s, whole, tuple(picked))
+        if whole <= budget_bytes and (best is None or (time_s, whole) < best[:2]):
+            best = (time_s, whole, picked)
     assert least is not None
     return (None if best is None else (best[2], best[1])), least
 
 
 def _combinations(fits: Sequence[Sequence[CheckpointMode]]) -> List[Tuple[CheckpointMode, ...]]:
-    count = 1
-    for f in fits:
-        count *= len(f)
+    count = math.prod(len(f) for f in fits)
     if count > MAX_COMBINATIONS:
-        raise config_error(
-            f"{count} per-stage mode combinations",
-            f"choose predicts at most {MAX_COMBINATIONS} combinations of modes that do not nest",
-            "pass fewer candidate modes, or fewer stages",
-        )
+        raise _too_many(count)
     return list(itertools.product(*fits))
+
+
+def _too_many(count: int) -> Exception:
+    return config_error(
+        f"{count} per-stage mode combinations",
+        f"choose predicts at most {MAX_COMBINATIONS} combinations of modes that do not nest",
+        "pass fewer candidate modes, or fewer stages",
+    )
 
 
 #: The parts of a stage's peak, as :class:`~pipeckpt.memory.walk.StageMemory` names them.

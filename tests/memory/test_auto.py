@@ -217,6 +217,23 @@ def test_one_device_infeasible_budget_names_the_least_whole_process_peak(one_dev
     )
 
 
+def test_one_device_predicts_only_the_combinations_faster_than_the_first_that_fits(
+    one_device_plans, monkeypatch
+) -> None:
+    # Walked fastest first: at a budget the fastest combination fits, one is predicted, however many
+    # there are (8 stages of 4 options were refused at 65,536); a budget nothing fits sees them all.
+    import pipeckpt.memory.auto as auto
+
+    monkeypatch.setattr(auto, "MAX_COMBINATIONS", 1)
+    roomy = max(whole for _, whole, _ in one_device_plans)
+    fastest = min(step for _, _, step in one_device_plans)
+    got = choose(PROFILES[4], roomy, balance=BALANCE, chunks=4, shared_device=True, optimizer=OPTIMIZER)
+    assert got.prediction.step_time_s == pytest.approx(fastest, rel=1e-12)
+    least = min(whole for _, whole, _ in one_device_plans)
+    with pytest.raises(PipeckptConfigError, match="per-stage mode combinations"):
+        choose(PROFILES[4], least - 1, balance=BALANCE, chunks=4, shared_device=True, optimizer=OPTIMIZER)
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_the_whole_process_peak_on_one_cpu_is_predicted_within_ten_percent(chunks) -> None:
     # Measured: every storage the step creates, parameters added (the harness's figure plus them).
