@@ -4,30 +4,17 @@ and a step run then times fake kernels), on the threads a training process takes
 
 import contextlib
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
+from support.local_cluster import FIGURES
 
 from pipeckpt import plan_layout
 from pipeckpt.layout import calibrate, cost
 from pipeckpt.plan import run
 
 AUTO = ["model=gpt", "strategy.engine=distributed", "trainer.devices=2", "strategy.layout=auto"]
-FIGURES: Dict[str, Any] = {
-    "when": "now",
-    "cpu": "test",
-    "cores": 2,
-    "memory_bytes": 8 * 2**30,
-    "matmul_flops": 100e9,
-    "memory_bytes_per_s": 5e9,
-    "gloo_latency_s": 1e-4,
-    "gloo_bytes_per_s": 1e9,
-    "gloo_all_gather_factor": 2.0,
-    "gloo_reduce_scatter_factor": 3.5,
-    "memory_is_adamw": True,
-    "file": "test",
-}
 
 
 @pytest.fixture

@@ -3,11 +3,12 @@ host (DTensor's dispatch), measured on the model split by its own plan over a on
 (pipeckpt/plan_tp_host.py) and priced per layer and micro-batch whatever ``tp``."""
 
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.local_cluster import FIGURES
 
 from pipeckpt import plan_layout
 from pipeckpt.layout import calibrate, cost
@@ -20,20 +21,6 @@ LLAMA = (
     "num_attention_heads:4,num_key_value_heads:2,vocab_size:512,max_position_embeddings:64,"
     "tie_word_embeddings:false}"
 )
-FIGURES: Dict[str, Any] = {
-    "when": "now",
-    "cpu": "test",
-    "cores": 2,
-    "memory_bytes": 8 * 2**30,
-    "matmul_flops": 100e9,
-    "memory_bytes_per_s": 5e9,
-    "gloo_latency_s": 1e-4,
-    "gloo_bytes_per_s": 1e9,
-    "gloo_all_gather_factor": 2.0,
-    "gloo_reduce_scatter_factor": 3.5,
-    "memory_is_adamw": True,
-    "file": "test",
-}
 
 
 def _profile(*times: Any) -> Any:
