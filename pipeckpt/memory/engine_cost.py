@@ -16,10 +16,11 @@ __all__ = ["ENGINE_S_PER_MICROBATCH", "LOCAL_ENGINE_S_PER_MICROBATCH", "engine_s
 #: "Engine cost per micro-batch").
 ENGINE_S_PER_MICROBATCH = 1.15e-3
 
-#: The local engine's (torchgpipe, every stage on one device): ``--engine local --stages 2 4``,
-#: 2026-12-02, CPU time, medians of 7 interleaved rounds (benchmarks/RESULTS_hf_auto_time.md,
-#: "The engine's own cost per micro-batch").
-LOCAL_ENGINE_S_PER_MICROBATCH = 0.17e-3
+#: The local engine's (torchgpipe, every stage on one device): ``--engine local --stages 2 4
+#: --rounds 7``, 2026-12-02, CPU time: the median of the 8 medians of four runs (2 and 4 stages each,
+#: 0.09 to 0.21 ms, two runs beside other jobs; benchmarks/RESULTS_hf_auto_time.md, "The engine's own
+#: cost per micro-batch").
+LOCAL_ENGINE_S_PER_MICROBATCH = 0.14e-3
 
 
 def engine_s_per_microbatch(local: bool) -> float:
