@@ -22,6 +22,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.engines.distributed.vocab_plan import own_outside_plan
 from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
@@ -131,7 +132,9 @@ class _Shapes:
         if given:
             return sequential, tuple((str(k), str(v)) for k, v in given.items())
         assert isinstance(sequential, ModulePipeline)  # Model.tensor_parallel says so
-        return sequential, tuple(model_plan(sequential, tp).items())
+        # the engine's plan (tensor_parallel.layer_plan): the layers', and the embedding and head split
+        # over the vocabulary where the model's own plan says so
+        return sequential, tuple({**model_plan(sequential, tp), **own_outside_plan(sequential)}.items())
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
         """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers where

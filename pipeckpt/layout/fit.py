@@ -28,6 +28,7 @@ from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
 from pipeckpt.memory.predict import Prediction, predict, with_balance
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.sharding import Layout, RankState, on_rank, stage_rank_states
+from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.sizes import human
 from pipeckpt.stages.partition import min_max_partition
 
@@ -137,10 +138,12 @@ class Memory:
         return self._states[key]
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
-        """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once."""
+        """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once;
+        the logits of a head the plan splits over the vocabulary counted as one rank holds them."""
         key = (tp, microbatch)
         if key not in self._profiles:
-            self._profiles[key] = self.shapes.profile(tp, microbatch)
+            _, plan = self._layers(tp)  # a head the plan splits: one rank's share of its logits
+            self._profiles[key] = split_over_vocabulary(self.shapes.profile(tp, microbatch), tp, plan)
         return self._profiles[key]
 
     @property
