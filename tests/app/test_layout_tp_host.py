@@ -8,6 +8,7 @@ from typing import Any, List
 import pytest
 import torch
 import torch.distributed as dist
+from support.layout_configs import llama_search
 from support.local_cluster import FIGURES
 
 from pipeckpt import plan_layout
@@ -15,12 +16,6 @@ from pipeckpt.layout import calibrate, cost
 from pipeckpt.plan_tp_host import one_process_mesh, tp_host_s
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-LLAMA = (
-    "model.config={model_type:llama,hidden_size:64,intermediate_size:176,num_hidden_layers:4,"
-    "num_attention_heads:4,num_key_value_heads:2,vocab_size:512,max_position_embeddings:64,"
-    "tie_word_embeddings:false}"
-)
 
 
 def _profile(*times: Any) -> Any:
@@ -56,11 +51,6 @@ def test_no_mesh_is_opened_where_the_process_is_in_a_group_already() -> None:
 def test_a_search_on_local_prices_the_host_work_of_an_hf_models_split_layers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hydra import compose, initialize_config_dir
-
-    from pipeckpt.app.config import register
-    from pipeckpt.plan import CONF
-
     monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
     seen: List[Any] = []
     real_estimate = cost.estimate
@@ -70,11 +60,7 @@ def test_a_search_on_local_prices_the_host_work_of_an_hf_models_split_layers(
         return real_estimate(c, costs, *args, **kwargs)
 
     monkeypatch.setattr(cost, "estimate", estimate)
-    register()
-    overrides = ["model=hf", LLAMA, "model.seq_len=32", "data.batch_size=4", "strategy.engine=distributed"]
-    overrides += ["trainer.devices=2", "strategy.layout=auto", "cluster=local", "threads=1"]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = llama_search("cluster=local", "threads=1")
     answer = plan_layout.search_config(cfg)
     forward, backward = seen[0]
     assert forward > 0 and backward > 0 and set(seen) == {(forward, backward)}
