@@ -268,7 +268,15 @@ def _cost(
         )
 
     def estimate(c: Candidate) -> Estimate:
-        return cost.estimate(c, costs, where, global_batch=global_batch, seq_len=seq_len, precision=precision)
+        return cost.estimate(
+            c,
+            costs,
+            where,
+            global_batch=global_batch,
+            seq_len=seq_len,
+            precision=precision,
+            reshard_after_forward=c.reshard,
+        )
 
     return estimate
 

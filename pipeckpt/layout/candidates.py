@@ -43,6 +43,7 @@ class Candidate:
     virtual_stages: int
     chunks: int
     modes: Tuple[str, ...] = ()
+    reshard: bool = False  # FSDP2 frees the gathered parameters after each forward (dp_shard > 1)
 
     @property
     def dp(self) -> int:
@@ -58,7 +59,7 @@ class Candidate:
 
     def describe(self) -> str:
         """``pp2 x tp1 x dp2 (fsdp 2)``: the degrees as a table's column reads them."""
-        shard = f" (fsdp {self.dp_shard})" if self.dp_shard > 1 else ""
+        shard = f" (fsdp {self.dp_shard}{', reshard' if self.reshard else ''})" if self.dp_shard > 1 else ""
         return f"pp{self.pp} x tp{self.tp} x dp{self.dp}{shard}"
 
     def settings(self) -> Dict[str, Any]:
@@ -76,6 +77,8 @@ class Candidate:
             "dp_shard": self.dp_shard if sharded and self.dp_shard < self.dp else None,
             "tensor_parallel": self.tp,
         }
+        if self.dp_shard > 1:
+            out["reshard_after_forward"] = self.reshard
         if self.modes:
             out["checkpoint"] = list(self.modes)
         return out
@@ -156,7 +159,9 @@ def candidates(
     """Every layout of ``world`` processes the engine runs for ``model`` with ``global_batch``
     samples a step: degrees, schedule, stages per rank and chunks (modes left to choose). A
     single-rank pipeline is listed under gpipe only (every schedule runs one stage alike), and a
-    data-parallel degree must divide the global batch (each replica takes an equal share)."""
+    data-parallel degree must divide the global batch (each replica takes an equal share). A layout
+    that shards with FSDP is listed twice: parameters kept gathered through the step (the engine's
+    default) and freed after each forward (``reshard_after_forward``: less memory, gathered again)."""
     if world < 1 or global_batch < 1:
         raise config_error(
             f"a world of {world} processes with a global batch of {global_batch}",
@@ -175,5 +180,6 @@ def candidates(
                 for chunks in chunk_counts(
                     schedule, pp=pp, virtual_stages=v, replica_batch=global_batch // dp, most=most_chunks
                 ):
-                    out.append(Candidate(pp, tp, replicate, shard, schedule, v, chunks))
+                    for reshard in (False, True) if shard > 1 else (False,):
+                        out.append(Candidate(pp, tp, replicate, shard, schedule, v, chunks, reshard=reshard))
     return out

@@ -108,7 +108,7 @@ class Memory:
         self.precision, self.optimizer, self.modes = precision, optimizer, list(modes)
         self._built: Dict[int, Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]] = {}
         self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
-        self._states: Dict[Tuple[int, int, int, int, bool], int] = {}
+        self._states: Dict[Tuple[int, int, int, int, bool, bool], int] = {}
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
 
     def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
@@ -119,13 +119,15 @@ class Memory:
     def layout(self, c: Candidate) -> Layout:
         """How ``c`` spreads a stage's parameters over ranks, as the memory model reads it."""
         _, plan = self._layers(c.tp)
-        return Layout(fsdp=c.dp_shard, tp=c.tp, precision=self.precision, tp_plan=plan)
+        return Layout(
+            fsdp=c.dp_shard, tp=c.tp, precision=self.precision, tp_plan=plan, reshard_after_forward=c.reshard
+        )
 
     def state_bytes(self, c: Candidate) -> int:
         """The largest pipeline rank's share of parameters, gradients and optimizer state under ``c``
         (parameters outside the layers not counted: a lower bound, safe to prune by)."""
         kind = lookup(c.schedule)
-        key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape)
+        key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape, c.reshard)
         if key not in self._states:
             sequential, _ = self._layers(c.tp)
             balance = balance_of(sequential, c.stages)
@@ -159,7 +161,7 @@ class Memory:
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
-        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget)
+        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard)
         if key not in self._answers:
             fitted = self.profile(c.tp, microbatch)
             states = stage_rank_states(

@@ -109,6 +109,26 @@ def test_settings_of_a_hybrid_sharded_tensor_parallel_layout() -> None:
     assert c.world == 16
 
 
+def test_a_layout_sharded_by_fsdp_is_listed_kept_gathered_and_resharded_after_forward() -> None:
+    found = candidates(4, Model(layers=4), global_batch=8)
+    sharded = [c for c in found if c.dp_shard > 1]
+    assert sharded and {c.reshard for c in sharded} == {False, True}
+    assert not any(c.reshard for c in found if c.dp_shard == 1)  # nothing gathered to free
+    kept, freed = (
+        [
+            (c.pp, c.tp, c.dp_replicate, c.dp_shard, c.schedule, c.virtual_stages, c.chunks)
+            for c in sharded
+            if c.reshard == r
+        ]
+        for r in (False, True)
+    )
+    assert kept == freed  # every sharded layout both ways
+    c = next(c for c in sharded if c.reshard)
+    assert PipeSettings(**c.settings()).reshard_after_forward is True
+    assert c.describe().endswith(f"(fsdp {c.dp_shard}, reshard)")
+    assert "reshard_after_forward" not in next(c for c in found if c.dp_shard == 1).settings()
+
+
 def test_an_unknown_schedule_is_refused_by_name() -> None:
     with pytest.raises(PipeckptConfigError, match="schedule='zigzag'"):
         candidates(2, Model(layers=4), global_batch=4, schedules=["zigzag"])
