@@ -32,7 +32,8 @@ CASES: List[Dict[str, Any]] = [
         "devices": 8,
         "batch": 16,
         "seq": 8192,
-        "published": (1, 1, 1, 8, "gpipe", 1),  # pp, tp, dp_replicate, dp_shard, schedule, chunks
+        # pp, tp, dp_replicate, dp_shard, schedule, chunks, reshard after forward (torchtitan's default)
+        "published": (1, 1, 1, 8, "gpipe", 1, True),
         "published_modes": ("selective",),
     },
 ]
@@ -61,7 +62,7 @@ def run(case: Dict[str, Any]) -> List[str]:
     answer = search_config(cfg)
     ranked = answer.searched.ranked
     best = ranked[0]
-    pp, tp, rep, shard, schedule, chunks = case["published"]
+    pp, tp, rep, shard, schedule, chunks, reshard = case["published"]
     mine: Optional[Any] = next(
         (
             r
@@ -70,6 +71,7 @@ def run(case: Dict[str, Any]) -> List[str]:
             == (pp, tp, rep, shard)
             and r.candidate.schedule == schedule
             and r.candidate.chunks == chunks
+            and r.candidate.reshard == reshard
         ),
         None,
     )

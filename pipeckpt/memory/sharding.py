@@ -277,7 +277,7 @@ def stage_rank_states(
     as the distributed engine shards a stage, and of a ``pipeline_of`` model's parameters outside
     the layers (``outside``), each one that the stage alone holds (memory/outside_share.py)."""
     layers = list(sequential)
-    unsharded = Layout(precision=layout.precision)  # the dtype the module's parameters are kept in
+    unsharded = Layout(precision=_as_built(layers, layout.precision))
     root: Optional[nn.Module] = getattr(sequential, "root", None)
 
     @functools.cache
@@ -293,6 +293,20 @@ def stage_rank_states(
         return out
 
     return states
+
+
+def _as_built(layers: Sequence[nn.Module], precision: str) -> str:
+    """The precision whose parameter dtype is the one ``layers`` were built in: the dtype the walk
+    counted their parameters and optimizer state in, which :func:`on_rank` takes off before it adds
+    the rank's share (in ``precision``'s master dtype). A planner builds a mixed-precision model in its
+    compute dtype (the plan's and the layout search's fake builds: bf16 under ``bf16-mixed``), where a
+    fit builds it in the master dtype; counted in the master dtype, the first under-counted every
+    rank by its whole model's parameters and optimizer state at half (45 GiB for Llama 3.1 8B)."""
+    dtype = next((p.dtype for m in layers for p in m.parameters() if p.is_floating_point()), None)
+    for name in (precision, "32-true", "bf16-true"):
+        if PRECISIONS.get(name, (None, None))[1] == dtype:
+            return name
+    return precision
 
 
 def rank_table(

@@ -78,6 +78,30 @@ def test_without_sharding_a_rank_holds_the_stage_whole_in_the_master_dtype() -> 
     assert state == RankState(4 * numel, 4 * numel, 8 * numel + 4 * tensors, 0, 0)
 
 
+def test_a_stage_built_in_the_compute_dtype_is_counted_on_its_rank_as_one_built_in_the_master() -> None:
+    # A planner builds a bf16-mixed model in bf16 (its fake builds); the walk then counts bf16
+    # parameters and state, which on_rank must take off as such before adding the rank's fp32 share:
+    # the rank's peak is the same as for the model built in fp32 (it was under by the bf16 whole).
+    from pipeckpt.memory.predict import predict
+    from pipeckpt.memory.profile import profile
+    from pipeckpt.memory.sharding import on_rank, stage_rank_states
+    from pipeckpt.stages.partition import plan
+
+    layout = Layout(fsdp=4, precision="bf16-mixed")
+    peaks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        layers = llama_layers(llama_config("tiny", seq_len=16)).to(dtype)
+        fitted = profile(layers, torch.randint(256, (2, 16)), fake=True)
+        p = plan(layers, devices=["cpu"], stages=1, checkpoint="never", chunks=1)
+        stage = predict(fitted, p, chunks=1, optimizer="adamw", schedule="gpipe").stages[0]
+        mine, whole = stage_rank_states(layers, layout, "adamw")((len(layers),))[0]
+        ranked = on_rank(stage, mine, whole)
+        assert (ranked.params, ranked.optimizer) == (mine.params + mine.unsharded, mine.optimizer)
+        peaks.append(ranked.peak - ranked.activations - ranked.working - ranked.boundary)
+    assert peaks[0] == peaks[1]  # the state part of the peak, whatever the build's dtype
+
+
 def test_reshard_after_forward_holds_the_running_and_the_prefetched_block_only() -> None:
     layers = list(llama_layers(llama_config("tiny", seq_len=16)))
     largest = max(sum(shard_numel(p.shape, 2) * 2 for p in layer.parameters()) for layer in layers)
