@@ -20,12 +20,17 @@ def test_resharding_after_forward_holds_less_and_takes_longer_than_keeping_gathe
         estimate = plan_layout._cost(cfg, memory, where, shapes)
         assert estimate(freed).step_s > estimate(kept).step_s
         # the estimate is the cost model's with the candidate's own policy
-        assert estimate(freed).step_s == cost.estimate(
-            freed,
-            cost.model_costs_from_config(shapes.built(1).module.hf_config, seq_len=32, precision="32-true"),
-            where,
-            global_batch=4,
-            seq_len=32,
-            precision="32-true",
-            reshard_after_forward=True,
-        ).step_s
+        assert (
+            estimate(freed).step_s
+            == cost.estimate(
+                freed,
+                cost.model_costs_from_config(
+                    shapes.built(1).module.hf_config, seq_len=32, precision="32-true"
+                ),
+                where,
+                global_batch=4,
+                seq_len=32,
+                precision="32-true",
+                reshard_after_forward=True,
+            ).step_s
+        )
