@@ -128,13 +128,17 @@ class _Shapes:
         sequential = self.built(tp).sequential
         if tp == 1 or self.by_argument:
             return sequential, ()
+        return sequential, self._plan(sequential, tp)
+
+    def _plan(self, sequential: torch.nn.Sequential, tp: int) -> Tuple[Tuple[str, str], ...]:
+        """The engine's plan (tensor_parallel.layer_plan): ``tensor_parallel_plan`` where given, else
+        a ``pipeline_of`` model's own: its layers', and the embedding and head split over the
+        vocabulary where the model's plan says so."""
         given = self.cfg.strategy.get("tensor_parallel_plan")
         if given:
-            return sequential, tuple((str(k), str(v)) for k, v in given.items())
+            return tuple((str(k), str(v)) for k, v in given.items())
         assert isinstance(sequential, ModulePipeline)  # Model.tensor_parallel says so
-        # the engine's plan (tensor_parallel.layer_plan): the layers', and the embedding and head split
-        # over the vocabulary where the model's own plan says so
-        return sequential, tuple({**model_plan(sequential, tp), **own_outside_plan(sequential)}.items())
+        return tuple({**model_plan(sequential, tp), **own_outside_plan(sequential)}.items())
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
         """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers where
@@ -172,24 +176,27 @@ class _Shapes:
             torch.set_num_threads(threads)
         return self._timed[microbatch]
 
-    def timed_split(self, microbatch: int) -> Optional[ModelProfile]:
-        """:meth:`timed` with the model split by its own tensor-parallel plan over a one-process
-        mesh (:mod:`pipeckpt.plan_tp_host`: what a split costs each layer on the host); None where the
-        model splits itself (``tensor_parallel`` is its own argument), has no plan, or this process
-        is in a process group already. Taken after :meth:`timed` and before any fake build is open."""
+    def timed_split(self, microbatch: int, world: int) -> Optional[ModelProfile]:
+        """:meth:`timed` with the model split by its tensor-parallel plan (:meth:`_plan`, for the least
+        degree a layout of ``world`` processes may take) over a one-process mesh
+        (:mod:`pipeckpt.plan_tp_host`: what a split costs each layer on the host); None where the
+        model splits itself (``tensor_parallel`` is its own argument), has no plan, no degree the
+        world and its heads allow, or this process is in a process group already. Taken after
+        :meth:`timed` and before any fake build is open."""
         assert not self._built, "timed before the fake builds: they swap in fake tensors while open"
-        given = self.cfg.strategy.get("tensor_parallel_plan")
-        if self.by_argument or not (given or self._rooted):  # no plan: nothing to split
-            return None
+        if self.by_argument or not (self.cfg.strategy.get("tensor_parallel_plan") or self._rooted):
+            return None  # no plan: nothing to split
         threads, wanted = torch.get_num_threads(), self.cfg.get("threads")
         torch.set_num_threads(int(wanted) if wanted else threads)
         try:
             with one_process_mesh() as mesh, built(self.cfg, self.drawn, fake=False) as b:
-                layers = b.sequential
-                if mesh is None:
+                heads = [h for h in _heads(b.module) if h]
+                tp = next(
+                    (t for t in range(2, world + 1) if not world % t and not any(h % t for h in heads)), 0
+                )
+                if mesh is None or not tp:
                     return None
-                plan = given.items() if given else model_plan(layers, 2).items()  # type: ignore[arg-type]
-                split(list(layers), [(str(k), str(v)) for k, v in plan], mesh)
+                split(list(b.sequential), self._plan(b.sequential, tp), mesh)
                 return self._profiled(b, microbatch, fake=False, shorten=False)
         finally:
             torch.set_num_threads(threads)
@@ -296,7 +303,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
             if _this_machine(where):  # this machine's times, before any fake build is open
                 shapes.timed(_local_microbatch(cfg, where))
                 if where.world > 1:
-                    shapes.split_profile = shapes.timed_split(_local_microbatch(cfg, where))
+                    shapes.split_profile = shapes.timed_split(_local_microbatch(cfg, where), where.world)
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
             splits = isinstance(whole.sequential, ModulePipeline) or bool(

@@ -68,3 +68,13 @@ def test_a_search_on_local_prices_the_host_work_of_an_hf_models_split_layers(
     split = [r for r in answer.searched.ranked if r.candidate.tp > 1]
     assert split, "a 2-process world of this model has tensor-parallel layouts"
     assert torch.get_num_threads() == 1
+
+
+def test_a_model_whose_heads_no_degree_of_the_world_divides_is_searched_without_a_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 3 heads on 2 processes: no tensor-parallel layout, so nothing to time split (it was timed at
+    # tp 2 regardless, and the model's plan refused that degree, ending the search)
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+    answer = plan_layout.search_config(llama_search("cluster=local", "threads=1", heads=3, kv_heads=3))
+    assert answer.searched.ranked and all(r.candidate.tp == 1 for r in answer.searched.ranked)

@@ -4,22 +4,28 @@ downloaded), for tests of ``strategy.layout=auto`` (pipeckpt/plan_layout.py)."""
 from typing import Any
 
 LLAMA = (
-    "model.config={model_type:llama,hidden_size:64,intermediate_size:176,num_hidden_layers:4,"
-    "num_attention_heads:4,num_key_value_heads:2,vocab_size:%d,max_position_embeddings:64,"
+    "model.config={model_type:llama,hidden_size:%d,intermediate_size:176,num_hidden_layers:4,"
+    "num_attention_heads:%d,num_key_value_heads:%d,vocab_size:%d,max_position_embeddings:64,"
     "tie_word_embeddings:false}"
 )
 
 
-def llama_search(*extra: str, vocab: int = 512) -> Any:
-    """The composed train config: the Llama (``vocab`` tokens), sequence 32, global batch 4, the
-    distributed engine on 2 processes, ``strategy.layout=auto``, and ``extra`` (the cluster, say)."""
+def llama_search(*extra: str, vocab: int = 512, heads: int = 4, kv_heads: int = 2) -> Any:
+    """The composed train config: the Llama (``vocab`` tokens, ``heads`` of 16 features each,
+    ``kv_heads``), sequence 32, global batch 4, the distributed engine on 2 processes,
+    ``strategy.layout=auto``, and ``extra`` (the cluster, say)."""
     from hydra import compose, initialize_config_dir
 
     from pipeckpt.app.config import register
     from pipeckpt.plan import CONF
 
     register()
-    overrides = ["model=hf", LLAMA % vocab, "model.seq_len=32", "data.batch_size=4"]
+    overrides = [
+        "model=hf",
+        LLAMA % (16 * heads, heads, kv_heads, vocab),
+        "model.seq_len=32",
+        "data.batch_size=4",
+    ]
     overrides += ["strategy.engine=distributed", "trainer.devices=2", "strategy.layout=auto", *extra]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
