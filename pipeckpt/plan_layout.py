@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeckpt._errors import config_error
+from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
@@ -113,7 +113,7 @@ class _Shapes:
         self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._timed: Dict[int, ModelProfile] = {}
         self.split_profile: Optional[ModelProfile] = None  # timed_split's, where taken
-        self._rooted = False  # the timed build is a pipeline_of model (its own plan may split it)
+        self._rooted = False  # the timed build is a model its own plan splits (:meth:`splits`)
 
     def built(self, tp: int) -> Built:
         key = tp if self.by_argument else 1
@@ -129,6 +129,20 @@ class _Shapes:
         if tp == 1 or self.by_argument:
             return sequential, ()
         return sequential, self._plan(sequential, tp)
+
+    def splits(self, sequential: torch.nn.Sequential) -> bool:
+        """Whether a plan splits ``sequential``'s layers: ``tensor_parallel_plan`` given, or a
+        ``pipeline_of`` model whose own plan names submodules inside them (:func:`model_plan`). An
+        HF GPT-2 has none (its Conv1D layers): offered tp 2, the search ended on the plan's refusal."""
+        if self.cfg.strategy.get("tensor_parallel_plan"):
+            return True
+        if not isinstance(sequential, ModulePipeline):
+            return False
+        try:
+            model_plan(sequential, 1)
+        except PipeckptConfigError:
+            return False
+        return True
 
     def _plan(self, sequential: torch.nn.Sequential, tp: int) -> Tuple[Tuple[str, str], ...]:
         """The engine's plan (tensor_parallel.layer_plan): ``tensor_parallel_plan`` where given, else
@@ -171,7 +185,7 @@ class _Shapes:
         try:
             with built(self.cfg, self.drawn, fake=False) as b:
                 self._timed[microbatch] = self._profiled(b, microbatch, fake=False, shorten=False)
-                self._rooted = isinstance(b.sequential, ModulePipeline)
+                self._rooted = self.splits(b.sequential)
         finally:
             torch.set_num_threads(threads)
         return self._timed[microbatch]
@@ -306,9 +320,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
                     shapes.split_profile = shapes.timed_split(_local_microbatch(cfg, where), where.world)
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
-            splits = isinstance(whole.sequential, ModulePipeline) or bool(
-                cfg.strategy.get("tensor_parallel_plan")
-            )
+            splits = shapes.splits(whole.sequential)
             model = Model(layers=len(whole.sequential), heads=heads, kv_heads=kv, tensor_parallel=splits)
             optimizer = cfg.get("memory", {}).get("optimizer") or "adamw"
             memory = Memory(

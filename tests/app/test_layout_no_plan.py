@@ -1,0 +1,38 @@
+"""A model no tensor-parallel plan splits is searched without tensor parallelism: an HF GPT-2 (its
+layers are Conv1D, and its config has no ``base_model_tp_plan``) was offered tp 2 on a preset and
+on ``cluster=local``, and the whole search ended on the plan's refusal of a degree never set."""
+
+from typing import Any
+
+import pytest
+from support.local_cluster import FIGURES
+
+from pipeckpt import plan_layout
+from pipeckpt.layout import calibrate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GPT2 = "model.config={model_type:gpt2,n_embd:32,n_head:2,n_layer:2,vocab_size:256,n_positions:64}"
+
+
+def _gpt2_search(*extra: str) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from pipeckpt.app.config import register
+    from pipeckpt.plan import CONF
+
+    register()
+    overrides = ["model=hf", GPT2, "model.seq_len=32", "data.batch_size=4", "data.max_bytes=200000"]
+    overrides += ["strategy.engine=distributed", "trainer.devices=2", "strategy.layout=auto", *extra]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("where", ["cluster=h100_8", "cluster=local"])
+def test_an_hf_gpt2_is_searched_without_tensor_parallelism(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+    answer = plan_layout.search_config(_gpt2_search(where, "threads=1"))
+    assert answer.searched.ranked and all(r.candidate.tp == 1 for r in answer.searched.ranked)
+    assert {r.candidate.pp for r in answer.searched.ranked} == {1, 2}
