@@ -5,19 +5,23 @@ Why a plan the engine applies (``tensor_parallel_plan``), not ``parallelize_modu
 is made real stage by stage after ``configure_model``, and its initial values equal an eager build's
 only if each weight is drawn whole and split afterwards. So the engine applies torch's own styles
 (``ColwiseParallel``, ``RowwiseParallel``, through ``parallelize_module``) to the layers of this
-rank's stages once they are real, and FSDP2 shards over ``dp`` on top (torchtitan's order). A layer
-takes and returns plain tensors, replicated over ``tp``: what crosses a stage boundary is unchanged.
+rank's stages once they are real, and FSDP2 shards over ``dp`` on top (torchtitan's order). A module
+whose every parameter a pretrained checkpoint fills once split is split on the meta device instead,
+each rank allocating its slice alone (:func:`_parallelize`). A layer takes and returns plain
+tensors, replicated over ``tp``: what crosses a stage boundary is unchanged.
 A ``pipeline_of`` model without ``tensor_parallel_plan`` is split by its own plan (:mod:`.model_plan`),
 so whether a plan is missing is known only with the model (:func:`layer_plan`), not from the settings.
 Its embedding and head, outside the layers, are split over the vocabulary by the entries that name
 them (:mod:`.vocab_plan`), in the same plan: paths in the model, not in a layer.
 """
 
+import functools
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -27,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.model_plan import SPLITTABLE, matches, model_plan, split_by
@@ -191,7 +196,7 @@ class TensorParallel:
                 name: STYLES[style]() for name, style in split_by(layer, self.plan).items()
             }
             if styles:
-                parallelize_module(layer, self.mesh, styles, src_data_rank=_source(layer))
+                _parallelize(layer, self.mesh, styles)
 
     def split_outside(self, spec: ModulePipeline, held: Sequence[nn.Module]) -> bool:
         """The modules of ``held`` (outside ``spec``'s layers, this pipeline rank's alone) that the
@@ -206,21 +211,62 @@ class TensorParallel:
             if id(module) not in mine:
                 continue
             if module is head and style == "colwise":
-                parallelize_module(module, self.mesh, LOGITS_SPLIT(), src_data_rank=_source(module))
+                _parallelize(module, self.mesh, LOGITS_SPLIT())
                 logits_split = True
             else:
-                parallelize_module(module, self.mesh, OUTSIDE_STYLES[style](), src_data_rank=_source(module))
+                _parallelize(module, self.mesh, OUTSIDE_STYLES[style]())
         return logits_split
 
 
-def _source(module: nn.Module) -> Optional[int]:
-    """The tensor-parallel rank whose whole values each rank's slice is cut from: rank 0's (scattered),
-    or none where every parameter of ``module`` is read from a pretrained checkpoint once split
-    (each rank cuts its own slice of the allocated tensor, and nothing is sent: receiving a slice
-    touched its pages, and sending the whole made the sender's pages resident, both overwritten
-    by the read)."""
+def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Any) -> None:
+    """``parallelize_module(module, mesh, plan)``, each rank's slices cut from tensor-parallel rank 0's
+    whole values (scattered); or, where every parameter of ``module`` is read from a pretrained
+    checkpoint once split (:func:`.pretrained.read_later`), split on the meta device and each rank's
+    slice alone allocated, written by nothing before the read (torchtitan's order). Splitting the
+    allocated whole instead cut each slice with a copy (``distribute_tensor`` clones it, with
+    ``src_data_rank=None`` too), and FSDP2's ``fully_shard`` then copied that into its own padded
+    shard: two written copies of the largest slice at once, the first left in glibc's heap when
+    freed (benchmarks/RESULTS.md, "Under pp2 x tp2"). Receiving rank 0's slice, or sending it the
+    whole, touched the same pages, all overwritten by the read."""
     later = pending_reads(module)
-    return None if later and all(id(p) in later for p in module.parameters()) else 0
+    slots = [(owner, n, p) for owner in module.modules() for n, p, is_param in own_tensors(owner) if is_param]
+    if not (later and all(id(p) in later for _, _, p in slots)):
+        parallelize_module(module, mesh, plan, src_data_rank=0)
+        return
+    devices = {p.device for _, _, p in slots}
+    assert len(devices) == 1, f"the parameters of a module split over tp on {devices}"
+    was = _replace(slots, lambda p: p.to("meta"))  # nothing allocated or copied: read later
+    parallelize_module(module, mesh, plan, src_data_rank=None)
+    slots = [(owner, n, p) for owner in module.modules() for n, p, is_param in own_tensors(owner) if is_param]
+    _replace(slots, functools.partial(_allocated, device=devices.pop()), kept=was)
+
+
+def _replace(
+    slots: Sequence[Tuple[nn.Module, str, Tensor]],
+    made: Callable[[Tensor], Tensor],
+    kept: Sequence[Tuple[Tensor, Tensor]] = (),
+) -> List[Tuple[Tensor, Tensor]]:
+    """Each parameter in ``slots`` replaced by ``made(parameter)`` (a tie among the slots kept one), or
+    by ``old`` where it is the ``new`` of a pair ``(new, old)`` of ``kept`` (a parameter the split
+    left as it was gets its own tensor back); returns the pairs it made."""
+    new: Dict[int, Tensor] = {}
+    for owner, name, p in slots:
+        if id(p) not in new:
+            back = next((old for meta, old in kept if meta is p), None)
+            new[id(p)] = back if back is not None else nn.Parameter(made(p.detach()), p.requires_grad)
+        set_own_tensor(owner, name, new[id(p)], True)
+    by_id = {id(p): p for _, _, p in slots}
+    return [(made_p, by_id[i]) for i, made_p in new.items()]
+
+
+def _allocated(t: Tensor, device: torch.device) -> Tensor:
+    """The meta tensor ``t`` allocated on ``device`` (left unwritten): a DTensor, its local slice alone."""
+    if not isinstance(t, DTensor):
+        return torch.empty_like(t, device=device)
+    local = torch.empty_like(t.to_local(), device=device)
+    return DTensor.from_local(
+        local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _output_head(root: nn.Module) -> Optional[nn.Module]:
