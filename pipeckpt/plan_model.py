@@ -91,12 +91,24 @@ def three_layers(cfg: DictConfig, full: torch.nn.Sequential) -> Optional[DictCon
     alike = identical_run(full) == (0, len(full))
     if not isinstance(full, ModulePipeline) or len(full) <= 3 or not alike:
         return None
-    if not isinstance(config, DictConfig) or "num_hidden_layers" not in config or cfg.model.get("path"):
+    if not isinstance(config, DictConfig) or cfg.model.get("path"):
+        return None
+    field = next((k for k in _layer_count_fields(full) if k in config), None)
+    if field is None:
         return None
     short = cfg.copy()
     with open_dict(short):
-        short.model.config.num_hidden_layers = 3
+        short.model.config[field] = 3
     return short
+
+
+def _layer_count_fields(full: ModulePipeline) -> Tuple[str, ...]:
+    """The config.json fields that may set the layers' count: ``num_hidden_layers``, and the model's
+    own name for it by its config's ``attribute_map`` (GPT-2's ``n_layer``: a GPT-2 config was
+    profiled whole, minutes for 24 blocks, once for every micro-batch size a search tries)."""
+    config = getattr(getattr(full, "root", None), "config", None)
+    own = (getattr(config, "attribute_map", None) or {}).get("num_hidden_layers")
+    return ("num_hidden_layers", *((str(own),) if own else ()))
 
 
 def build(cfg: DictConfig, extra: Dict[str, Any]) -> Any:

@@ -70,6 +70,32 @@ def test_three_layers_repeated_give_the_whole_models_table(
     assert shortened == whole
 
 
+GPT2 = "model.config={model_type:gpt2,n_embd:64,n_head:4,n_layer:7,vocab_size:512,n_positions:64}"
+
+
+def test_a_gpt2_config_counts_its_layers_as_n_layer_and_is_shortened_to_the_same_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GPT-2's config.json names the count n_layer (its attribute_map's num_hidden_layers): it was
+    # profiled whole, and the layout search profiled Megatron's 80-layer GPT whole per micro-batch size
+    calls: Dict[str, int] = {"three": 0}
+
+    def counted(cfg: DictConfig, full: torch.nn.Sequential) -> object:
+        calls["three"] += 1
+        short = three_layers(cfg, full)
+        assert short is not None and short.model.config.n_layer == 3
+        assert "num_hidden_layers" not in short.model.config
+        return short
+
+    args = [a if not a.startswith("model.config=") else GPT2 for a in BASE]
+    args += ["strategy.schedule=1f1b", "ckpt=per_layer"]
+    monkeypatch.setattr(pipeckpt.plan_ranks, "three_layers", counted)
+    shortened = _table(args)
+    assert calls["three"] == 1
+    monkeypatch.setattr(pipeckpt.plan_ranks, "three_layers", lambda cfg, full: None)
+    assert shortened == _table(args)
+
+
 def test_a_model_read_from_a_directory_or_with_three_layers_or_fewer_is_profiled_whole() -> None:
     model, few = torch.nn.Module(), torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(5)])
