@@ -9,6 +9,7 @@ on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", 
 
 import functools
 import itertools
+import re
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -193,11 +194,26 @@ def rank_state(
     )
 
 
+# The walk's points before a stage's backward has made any gradient: its forwards, the gather, and
+# the loss (its backward runs before the head's). pipeckpt/memory/walk.py names them.
+_BEFORE_GRADIENTS = re.compile(r"(?:stage \d+ )?(?:F\d+ |gather$|B\d+ loss$|loss (?:forward|backward)$)")
+
+
+def before_gradients(peak_at: str) -> bool:
+    """Whether the walk's op ``peak_at`` comes before its micro-batch's backward makes a gradient (a
+    forward, the gather, the loss); whether an earlier micro-batch's backward made some, only the
+    gradients the walk holds there (``StageMemory.grads``) tell."""
+    return _BEFORE_GRADIENTS.match(peak_at) is not None
+
+
 def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
     """A stage's predicted peak on one of its ranks: the walk's activations, boundary and working set
     (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
     gradients and optimizer state replaced by the rank's sharded ones. The sharded gradients count in
-    the share the walk held at its peak (all, unless the peak falls in the first backward).
+    the share the walk held at its peak (all, unless the peak falls in the first backward), and the
+    collective buffers only where a gradient can have been made: FSDP2 holds a unit's unsharded
+    gradient and allocates its reduce-scatter input in the unit's backward, so a peak at the first
+    micro-batch's loss (Llama 3.1 8B at fsdp 8, one micro-batch) has none of them.
 
     Args:
         stage: the walk's prediction for the stage, parameters in the compute dtype.
@@ -206,13 +222,14 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
     trained = stage.params - stage.frozen
     share = stage.grads / trained if trained else 0.0
     grads = round(share * state.grads)
+    collectives = state.collectives if stage.grads or not before_gradients(stage.peak_at) else 0
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
-    peak = rest + state.params + grads + state.optimizer + state.unsharded + state.collectives
+    peak = rest + state.params + grads + state.optimizer + state.unsharded + collectives
     return RankMemory(
         stage=stage.stage,
         layers=stage.layers,
         mode=stage.mode,
-        state=RankState(state.params, grads, state.optimizer, state.unsharded, state.collectives),
+        state=RankState(state.params, grads, state.optimizer, state.unsharded, collectives),
         activations=stage.activations,
         boundary=stage.boundary,
         working=stage.working,
