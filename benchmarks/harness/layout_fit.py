@@ -7,6 +7,7 @@ and with the pick handed on as train.py hands it to the processes it starts
 (:data:`harness.trainers.QUIET_CPU` less its sampler setting: the app's loaders are the strategy's).
 """
 
+import gc
 import json
 import os
 import tempfile
@@ -15,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from harness.live_bytes import LiveBytes
@@ -37,9 +39,22 @@ class ShardBytes(LiveBytes):
         super().count(_local(value), op=op)
 
 
+def receive_buffers() -> List[Tensor]:
+    """The receive buffers of this process's pipeline stages: torch's ``PipelineStage`` allocates one
+    per micro-batch for each activation it takes and each gradient it gets, once, and reuses them
+    every step, so they are held through a step that makes none of them (and no op of the step
+    returns a gradient's buffer: :class:`LiveBytes` would not see it otherwise)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    stages = [o for o in gc.get_objects() if isinstance(o, _PipelineStageBase)]
+    infos = [i for s in stages for d in (s.args_recv_info, s.grad_recv_info) for t in d.values() for i in t]
+    return [b for b in (getattr(i, "buffer", None) for i in infos) if isinstance(b, Tensor)]
+
+
 class Probe(Callback):
     """Times the steps after ``warmup`` (one optimizer step a batch), then counts one more under
-    :class:`ShardBytes`."""
+    :class:`ShardBytes`, the pipeline stages' receive buffers (:func:`receive_buffers`) with what
+    the step begins with."""
 
     def __init__(self, warmup: int, timed: int) -> None:
         self.warmup, self.timed = warmup, timed
@@ -54,6 +69,7 @@ class Probe(Callback):
         if len(self.starts) == self.warmup + self.timed + 1:
             self.tracker = ShardBytes()
             self.tracker.count_step_state(module, trainer.optimizers, batch)
+            self.tracker.count(receive_buffers())
             self.tracker.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:

@@ -33,9 +33,12 @@ class LiveBytes(TorchDispatchMode):
         self._seen: Dict[int, Any] = {}
 
     def count(self, value: Any, *, op: Optional[str] = None) -> None:
-        """Counts the storages of ``value``'s tensors not counted yet, until each is released."""
+        """Counts the storages of ``value``'s tensors not counted yet, until each is released. A
+        tensor on the meta device holds no memory: the distributed engine leaves another rank's
+        stages there (their parameters keep the model's structure), and their storages still report
+        their bytes, so they are not counted."""
         for t in tree_flatten(value)[0]:
-            if isinstance(t, Tensor):
+            if isinstance(t, Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 size = st.nbytes()
                 if id(st) not in self._seen and size > 0:

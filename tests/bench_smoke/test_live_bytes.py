@@ -98,3 +98,14 @@ def test_a_selective_stage_adds_nothing_to_a_step_that_peaks_at_the_update(modes
     selective = second_step_peak(modes, "live")
     assert never.peak_op == selective.peak_op == "aten.div.Tensor"  # AdamW's update: exp_avg_sq.sqrt() / ...
     assert selective.peak == never.peak
+
+
+def test_a_tensor_on_the_meta_device_is_not_counted() -> None:
+    # The distributed engine leaves another rank's stages on the meta device: their parameters
+    # report their bytes but hold none (a pp4 rank of the layout benchmark's Llama: 20-25 MiB).
+    live, kept = LiveBytes(), torch.empty(256)
+    live.count([torch.empty(1024, device="meta"), kept])
+    with live:
+        made = torch.empty(1024, device="meta") * 2
+    assert made.is_meta
+    assert live.peak == live.live == 256 * 4
