@@ -131,9 +131,9 @@ class _StageWalk:
         kept = set(self.loss.outputs) if self.loss is not None and s.profile.outside is not None else set()
         self.loss_saved = s.profile.bytes_of(set(self.loss.saved) | kept) if self.loss is not None else 0
         # The distributed engine: torch's PipelineStage keeps a receive buffer per micro-batch for
-        # activations (not on the first stage) and gradients (not on the last), and each
+        # activations and gradients (_StageModel.received_bytes, returned_bytes), and each
         # micro-batch's output until its backward.
-        self.recv = 0 if local else m * (s.input_bytes + (0 if s.last else s.output_bytes))
+        self.recv = 0 if local else m * (s.received_bytes + s.returned_bytes)
         # One micro-batch that is not recomputed runs without the stage's Function (stages/recompute.py).
         self.function = {r: r or m > 1 for r in (False, True)}
         self.kept_ids_of = {
@@ -171,7 +171,7 @@ class _StageWalk:
 
     def _sent_bytes(self, sent: Tuple[int, int]) -> int:
         outputs, gradients = sent
-        return outputs * (0 if self.s.last else self.s.output_bytes) + gradients * self.s.input_bytes
+        return outputs * (0 if self.s.last else self.s.output_bytes) + gradients * self.s.received_bytes
 
     def _see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
         self.peak.see(value, parts, at)
