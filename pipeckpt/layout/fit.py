@@ -15,7 +15,7 @@ device, and the rank's peak is the sum of its stages' peaks, an upper bound (doc
 """
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from pipeckpt.checkpointing.modes import NEVER, CheckpointMode, parse_modes
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
+from pipeckpt.memory.outside_share import OutsideParam
 from pipeckpt.memory.predict import Prediction, predict, with_balance
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.sharding import Layout, RankState, on_rank, stage_rank_states
@@ -110,6 +111,7 @@ class Memory:
         self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._states: Dict[Tuple[int, int, int, int, bool, bool], int] = {}
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
+        self._rank_state_fns: Dict[Tuple[object, ...], Callable[[Tuple[int, ...]], Sequence[Any]]] = {}
 
     def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
         if tp not in self._built:
@@ -131,13 +133,30 @@ class Memory:
         if key not in self._states:
             sequential, _ = self._layers(c.tp)
             balance = balance_of(sequential, c.stages)
-            states = stage_rank_states(sequential, self.layout(c), self.optimizer)(balance)  # type: ignore[arg-type]
+            states = self._rank_states(c, None)(balance)
             per_rank = []
             for r in range(c.pp):
                 held = [states[j][0] for j in kind.stages_of(r, c.pp, c.stages)]
                 per_rank.append(sum(s.params + s.grads + s.optimizer for s in held))
             self._states[key] = max(per_rank)
         return self._states[key]
+
+    def _rank_states(
+        self, c: Candidate, outside: Optional[Tuple[OutsideParam, ...]]
+    ) -> Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]]:
+        """Each stage's state on one of its ranks, per balance, for ``c``'s sharding: one function (it
+        caches by balance) for every layout sharded alike, whatever its micro-batches and schedule;
+        made anew for each, the per-rank states were most of a 512-GPU search's time."""
+        key = (c.tp, c.dp_shard, c.reshard, outside)
+        if key not in self._rank_state_fns:
+            sequential, _ = self._layers(c.tp)
+            self._rank_state_fns[key] = stage_rank_states(
+                sequential,
+                self.layout(c),
+                self.optimizer,  # type: ignore[arg-type]
+                outside,
+            )
+        return self._rank_state_fns[key]
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
         """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once;
@@ -164,12 +183,7 @@ class Memory:
         key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard)
         if key not in self._answers:
             fitted = self.profile(c.tp, microbatch)
-            states = stage_rank_states(
-                sequential,
-                self.layout(c),
-                self.optimizer,  # type: ignore[arg-type]
-                fitted.outside_params,
-            )
+            states = self._rank_states(c, fitted.outside_params)
             balance = balance_of(sequential, c.stages)
             self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
         names, balance, prediction = self._answers[key]
