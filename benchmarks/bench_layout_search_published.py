@@ -210,7 +210,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="/dev/stdout")
+    parser.add_argument("--out", default=None, help="also append the results to this file")
     parser.add_argument("--only", default="", help="search only the runs whose name has this text")
     args = parser.parse_args()
     lines = [f"On {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
@@ -219,8 +219,9 @@ def main() -> None:
         done = run_case(first, runs)
         print("\n".join(done), flush=True)
         lines += done
-    with open(args.out, "a") as f:
-        f.write("\n".join(lines) + "\n")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
