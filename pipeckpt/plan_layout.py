@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import PipeckptConfigError, config_error
@@ -27,16 +28,15 @@ from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
+from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.report import draw, format_row, format_search
 from pipeckpt.layout.search import Estimate, Searched, search
-from pipeckpt.memory.budget import first_microbatch
-from pipeckpt.memory.precision import forward_context
-from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import PRECISIONS
-from pipeckpt.plan_model import Built, batch, built, three_layers
+from pipeckpt.plan_model import Built, batch, built, profiled, three_layers
 from pipeckpt.plan_ranks import takes_tensor_parallel
-from pipeckpt.plan_tp_host import one_process_mesh, split, tp_host_s
+from pipeckpt.plan_tp_host import Times, fit, timed_pair
 
 __all__ = ["Answer", "search_config", "apply_layout", "PICK_VARIABLE"]
 
@@ -112,7 +112,7 @@ class _Shapes:
         self._built: Dict[int, Built] = {}
         self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._timed: Dict[int, ModelProfile] = {}
-        self.split_profile: Optional[ModelProfile] = None  # timed_split's, where taken
+        self.split_times: Optional[Tuple[Times, int, Tuple[int, int]]] = None  # timed_split's, where taken
         self._rooted = False  # the timed build is a model its own plan splits (:meth:`splits`)
 
     def built(self, tp: int) -> Built:
@@ -190,46 +190,35 @@ class _Shapes:
             torch.set_num_threads(threads)
         return self._timed[microbatch]
 
-    def timed_split(self, microbatch: int, world: int) -> Optional[ModelProfile]:
-        """:meth:`timed` with the model split by its tensor-parallel plan (:meth:`_plan`, for the least
-        degree a layout of ``world`` processes may take) over a one-process mesh
-        (:mod:`pipeckpt.plan_tp_host`: what a split costs each layer on the host); None where the
+    def timed_split(self, microbatch: int, world: int) -> Optional[Tuple[Times, int, Tuple[int, int]]]:
+        """:mod:`pipeckpt.plan_tp_host`'s times of the model unsplit and split by its plan
+        (:meth:`_plan`) over real processes, at the least degree a layout of ``world`` processes
+        may take and at ``microbatch`` and twice that, with the degree and the sizes; None where the
         model splits itself (``tensor_parallel`` is its own argument), has no plan, no degree the
-        world and its heads allow, or this process is in a process group already. Taken after
-        :meth:`timed` and before any fake build is open."""
+        world and its heads allow, or this process is in a process group already (a run under
+        torchrun or SLURM, whose processes each search alone). Taken after :meth:`timed` and before
+        any fake build is open."""
         assert not self._built, "timed before the fake builds: they swap in fake tensors while open"
         if self.by_argument or not (self.cfg.strategy.get("tensor_parallel_plan") or self._rooted):
             return None  # no plan: nothing to split
-        threads, wanted = torch.get_num_threads(), self.cfg.get("threads")
-        torch.set_num_threads(int(wanted) if wanted else threads)
-        try:
-            with one_process_mesh() as mesh, built(self.cfg, self.drawn, fake=False) as b:
-                heads = [h for h in _heads(b.module) if h]
-                tp = next(
-                    (t for t in range(2, world + 1) if not world % t and not any(h % t for h in heads)), 0
-                )
-                if mesh is None or not tp:
-                    return None
-                split(list(b.sequential), self._plan(b.sequential, tp), mesh)
-                return self._profiled(b, microbatch, fake=False, shorten=False)
-        finally:
-            torch.set_num_threads(threads)
+        if dist.is_available() and dist.is_initialized():
+            return None
+        with built(self.cfg, self.drawn, fake=False) as b:
+            heads = [h for h in _heads(b.module) if h]
+            tp = next((t for t in range(2, world + 1) if not world % t and not any(h % t for h in heads)), 0)
+            plan = self._plan(b.sequential, tp) if tp else ()
+        if not tp:
+            return None
+        sizes = (microbatch, 2 * microbatch)
+        return timed_pair(self.cfg, plan, tp, sizes), tp, sizes
 
     def _profiled(
         self, b: Built, microbatch: int, *, fake: Optional[bool] = None, shorten: bool = True
     ) -> ModelProfile:
-        size = int(self.cfg.data.batch_size)
         sequential = b.sequential
         rooted = isinstance(sequential, ModulePipeline)
         short, index, count = shortened(sequential) if shorten and not rooted else (sequential, 0, 1)
-        with forward_context(self.cfg.trainer.precision, torch.device("cpu")):
-            fitted = profile(
-                short,
-                first_microbatch(b.inputs, size // microbatch),
-                loss_fn=b.loss_fn,
-                target=first_microbatch(b.targets, size // microbatch) if b.targets is not None else None,
-                fake=self.fake if fake is None else fake,
-            )
+        fitted = profiled(self.cfg, b, microbatch, fake=self.fake if fake is None else fake, sequential=short)
         return repeat_layer(fitted, index, count) if count > 1 else fitted
 
 
@@ -274,8 +263,12 @@ def _cost(
             param_bytes=param_bytes,
             name=name,
         )
-        if shapes.split_profile is not None:  # a split layer's host work (plan_tp_host)
-            costs = replace(costs, tp_host_s=tp_host_s(shapes.timed(microbatch), shapes.split_profile))
+        if shapes.split_times is not None:  # what a split layer costs here (plan_tp_host)
+            times, tp, sizes = shapes.split_times
+            bytes_per_token, latency = costs.boundary_bytes_per_token, where.latency_s
+            mesh = Mesh(where, pp=1, tp=tp, dp_replicate=where.world // tp, dp_shard=1)
+            comm = lambda m: 2 * all_reduce_s(m * seq_len * bytes_per_token, tp, mesh.tp_bytes_per_s, latency)  # noqa: E731
+            costs = replace(costs, tensor_parallel=fit(times, tp, sizes, comm))
     elif config is not None:
         costs = cost.model_costs_from_config(config, seq_len=seq_len, precision=precision)
     else:
@@ -317,7 +310,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, "_Shap
             if _this_machine(where):  # this machine's times, before any fake build is open
                 shapes.timed(_local_microbatch(cfg, where))
                 if where.world > 1:
-                    shapes.split_profile = shapes.timed_split(_local_microbatch(cfg, where), where.world)
+                    shapes.split_times = shapes.timed_split(_local_microbatch(cfg, where), where.world)
             whole = shapes.built(1)
             heads, kv = _heads(whole.module)
             splits = shapes.splits(whole.sequential)

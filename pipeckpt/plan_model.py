@@ -26,12 +26,13 @@ from pipeckpt.app.models.hf import HFCausalLM
 from pipeckpt.app.models.hf_directory import local_directory
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.memory.budget import first_call
+from pipeckpt.memory.budget import first_call, first_microbatch
 from pipeckpt.memory.fake_weights import fake_weights
-from pipeckpt.memory.profile import fake_mode
+from pipeckpt.memory.precision import forward_context
+from pipeckpt.memory.profile import ModelProfile, fake_mode, profile
 from pipeckpt.memory.repeated import identical_run
 
-__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "three_layers"]
+__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "profiled", "three_layers"]
 
 #: The files a pretrained directory keeps its weights in (what ``from_pretrained`` reads).
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
@@ -186,6 +187,22 @@ def built(
     inputs, targets = _pipeline_input(module, sequential, drawn)
     with fake_weights(module, torch.device("cpu"), what="python -m pipeckpt.plan", fix=_FAKE_FIX):
         yield Built(module, sequential, inputs, targets)
+
+
+def profiled(
+    cfg: DictConfig, b: Built, microbatch: int, *, fake: bool, sequential: Optional[torch.nn.Module] = None
+) -> ModelProfile:
+    """One micro-batch of ``microbatch`` samples of the batch through ``b``'s layers (or
+    ``sequential``, a shortened copy of them), under the run's precision: the plan's profile."""
+    size = int(cfg.data.batch_size)
+    with forward_context(cfg.trainer.precision, torch.device("cpu")):
+        return profile(
+            b.sequential if sequential is None else sequential,  # type: ignore[arg-type]
+            first_microbatch(b.inputs, size // microbatch),
+            loss_fn=b.loss_fn,
+            target=first_microbatch(b.targets, size // microbatch) if b.targets is not None else None,
+            fake=fake,
+        )
 
 
 _FAKE_FIX = (

@@ -35,6 +35,7 @@ __all__ = [
     "Layout",
     "StepEstimate",
     "estimate",
+    "divided",
     "balance",
     "ADAMW_ELEMENTS_PER_PARAM",
     # what an estimate needs of a model, from pipeckpt.layout.model_costs
@@ -227,6 +228,11 @@ def estimate(
     )
 
 
+def divided(unsplit: float, tp: int) -> float:
+    """The share of a layer's time left on each of ``tp`` ranks when ``unsplit`` of it is not divided."""
+    return unsplit + (1.0 - unsplit) / tp if tp > 1 else 1.0
+
+
 def _modes(c: Layout, stages: int) -> Tuple[CheckpointMode, ...]:
     if not c.modes:
         return (NEVER,) * stages
@@ -270,14 +276,20 @@ def _stages(
     # in its forward and two in its backward, each over the tensor-parallel group.
     one_ar = all_reduce_s(act, c.tp, mesh.tp_bytes_per_s, cluster.latency_s)
     host = cluster.device.host_bytes_per_s
+    split = model.tensor_parallel
     out = []
     edges = [0, *itertools.accumulate(cuts)]
     for j, (a, b) in enumerate(itertools.pairwise(edges)):
-        layers = sum(flops[a:b]) * tokens / c.tp / rate
-        head = model.head_flops * tokens / c.tp / rate if j == len(cuts) - 1 else 0.0
+        last = j == len(cuts) - 1
+        layers = sum(flops[a:b]) * tokens * divided(split.unsplit, c.tp) / rate
+        head = model.head_flops * tokens * divided(split.head_unsplit, c.tp) / rate if last else 0.0
         tp = 2 * (b - a) * one_ar
-        # a split layer's host work (DTensor's dispatch), the same whatever tp: ModelCosts.tp_host_s
-        forward_host, backward_host = ((b - a) * s for s in model.tp_host_s) if c.tp > 1 else (0.0, 0.0)
+        # what a split costs the host per micro-batch whatever tp (ModelCosts.tensor_parallel)
+        forward_host, backward_host = (
+            ((b - a) * s + (h if last else 0.0) for s, h in zip(split.host_s, split.head_host_s, strict=True))
+            if c.tp > 1
+            else (0.0, 0.0)
+        )
         mode = modes[j]
         share = 0.0 if not mode.checkpoints else model.selective_share if mode.selective else 1.0
         params = sum(model.layer_params[a:b]) / c.tp * dtype_bytes(precision)

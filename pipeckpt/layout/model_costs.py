@@ -19,6 +19,7 @@ from pipeckpt.memory.profile import profile as profile_fn
 __all__ = [
     "ADAMW_ELEMENTS_PER_PARAM",
     "ModelCosts",
+    "TensorParallelCosts",
     "model_costs_from_config",
     "model_costs_from_profile",
     "dtype_bytes",
@@ -37,6 +38,24 @@ def dtype_bytes(precision: str) -> int:
     if precision not in _COMPUTE_BYTES:
         raise config_error(f"precision {precision!r}", f"one of {sorted(_COMPUTE_BYTES)}", "use one of those")
     return _COMPUTE_BYTES[precision]
+
+
+@dataclass(frozen=True)
+class TensorParallelCosts:
+    """A split layer's time at ``tp`` as the cost model prices it on ``local``: ``whole x (unsplit +
+    (1 - unsplit) / tp) + host`` per micro-batch, and the same for the code outside the layers.
+
+    Args:
+        unsplit: the share of a layer's time that tensor parallelism does not divide (0: all of it
+            divides, as on the presets).
+        host_s: seconds a split adds to one layer's forward and to its backward, per micro-batch.
+        head_unsplit, head_host_s: the same for the code outside the layers (the last stage's).
+    """
+
+    unsplit: float = 0.0
+    host_s: Tuple[float, float] = (0.0, 0.0)
+    head_unsplit: float = 0.0
+    head_host_s: Tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -61,9 +80,9 @@ class ModelCosts:
         selective_share: share of a layer's forward FLOPs that ``selective`` recomputes (pipeckpt's
             policy keeps every matmul and attention output: about 0).
         backward_factor: a layer's backward over its forward.
-        tp_host_s: the host's seconds a tensor-parallel split adds to one layer's forward and to its
-            backward per micro-batch, whatever ``tp`` (DTensor's dispatch: measured on ``local`` by
-            :mod:`pipeckpt.plan_tp_host`; 0 elsewhere, where it overlaps the kernels it launches).
+        tensor_parallel: what a tensor-parallel split costs beyond ``1 / tp`` of the time: measured
+            on ``local`` by :mod:`pipeckpt.plan_tp_host`; nothing elsewhere (on an accelerator the
+            dispatch overlaps the kernels it launches, and the parts the plan leaves whole are small).
     """
 
     name: str
@@ -80,7 +99,7 @@ class ModelCosts:
     boundary_bytes_per_token: float
     selective_share: float = 0.0
     backward_factor: float = 2.0
-    tp_host_s: Tuple[float, float] = (0.0, 0.0)
+    tensor_parallel: TensorParallelCosts = TensorParallelCosts()
 
     @property
     def layers(self) -> int:

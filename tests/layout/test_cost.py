@@ -10,8 +10,13 @@ from torch import nn
 
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.layout.cluster import Cluster, from_mapping
-from pipeckpt.layout.cost import ADAMW_ELEMENTS_PER_PARAM, StepEstimate, estimate
-from pipeckpt.layout.model_costs import ModelCosts, model_costs_from_config, model_costs_from_profile
+from pipeckpt.layout.cost import ADAMW_ELEMENTS_PER_PARAM, StepEstimate, divided, estimate
+from pipeckpt.layout.model_costs import (
+    ModelCosts,
+    TensorParallelCosts,
+    model_costs_from_config,
+    model_costs_from_profile,
+)
 from pipeckpt.layout.orders import rank_orders, simulate
 from pipeckpt.memory.predict import _makespan
 from pipeckpt.memory.profile import fake_mode, profile
@@ -164,10 +169,10 @@ def test_doubling_tp_halves_compute_and_adds_four_all_reduces_per_layer() -> Non
 
 
 def test_a_split_layer_pays_its_host_work_on_every_microbatch_whatever_tp() -> None:
-    # DTensor's dispatch (ModelCosts.tp_host_s) is host work per layer and micro-batch: it does not
-    # shrink with tp, counts as compute (the host is busy), and an unsplit layout never pays it
+    # DTensor's dispatch (TensorParallelCosts.host_s) is host work per layer and micro-batch: it does
+    # not shrink with tp, counts as compute (the host is busy), and an unsplit layout never pays it
     m, fwd, bwd = 2, 3e-3, 5e-3
-    host = toy(tp_host_s=(fwd, bwd))
+    host = toy(tensor_parallel=TensorParallelCosts(host_s=(fwd, bwd)))
     for tp in (2, 4):
         plain, split = run(Layout(tp=tp, chunks=m), tp), run(Layout(tp=tp, chunks=m), tp, model=host)
         assert split.compute_s - plain.compute_s == pytest.approx(m * LAYERS * (fwd + bwd))
@@ -178,6 +183,26 @@ def test_a_split_layer_pays_its_host_work_on_every_microbatch_whatever_tp() -> N
     assert always.recompute_s - run(Layout(tp=2, chunks=m, modes=("always",)), 2).recompute_s == (
         pytest.approx(m * LAYERS * fwd)
     )
+
+
+def test_the_share_of_a_layer_tp_leaves_whole_runs_at_full_time_on_every_rank() -> None:
+    # TensorParallelCosts.unsplit: a quarter of the layer is not divided, so at tp t a rank runs
+    # 1/4 + 3/4 / t of the whole layer's compute; the head's own share is apart (here 0: divided)
+    whole = run(Layout(chunks=1)).compute_s
+    for tp in (2, 4):
+        part = run(Layout(tp=tp, chunks=1), tp, model=toy(tensor_parallel=TensorParallelCosts(unsplit=0.25)))
+        assert part.compute_s == pytest.approx(whole * (0.25 + 0.75 / tp))
+    assert divided(0.25, 1) == 1.0 and divided(1.0, 8) == 1.0 and divided(0.0, 4) == 0.25
+
+
+def test_the_heads_unsplit_share_and_host_work_fall_on_the_last_stage_alone() -> None:
+    head = toy(
+        head_flops=2 * F, tensor_parallel=TensorParallelCosts(head_unsplit=1.0, head_host_s=(1e-3, 2e-3))
+    )
+    plain = toy(head_flops=2 * F)
+    split, base = run(Layout(tp=2, chunks=1), 2, model=head), run(Layout(tp=2, chunks=1), 2, model=plain)
+    head_half = 2 * F * SEQ * BATCH / RATE / 2  # the head's forward at tp 2 when it divides
+    assert split.compute_s - base.compute_s == pytest.approx(3 * head_half + 3e-3)  # forward and 2x backward
 
 
 def test_data_parallel_all_reduce_of_float32_gradients() -> None:
