@@ -111,6 +111,7 @@ class Memory:
         self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._states: Dict[Tuple[int, int, int, int, bool, bool], int] = {}
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
+        self._balances: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self._rank_state_fns: Dict[Tuple[object, ...], Callable[[Tuple[int, ...]], Sequence[Any]]] = {}
 
     def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
@@ -131,8 +132,7 @@ class Memory:
         kind = lookup(c.schedule)
         key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape, c.reshard)
         if key not in self._states:
-            sequential, _ = self._layers(c.tp)
-            balance = balance_of(sequential, c.stages)
+            balance = self._balance(c)
             states = self._rank_states(c, None)(balance)
             per_rank = []
             for r in range(c.pp):
@@ -140,6 +140,14 @@ class Memory:
                 per_rank.append(sum(s.params + s.grads + s.optimizer for s in held))
             self._states[key] = max(per_rank)
         return self._states[key]
+
+    def _balance(self, c: Candidate) -> Tuple[int, ...]:
+        """The engine's default balance of ``c``'s stages, once per tensor-parallel degree and stage
+        count (it reads every parameter: a quarter of a 126-layer model's search, asked per layout)."""
+        key = (c.tp, c.stages)
+        if key not in self._balances:
+            self._balances[key] = balance_of(self._layers(c.tp)[0], c.stages)
+        return self._balances[key]
 
     def _rank_states(
         self, c: Candidate, outside: Optional[Tuple[OutsideParam, ...]]
@@ -176,7 +184,6 @@ class Memory:
         """``c`` with each stage's mode chosen under the device's memory, and each rank's peak.
         Raises :class:`~pipeckpt.PipeckptConfigError` (choose's, naming the smallest budget that
         would fit) where no modes do."""
-        sequential, _ = self._layers(c.tp)
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
@@ -184,7 +191,7 @@ class Memory:
         if key not in self._answers:
             fitted = self.profile(c.tp, microbatch)
             states = self._rank_states(c, fitted.outside_params)
-            balance = balance_of(sequential, c.stages)
+            balance = self._balance(c)
             self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
         names, balance, prediction = self._answers[key]
         kind = lookup(c.schedule)

@@ -1,6 +1,7 @@
 """The search's memory function makes each stage's per-rank state once per sharding (tensor-parallel
-and FSDP degrees, reshard policy), not once per micro-batch count and schedule: made anew for each,
-the per-rank states were about a third of a 512-GPU search's time (Llama 3.1 405B on h100_8x8).
+and FSDP degrees, reshard policy), and the stages' balance once per stage count, not once per
+micro-batch count and schedule: made anew for each, the per-rank states were about a third of a
+512-GPU search's time (Llama 3.1 405B on h100_8x8), the balance a quarter once they were shared.
 The answers are the same as a memory function asked of one layout alone."""
 
 from typing import Any, List
@@ -60,10 +61,19 @@ def test_rank_states_are_made_once_per_sharding_with_the_same_answers(
         made.append(args[1])
         return real(*args, **kwargs)
 
+    balanced: List[int] = []
+    real_balance = fit.balance_of
+
+    def balance_counted(sequential: nn.Sequential, stages: int) -> Any:
+        balanced.append(stages)
+        return real_balance(sequential, stages)
+
     monkeypatch.setattr(fit, "stage_rank_states", counted)
+    monkeypatch.setattr(fit, "balance_of", balance_counted)
     shared = Memory(_shapes(model), device_bytes=2**30, global_batch=16)
     together = [_bytes(shared, c) for c in LAYOUTS]
     assert together == alone
     # shardings: fsdp 2 kept, fsdp 2 resharded, none; each for the state (no outside parameters) and
     # for the fit (the profile's, none for a Sequential: the same key)
     assert len(made) == 3
+    assert sorted(balanced) == [2, 4]  # and each stage count's balance once (it reads every parameter)
