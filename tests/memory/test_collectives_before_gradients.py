@@ -3,15 +3,12 @@ the unit's backward has made its gradient, so a rank's peak before any gradient 
 the first micro-batch: Llama 3.1 8B at fsdp 8 with one micro-batch of 2) holds none of them
 (pipeckpt/memory/sharding.py, ``per_rank``; docs/MEMORY.md, the 8B row beside torchtitan's)."""
 
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from support.fake_world import fake_world
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeckpt.app.models.llama import llama_config, llama_layers
@@ -19,16 +16,6 @@ from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.sharding import Layout, before_gradients, per_rank, rank_state, shard_numel
 from pipeckpt.stages.partition import plan
-
-
-@contextmanager
-def fake_world(size: int) -> Iterator[DeviceMesh]:
-    """Rank 0 of ``size`` ranks in this process (torch's ``fake`` process group)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        dist.destroy_process_group()
 
 
 class _Made(TorchDispatchMode):

@@ -15,19 +15,16 @@ layer's output (and their gradients every output it sends) it said 24.30 / 20.14
 36% under on the third stage.
 """
 
-from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
-from bench_layout_measured import overrides
-from harness.ranks import run_ranks
+from support.measured_peaks import measured_peaks
 
 from pipeckpt.plan import main
 from pipeckpt.sizes import MiB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[2]
 LLAMA = (
     "model.config={model_type:llama,hidden_size:128,intermediate_size:256,num_hidden_layers:8,"
     "num_attention_heads:4,num_key_value_heads:2,vocab_size:256}"
@@ -52,19 +49,7 @@ TOLERANCE = 0.10
 
 def _measured() -> List[int]:
     """Each pipeline rank's peak bytes in the counted step."""
-    row = {"layout": "pp4", "pick": {"settings": PICK, "dp": 1, "row": "pp4"}, "pp": STAGES}
-    spec: Dict[str, object] = {
-        "rows": [row],
-        "rounds": 1,
-        "overrides": overrides(CASE, STAGES, BATCH),
-        "warmup": 1,
-        "timed": 1,
-    }
-    results = run_ranks(str(ROOT / "benchmarks" / "bench_layout_measured.py"), STAGES, spec, timeout=1200)
-    peaks = [0] * STAGES
-    for r in results:
-        peaks[r["pp_rank"]] = max(peaks[r["pp_rank"]], r["peak"])
-    return peaks
+    return measured_peaks(CASE, PICK, world=STAGES, batch=BATCH)
 
 
 def _predicted(capsys: pytest.CaptureFixture[str]) -> List[float]:

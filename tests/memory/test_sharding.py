@@ -2,32 +2,19 @@
 against torch's own ``fully_shard`` and ``parallelize_module`` on a one-process fake world (torch's
 ``fake`` process group: collectives do nothing, every tensor a rank holds is real)."""
 
-from contextlib import contextmanager
 from typing import Dict, Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
+from support.fake_world import fake_world
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipeckpt._errors import PipeckptConfigError
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.sharding import Layout, RankState, rank_state, shard_numel
-
-
-@contextmanager
-def fake_world(size: int) -> Iterator[DeviceMesh]:
-    """Rank 0 of ``size`` ranks in this process."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _local(t: Tensor) -> Tensor:

@@ -17,19 +17,16 @@ PipelineStage keeps per micro-batch. Of the 29 MiB over, about one logits shard 
 likely the loss backward's working memory, which the plan counts as the whole head's backward makes
 it; not yet measured apart."""
 
-from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
-from bench_layout_measured import overrides
-from harness.ranks import run_ranks
+from support.measured_peaks import measured_peaks
 
 from pipeckpt.plan import main
 from pipeckpt.sizes import MiB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[2]
 LLAMA = (
     "model.config={model_type:llama,hidden_size:128,intermediate_size:256,num_hidden_layers:4,"
     "num_attention_heads:4,num_key_value_heads:2,vocab_size:32000}"
@@ -54,19 +51,7 @@ TOLERANCE = 0.15  # over the measured peak: the plan's bound under tensor parall
 
 def _measured() -> List[int]:
     """Each pipeline rank's peak bytes: the most any of its tensor-parallel ranks held."""
-    row = {"layout": "pp2 x tp2", "pick": {"settings": PICK, "dp": 1, "row": "pp2 x tp2"}, "pp": 2}
-    spec: Dict[str, object] = {
-        "rows": [row],
-        "rounds": 1,
-        "overrides": overrides(CASE, 2 * TP, BATCH),
-        "warmup": 1,
-        "timed": 1,
-    }
-    results = run_ranks(str(ROOT / "benchmarks" / "bench_layout_measured.py"), 2 * TP, spec, timeout=1200)
-    peaks = [0, 0]
-    for r in results:
-        peaks[r["pp_rank"]] = max(peaks[r["pp_rank"]], r["peak"])
-    return peaks
+    return measured_peaks(CASE, PICK, world=2 * TP, batch=BATCH)
 
 
 def _predicted(capsys: pytest.CaptureFixture[str]) -> List[float]:
