@@ -229,7 +229,7 @@ def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Any) -> None:
     freed (benchmarks/RESULTS.md, "Under pp2 x tp2"). Receiving rank 0's slice, or sending it the
     whole, touched the same pages, all overwritten by the read."""
     later = pending_reads(module)
-    slots = [(owner, n, p) for owner in module.modules() for n, p, is_param in own_tensors(owner) if is_param]
+    slots = _parameter_slots(module)
     if not (later and all(id(p) in later for _, _, p in slots)):
         parallelize_module(module, mesh, plan, src_data_rank=0)
         return
@@ -237,8 +237,14 @@ def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Any) -> None:
     assert len(devices) == 1, f"the parameters of a module split over tp on {devices}"
     was = _replace(slots, lambda p: p.to("meta"))  # nothing allocated or copied: read later
     parallelize_module(module, mesh, plan, src_data_rank=None)
-    slots = [(owner, n, p) for owner in module.modules() for n, p, is_param in own_tensors(owner) if is_param]
+    slots = _parameter_slots(module)
     _replace(slots, functools.partial(_allocated, device=devices.pop()), kept=was)
+
+
+def _parameter_slots(module: nn.Module) -> List[Tuple[nn.Module, str, Tensor]]:
+    """Every parameter of ``module`` where it is held: (owning submodule, name, parameter), a tied
+    one once per owner."""
+    return [(owner, n, p) for owner in module.modules() for n, p, is_param in own_tensors(owner) if is_param]
 
 
 def _replace(
