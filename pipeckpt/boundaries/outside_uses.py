@@ -11,6 +11,12 @@ stage's received copy of it is. A parameter is read by the stage of layer ``i`` 
 layer ``i``'s output reaches it, and by the last stage when the graph of the model's output does.
 Every outside parameter takes a gradient in the probe, so a frozen one (LoRA's base) is found too.
 
+The same graphs tell which layer outputs a later stage reads (:class:`Handoffs`): each cut
+output's floating tensors are leaves that take a gradient, and layer ``i`` reads the outputs whose
+leaves the graph of its output reaches (its input, the layer before's; a decoder's cross-attention
+input, the encoder's last; the router logits the model's loss adds up). The engine sends a later
+stage only those (engines/distributed/handoffs.py), not every output so far.
+
 A parameter that code outside its own module's call reads (``self.embed.weight[ids]`` in the root's
 ``forward``, a layer that reads another module's weight) is marked ``everywhere``: its module cannot
 stand in for it where it is not held (engines/distributed/outside_parts.py), so every stage keeps it.
@@ -19,7 +25,7 @@ stand in for it where it is not held (engines/distributed/outside_parts.py), so 
 import logging
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Container, Dict, FrozenSet, Iterable, Iterator, List, Sequence, Set, Tuple
+from typing import Any, Container, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +35,46 @@ from pipeckpt._compat import FakeTensorMode, own_tensors, set_own_tensor, tree_f
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import recording
 
-__all__ = ["OutsideUses", "holds", "outside_uses"]
+__all__ = ["Handoffs", "OutsideUses", "holds", "outside_uses"]
+
+Leaf = Tuple[int, int]  # (layer index, position among the tensor leaves of that layer's output)
+
+
+@dataclass(frozen=True)
+class Handoffs:
+    """Which layer outputs a ``pipeline_of`` model's layers and output read, leaf by leaf.
+
+    Args:
+        reads: per layer, the leaves of earlier layers' outputs its call's output depends on.
+        output: the leaves of layer outputs the model's output depends on.
+        opaque: the leaves no gradient can follow (integer tensors): read by every later stage.
+        counts: per layer, the tensor leaves of its output (a call returning others is sent whole).
+        sizes: per layer, the bytes of each tensor leaf of its output.
+    """
+
+    reads: Tuple[FrozenSet[Leaf], ...]
+    output: FrozenSet[Leaf]
+    opaque: FrozenSet[Leaf] = frozenset()
+    counts: Tuple[int, ...] = ()
+    sizes: Tuple[Tuple[int, ...], ...] = ()
+
+    def crossing(self, boundary: int) -> FrozenSet[Leaf]:
+        """The leaves that cross from the stage ending before layer ``boundary`` to the next: those
+        of the layers before it that a layer from ``boundary`` on, the model's output or no gradient
+        reads (a stage sends what any later stage reads, so only the boundary decides). The one
+        rule of the engine and the memory model."""
+        later = set(self.output) | set(self.opaque)
+        later.update(*self.reads[boundary:])
+        return frozenset(leaf for leaf in later if leaf[0] < boundary)
+
+    def sent(self, ranges: Sequence[Tuple[int, int]]) -> Tuple[FrozenSet[Leaf], ...]:
+        """Per stage of ``ranges`` (layer index ranges), the leaves it sends the next (none from the last)."""
+        last = len(ranges) - 1
+        return tuple(frozenset() if j == last else self.crossing(b) for j, (_, b) in enumerate(ranges))
+
+    def bytes_crossing(self, boundary: int) -> int:
+        """The bytes of :meth:`crossing` for the probe's call (one micro-batch, as the profile probes it)."""
+        return sum(self.sizes[k][n] for k, n in self.crossing(boundary))
 
 
 @dataclass(frozen=True)
@@ -41,11 +86,14 @@ class OutsideUses:
             depends on other than through another layer's output.
         output: the outside parameters the model's output depends on other than through a layer's.
         everywhere: the outside parameters read outside their own module's call.
+        handoffs: which layer outputs each layer and the output read (None: not probed, every
+            output read everywhere).
     """
 
     layers: Tuple[FrozenSet[str], ...]
     output: FrozenSet[str]
     everywhere: FrozenSet[str]
+    handoffs: Optional["Handoffs"] = None
 
     def stages(self, ranges: Sequence[Tuple[int, int]], names: Iterable[str]) -> Dict[str, Tuple[int, ...]]:
         """For each parameter of ``names``, the stages (of ``ranges``, layer index ranges) that hold it."""
@@ -65,14 +113,24 @@ def holds(readers: Container[int], output: bool, everywhere: bool, start: int, s
     return everywhere or (last and output) or any(i in readers for i in range(start, stop))
 
 
+_DATA_READS = frozenset(
+    {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__int__, Tensor.__float__, Tensor.__index__}
+)
+
+
 class _Reads(TorchFunctionMode):
-    """Marks the outside parameters an op reads while their own module's call is not running."""
+    """Marks the outside parameters an op reads while their own module's call is not running, and
+    the layer outputs read where no gradient follows (a mask compared from them, ``.item()``): by
+    the layer whose call runs (None: by the model's own code, so by every later stage)."""
 
     def __init__(self, owner: Dict[int, Tuple[str, Tuple[nn.Module, ...]]]) -> None:
         super().__init__()
         self.owner = owner
         self.running: List[nn.Module] = []
         self.outside: Set[str] = set()
+        self.cut: Dict[int, Leaf] = {}  # id of a cut layer output's tensor -> its leaf
+        self.layer: List[int] = []  # the layers whose calls run, innermost last
+        self.unseen: Dict[Optional[int], Set[Leaf]] = {}
 
     def enter(self, module: nn.Module, _args: Any) -> None:
         self.running.append(module)
@@ -82,17 +140,26 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, Tensor) for t in tree_flatten(out)[0]):  # metadata (.dtype, .shape) is no read
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        data = func in _DATA_READS
+        if made or data:  # metadata (.dtype, .shape) is no read
+            ungraded = data or not any(t.requires_grad for t in made)
             for t in tree_flatten((args, kwargs or {}))[0]:
-                found = self.owner.get(id(t)) if isinstance(t, Tensor) else None
-                if found is not None and not any(m is h for m in self.running for h in found[1]):
+                if not isinstance(t, Tensor):
+                    continue
+                found = self.owner.get(id(t))
+                if made and found is not None and not any(m is h for m in self.running for h in found[1]):
                     self.outside.add(found[0])
+                leaf = self.cut.get(id(t))
+                if leaf is not None and ungraded:
+                    self.unseen.setdefault(self.layer[-1] if self.layer else None, set()).add(leaf)
         return out
 
 
-def _reached(tensors: Iterable[Any], names: Dict[int, str]) -> FrozenSet[str]:
-    """The parameters of ``names`` (by id) that the autograd graphs of ``tensors`` reach."""
-    found: Set[str] = set()
+def _reached(tensors: Iterable[Any], names: Dict[int, Any]) -> FrozenSet[Any]:
+    """The keys in ``names`` (by the id of a leaf tensor) that the autograd graphs of ``tensors`` reach."""
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
+    found: Set[Any] = {names[id(t)] for t in tensors if id(t) in names}  # handed on unchanged
     seen: Set[int] = set()
     todo: List[Any] = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
     while todo:
@@ -108,12 +175,13 @@ def _reached(tensors: Iterable[Any], names: Dict[int, str]) -> FrozenSet[str]:
 
 
 def _cut(value: Any) -> Any:
-    """``value`` with each tensor a new leaf, as a later stage receives a layer's output."""
+    """``value`` with each tensor a new leaf, as a later stage receives a layer's output; a floating
+    one takes a gradient, so that the graphs of what reads it reach it."""
 
     def leaf(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+        return t.detach().requires_grad_(t.is_floating_point())
 
     return tree_map(leaf, value)
 
@@ -135,6 +203,7 @@ def outside_uses(
     inside = {id(p) for p in spec.parameters()}
     names = {id(p): n for n, p in root.named_parameters() if id(p) not in inside}
     outputs: List[Any] = [None] * len(spec)
+    cuts: List[Any] = [None] * len(spec)
     with ExitStack() as stack:
         stack.callback(_restore_attributes, root, _attributes(root))  # a value the model caches on a call
         if fake:
@@ -156,14 +225,33 @@ def outside_uses(
             stack.enter_context(module.register_forward_pre_hook(reads.enter))
             stack.enter_context(module.register_forward_hook(reads.leave))
         for index, layer in enumerate(spec):
-            layer.forward = _probe_layer(index, layer.forward, outputs)
+            layer.forward = _probe_layer(index, layer.forward, outputs, cuts, reads)
             stack.callback(layer.__dict__.pop, "forward", None)
         with torch.enable_grad(), reads:
             out = root(*args, **kwargs)
-        layer_uses = tuple(
-            _reached(tree_flatten(o)[0], names) if o is not None else frozenset() for o in outputs
+        leaves = [[t for t in tree_flatten(c)[0] if isinstance(t, Tensor)] for c in cuts]
+        cut_ids: Dict[int, Any] = {id(t): (i, n) for i, ts in enumerate(leaves) for n, t in enumerate(ts)}
+        keys: Dict[int, Any] = {**names, **cut_ids}
+        found = [_reached(tree_flatten(o)[0], keys) if o is not None else frozenset() for o in outputs]
+        at_output = _reached(tree_flatten(out)[0], keys)
+        opaque = frozenset(cut_ids[id(t)] for ts in leaves for t in ts if not t.is_floating_point())
+        opaque |= reads.unseen.get(None, set())
+        handoffs = Handoffs(
+            tuple(
+                frozenset(k for k in f if isinstance(k, tuple)) | reads.unseen.get(i, set())
+                for i, f in enumerate(found)
+            ),
+            frozenset(k for k in at_output if isinstance(k, tuple)),
+            opaque,
+            tuple(len(ts) for ts in leaves),
+            tuple(tuple(t.numel() * t.element_size() for t in ts) for ts in leaves),
         )
-        return OutsideUses(layer_uses, _reached(tree_flatten(out)[0], names), frozenset(reads.outside))
+        return OutsideUses(
+            tuple(frozenset(k for k in f if isinstance(k, str)) for f in found),
+            frozenset(k for k in at_output if isinstance(k, str)),
+            frozenset(reads.outside),
+            handoffs,
+        )
 
 
 def _fake_tensors(root: nn.Module, names: Dict[int, str], device: torch.device, stack: ExitStack) -> None:
@@ -196,13 +284,21 @@ def _real_tensors(root: nn.Module, names: Dict[int, str], stack: ExitStack) -> N
         p.requires_grad_(True)
 
 
-def _probe_layer(index: int, own: Any, outputs: List[Any]) -> Any:
+def _probe_layer(index: int, own: Any, outputs: List[Any], cuts: List[Any], reads: _Reads) -> Any:
     def probed(*args: Any, **kwargs: Any) -> Any:
         found = recording()
         fn = own if found is None else found.carried(own)
-        out = fn(*args, **kwargs)
+        reads.layer.append(index)
+        try:
+            out = fn(*args, **kwargs)
+            cut = _cut(out)  # a received output handed on unchanged is the layer's read
+        finally:
+            reads.layer.pop()
         outputs[index] = out if outputs[index] is None else (outputs[index], out)
-        cut = _cut(out)
+        if cuts[index] is None:
+            cuts[index] = cut
+            tensors = [t for t in tree_flatten(cut)[0] if isinstance(t, Tensor)]
+            reads.cut.update({id(t): (index, n) for n, t in enumerate(tensors)})
         if found is None:
             return cut
         value, recorded = cut

@@ -17,7 +17,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from pipeckpt.boundaries.outside_uses import OutsideUses, holds, outside_uses
+from pipeckpt.boundaries.outside_uses import Handoffs, OutsideUses, holds, outside_uses
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.rooted import RootInput
 from pipeckpt.memory.split_dims import split_dims
@@ -52,10 +52,13 @@ class OutsideParam:
         return holds(self.layers, self.output, self.everywhere, start, stop, last)
 
 
-def outside_params(spec: ModulePipeline, call: RootInput) -> Tuple[OutsideParam, ...]:
-    """The parameters outside ``spec``'s layers with their readers, probed on ``call`` on the tensors
+def outside_params(
+    spec: ModulePipeline, call: RootInput
+) -> Tuple[Tuple[OutsideParam, ...], Optional[Handoffs]]:
+    """The parameters outside ``spec``'s layers with their readers, and the layer outputs each stage
+    receives (:class:`~pipeckpt.boundaries.outside_uses.Handoffs`), probed on ``call`` on the tensors
     the model holds now (real, or the profile's fake ones). Where the probe fails, every stage holds
-    them all, as the engine does then."""
+    them all and receives every earlier output (None), as the engine does then."""
     try:
         uses: Optional[OutsideUses] = outside_uses(
             spec, call.args, call.kwargs, _device(spec.root), fake=False
@@ -79,7 +82,7 @@ def outside_params(spec: ModulePipeline, call: RootInput) -> Tuple[OutsideParam,
         readers = frozenset(i for i, used in enumerate(uses.layers) if name in used)
         read = (name in uses.output, name in uses.everywhere, shared)
         out.append(OutsideParam(name, size, p.requires_grad, readers, *read))
-    return tuple(out)
+    return tuple(out), uses.handoffs if uses is not None else None
 
 
 def stage_share(params: Sequence[OutsideParam], start: int, stop: int, last: bool) -> List[OutsideParam]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeckpt._compat import FakeTensorMode, tree_flatten
+from pipeckpt.boundaries.outside_uses import Handoffs
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.memory.memory_pass import Storages, memory_pass
 from pipeckpt.memory.outside import OutsideMemory
@@ -84,6 +85,9 @@ class ModelProfile:
     # A pipeline_of model: its parameters outside the layers and who reads each (None: not told, or
     # not such a model), for the ranks of the distributed engine, which hold what their stages read.
     outside_params: Optional[Tuple[OutsideParam, ...]] = None
+    # A pipeline_of model: which layer outputs cross each stage boundary under the distributed
+    # engine (None: not told, or not such a model; every earlier output crosses).
+    handoffs: Optional[Handoffs] = None
     # Each storage's shape, as first seen (memory/vocab_share.py finds the logits' by it).
     storage_shapes: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
@@ -176,10 +180,10 @@ def profile(
             records, batch_inputs = memory_pass(layers, microbatch, loss, storages)
         with _state_kept(owner):
             outside = measure_outside(loss) if loss is not None else None
-        readers = None
+        readers, handoffs = None, None
         if isinstance(sequential, ModulePipeline):
             with _state_kept(owner):
-                readers = outside_params(sequential, RootInput.of(given))
+                readers, handoffs = outside_params(sequential, RootInput.of(given))
         with _state_kept(owner):
             if fake:
                 times = _flop_pass(layers, microbatch, loss, flops_per_s)
@@ -227,6 +231,7 @@ def profile(
         fake=fake,
         outside=outside,
         outside_params=readers,
+        handoffs=handoffs,
         storage_shapes=dict(storages.shapes),
     )
 

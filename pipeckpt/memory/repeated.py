@@ -7,11 +7,12 @@ repeated with fresh storage ids, each copy's input being the previous copy's out
 """
 
 from dataclasses import replace
-from typing import Any, Dict, FrozenSet, List, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.outside_uses import Handoffs, Leaf
 from pipeckpt.memory.profile import LayerProfile, ModelProfile
 
 __all__ = ["identical_run", "shortened", "repeat_layer"]
@@ -94,7 +95,11 @@ def repeat_layer(profile: ModelProfile, index: int, count: int) -> ModelProfile:
     after = _renamed(layers[index + 1], {o: previous[o] for o in layer.outputs if o in previous})
     new = layers[:index] + copies + [after] + layers[index + 2 :]
     return replace(
-        profile, layers=tuple(new), storage_bytes=sizes, outside_params=_shifted(profile, index, count)
+        profile,
+        layers=tuple(new),
+        storage_bytes=sizes,
+        outside_params=_shifted(profile, index, count),
+        handoffs=_repeated_handoffs(profile.handoffs, index, count),
     )
 
 
@@ -109,6 +114,43 @@ def _shifted(profile: ModelProfile, index: int, count: int) -> Any:
         return frozenset({i if i < index else i + count - 1 for i in layers if i != index} | copies)
 
     return tuple(replace(o, layers=moved(o.layers)) for o in profile.outside_params)
+
+
+def _repeated_handoffs(h: Optional[Handoffs], index: int, count: int) -> Optional[Handoffs]:
+    """A ``pipeline_of`` model's handoffs with layer ``index`` standing ``count`` times: each copy
+    reads what it read, its predecessor's outputs for the layer before's; a later reader of its
+    output reads the last copy's, or every copy's where it reads the layer before's too (the model's
+    loss reads every layer's router logits)."""
+    if h is None:
+        return None
+    copies = range(index, index + count)
+
+    def moved(k: int) -> int:
+        return k if k < index else k + count - 1
+
+    def later(leaves: FrozenSet[Leaf]) -> FrozenSet[Leaf]:
+        out: Set[Leaf] = set()
+        for k, n in leaves:
+            if k != index:
+                out.add((moved(k), n))
+            elif (index - 1, n) in leaves:
+                out.update((c, n) for c in copies)
+            else:
+                out.add((index + count - 1, n))
+        return frozenset(out)
+
+    def own(c: int) -> FrozenSet[Leaf]:
+        return frozenset((c - 1 if k == index - 1 else k, n) for k, n in h.reads[index])
+
+    reads = [*h.reads[:index], *(own(c) for c in copies), *(later(r) for r in h.reads[index + 1 :])]
+    opaque = {(moved(k), n) for k, n in h.opaque if k != index} | {
+        (c, n) for k, n in h.opaque if k == index for c in copies
+    }
+
+    def spread(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        return (*values[:index], *[values[index]] * count, *values[index + 1 :]) if values else values
+
+    return Handoffs(tuple(reads), later(h.output), frozenset(opaque), spread(h.counts), spread(h.sizes))
 
 
 def _ids(layer: LayerProfile) -> FrozenSet[int]:

@@ -45,16 +45,13 @@ class _StageModel:
         self.output_bytes = p.bytes_of(self.outputs)
         # What torch's PipelineStage receives per micro-batch, each in a buffer of its own: the
         # activations it takes (not on the first stage) and the gradients of what it sends (not on
-        # the last). A pipeline_of model's stage on the distributed engine sends every layer output
-        # so far (engines/distributed/rooted.py), so it takes all the earlier layers' outputs and
-        # gets a gradient for each of them and of its own layers' outputs.
-        every = not self.local and p.outside is not None
-        self.received_bytes = (
-            p.bytes_of(self._outputs_of(0, self.start)) if every and not self.first else self.input_bytes
-        )
-        self.returned_bytes = (
-            0 if self.last else p.bytes_of(self._outputs_of(0, self.stop)) if every else self.output_bytes
-        )
+        # the last). A pipeline_of model's stage on the distributed engine sends the layer outputs a
+        # later stage reads (engines/distributed/handoffs.py): the layer before the next stage's for
+        # a decoder, an encoder's last beside it, MoE router logits to the last. Not probed: every
+        # layer output so far, as the engine sends then.
+        rooted = not self.local and p.outside is not None
+        self.received_bytes = self.input_bytes if self.first or not rooted else self._crossing(self.start)
+        self.returned_bytes = 0 if self.last else self._crossing(self.stop) if rooted else self.output_bytes
         # The last stage holds what runs after the layers (a pipeline_of model's own parameters). Trained
         # parameters get gradients and optimizer state; frozen ones are only held.
         after = [p.loss] if self.last and p.loss is not None else []
@@ -73,9 +70,12 @@ class _StageModel:
         self.forward_s = sum(layer.forward_s for layer in self.layers)
         self.backward_s = sum(layer.backward_s for layer in self.layers)
 
-    def _outputs_of(self, a: int, b: int) -> Set[int]:
-        """The storages of the outputs of layers ``a`` to ``b - 1``."""
-        return {o for layer in self.profile.layers[a:b] for o in layer.outputs}
+    def _crossing(self, boundary: int) -> int:
+        """The bytes a pipeline_of model's stage boundary before layer ``boundary`` carries."""
+        p = self.profile
+        if p.handoffs is not None:
+            return p.handoffs.bytes_crossing(boundary)
+        return p.bytes_of({o for layer in p.layers[:boundary] for o in layer.outputs})
 
     def outside_share(self) -> Optional[Sequence[OutsideParam]]:
         """The parameters outside a ``pipeline_of`` model's layers this stage's rank holds under the

@@ -78,7 +78,7 @@ def test_under_tp2_the_embedding_and_head_count_half_their_rows_by_the_models_ow
     (engines/distributed/vocab_plan.py): half of each vocabulary matrix per rank; the norm whole."""
     model = _llama()
     spec = pipeline_of(model, "model.layers")
-    outside = outside_params(spec, RootInput((), dict(input_ids=IDS)))
+    outside, _ = outside_params(spec, RootInput((), dict(input_ids=IDS)))
     settings = PipeSettings(engine="distributed", tensor_parallel=2, data_parallel="fsdp")
     plan = layer_plan(spec, settings).tensor_parallel_plan
     assert plan is not None and plan["model.embed_tokens"] == "rowwise" and plan["lm_head"] == "colwise"

@@ -17,7 +17,7 @@ tensors cannot run; or code outside its module reads it) is held by every stage,
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ class OutsideParts:
         shardable: the modules outside the layers this rank shards under ``data_parallel='fsdp'``,
             innermost first: each holds parameters of its own that no other module holds and that
             no other pipeline rank holds (a weight tied across ranks is summed whole: ``.ties``).
+        sent: per stage, the leaves of layer outputs it sends the next (``.handoffs``; None: all).
+        counts: per layer, the tensor leaves of its output as probed.
     """
 
     stages: Dict[str, Tuple[int, ...]]
@@ -53,6 +55,8 @@ class OutsideParts:
     dropped: Set[int]
     standing_in: List[nn.Module] = field(default_factory=list)
     shardable: List[nn.Module] = field(default_factory=list)
+    sent: Optional[Tuple[FrozenSet[Tuple[int, int]], ...]] = None
+    counts: Tuple[int, ...] = ()
 
     def shardable_tensors(self) -> Set[int]:
         """Ids of the parameters of :attr:`shardable` now (a meta build's, before they are made real)."""
@@ -162,7 +166,15 @@ def outside_parts(
     held = [n for n, p in named if id(p) not in dropped]
     rank_of = {j: r for r, js in enumerate(ranks) for j in js}
     alone = {id(p) for n, p in named if id(p) not in dropped and len({rank_of[j] for j in stages[n]}) == 1}
-    return OutsideParts(stages, held, dropped, _standing_in(spec, dropped), _shardable(spec, alone))
+    return OutsideParts(
+        stages,
+        held,
+        dropped,
+        _standing_in(spec, dropped),
+        _shardable(spec, alone),
+        sent=uses.handoffs.sent(ranges) if uses is not None and uses.handoffs is not None else None,
+        counts=uses.handoffs.counts if uses is not None and uses.handoffs is not None else (),
+    )
 
 
 def _shardable(spec: ModulePipeline, alone: Set[int]) -> List[nn.Module]:

@@ -3,8 +3,8 @@
 Why not cut ``forward`` into per-rank pieces: no process can pause Python code in the middle. So each
 rank runs the whole ``forward`` per micro-batch: a layer of an earlier stage returns what that stage
 sent, a layer of this stage runs under its mode, and the first call of a later stage's layer ends the
-pass and sends every layer output so far (knowing which ones are read would need a trace, which this
-design avoids). Random draws outside the layers (before the first layer call: the caller's generator;
+pass and sends the layer outputs so far that a later stage reads (``.handoffs``). Random draws
+outside the layers (before the first layer call: the caller's generator;
 after a layer call: ``layer_rng``'s :class:`AfterLayers`), zero-bubble schedules, parameters outside
 the layers and data-parallel replicas: docs/DESIGN.md, engines/distributed/rooted.
 """
@@ -22,6 +22,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import recording
 from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers
 from pipeckpt.engines.distributed.boundaries import announced
+from pipeckpt.engines.distributed.handoffs import Sent, standing_in, unread_error, withheld
 from pipeckpt.engines.distributed.outside_parts import OutsideParts, drop, held_parameters
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
@@ -198,9 +199,12 @@ class RootStageModule(StageModule):
         *,
         entry: Callable[[Tuple[Tensor, ...]], Call],
         calls: Callable[[int], Call],
+        sent: Optional[Sent] = None,
+        counts: Sequence[int] = (),
     ) -> None:
         super().__init__(stage, entry=None)
         self.routing = routing
+        self.sent, self.counts = sent, counts
         self.whole_backward = True
         self._root_entry = entry
         self._calls = calls
@@ -212,16 +216,23 @@ class RootStageModule(StageModule):
         if j == 0:
             call = self._root_entry(inputs)
         else:
-            received = self.boundaries.rebuild(j - 1, inputs, inferring=not live)
+            received = standing_in(self.boundaries.rebuild(j - 1, inputs, inferring=not live))
             if not live:
                 received = _usable(received)
             call = self._calls(i)
-        if live:
-            self.stage.take_microbatch()
-            out = self.routing.run(j, live=True, microbatch=i, call=call, received=received)
-        else:
-            with side_effect_free(self.stage.partition):
-                out = self.routing.run(j, live=False, microbatch=0, call=call, received=received)
+        try:
+            if live:
+                self.stage.take_microbatch()
+                out = self.routing.run(j, live=True, microbatch=i, call=call, received=received)
+            else:
+                with side_effect_free(self.stage.partition):
+                    out = self.routing.run(j, live=False, microbatch=0, call=call, received=received)
+        except (RuntimeError, NotImplementedError) as error:
+            if self.sent is None or "meta" not in str(error):
+                raise
+            raise unread_error(type(self.routing.root).__name__, j, error) from error
+        if j != self.routing.last:
+            out = withheld(out, self.sent, self.counts)
         flat = self.boundaries.flatten(j, out, inferring=not live, names=self.names)
         flat = flat if live else announced(flat)
         if self.no_views:
@@ -293,7 +304,14 @@ def build_rooted(
         pin_memory=pin_memory,
         names=names,
         keep={id(p) for _, p in outside},
-        make=lambda stage: RootStageModule(stage, routing, entry=step.root_call, calls=step.call_of),
+        make=lambda stage: RootStageModule(
+            stage,
+            routing,
+            entry=step.root_call,
+            calls=step.call_of,
+            sent=None if parts.sent is None else parts.sent[stage.index],
+            counts=parts.counts,
+        ),
     )
     routing.stages = {m.stage.index: m.stage for m in modules}
     step.modules = modules
