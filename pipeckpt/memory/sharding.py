@@ -22,7 +22,7 @@ from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction
 from pipeckpt.memory.split_dims import split_dims
-from pipeckpt.memory.walk import StageMemory
+from pipeckpt.memory.stage_memory import Candidate, StageMemory
 
 __all__ = [
     "Layout",
@@ -209,32 +209,52 @@ def before_gradients(peak_at: str) -> bool:
 def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
     """A stage's predicted peak on one of its ranks: the walk's activations, boundary and working set
     (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
-    gradients and optimizer state replaced by the rank's sharded ones. The sharded gradients count in
-    the share the walk held at its peak (all, unless the peak falls in the first backward), and the
-    collective buffers only where a gradient can have been made: FSDP2 holds a unit's unsharded
-    gradient and allocates its reduce-scatter input in the unit's backward, so a peak at the first
-    micro-batch's loss (Llama 3.1 8B at fsdp 8, one micro-batch) has none of them.
+    gradients and optimizer state replaced by the rank's sharded ones, at whichever of the walk's
+    candidate ops (``StageMemory.candidates``: per amount of gradients held, the op holding the most
+    beside them) is then the largest. The sharded gradients count in the share the walk held there
+    (all, unless it falls in the first backward), and the collective buffers only where a gradient
+    can have been made: FSDP2 holds a unit's unsharded gradient and allocates its reduce-scatter
+    input in the unit's backward, so a peak at the first micro-batch's loss (Llama 3.1 8B at fsdp 8,
+    one micro-batch) has none of them.
 
     Args:
         stage: the walk's prediction for the stage, parameters in the compute dtype.
         state: :func:`rank_state` of the stage's layers.
     """
-    trained = stage.params - stage.frozen
-    share = stage.grads / trained if trained else 0.0
-    grads = round(share * state.grads)
-    collectives = state.collectives if stage.grads or not before_gradients(stage.peak_at) else 0
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
-    peak = rest + state.params + grads + state.optimizer + state.unsharded + collectives
+    found = [
+        _at(
+            stage, state, (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at), rest
+        )
+    ]
+    found += [_at(stage, state, c, c[1] + c[2] + c[3]) for c in stage.candidates]
+    return max(found, key=lambda r: r.peak)  # the first of equal ones: the walk's own peak
+
+
+def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -> RankMemory:
+    """The rank's memory at one op: ``rest`` beside the gradients the op holds (``candidate``)."""
+    held, activations, boundary, working, at = candidate
+    trained = stage.params - stage.frozen
+    share = held / trained if trained else 0.0
+    grads = round(share * state.grads)
+    collectives = state.collectives if held or not before_gradients(at) else 0
+    # FSDP2 reshards every unit after its backward and frees its reduce-scatter buffers, so the
+    # optimizer step holds neither (seen on a one-process fake world of 2, reshard_after_forward=False:
+    # after the backward every unit's group was resharded, and the bytes alive beyond the sharded
+    # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
+    unsharded = 0 if at == "optimizer step" else state.unsharded
+    collectives = 0 if at == "optimizer step" else collectives
+    peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(
         stage=stage.stage,
         layers=stage.layers,
         mode=stage.mode,
-        state=RankState(state.params, grads, state.optimizer, state.unsharded, collectives),
-        activations=stage.activations,
-        boundary=stage.boundary,
-        working=stage.working,
+        state=RankState(state.params, grads, state.optimizer, unsharded, collectives),
+        activations=activations,
+        boundary=boundary,
+        working=working,
         peak=peak,
-        peak_at=stage.peak_at,
+        peak_at=at,
     )
 
 
@@ -265,8 +285,11 @@ def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = N
         frozen=state.params - state.grads,
         grads=rank.state.grads,
         optimizer=rank.state.optimizer,
-        working=stage.working + rank.state.collectives,
+        activations=rank.activations,
+        boundary=rank.boundary,
+        working=rank.working + rank.state.collectives,
         peak=rank.peak,
+        peak_at=rank.peak_at,
     )
 
 

@@ -7,7 +7,6 @@ layer of any op. :mod:`pipeckpt.memory.predict` runs one walk per stage (or, on 
 several stages, all of them interleaved). docs/MEMORY.md, "memory/walk.py", says what each op holds.
 """
 
-from dataclasses import dataclass
 from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,44 +14,10 @@ import torch
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.memory.engine_cost import engine_s_per_microbatch
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes, optimizer_step_bytes
+from pipeckpt.memory.stage_memory import StageMemory, _Peak
 from pipeckpt.memory.stage_model import _StageModel
 
 __all__ = ["StageMemory"]
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """One stage's predicted memory (bytes) and time (seconds) per training step."""
-
-    stage: int
-    layers: Tuple[int, int]  # (start, stop) in the Sequential
-    mode: str
-    params: int  # every parameter it holds, trained and frozen
-    grads: int  # held at the peak (all of them, unless the peak falls in the first backward)
-    optimizer: int
-    activations: int  # held for backward by the micro-batches in flight, at the peak
-    boundary: int  # stage inputs, received gradients and loss buffers, at the peak
-    working: int  # recompute and the running layer's own working set, at the peak
-    peak: int  # params + grads + optimizer + the rest at the peak moment
-    in_flight: int  # most micro-batches held at once
-    recomputed: int  # micro-batches recomputed per step
-    time_s: float  # the stage's own compute per step, recompute included
-    peak_at: str  # the op at which the peak falls, e.g. "B3 layer 5"
-    frozen: int = 0  # of ``params``, those that need no gradient: no gradient, no optimizer state
-
-
-@dataclass
-class _Peak:
-    """The largest total seen so far, its parts and the op it fell in."""
-
-    value: int = -1
-    parts: Tuple[int, int, int] = (0, 0, 0)  # activations, boundary, working
-    at: str = ""
-    in_flight: int = 0
-
-    def see(self, value: int, parts: Tuple[int, int, int], at: str) -> None:
-        if value > self.value:
-            self.value, self.parts, self.at = value, parts, at
 
 
 def _predict_stage(
@@ -364,6 +329,7 @@ def _result(walk: _StageWalk) -> StageMemory:
         recomputed=recomputed,
         time_s=time_s,
         peak_at=peak.at,
+        candidates=peak.candidates(walk.static),
     )
 
 

@@ -67,7 +67,7 @@ def test_a_peak_before_any_gradient_counts_no_collective_buffers() -> None:
     )
     assert state.collectives > 0
     for at in ("F0 layer 2", "F0 loss", "B0 loss", "gather"):
-        rank = per_rank(replace(stage, peak_at=at, grads=0), state)
+        rank = per_rank(replace(stage, peak_at=at, grads=0, candidates=()), state)
         assert rank.state.collectives == 0, at
         rest = stage.peak - stage.params - stage.optimizer
         assert rank.peak == rest + state.params + state.optimizer + state.unsharded, at
@@ -75,5 +75,5 @@ def test_a_peak_before_any_gradient_counts_no_collective_buffers() -> None:
     # and where gradients are held (an earlier micro-batch's backward) so may its buffers.
     for at, grads in (("B0 layer 2", 0), ("B0 recompute layer 3", 0), ("B0 outside", 0), ("F1 loss", 1)):
         assert not before_gradients(at) or grads
-        rank = per_rank(replace(stage, peak_at=at, grads=grads), state)
+        rank = per_rank(replace(stage, peak_at=at, grads=grads, candidates=()), state)
         assert rank.state.collectives == state.collectives, at

@@ -1,0 +1,55 @@
+"""A rank's peak falls at the op where its own shares make the most, not where the whole stage's
+do (pipeckpt/memory/stage_memory.py, ``StageMemory.candidates``; memory/sharding.py, ``per_rank``).
+
+Unsharded, a stage whose parameters outweigh its activations peaks at the optimizer step (every
+gradient beside the optimizer state); sharded 64 ways, the same stage peaks in a backward, where the
+activations are. Read at the whole stage's op, Llama 3.1 405B at pp1 x fsdp256 was planned at 61 GiB a
+rank with no activations at all, and the layout search picked it without recompute."""
+
+import torch
+
+from pipeckpt.app.models.llama import llama_config, llama_layers
+from pipeckpt.memory.predict import predict
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.sharding import Layout, before_gradients, per_rank, rank_state
+from pipeckpt.stages.partition import plan
+
+
+def _stage():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    layers = llama_layers(llama_config("tiny", seq_len=16))
+    fitted = profile(layers, torch.randint(256, (2, 16)), fake=True)
+    p = plan(layers, devices=["cpu"], stages=1, checkpoint="never", chunks=1)
+    return layers, predict(fitted, p, chunks=1, optimizer="adamw", schedule="gpipe").stages[0]
+
+
+def test_unsharded_the_tiny_llamas_stage_peaks_at_its_optimizer_step() -> None:
+    _, stage = _stage()
+    assert stage.peak_at == "optimizer step" and stage.activations == 0
+
+
+def test_sharded_its_rank_peaks_in_the_backward_that_holds_the_activations() -> None:
+    layers, stage = _stage()
+    state = rank_state(list(layers), Layout(fsdp=64, precision="bf16-mixed"), "adamw")
+    rank = per_rank(stage, state)
+    assert rank.peak_at.startswith("B0") and rank.activations > 0
+    step = rank.state.params + state.grads + state.optimizer + stage.working  # nothing gathered then
+    assert rank.peak > step
+
+
+def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> None:
+    layers, stage = _stage()
+    state = rank_state(list(layers), Layout(fsdp=64, precision="bf16-mixed"), "adamw")
+    trained = stage.params - stage.frozen
+    totals = []
+    for held, acts, boundary, working, at in stage.candidates:
+        grads = round(held / trained * state.grads)
+        collectives = state.collectives if held or not before_gradients(at) else 0
+        if at == "optimizer step":  # FSDP2 has resharded every unit and freed its buffers
+            totals.append(acts + boundary + working + state.params + grads + state.optimizer)
+            continue
+        totals.append(
+            acts + boundary + working + state.params + grads + state.optimizer + state.unsharded + collectives
+        )
+    assert len(stage.candidates) > 2  # none, some and every gradient held
+    assert per_rank(stage, state).peak == max(totals)
