@@ -21,8 +21,9 @@ from pipeckpt.app.models.llama import LLAMA_SIZES, llama_config, llama_layers
 from pipeckpt.checkpointing.modes import parse_mode
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import fake_mode, profile
+from pipeckpt.memory.rank_peak import rank_table
 from pipeckpt.memory.repeated import repeat_layer, shortened
-from pipeckpt.memory.sharding import Layout, rank_table, shard_numel
+from pipeckpt.memory.sharding import Layout, shard_numel
 from pipeckpt.stages.partition import StagePlan
 
 S = 8192  # tokens per sequence, torchtitan's Llama 3 runs

@@ -28,7 +28,8 @@ from pipeckpt.memory.machine import fake_or_real
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.sharding import Layout, RankTable, format_ranks
+from pipeckpt.memory.rank_peak import RankTable, format_ranks
+from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.timing import for_compile
 from pipeckpt.plan_layout import Answer, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable

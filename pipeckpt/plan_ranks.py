@@ -27,8 +27,9 @@ from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.rank_peak import RankTable, per_rank
 from pipeckpt.memory.repeated import repeat_layer, shortened
-from pipeckpt.memory.sharding import Layout, RankState, RankTable, per_rank, rank_state
+from pipeckpt.memory.sharding import Layout, RankState, rank_state
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built, three_layers
 from pipeckpt.settings import PipeSettings

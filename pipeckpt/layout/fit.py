@@ -28,7 +28,8 @@ from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
 from pipeckpt.memory.outside_share import OutsideParam
 from pipeckpt.memory.predict import Prediction, predict, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.sharding import Layout, RankState, on_rank, stage_rank_states
+from pipeckpt.memory.rank_peak import on_rank
+from pipeckpt.memory.sharding import Layout, RankState, stage_rank_states
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.sizes import human
 from pipeckpt.stages.partition import min_max_partition

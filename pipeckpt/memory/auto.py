@@ -29,7 +29,8 @@ from pipeckpt.memory.fastest_first import fastest_first
 from pipeckpt.memory.one_device import compose, gathered_gradient, held_per_step, process_peak
 from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.sharding import RankState, on_rank
+from pipeckpt.memory.rank_peak import on_rank
+from pipeckpt.memory.sharding import RankState
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.sizes import human, parse_bytes
 from pipeckpt.stages.partition import StagePlan
@@ -106,7 +107,7 @@ def choose(
     :func:`~pipeckpt.memory.predict.predict`'s. ``rank_states``: for a balance, each stage's
     training state on one of its ranks and unsharded (:func:`~pipeckpt.memory.sharding.rank_state`),
     where the stages are sharded: the peaks compared with the budget are then one rank's
-    (:func:`~pipeckpt.memory.sharding.on_rank`). Raises a config error stating the smallest feasible
+    (:func:`~pipeckpt.memory.rank_peak.on_rank`). Raises a config error stating the smallest feasible
     budget, and the stage that decides it, when nothing fits.
     """
     chunk_options = [chunks] if isinstance(chunks, int) else list(chunks)

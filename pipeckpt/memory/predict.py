@@ -17,8 +17,8 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order, sends_held, split_backward
-from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.stage_memory import StageMemory, _Peak
+from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import _op_times, _predict_stage, _result, _StageWalk
 from pipeckpt.stages.partition import StagePlan
 

@@ -3,14 +3,14 @@
 Why a rule and not a profile: what FSDP2 keeps per rank follows from each parameter's shape alone
 (``fully_shard`` splits dim 0 into ``ceil(rows / degree)``-row shards, the last padded), while
 activations stay measured: a tensor-parallel rank's block is profiled as the narrower block it
-computes (``pipeckpt.app.models.llama``, ``tensor_parallel``). :func:`per_rank` puts the two together
-on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", states the rules.
+computes (``pipeckpt.app.models.llama``, ``tensor_parallel``). ``rank_peak.per_rank`` puts the two
+together on a stage's predicted peak. docs/MEMORY.md, "Per rank under FSDP2, TP and PP", states the
+rules.
 """
 
 import functools
 import itertools
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -20,27 +20,17 @@ from torch import nn
 from pipeckpt._errors import config_error
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
-from pipeckpt.memory.predict import Prediction
 from pipeckpt.memory.split_dims import split_dims
-from pipeckpt.memory.stage_memory import Candidate, StageMemory
 
 __all__ = [
     "Layout",
     "RankState",
-    "RankMemory",
-    "RankTable",
     "PRECISIONS",
     "shard_numel",
     "stage_rank_states",
     "split_shapes",
     "rank_state",
-    "per_rank",
-    "on_rank",
-    "rank_table",
-    "format_ranks",
 ]
-
-GiB, MiB = 2**30, 2**20
 
 #: Lightning's precision names: (compute dtype, master dtype of parameters, gradients and optimizer).
 PRECISIONS: Dict[str, Tuple[torch.dtype, torch.dtype]] = {
@@ -104,21 +94,6 @@ class RankState:
     optimizer: int  # optimizer state of the trained sharded parameters
     unsharded: int  # compute-dtype parameters gathered and held at the peak
     collectives: int  # one block's unsharded gradient and its reduce-scatter input
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's predicted memory (bytes) at its stage's peak."""
-
-    stage: int
-    layers: Tuple[int, int]
-    mode: str
-    state: RankState
-    activations: int
-    boundary: int
-    working: int
-    peak: int
-    peak_at: str
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -194,119 +169,6 @@ def rank_state(
     )
 
 
-# The walk's points before a stage's backward has made any gradient: its forwards, the gather, and
-# the loss (its backward runs before the head's). pipeckpt/memory/walk.py names them.
-_BEFORE_GRADIENTS = re.compile(r"(?:stage \d+ )?(?:F\d+ |gather$|B\d+ loss$|loss (?:forward|backward)$)")
-
-
-def before_gradients(peak_at: str) -> bool:
-    """Whether the walk's op ``peak_at`` comes before its micro-batch's backward makes a gradient (a
-    forward, the gather, the loss); whether an earlier micro-batch's backward made some, only the
-    gradients the walk holds there (``StageMemory.grads``) tell."""
-    return _BEFORE_GRADIENTS.match(peak_at) is not None
-
-
-def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
-    """A stage's predicted peak on one of its ranks: the walk's activations, boundary and working set
-    (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
-    gradients and optimizer state replaced by the rank's sharded ones, at whichever of the walk's
-    candidate ops (``StageMemory.candidates``: per amount of gradients held, the op holding the most
-    beside them) is then the largest. The sharded gradients count in the share the walk held there
-    (all, unless it falls in the first backward), and the collective buffers only where a gradient
-    can have been made: FSDP2 holds a unit's unsharded gradient and allocates its reduce-scatter
-    input in the unit's backward, so a peak at the first micro-batch's loss (Llama 3.1 8B at fsdp 8,
-    one micro-batch) has none of them.
-
-    Args:
-        stage: the walk's prediction for the stage, parameters in the compute dtype.
-        state: :func:`rank_state` of the stage's layers.
-    """
-    rest = stage.peak - stage.params - stage.grads - stage.optimizer
-    found = [
-        _at(
-            stage, state, (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at), rest
-        )
-    ]
-    found += [_at(stage, state, c, c[1] + c[2] + c[3]) for c in stage.candidates]
-    return max(found, key=lambda r: r.peak)  # the first of equal ones: the walk's own peak
-
-
-def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -> RankMemory:
-    """The rank's memory at one op: ``rest`` beside the gradients the op holds (``candidate``)."""
-    held, activations, boundary, working, at = candidate
-    trained = stage.params - stage.frozen
-    share = held / trained if trained else 0.0
-    grads = round(share * state.grads)
-    collectives = state.collectives if held or not before_gradients(at) else 0
-    # FSDP2 reshards every unit after its backward and frees its reduce-scatter buffers, so the
-    # optimizer step holds neither (seen on a one-process fake world of 2, reshard_after_forward=False:
-    # after the backward every unit's group was resharded, and the bytes alive beyond the sharded
-    # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
-    unsharded = 0 if at == "optimizer step" else state.unsharded
-    collectives = 0 if at == "optimizer step" else collectives
-    peak = rest + state.params + grads + state.optimizer + unsharded + collectives
-    return RankMemory(
-        stage=stage.stage,
-        layers=stage.layers,
-        mode=stage.mode,
-        state=RankState(state.params, grads, state.optimizer, unsharded, collectives),
-        activations=activations,
-        boundary=boundary,
-        working=working,
-        peak=peak,
-        peak_at=at,
-    )
-
-
-def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = None) -> StageMemory:
-    """:func:`per_rank` in the walk's own terms, for the planners that compare a stage's peak with a
-    budget (``checkpoint='auto'``): the parameters held are the rank's shards and the gathered
-    parameters, its working set takes FSDP's collective buffers; the peak is :func:`per_rank`'s.
-
-    Args:
-        stage: the walk's prediction for the stage.
-        state: :func:`rank_state` of the stage's layers.
-        whole: :func:`rank_state` of the same layers unsharded (``Layout(precision=...)``): what the
-            walk counts beyond them (a ``pipeline_of`` model's own parameters, on its last stage)
-            stays whole on every rank, as the engine shards the layers only. None: nothing beyond.
-    """
-    if whole is not None:
-        extra = stage.params - whole.params
-        state = replace(
-            state,
-            params=state.params + extra,
-            grads=state.grads + stage.params - stage.frozen - whole.grads,
-            optimizer=state.optimizer + stage.optimizer - whole.optimizer,
-        )
-    rank = per_rank(stage, state)
-    return replace(
-        stage,
-        params=rank.state.params + rank.state.unsharded,
-        frozen=state.params - state.grads,
-        grads=rank.state.grads,
-        optimizer=rank.state.optimizer,
-        activations=rank.activations,
-        boundary=rank.boundary,
-        working=rank.working + rank.state.collectives,
-        peak=rank.peak,
-        peak_at=rank.peak_at,
-    )
-
-
-@dataclass(frozen=True)
-class RankTable:
-    """Every stage's memory on one of its ranks, under one layout and schedule."""
-
-    ranks: Tuple[RankMemory, ...]
-    layout: Layout
-    schedule: str
-    chunks: int
-
-    @property
-    def peak(self) -> int:
-        return max(r.peak for r in self.ranks)
-
-
 def stage_rank_states(
     sequential: nn.Sequential,
     layout: Layout,
@@ -337,7 +199,7 @@ def stage_rank_states(
 
 def _as_built(layers: Sequence[nn.Module], precision: str) -> str:
     """The precision whose parameter dtype is the one ``layers`` were built in: the dtype the walk
-    counted their parameters and optimizer state in, which :func:`on_rank` takes off before it adds
+    counted their parameters and optimizer state in, which ``rank_peak.on_rank`` takes off before it adds
     the rank's share (in ``precision``'s master dtype). A planner builds a mixed-precision model in its
     compute dtype (the plan's and the layout search's fake builds: bf16 under ``bf16-mixed``), where a
     fit builds it in the master dtype; counted in the master dtype, the first under-counted every
@@ -347,52 +209,3 @@ def _as_built(layers: Sequence[nn.Module], precision: str) -> str:
         if PRECISIONS.get(name, (None, None))[1] == dtype:
             return name
     return precision
-
-
-def rank_table(
-    prediction: Prediction,
-    sequential: nn.Sequential,
-    ranges: Sequence[Tuple[int, int]],
-    layout: Layout,
-    optimizer: Union[str, torch.optim.Optimizer, type] = "adamw",
-) -> RankTable:
-    """:func:`per_rank` for every stage of ``prediction``, each layer of ``sequential`` an FSDP2 unit.
-
-    Args:
-        prediction: the walk's prediction on one tensor-parallel rank's layers, in the compute dtype.
-        sequential: those layers.
-        ranges: each stage's ``(start, stop)`` in ``sequential``.
-        layout: degrees, reshard policy and precision.
-        optimizer: whose state to count.
-    """
-    layers = list(sequential)
-    ranks = tuple(
-        per_rank(s, rank_state(layers[a:b], layout, optimizer))
-        for s, (a, b) in zip(prediction.stages, ranges)
-    )
-    return RankTable(ranks=ranks, layout=layout, schedule=prediction.schedule, chunks=prediction.chunks)
-
-
-COLUMNS = ("params", "grads", "optimizer", "unsharded", "collectives")
-
-
-def format_ranks(table: RankTable) -> str:
-    """One row per stage: one rank's memory at the stage's peak (GiB, or MiB below one GiB)."""
-    lay = table.layout
-    unit, name = (GiB, "GiB") if table.peak >= GiB else (MiB, "MiB")
-    lines = [
-        f"one rank per stage: fsdp {lay.fsdp}, tp {lay.tp}, reshard_after_forward "
-        f"{lay.reshard_after_forward}, {lay.precision}; schedule {table.schedule}, "
-        f"chunks {table.chunks}; {name}",
-        f"{'stage':>5} {'layers':>7} {'mode':>11} "
-        + " ".join(f"{c:>11}" for c in (*COLUMNS, "activations", "boundary", "working", "peak"))
-        + "  at",
-    ]
-    for r in table.ranks:
-        values = [getattr(r.state, c) for c in COLUMNS] + [r.activations, r.boundary, r.working, r.peak]
-        lines.append(
-            f"{r.stage:>5} {f'{r.layers[0]}-{r.layers[1] - 1}':>7} {r.mode:>11} "
-            + " ".join(f"{v / unit:>11.2f}" for v in values)
-            + f"  {r.peak_at}"
-        )
-    return "\n".join(lines)

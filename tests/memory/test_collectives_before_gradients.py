@@ -1,7 +1,7 @@
 """FSDP2's collective buffers (a unit's unsharded gradient and its reduce-scatter input) exist only once
 the unit's backward has made its gradient, so a rank's peak before any gradient is made (the loss of
 the first micro-batch: Llama 3.1 8B at fsdp 8 with one micro-batch of 2) holds none of them
-(pipeckpt/memory/sharding.py, ``per_rank``; docs/MEMORY.md, the 8B row beside torchtitan's)."""
+(pipeckpt/memory/rank_peak.py, ``per_rank``; docs/MEMORY.md, the 8B row beside torchtitan's)."""
 
 from dataclasses import replace
 from typing import List, Tuple
@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.sharding import Layout, before_gradients, per_rank, rank_state, shard_numel
+from pipeckpt.memory.rank_peak import before_gradients, per_rank
+from pipeckpt.memory.sharding import Layout, rank_state, shard_numel
 from pipeckpt.stages.partition import plan
 
 

@@ -27,8 +27,9 @@ from pipeckpt.memory.budget import AutoPlan, first_microbatch, resolve_auto
 from pipeckpt.memory.outside_share import units
 from pipeckpt.memory.predict import predict, with_balance
 from pipeckpt.memory.profile import ModelProfile, profile
+from pipeckpt.memory.rank_peak import per_rank
 from pipeckpt.memory.rooted import RootInput
-from pipeckpt.memory.sharding import Layout, per_rank, rank_state, split_shapes
+from pipeckpt.memory.sharding import Layout, rank_state, split_shapes
 from pipeckpt.settings import PipeSettings
 
 BATCH = torch.randn(8, 64)

@@ -1,5 +1,5 @@
 """A rank's peak falls at the op where its own shares make the most, not where the whole stage's
-do (pipeckpt/memory/stage_memory.py, ``StageMemory.candidates``; memory/sharding.py, ``per_rank``).
+do (pipeckpt/memory/stage_memory.py, ``StageMemory.candidates``; memory/rank_peak.py, ``per_rank``).
 
 Unsharded, a stage whose parameters outweigh its activations peaks at the optimizer step (every
 gradient beside the optimizer state); sharded 64 ways, the same stage peaks in a backward, where the
@@ -11,7 +11,8 @@ import torch
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.sharding import Layout, before_gradients, per_rank, rank_state
+from pipeckpt.memory.rank_peak import before_gradients, per_rank
+from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.stages.partition import plan
 
 

@@ -71,7 +71,8 @@ def test_a_stage_built_in_the_compute_dtype_is_counted_on_its_rank_as_one_built_
     # the rank's peak is the same as for the model built in fp32 (it was under by the bf16 whole).
     from pipeckpt.memory.predict import predict
     from pipeckpt.memory.profile import profile
-    from pipeckpt.memory.sharding import on_rank, stage_rank_states
+    from pipeckpt.memory.rank_peak import on_rank
+    from pipeckpt.memory.sharding import stage_rank_states
     from pipeckpt.stages.partition import plan
 
     layout = Layout(fsdp=4, precision="bf16-mixed")
