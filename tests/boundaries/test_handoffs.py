@@ -7,7 +7,8 @@ Unmodified Hugging Face models built from configs (random weights). A leaf is ``
 from typing import Any, Tuple
 
 import torch
-import transformers as hf
+from support.hf_zoo import BUILDERS
+from support.moe_models import qwen3_moe
 from torch import Tensor, nn
 
 from pipeckpt import pipeline_of
@@ -15,7 +16,7 @@ from pipeckpt.boundaries.outside_uses import Handoffs, outside_uses
 from pipeckpt.engines.distributed.handoffs import Withheld, standing_in, withheld
 
 CPU = torch.device("cpu")
-IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))  # the zoo's vocabulary
 PP4 = [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
@@ -25,32 +26,23 @@ def _handoffs(model: nn.Module, layers: Tuple[str, ...], fake: bool = True, **ca
     return uses.handoffs
 
 
-def _llama() -> nn.Module:
-    config = hf.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    return hf.LlamaForCausalLM(config)
+def _zoo(name: str, **call: Any) -> Handoffs:
+    model, layers = BUILDERS[name](0.0)
+    return _handoffs(model, layers, **call)
 
 
 def test_a_decoders_stage_sends_only_its_last_layers_output() -> None:
-    h = _handoffs(_llama(), ("model.layers",), input_ids=IDS, labels=IDS)
+    h = _zoo("llama", input_ids=IDS, labels=IDS)
     assert h.sent(PP4) == (frozenset({(0, 0)}), frozenset({(1, 0)}), frozenset({(2, 0)}), frozenset())
 
 
 def test_gpt2s_tied_head_changes_nothing_that_crosses() -> None:
-    config = hf.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
-    h = _handoffs(hf.GPT2LMHeadModel(config), ("transformer.h",), input_ids=IDS, labels=IDS)
+    h = _zoo("gpt2", input_ids=IDS, labels=IDS)
     assert [h.crossing(b) for b in (1, 2, 3)] == [{(0, 0)}, {(1, 0)}, {(2, 0)}]
 
 
 def test_t5s_decoder_stages_receive_the_encoders_last_output_and_the_position_biases() -> None:
-    config = hf.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=100,
-        decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    model = hf.T5ForConditionalGeneration(config)
-    h = _handoffs(model, ("encoder.block", "decoder.block"), input_ids=IDS, labels=IDS)
+    h = _zoo("t5", input_ids=IDS, labels=IDS)
     # layer 1 (the encoder's last) outputs the encoder's hidden state; the decoder's first layer
     # (2) outputs its hidden state, its self-attention bias and its cross-attention bias.
     assert h.counts == (2, 2, 3, 3)
@@ -60,12 +52,7 @@ def test_t5s_decoder_stages_receive_the_encoders_last_output_and_the_position_bi
 
 
 def test_an_moe_models_last_stage_receives_every_layers_router_logits() -> None:
-    config = hf.Qwen3MoeConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, decoder_sparse_step=1,
-    )  # fmt: skip
-    h = _handoffs(hf.Qwen3MoeForCausalLM(config), ("model.layers",), fake=False, input_ids=IDS, labels=IDS)
+    h = _handoffs(qwen3_moe(), ("model.layers",), fake=False, input_ids=IDS, labels=IDS)
     assert h.counts == (2, 2, 2, 2)  # the hidden state and the router logits
     assert h.crossing(1) == {(0, 0), (0, 1)}
     assert h.crossing(3) == {(2, 0), (0, 1), (1, 1), (2, 1)}  # the loss adds every router's up
@@ -98,7 +85,7 @@ def test_a_read_no_gradient_follows_crosses_to_every_later_stage() -> None:
 
 
 def test_the_boundary_alone_decides_what_crosses() -> None:
-    h = _handoffs(_llama(), ("model.layers",), input_ids=IDS)
+    h = _zoo("llama", input_ids=IDS)
     assert h.sent([(0, 2), (2, 4)])[0] == h.sent([(0, 1), (1, 2), (2, 4)])[1] == h.crossing(2)
 
 
