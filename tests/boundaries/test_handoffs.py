@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from pipeckpt import pipeline_of
 from pipeckpt.boundaries.outside_uses import Handoffs, outside_uses
-from pipeckpt.engines.distributed.handoffs import Withheld, standing_in, withheld
+from pipeckpt.engines.distributed.handoffs import Withheld, standing_in, stands_in, unread_error, withheld
 
 CPU = torch.device("cpu")
 IDS = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))  # the zoo's vocabulary
@@ -96,3 +96,27 @@ def test_a_withheld_output_crosses_as_its_shape_and_comes_back_as_a_meta_tensor(
     back = standing_in(sent)
     assert back[0][1].is_meta and back[0][1].shape == (2, 3) and back[0][1].dtype == torch.float32
     assert withheld(produced, None, counts=(1, 1)) is produced  # not probed: everything crosses
+
+
+def test_computing_on_a_withheld_output_fails_by_name_not_on_made_up_values() -> None:
+    received = standing_in([(0, Withheld((2, 3), torch.float32))])
+    assert stands_in(received) and not stands_in([(0, torch.ones(2, 3))])
+    try:
+        torch.ones(2, 3) + received[0][1]  # a read the probe did not see
+    except RuntimeError as error:
+        assert "meta" in str(error)  # what the stage module tells such an error by
+        message = str(unread_error("LlamaForCausalLM", 2, error))
+    else:
+        raise AssertionError("a real tensor and a meta stand-in computed together")
+    assert "LlamaForCausalLM on pipeline stage 2" in message and "engine='local'" in message
+
+
+def test_an_output_computed_from_a_stand_in_is_not_sent() -> None:
+    # a Linear on a meta input and real weights gives meta, without an error of its own
+    made = torch.nn.functional.linear(standing_in(Withheld((2, 3), torch.float32)), torch.ones(4, 3))
+    try:
+        withheld([(1, made)], frozenset({(1, 0)}), counts=(1, 1))
+    except RuntimeError as error:
+        assert "meta" in str(error) and "layer 1" in str(error)
+    else:
+        raise AssertionError("a meta tensor was let through to be sent")

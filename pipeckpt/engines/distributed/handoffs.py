@@ -21,7 +21,7 @@ from torch import Tensor
 from pipeckpt._compat import tree_flatten, tree_map, tree_unflatten
 from pipeckpt._errors import config_error
 
-__all__ = ["Withheld", "standing_in", "withheld"]
+__all__ = ["Withheld", "standing_in", "stands_in", "unread_error", "withheld"]
 
 Produced = List[Tuple[int, Any]]  # (layer index, the output of its call), in call order
 Sent = FrozenSet[Tuple[int, int]]  # (layer index, tensor leaf of its output)
@@ -38,7 +38,9 @@ class Withheld:
 
 def withheld(produced: Produced, sent: Optional[Sent], counts: Sequence[int]) -> Produced:
     """``produced`` with every tensor not in ``sent`` replaced by its :class:`Withheld` (None:
-    everything is sent). An output with other leaves than the probe saw (``counts``) goes whole."""
+    everything is sent). An output with other leaves than the probe saw (``counts``) goes whole. A
+    meta tensor to be sent was computed from a stand-in (an op on meta and real tensors that gives
+    meta, as a Linear's does): the error names it, and the caller reports it (:func:`unread_error`)."""
     if sent is None:
         return produced
     out: Produced = []
@@ -52,6 +54,8 @@ def withheld(produced: Produced, sent: Optional[Sent], counts: Sequence[int]) ->
             leaf = leaves[i]
             if (index, n) not in sent and isinstance(leaf, Tensor):
                 leaves[i] = Withheld(tuple(leaf.shape), leaf.dtype)
+            elif isinstance(leaf, Tensor) and leaf.is_meta:  # made from a stand-in: a read unseen
+                raise RuntimeError(f"a tensor on device meta in the output of layer {index}, to be sent")
         out.append((index, tree_unflatten(leaves, spec)))
     return out
 
@@ -65,6 +69,11 @@ def standing_in(received: Any) -> Any:
         return leaf
 
     return tree_map(one, received)
+
+
+def stands_in(received: Any) -> bool:
+    """Whether ``received`` holds a meta tensor that :func:`standing_in` made."""
+    return any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten(received)[0])
 
 
 def unread_error(model: str, stage: int, error: BaseException) -> Exception:

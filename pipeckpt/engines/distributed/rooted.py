@@ -22,7 +22,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import recording
 from pipeckpt.checkpointing.layer_rng import NO_STREAMS, AfterLayers
 from pipeckpt.engines.distributed.boundaries import announced
-from pipeckpt.engines.distributed.handoffs import Sent, standing_in, unread_error, withheld
+from pipeckpt.engines.distributed.handoffs import Sent, standing_in, stands_in, unread_error, withheld
 from pipeckpt.engines.distributed.outside_parts import OutsideParts, drop, held_parameters
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
@@ -227,12 +227,12 @@ class RootStageModule(StageModule):
             else:
                 with side_effect_free(self.stage.partition):
                     out = self.routing.run(j, live=False, microbatch=0, call=call, received=received)
+            if j != self.routing.last:
+                out = withheld(out, self.sent, self.counts)
         except (RuntimeError, NotImplementedError) as error:
-            if self.sent is None or "meta" not in str(error):
+            if self.sent is None or "meta" not in str(error) or not stands_in(received):
                 raise
             raise unread_error(type(self.routing.root).__name__, j, error) from error
-        if j != self.routing.last:
-            out = withheld(out, self.sent, self.counts)
         flat = self.boundaries.flatten(j, out, inferring=not live, names=self.names)
         flat = flat if live else announced(flat)
         if self.no_views:
