@@ -82,8 +82,8 @@ def unread_error(model: str, stage: int, error: BaseException) -> Exception:
         f"the forward of {model} on pipeline stage {stage} computed with a layer output of an earlier "
         f"stage that the probe of its reads did not see ({type(error).__name__}: "
         f"{str(error).splitlines()[0] if str(error) else ''})",
-        "a stage receives only the earlier layer outputs whose values reach its own computation "
-        "through autograd, found once on the first batch",
-        "read earlier layer outputs only through differentiable operations in the model's forward, "
-        "or run it with engine='local'",
+        "a stage receives only the earlier layer outputs its computation reads (through autograd, or "
+        "where no gradient follows), found once, on the first batch's forward",
+        "make the model's forward read the same layer outputs on every batch (no read through numpy "
+        "or Python values that the probe cannot follow), or run it with engine='local'",
     )
