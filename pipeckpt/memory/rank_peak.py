@@ -79,13 +79,13 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     trained = stage.params - stage.frozen
     share = held / trained if trained else 0.0
     grads = round(share * state.grads)
-    collectives = state.collectives if held or not before_gradients(at) else 0
     # FSDP2 reshards every unit after its backward and frees its reduce-scatter buffers, so the
     # optimizer step holds neither (seen on a one-process fake world of 2, reshard_after_forward=False:
     # after the backward every unit's group was resharded, and the bytes alive beyond the sharded
     # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
-    unsharded = 0 if at == "optimizer step" else state.unsharded
-    collectives = 0 if at == "optimizer step" else collectives
+    stepping = at == "optimizer step"
+    unsharded = 0 if stepping else state.unsharded
+    collectives = 0 if stepping or not (held or not before_gradients(at)) else state.collectives
     peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(
         stage=stage.stage,

@@ -166,14 +166,15 @@ def outside_parts(
     held = [n for n, p in named if id(p) not in dropped]
     rank_of = {j: r for r, js in enumerate(ranks) for j in js}
     alone = {id(p) for n, p in named if id(p) not in dropped and len({rank_of[j] for j in stages[n]}) == 1}
+    handoffs = uses.handoffs if uses is not None else None
     return OutsideParts(
         stages,
         held,
         dropped,
         _standing_in(spec, dropped),
         _shardable(spec, alone),
-        sent=uses.handoffs.sent(ranges) if uses is not None and uses.handoffs is not None else None,
-        counts=uses.handoffs.counts if uses is not None and uses.handoffs is not None else (),
+        sent=handoffs.sent(ranges) if handoffs is not None else None,
+        counts=handoffs.counts if handoffs is not None else (),
     )
 
 

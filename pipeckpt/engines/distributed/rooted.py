@@ -216,7 +216,9 @@ class RootStageModule(StageModule):
         if j == 0:
             call = self._root_entry(inputs)
         else:
-            received = standing_in(self.boundaries.rebuild(j - 1, inputs, inferring=not live))
+            received = self.boundaries.rebuild(j - 1, inputs, inferring=not live)
+            if self.sent is not None:  # outputs withheld by the stage before: their stand-ins
+                received = standing_in(received)
             if not live:
                 received = _usable(received)
             call = self._calls(i)
