@@ -77,8 +77,8 @@ class Cluster:
             all-gather and reduce-scatter at one bus bandwidth (nccl-tests), measured for gloo
             (``local``), which runs the two slower than its all-reduce.
         cores: the processors the devices share, where they share them (a CPU machine running more
-            processes than it has cores: a process idle in the bubble lends its core, and a step
-            takes at least all the processes' work over the cores); 0: each device its own.
+            processes than it has cores: the busy processes share them, moment by moment,
+            :mod:`pipeckpt.layout.shared_cores`); 0: each device its own.
         overlaps: whether communication runs beside compute: a GPU's (NCCL's own kernels and copy
             engines); on a CPU only where a core is free for gloo's threads (``local``: more cores
             than processes). Where not, every collective lengthens the step whole.
@@ -154,7 +154,7 @@ def _parsed(path: Path, mtime: int) -> Mapping[str, Any]:
 def _local(devices: Optional[int]) -> Cluster:
     """This machine as ``devices`` processes (default 2) on one node, from its measurement
     (:func:`pipeckpt.layout.calibrate.measured`, cached). Each process runs at the one-thread matmul
-    rate and AdamW's bandwidth while it has a core (the cluster's ``cores`` bound the step beyond),
+    rate and AdamW's bandwidth while it has a core (the busy processes share the ``cores`` beyond),
     the machine's memory split evenly, and gloo's measured bandwidth, latency and collective factors
     between every pair.
     The measurement is the achieved rate, so the efficiency is 1."""

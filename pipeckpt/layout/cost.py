@@ -27,6 +27,7 @@ from pipeckpt.layout.model_costs import (
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
 from pipeckpt.layout.rank_work import Stage, collectives, messages, per_rank, waited
+from pipeckpt.layout.shared_cores import simulate_shared
 from pipeckpt.memory.engine_cost import ENGINE_S_PER_MICROBATCH  # re-exported: the layout's default
 from pipeckpt.stages.partition import min_max_partition
 
@@ -192,15 +193,23 @@ def estimate(
     send_exposed = max(0.0, min(max(ends) - max(quiet), step - busy))
     exposed = per_op_comm + start[r] + tail_comm[r] + send_exposed
     bubble = max(0.0, step - busy - send_exposed)
-    # processes sharing fewer cores (a CPU): a rank idle in the bubble lends its core, and the step
-    # is at least every process's work over the cores
+    # processes sharing fewer cores (a CPU): the schedule run again with the cores shared among the
+    # processes with work ready (pipeckpt.layout.shared_cores)
     shared = (
         max(
             0.0,
-            sum(sum(map(time_of, o)) + start[k] + tail[k] for k, o in enumerate(orders))
-            * c.tp
-            * dp
-            / cluster.cores
+            max(
+                simulate_shared(
+                    orders,
+                    time_of,
+                    stages=stages,
+                    cores=cluster.cores,
+                    replicas=c.tp * dp,
+                    send_s=lambda j: sends[j],
+                    start_s=start,
+                    tail_s=tail,
+                )
+            )
             - step,
         )
         if cluster.cores and world > cluster.cores

@@ -19,7 +19,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
 from pipeckpt.memory.schedule import op_order
 
-__all__ = ["RankOp", "rank_orders", "simulate"]
+__all__ = ["RankOp", "rank_orders", "simulate", "dependencies"]
 
 RankOp = Tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", micro-batch)
 
@@ -138,7 +138,7 @@ def simulate(
         send_s: seconds a message over boundary ``j`` takes.
         start_s: per rank, when it may start (FSDP's first gather); default 0.
     """
-    plan = _dependencies(tuple(tuple(o) for o in orders), stages)
+    plan = dependencies(tuple(tuple(o) for o in orders), stages)
     sends = [send_s(j) for j in range(stages - 1)]
     ranks = len(orders)
     end: Dict[Tuple[str, int, int], float] = {}
@@ -176,7 +176,7 @@ _Key = Tuple[str, int, int]
 
 
 @functools.lru_cache(maxsize=512)
-def _dependencies(
+def dependencies(
     orders: Tuple[Tuple[RankOp, ...], ...], stages: int
 ) -> Tuple[Tuple[Tuple[_Key, Tuple[Tuple[_Key, int], ...]], ...], ...]:
     """Per rank and op: the key its end is kept under, and what it waits for, each with the boundary
