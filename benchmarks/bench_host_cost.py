@@ -52,6 +52,7 @@ import os
 import pstats
 import resource
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -572,7 +573,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
-        return
+        # Its rows are written and its group destroyed: leave without the interpreter's teardown, where
+        # a C++ thread of the finished run was now and then destroyed still joinable ("terminate called
+        # without an active exception", an abort after the work was done, seen under a loaded CI run).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if args.quick:
         args.depth, args.width, args.batch, args.warmup, args.timed, args.rounds = 4, 16, 8, 1, 2, 1
     if args.calls:  # a count: one round gives it
