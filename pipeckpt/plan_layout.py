@@ -34,6 +34,7 @@ from pipeckpt.layout.search import Estimate, Searched, search
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import PRECISIONS
+from pipeckpt.memory.tp_local import one_rank_profile
 from pipeckpt.plan_model import Built, batch, built, profiled, three_layers
 from pipeckpt.plan_ranks import takes_tensor_parallel
 from pipeckpt.plan_tp_host import Times, fit, timed_pair
@@ -155,21 +156,26 @@ class _Shapes:
         return tuple({**model_plan(sequential, tp), **own_outside_plan(sequential)}.items())
 
     def profile(self, tp: int, microbatch: int) -> ModelProfile:
-        """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers where
-        the model is built as one (a layer split by a plan is profiled whole, the same for every tp)."""
-        key = (tp if self.by_argument else 1, microbatch)
+        """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers, as
+        the model builds them or as a plan cuts them (:func:`one_rank_profile`)."""
+        key = (tp if self.by_argument or self._cut(tp) else 1, microbatch)
         if key not in self.profiles:
             self.profiles[key] = self._profile(tp, microbatch)
         return self.profiles[key]
 
+    def _cut(self, tp: int) -> Dict[str, str]:
+        """The plan a layer is cut by for one rank's profile (empty: profiled as built)."""
+        return {} if self.by_argument or tp == 1 else dict(self.layers(tp)[1])
+
     def _profile(self, tp: int, microbatch: int) -> ModelProfile:
-        full = self.built(tp).sequential
+        full, plan = self.built(tp).sequential, self._cut(tp)
         short_cfg = three_layers(self.cfg, full)
-        if short_cfg is None:
+        if short_cfg is None and not plan:
             return self._profiled(self.built(tp), microbatch)
         extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
-        with built(short_cfg, self.drawn, fake=True, extra=extra) as b:
-            return repeat_layer(self._profiled(b, microbatch), 1, len(full) - 2)
+        with built(short_cfg or self.cfg, self.drawn, fake=True, extra=extra) as b:  # a build to cut
+            fitted = one_rank_profile(b.sequential, plan, tp, lambda: self._profiled(b, microbatch))
+            return fitted if short_cfg is None else repeat_layer(fitted, 1, len(full) - 2)
 
     def timed(self, microbatch: int) -> ModelProfile:
         """One micro-batch through the whole model built on real tensors, timed on this machine (the

@@ -112,7 +112,7 @@ class _LossLayer(nn.Module):
         return self.loss_fn(output, self.target)
 
 
-def _param_bytes(module: nn.Module) -> Tuple[int, int, int, int]:
+def param_bytes_of(module: nn.Module) -> Tuple[int, int, int, int]:
     """(bytes, tensors, largest) of the trained parameters, and the bytes of the frozen ones."""
     params = outside_parameters(module)
     params = list(module.parameters()) if params is None else params
@@ -199,7 +199,7 @@ def profile(
     profiles = []
     for i, (record, (fwd, bwd)) in enumerate(zip(records, times)):
         module = loss if loss is not None and i == len(layers) else layers[i]
-        pbytes, ptensors, largest, frozen = _param_bytes(module) if module is not None else (0, 0, 0, 0)
+        pbytes, ptensors, largest, frozen = param_bytes_of(module) if module is not None else (0, 0, 0, 0)
         profiles.append(
             LayerProfile(
                 name=type(sequential[i]).__name__ if i < len(layers) else "loss",
