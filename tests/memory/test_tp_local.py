@@ -1,0 +1,81 @@
+"""A layer a tensor-parallel plan splits, profiled as one rank runs it (memory/tp_local.py): the
+tensors between a colwise and a rowwise Linear are 1/tp of the whole, the layer's input and output
+whole, and the parameters' figures the whole layer's (the rank states divide those by the plan)."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.tp_local import cut_to_one_rank, one_rank_profile
+
+WIDTH, HIDDEN, TOKENS = 8, 32, 64
+PLAN = {"up": "colwise", "down": "rowwise"}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def _profiled(layers: nn.Sequential):
+    return profile(layers, torch.randn(TOKENS, WIDTH), loss_fn=lambda y, t: y.sum(), fake=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_hidden_features_a_rank_saves_are_a_tp_share(tp: int) -> None:
+    whole = _profiled(_layers())
+    layers = _layers()
+    cut = one_rank_profile(layers, PLAN, tp, lambda: _profiled(layers))
+    f32 = 4
+    for w, c in zip(whole.layers[:2], cut.layers[:2]):
+        # saved beyond the layer's input: relu's output (which down reads too), the hidden features
+        assert whole.bytes_of(set(w.saved) - set(w.inputs)) == f32 * TOKENS * HIDDEN
+        assert cut.bytes_of(set(c.saved) - set(c.inputs)) == f32 * TOKENS * HIDDEN // tp
+        assert (c.param_bytes, c.param_tensors, c.largest_param) == (
+            w.param_bytes,
+            w.param_tensors,
+            w.largest_param,
+        )
+
+
+def test_cut_narrows_the_split_dimension_only() -> None:
+    layers = _layers()
+    assert cut_to_one_rank(layers, PLAN, 2) == 6  # up's weight and bias, down's weight, per block
+    block = layers[0]
+    assert block.up.weight.shape == (HIDDEN // 2, WIDTH) and block.up.bias.shape == (HIDDEN // 2,)
+    assert block.down.weight.shape == (WIDTH, HIDDEN // 2) and block.down.bias.shape == (WIDTH,)
+    assert cut_to_one_rank(layers, PLAN, 1) == 0
+
+
+def test_an_hf_llama_layer_runs_cut_with_its_heads_shared_out() -> None:
+    """transformers' attention reshapes by -1 over its heads: cut by the model's own plan, a layer
+    runs with heads / tp of them, its output whole."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+    )
+    layer = LlamaDecoderLayer(config, 0)
+    plan = {k.split("layers.*.", 1)[1]: v for k, v in config.base_model_tp_plan.items() if "layers.*." in k}
+    assert cut_to_one_rank(nn.Sequential(layer), plan, 2) == 7  # q, k, v, o, gate, up, down
+    x = torch.randn(1, 5, 64)
+    rope = LlamaRotaryEmbedding(config)(x, torch.arange(5)[None])
+    out = layer(x, position_embeddings=rope)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == x.shape
+    assert layer.self_attn.q_proj.weight.shape == (32, 64) and layer.mlp.down_proj.weight.shape == (64, 48)
