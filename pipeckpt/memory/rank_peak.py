@@ -84,8 +84,10 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     # after the backward every unit's group was resharded, and the bytes alive beyond the sharded
     # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
     stepping = at == "optimizer step"
-    unsharded = 0 if stepping else state.unsharded
-    collectives = 0 if stepping or not (held or not before_gradients(at)) else state.collectives
+    backward = held or not before_gradients(at)
+    again = state.unsharded_backward  # gathered for the backward and kept (RankState says why)
+    unsharded = 0 if stepping else again if backward and again is not None else state.unsharded
+    collectives = 0 if stepping or not backward else state.collectives
     peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(
         stage=stage.stage,

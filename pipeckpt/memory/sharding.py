@@ -94,6 +94,12 @@ class RankState:
     optimizer: int  # optimizer state of the trained sharded parameters
     unsharded: int  # compute-dtype parameters gathered and held at the peak
     collectives: int  # one block's unsharded gradient and its reduce-scatter input
+    # compute-dtype parameters gathered and held once the backward has begun (None: ``unsharded``).
+    # torch's PipelineStage turns FSDP2's reshard after backward off for every micro-batch
+    # (``backward_maybe_with_nosync``) until the step's ``perform_reduce_grad``, so under
+    # ``reshard_after_forward`` a unit gathered again for its backward stays gathered: measured on
+    # Llama at pp1 x fsdp 2 and 4, the peaks with and without the reshard were the same bytes.
+    unsharded_backward: Optional[int] = None
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -166,6 +172,7 @@ def rank_state(
         optimizer=optimizer_state_bytes(optimizer, sharded, len(params)),
         unsharded=gathered_held * compute,
         collectives=largest * (compute + master),
+        unsharded_backward=sum(gathered) * compute if layout.reshard_after_forward else None,
     )
 
 

@@ -11,7 +11,7 @@ import torch
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.rank_peak import before_gradients, per_rank
+from pipeckpt.memory.rank_peak import _at, before_gradients, per_rank
 from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.stages.partition import plan
 
@@ -54,3 +54,27 @@ def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> No
         )
     assert len(stage.candidates) > 2  # none, some and every gradient held
     assert per_rank(stage, state).peak == max(totals)
+
+
+def test_under_reshard_after_forward_a_backward_holds_every_unit_gathered_again() -> None:
+    """torch's PipelineStage keeps FSDP2 from resharding after each backward until the step's
+    reduce_grad: in the backward every unit is counted gathered, before it (the loss) the running
+    and the prefetched one only."""
+    layers, stage = _stage()
+    kept = rank_state(list(layers), Layout(fsdp=4, precision="bf16-mixed"), "adamw")
+    freed = rank_state(
+        list(layers), Layout(fsdp=4, precision="bf16-mixed", reshard_after_forward=True), "adamw"
+    )
+    assert freed.unsharded < kept.unsharded == freed.unsharded_backward
+    assert kept.unsharded_backward is None
+    for c in stage.candidates:
+        at, held = c[4], c[0]
+        if at == "optimizer step":
+            continue
+        rest = c[1] + c[2] + c[3]
+        gap = kept.unsharded - freed.unsharded if not held and before_gradients(at) else 0
+        assert _held(stage, kept, c, rest) - _held(stage, freed, c, rest) == gap, at
+
+
+def _held(stage, state, candidate, rest):  # type: ignore[no-untyped-def]
+    return _at(stage, state, candidate, rest).peak
