@@ -85,8 +85,10 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
     stepping = at == "optimizer step"
     backward = held or not before_gradients(at)
-    again = state.unsharded_backward  # gathered for the backward and kept (RankState says why)
-    unsharded = 0 if stepping else again if backward and again is not None else state.unsharded
+    unsharded = 0 if stepping else state.unsharded
+    again = state.unsharded_backward  # units gathered for the backward are kept (RankState says why):
+    if backward and again is not None and not stepping:  # those whose gradients it holds, and 2 more
+        unsharded = min(again, round(share * again) + state.unsharded)
     collectives = 0 if stepping or not backward else state.collectives
     peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(

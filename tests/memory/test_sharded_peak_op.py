@@ -56,10 +56,10 @@ def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> No
     assert per_rank(stage, state).peak == max(totals)
 
 
-def test_under_reshard_after_forward_a_backward_holds_every_unit_gathered_again() -> None:
+def test_under_reshard_after_forward_a_backward_keeps_the_units_it_has_gathered() -> None:
     """torch's PipelineStage keeps FSDP2 from resharding after each backward until the step's
-    reduce_grad: in the backward every unit is counted gathered, before it (the loss) the running
-    and the prefetched one only."""
+    reduce_grad: in the backward the units whose gradients it holds stay gathered beside the running
+    and the prefetched one, before it (the loss) only those two."""
     layers, stage = _stage()
     kept = rank_state(list(layers), Layout(fsdp=4, precision="bf16-mixed"), "adamw")
     freed = rank_state(
@@ -67,13 +67,19 @@ def test_under_reshard_after_forward_a_backward_holds_every_unit_gathered_again(
     )
     assert freed.unsharded < kept.unsharded == freed.unsharded_backward
     assert kept.unsharded_backward is None
+    gaps = set()
     for c in stage.candidates:
         at, held = c[4], c[0]
         if at == "optimizer step":
             continue
         rest = c[1] + c[2] + c[3]
-        gap = kept.unsharded - freed.unsharded if not held and before_gradients(at) else 0
+        share = held / (stage.params - stage.frozen)
+        backward = held or not before_gradients(at)
+        again = min(kept.unsharded, round(share * kept.unsharded) + freed.unsharded)
+        gap = kept.unsharded - (again if backward else freed.unsharded)
+        gaps.add(gap)
         assert _held(stage, kept, c, rest) - _held(stage, freed, c, rest) == gap, at
+    assert len(gaps) > 2  # the loss, a backward part done, one all but done
 
 
 def _held(stage, state, candidate, rest):  # type: ignore[no-untyped-def]
