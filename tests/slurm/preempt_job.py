@@ -171,9 +171,11 @@ class SignalInjection(Callback):
             if how == "self":
                 os.kill(os.getpid(), signal.SIGUSR1)
             else:
-                subprocess.run(
-                    ["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True, timeout=60
-                )
+                # scancel runs inside the job, so the signal it sends reaches it too when it has not
+                # exited yet: dying of SIGUSR1 is the delivery having happened, not a failure
+                done = subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], timeout=60)
+                if done.returncode not in (0, -signal.SIGUSR1):
+                    raise subprocess.CalledProcessError(done.returncode, done.args)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         held = {
