@@ -11,7 +11,7 @@ read here as the schedule computes it for every rank at construction). The simul
 
 import functools
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -19,7 +19,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
 from pipeckpt.memory.schedule import op_order
 
-__all__ = ["RankOp", "rank_orders", "simulate", "dependencies"]
+__all__ = ["RankOp", "rank_orders", "simulate", "dependencies", "ready_at"]
 
 RankOp = Tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", micro-batch)
 
@@ -151,18 +151,12 @@ def simulate(
             ops, steps = orders[r], plan[r]
             n = position[r]
             while n < len(ops):
-                ready = clock[r]
-                for key, boundary in steps[n][1]:
-                    done = end.get(key)
-                    if done is None:
-                        break
-                    ready = max(ready, done + (sends[boundary] if boundary >= 0 else 0.0))
-                else:
-                    clock[r] = ready + time_of(ops[n])
-                    end[steps[n][0]] = clock[r]
-                    n += 1
-                    continue
-                break
+                ready = ready_at(steps[n], end, sends, clock[r])
+                if ready is None:
+                    break
+                clock[r] = ready + time_of(ops[n])
+                end[steps[n][0]] = clock[r]
+                n += 1
             if n != position[r]:
                 left -= n - position[r]
                 position[r] = n
@@ -173,12 +167,24 @@ def simulate(
 
 
 _Key = Tuple[str, int, int]
+_Step = Tuple[_Key, Tuple[Tuple[_Key, int], ...]]
+
+
+def ready_at(step: _Step, end: Dict[_Key, float], sends: Sequence[float], free: float) -> Optional[float]:
+    """When an op (``step``, one of :func:`dependencies`' entries) may start on a rank free from
+    ``free``: after each op it waits for has ended (``end``) and, across ranks, its message has
+    arrived (``sends``, by boundary); None while one of them has not ended."""
+    ready = free
+    for key, boundary in step[1]:
+        done = end.get(key)
+        if done is None:
+            return None
+        ready = max(ready, done + (sends[boundary] if boundary >= 0 else 0.0))
+    return ready
 
 
 @functools.lru_cache(maxsize=512)
-def dependencies(
-    orders: Tuple[Tuple[RankOp, ...], ...], stages: int
-) -> Tuple[Tuple[Tuple[_Key, Tuple[Tuple[_Key, int], ...]], ...], ...]:
+def dependencies(orders: Tuple[Tuple[RankOp, ...], ...], stages: int) -> Tuple[Tuple[_Step, ...], ...]:
     """Per rank and op: the key its end is kept under, and what it waits for, each with the boundary
     whose send it waits for too (-1: none, the dependency on the same rank)."""
     owner = {j: r for r, ops in enumerate(orders) for j, _, _ in ops}

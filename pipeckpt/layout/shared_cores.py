@@ -12,12 +12,12 @@ cores among the processes with work ready, moment by moment (processor sharing, 
 scheduler does between runnable processes of one thread).
 
 The rules of the ops' order and dependencies are :func:`~pipeckpt.layout.orders.simulate`'s, shared
-through :func:`~pipeckpt.layout.orders.dependencies`.
+through :func:`~pipeckpt.layout.orders.dependencies` and :func:`~pipeckpt.layout.orders.ready_at`.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from pipeckpt.layout.orders import RankOp, dependencies
+from pipeckpt.layout.orders import RankOp, dependencies, ready_at
 
 __all__ = ["simulate_shared"]
 
@@ -61,20 +61,20 @@ def simulate_shared(
     position = [0] * ranks  # the op running or next; len(orders[r]): the tail
     left: List[Optional[float]] = [None] * ranks  # the work left of what runs (None: waiting)
     finish: List[Optional[float]] = [None] * ranks
-    end: Dict[object, float] = {}
+    end: Dict[Tuple[str, int, int], float] = {}
     now = 0.0
     while any(f is None for f in finish):
         waits = []
         for r in range(ranks):
             if finish[r] is not None or left[r] is not None:
                 continue
-            ready = _ready(plan[r], position[r], end, sends, free_at[r])
+            n = position[r]
+            ready = free_at[r] if n == len(orders[r]) else ready_at(plan[r][n], end, sends, free_at[r])
             if ready is None:
                 continue
             if ready > now + _EPS:
                 waits.append(ready)
                 continue
-            n = position[r]
             left[r] = time_of(orders[r][n]) if n < len(orders[r]) else tails[r]
         running = [r for r in range(ranks) if left[r] is not None]
         if not running and not waits:
@@ -95,19 +95,3 @@ def simulate_shared(
             position[r] = n + 1
             free_at[r] = now
     return [f for f in finish if f is not None]
-
-
-def _ready(
-    steps: Sequence[object], n: int, end: Dict[object, float], sends: Sequence[float], free: float
-) -> Optional[float]:
-    """When a rank's ``n``-th op may start (None: a dependency has not ended); its tail after its
-    last op."""
-    if n == len(steps):
-        return free
-    ready = free
-    for key, boundary in steps[n][1]:  # type: ignore[index]
-        done = end.get(key)
-        if done is None:
-            return None
-        ready = max(ready, done + (sends[boundary] if boundary >= 0 else 0.0))
-    return ready
