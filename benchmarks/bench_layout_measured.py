@@ -78,9 +78,16 @@ def _compose(args: Sequence[str]) -> Any:
         return compose(config_name="train", overrides=list(args))
 
 
-def chosen(ranked: Sequence[Any]) -> List[Any]:
+def chosen(ranked: Sequence[Any], which: str = "default") -> List[Any]:
     """The measured layouts of a search's ranked rows: GPipe and 1F1B at the least chunk count each
-    takes and twice that, the search's pick besides."""
+    takes and twice that, the search's pick besides; ``which="per_schedule"``: instead the
+    best-ranked layout of every schedule the search ranked (the looped and zero-bubble ones among
+    them); ``"all"``: every row (a saved run predicted again keeps those it measured)."""
+    if which == "all":
+        return list(ranked)
+    if which == "per_schedule":
+        schedules = dict.fromkeys(r.candidate.schedule for r in ranked)
+        return [next(r for r in ranked if r.candidate.schedule == s) for s in schedules]
     out = []
     for r in ranked:
         c = r.candidate
@@ -106,7 +113,7 @@ def _same_but_chunks(a: Any, b: Any) -> bool:
     )
 
 
-def searched(args: List[str]) -> Tuple[Any, List[Dict[str, Any]]]:
+def searched(args: List[str], which: str = "default") -> Tuple[Any, List[Dict[str, Any]]]:
     """The search's answer and the measured layouts' rows: the pick's settings as train.py hands
     them on, the predicted step and per-rank peaks."""
     from pipeckpt.app.checks import check_config
@@ -117,7 +124,7 @@ def searched(args: List[str]) -> Tuple[Any, List[Dict[str, Any]]]:
     check_config(cfg)
     answer = search_config(cfg)
     rows = []
-    for r in chosen(answer.searched.ranked):
+    for r in chosen(answer.searched.ranked, which):
         c = r.candidate
         rows.append(
             {
@@ -221,13 +228,12 @@ def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: 
 def repredicted(saved: Dict[str, Any]) -> Tuple[Any, List[Dict[str, Any]]]:
     """A saved measurement's rows with the search's predictions made now (the cost model may have
     changed since): matched by layout; a pick the run did not measure is said."""
-    answer, rows = searched(saved["overrides"])
+    answer, rows = searched(saved["overrides"], "all")
     by_layout = {r["layout"]: r for r in saved["rows"]}
     kept = []
     for row in rows:
         old = by_layout.get(row["layout"])
         if old is None:
-            print(f"not measured: {row['layout']} (search rank {row['rank']})", flush=True)
             continue
         kept.append({**row, **{k: old[k] for k in ("measured_s", "rounds_s", "measured_peaks")}})
     return answer, kept
@@ -253,6 +259,9 @@ def main() -> None:
     parser.add_argument("--no-calibrate", action="store_true", help="keep the cached cluster=local figures")
     parser.add_argument("--save", help="also write the measurements to this JSON file")
     parser.add_argument("--repredict", help="predict a saved JSON measurement again, measuring nothing")
+    parser.add_argument(
+        "--per-schedule", action="store_true", help="measure the best-ranked layout of every schedule instead"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -275,14 +284,14 @@ def main() -> None:
         figures = calibration()
         cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
         worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
-        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds")}
+        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds", "per_schedule")}
         saved = {"figures": figures, "when": _now(), "args": kept, "runs": []}
         lines = _header(figures, args, saved["when"])
         for name, case in cases.items():
             for world in worlds:
                 began = time.time()
                 over = overrides(case, world, args.batch)
-                answer, rows = searched(over)
+                answer, rows = searched(over, "per_schedule" if args.per_schedule else "default")
                 print(answer.text(top=5), flush=True)
                 spec = {"overrides": over, "rows": rows, **kept}
                 results = run_ranks(__file__, world, spec, timeout=args.timeout)

@@ -31,11 +31,12 @@ from pipeckpt.layout.fit import Memory, Shapes
 from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.report import draw, format_row, format_search
 from pipeckpt.layout.search import Estimate, Searched, search
+from pipeckpt.layout.split_backward import HALVES, WHOLE
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.memory.tp_local import one_rank_profile
-from pipeckpt.plan_model import Built, batch, built, profiled, three_layers
+from pipeckpt.plan_model import Built, batch, built, profiled, split_timed, three_layers
 from pipeckpt.plan_ranks import takes_tensor_parallel
 from pipeckpt.plan_tp_host import Times, fit, timed_pair
 
@@ -115,6 +116,7 @@ class _Shapes:
         self._timed: Dict[int, ModelProfile] = {}
         self.split_times: Optional[Tuple[Times, int, Tuple[int, int]]] = None  # timed_split's, where taken
         self._rooted = False  # the timed build is a model its own plan splits (:meth:`splits`)
+        self.split_backward = HALVES  # a split backward's passes, as timed (:meth:`timed`)
 
     def built(self, tp: int) -> Built:
         key = tp if self.by_argument else 1
@@ -192,6 +194,7 @@ class _Shapes:
             with built(self.cfg, self.drawn, fake=False) as b:
                 self._timed[microbatch] = self._profiled(b, microbatch, fake=False, shorten=False)
                 self._rooted = self.splits(b.sequential)
+                self.split_backward = split_timed(self.cfg, b, microbatch)
         finally:
             torch.set_num_threads(threads)
         return self._timed[microbatch]
@@ -275,6 +278,7 @@ def _cost(
             mesh = Mesh(where, pp=1, tp=tp, dp_replicate=where.world // tp, dp_shard=1)
             comm = lambda m: 2 * all_reduce_s(m * seq_len * bytes_per_token, tp, mesh.tp_bytes_per_s, latency)  # noqa: E731
             costs = replace(costs, tensor_parallel=fit(times, tp, sizes, comm))
+        costs = replace(costs, split_backward=shapes.split_backward)
     elif config is not None:
         costs = cost.model_costs_from_config(config, seq_len=seq_len, precision=precision)
     else:
@@ -286,6 +290,8 @@ def _cost(
             param_bytes=param_bytes,
             name=name,
         )
+    if isinstance(shapes.built(1).sequential, ModulePipeline):  # its stages do not split
+        costs = replace(costs, split_backward=WHOLE)
 
     def estimate(c: Candidate) -> Estimate:
         return cost.estimate(

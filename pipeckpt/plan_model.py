@@ -26,13 +26,14 @@ from pipeckpt.app.models.hf import HFCausalLM
 from pipeckpt.app.models.hf_directory import local_directory
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
+from pipeckpt.layout.split_backward import HALVES, WHOLE, SplitBackward, measured
 from pipeckpt.memory.budget import first_call, first_microbatch
 from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, fake_mode, profile
 from pipeckpt.memory.repeated import identical_run
 
-__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "profiled", "three_layers"]
+__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "profiled", "split_timed", "three_layers"]
 
 #: The files a pretrained directory keeps its weights in (what ``from_pretrained`` reads).
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
@@ -203,6 +204,21 @@ def profiled(
             target=first_microbatch(b.targets, size // microbatch) if b.targets is not None else None,
             fake=fake,
         )
+
+
+def split_timed(cfg: DictConfig, b: Built, microbatch: int) -> SplitBackward:
+    """A zero-bubble schedule's split backward of ``b``'s layers, timed here on one micro-batch of
+    ``microbatch`` samples as the engine splits it (:mod:`pipeckpt.layout.split_backward`); a
+    ``pipeline_of`` model's stages do not split (WHOLE); halves where it cannot be timed."""
+    if isinstance(b.sequential, ModulePipeline):
+        return WHOLE
+    size = int(cfg.data.batch_size)
+    target = first_microbatch(b.targets, size // microbatch) if b.targets is not None else None
+    with forward_context(cfg.trainer.precision, torch.device("cpu")):
+        found = measured(
+            list(b.sequential), first_microbatch(b.inputs, size // microbatch), b.loss_fn, target
+        )
+    return found or HALVES
 
 
 _FAKE_FIX = (

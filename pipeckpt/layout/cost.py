@@ -150,8 +150,8 @@ def estimate(
         j, kind, i = op
         s = st[j]
         if kind == "W":
-            return s.backward / 2
-        work = s.forward if kind == "F" else s.backward / 2 if kind == "I" else s.backward
+            return s.weight_pass
+        work = _work(s, kind)
         # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
         regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
         per_op = s.tp + s.host + regather if comm else 0.0
@@ -177,10 +177,7 @@ def estimate(
     r = max(range(c.pp), key=lambda k: finish[k])
     step = finish[r]
     ops = orders[r]
-    compute = sum(
-        st[j].forward if k == "F" else st[j].backward / 2 if k in ("I", "W") else st[j].backward
-        for j, k, _ in ops
-    )
+    compute = sum(_work(st[j], k) for j, k, _ in ops)
     recompute = sum(
         st[j].recompute
         for j, k, i in ops
@@ -235,6 +232,11 @@ def estimate(
         optimizer_s=optimizer[r],
         shared_s=shared,
     )
+
+
+def _work(s: Stage, kind: str) -> float:
+    """An op's own compute: a forward, a whole backward, or a split backward's pass."""
+    return {"F": s.forward, "B": s.backward, "I": s.input_pass, "W": s.weight_pass}[kind]
 
 
 def divided(unsplit: float, tp: int) -> float:
@@ -305,15 +307,19 @@ def _stages(
         gather = cluster.all_gather_factor * gather_s(
             params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
         )
+        backward = model.backward_factor * (layers + head) + backward_host
+        inputs, weights = model.split_backward.at(backward, first=j == 0)
         out.append(
             Stage(
                 forward=layers + head + forward_host,
-                backward=model.backward_factor * (layers + head) + backward_host,
+                backward=backward,
                 tp=tp,
                 recompute=share * (layers + tp + forward_host),
                 host=act / host if mode.offloads and host > 0 else 0.0,
                 gather=gather,
                 gather_unit=gather / max(1, b - a),
+                input_pass=inputs,
+                weight_pass=weights,
             )
         )
     return out

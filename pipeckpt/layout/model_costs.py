@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from pipeckpt._errors import config_error
+from pipeckpt.layout.split_backward import HALVES, SplitBackward, from_flops
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.profile import profile as profile_fn
 
@@ -83,6 +84,9 @@ class ModelCosts:
         tensor_parallel: what a tensor-parallel split costs beyond ``1 / tp`` of the time: measured
             on ``local`` by :mod:`pipeckpt.plan_tp_host`; nothing elsewhere (on an accelerator the
             dispatch overlaps the kernels it launches, and the parts the plan leaves whole are small).
+        split_backward: a zero-bubble schedule's input and weight passes against the backward
+            (:mod:`pipeckpt.layout.split_backward`: counted from FLOPs, measured on ``local``, or
+            whole for a ``pipeline_of`` model, whose stages do not split).
     """
 
     name: str
@@ -100,6 +104,7 @@ class ModelCosts:
     selective_share: float = 0.0
     backward_factor: float = 2.0
     tensor_parallel: TensorParallelCosts = TensorParallelCosts()
+    split_backward: SplitBackward = HALVES
 
     @property
     def layers(self) -> int:
@@ -191,6 +196,7 @@ def model_costs_from_config(config: Any, *, seq_len: int, precision: str = "bf16
         head_params=(h if gated else 2 * h) + vocab * h,
         head_flops=float(2 * h * vocab),
         boundary_bytes_per_token=float(h * dtype_bytes(precision)),
+        split_backward=from_flops(dense, 4 * seq_len * q),
     )
 
 

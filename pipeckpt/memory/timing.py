@@ -49,12 +49,12 @@ class _Layered(Protocol):
 
 _Profile = TypeVar("_Profile", bound=_Layered)
 
-__all__ = ["for_compile", "sac_host_s_per_op", "selective_extra_s"]
+__all__ = ["clock", "for_compile", "sac_host_s_per_op", "selective_extra_s"]
 
 _per_op: Optional[float] = None  # sac_host_s_per_op, once measured
 
 
-def _clock() -> Callable[[], float]:
+def clock() -> Callable[[], float]:
     """The clock the timing passes read: on CPU with one torch thread, this process's CPU time,
     which a machine shared with other jobs does not inflate (the wall clock there counts every
     wait for a core); else the wall clock (a GPU's kernels, several threads' overlap)."""
@@ -70,24 +70,24 @@ def _timing_pass(
     modules = [*layers, *([loss] if loss is not None else [])]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     samples: List[List[Tuple[float, float]]] = [[] for _ in modules]
-    clock = _clock()
+    tick = clock()
     for r in range(rounds + 1):
         marks: List[float] = []
-        handles = [m.register_full_backward_pre_hook(_marker(marks, sync, clock)) for m in modules]
+        handles = [m.register_full_backward_pre_hook(_marker(marks, sync, tick)) for m in modules]
         forward_s = []
         try:
             h = x
             for m in modules:
                 sync()
-                t0 = clock()
+                t0 = tick()
                 h = m(h)
                 sync()
-                forward_s.append(clock() - t0)
+                forward_s.append(tick() - t0)
             outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             sync()
-            marks.append(clock())
+            marks.append(tick())
         finally:
             for handle in handles:
                 handle.remove()
@@ -127,11 +127,11 @@ def _selective_extra(layer: nn.Module, x: Tensor, rounds: int) -> Optional[float
         # time is left to the recompute estimate (``sac_extra_s`` None).
         return None
     h = x.detach().requires_grad_(x.is_floating_point())
-    clock = _clock()
+    tick = clock()
     # The stage's own guard: a recompute leaves BatchNorm statistics as the forward left them.
     guard = functools.partial(side_effect_free, layer)
     runs = (lambda: layer(h), lambda: run_selective(layer, (h,), {}, recompute_guard=guard))
-    return _median_extra(runs, rounds, clock)
+    return _median_extra(runs, rounds, tick)
 
 
 def _median_extra(
@@ -201,7 +201,7 @@ def sac_host_s_per_op(rounds: int = 5, ops: int = 200) -> float:
 
         nothing = contextlib.nullcontext
         runs = (lambda: chain(x), lambda: run_selective(chain, (x,), {}, recompute_guard=nothing))
-        _per_op = _median_extra(runs, rounds, _clock()) / ops
+        _per_op = _median_extra(runs, rounds, clock()) / ops
     return _per_op
 
 
