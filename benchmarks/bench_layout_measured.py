@@ -173,6 +173,19 @@ def measured(results: List[Dict[str, Any]], rows: List[Dict[str, Any]], rounds: 
         row["measured_peaks"] = peaks
 
 
+def _key(row: Dict[str, Any]) -> Tuple[str, int]:
+    """A row's layout as a re-prediction matches it: its name and its stage count (the name of a
+    looped layout does not say its stages per rank)."""
+    return row["layout"], len(row["modes"])
+
+
+def _shown(row: Dict[str, Any]) -> str:
+    """A row's layout as the tables show it: a looped one with its stages per rank."""
+    v = len(row["modes"]) // row["pp"]
+    head, chunks = row["layout"].rsplit(" x", 1)
+    return f"{head} (v{v}) x{chunks}" if v > 1 else row["layout"]
+
+
 def _named(c: Any) -> str:
     """A layout as the tables name it: degrees, schedule, micro-batches."""
     return f"{c.describe()} {c.schedule} x{c.chunks}"
@@ -188,10 +201,10 @@ def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: 
     errors = [(p - m) / m for r in rows for p, m in zip(r["predicted_peaks"], r["measured_peaks"]) if m > 0]
     within = sum(abs(e) <= 0.10 for e in errors)
     said = (
-        f"- the search's pick ({pick['layout']}) measured {pick['measured_s'] * 1e3:.0f} ms, "
+        f"- the search's pick ({_shown(pick)}) measured {pick['measured_s'] * 1e3:.0f} ms, "
         if pick["rank"] == 1
         else f"- the search's pick ({_named(answer.searched.best.candidate)}, rank 1) was not "
-        f"measured in this run; its best-ranked measured layout ({pick['layout']}, rank "
+        f"measured in this run; its best-ranked measured layout ({_shown(pick)}, rank "
         f"{pick['rank']}) measured {pick['measured_s'] * 1e3:.0f} ms, "
     )
     lines = [
@@ -206,7 +219,7 @@ def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: 
         rounds = " ".join(f"{s * 1e3:.0f}" for s in r["rounds_s"])
         errs = [(p - m) / m for p, m in zip(r["predicted_peaks"], r["measured_peaks"]) if m > 0]
         lines.append(
-            f"| {r['rank']} | {r['layout']} | {','.join(r['modes']) or 'never'} "
+            f"| {r['rank']} | {_shown(r)} | {','.join(r['modes']) or 'never'} "
             f"| {r['predicted_s'] * 1e3:.0f} "
             f"| {r['measured_s'] * 1e3:.0f} ({rounds}) | {r['predicted_s'] / r['measured_s']:.2f} "
             f"| {' / '.join(f'{p / mib:.1f}' for p in r['predicted_peaks'])} "
@@ -216,7 +229,7 @@ def table(name: str, world: int, answer: Any, rows: List[Dict[str, Any]], took: 
     lines += [
         "",
         f"- Spearman rank correlation, predicted vs measured step time: **{rho:.2f}** (bar: >= 0.8)",
-        said + f"**{pick['measured_s'] / best['measured_s']:.2f}x** the measured best ({best['layout']}, "
+        said + f"**{pick['measured_s'] / best['measured_s']:.2f}x** the measured best ({_shown(best)}, "
         f"{best['measured_s'] * 1e3:.0f} ms; bar: <= 1.10x)",
         f"- per-rank peaks within 10%: **{within} of {len(errors)}** (errors "
         f"{100 * min(errors):+.1f}% to {100 * max(errors):+.1f}%)",
@@ -229,10 +242,10 @@ def repredicted(saved: Dict[str, Any]) -> Tuple[Any, List[Dict[str, Any]]]:
     """A saved measurement's rows with the search's predictions made now (the cost model may have
     changed since): matched by layout; a pick the run did not measure is said."""
     answer, rows = searched(saved["overrides"], "all")
-    by_layout = {r["layout"]: r for r in saved["rows"]}
+    by_layout = {_key(r): r for r in saved["rows"]}
     kept = []
     for row in rows:
-        old = by_layout.get(row["layout"])
+        old = by_layout.get(_key(row))
         if old is None:
             continue
         kept.append({**row, **{k: old[k] for k in ("measured_s", "rounds_s", "measured_peaks")}})

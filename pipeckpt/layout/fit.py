@@ -11,7 +11,8 @@ layouts that differ only in their data-parallel replicas share one answer.
 
 A looped schedule's rank holds ``virtual_stages`` stages: each is planned as a stage of a 1F1B
 pipeline of ``pp x virtual_stages`` stages (GPipe's for looped BFS) within an equal share of the
-device, and the rank's peak is the sum of its stages' peaks, an upper bound (docs/LAYOUT.md).
+device; the rank's peak is its stages walked together along its own op order where its ranks
+neither shard nor replicate, else the sum of its stages' peaks, an upper bound (docs/LAYOUT.md).
 """
 
 from dataclasses import dataclass, replace
@@ -24,15 +25,16 @@ from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.checkpointing.modes import NEVER, CheckpointMode, parse_modes
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.layout.candidates import Candidate
+from pipeckpt.layout.orders import rank_orders
 from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
 from pipeckpt.memory.outside_share import OutsideParam
-from pipeckpt.memory.predict import Prediction, predict, with_balance
+from pipeckpt.memory.predict import Prediction, predict, predict_device, with_balance
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.rank_peak import on_rank
 from pipeckpt.memory.sharding import Layout, RankState, stage_rank_states
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.sizes import human
-from pipeckpt.stages.partition import min_max_partition
+from pipeckpt.stages.partition import StagePlan, min_max_partition
 
 __all__ = ["Fitted", "Shapes", "Memory", "memory_schedule", "balance_of", "EXACT_STAGES"]
 
@@ -196,10 +198,29 @@ class Memory:
             self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
         names, balance, prediction = self._answers[key]
         kind = lookup(c.schedule)
-        peaks = tuple(
-            sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
-        )
+        if c.virtual_stages > 1 and c.tp == 1 and c.dp == 1:
+            peaks = self._looped_peaks(c, microbatch, names, balance)
+        else:
+            peaks = tuple(
+                sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
+            )
         return Fitted(replace(c, modes=names), balance, peaks, prediction)
+
+    def _looped_peaks(
+        self, c: Candidate, microbatch: int, names: Sequence[str], balance: Tuple[int, ...]
+    ) -> Tuple[int, ...]:
+        """Each rank's peak under a looped schedule, its stages walked together along the rank's
+        own op order (:func:`~pipeckpt.memory.predict.predict_device`): a zero-bubble rank holds a
+        micro-batch's activations until its weight pass, which no stage of a 1F1B pipeline does.
+        Where the ranks neither shard nor replicate (each stage's memory is the rank's as it is)."""
+        plan = StagePlan(
+            balance, (torch.device("cpu"),) * len(balance), tuple(parse_modes(list(names), len(names)))
+        )
+        fitted = self.profile(c.tp, microbatch)
+        return tuple(
+            predict_device(fitted, plan, chunks=c.chunks, order=order, optimizer=self.optimizer).peak
+            for order in rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
+        )
 
     def _choose(
         self,

@@ -13,11 +13,14 @@ from torch import nn
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.modes import NEVER
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.layout.fit import Fitted, Memory, Shapes, balance_of, memory_schedule
+from pipeckpt.layout.orders import rank_orders
 from pipeckpt.layout.search import Ranked, search, why_lost
-from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.predict import Prediction, predict_device
 from pipeckpt.memory.profile import profile
+from pipeckpt.stages.partition import StagePlan
 
 
 @dataclass(frozen=True)
@@ -230,8 +233,22 @@ def test_looped_schedules_are_predicted_as_1f1b_stages_except_looped_bfs() -> No
     }
 
 
-def test_a_looped_ranks_peak_is_the_sum_of_its_stages() -> None:
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zero_bubble"])
+def test_a_looped_ranks_peak_walks_its_stages_together_along_its_own_order(schedule: str) -> None:
     memory = Memory(shapes_of(linears(), []), device_bytes=2**30, global_batch=8)
-    found = memory.fit(Candidate(2, 1, 1, 1, "interleaved_1f1b", 2, 2))
+    found = memory.fit(Candidate(2, 1, 1, 1, schedule, 2, 2))
+    plan = StagePlan(found.balance, (torch.device("cpu"),) * 4, (NEVER,) * 4)
+    walked = tuple(
+        predict_device(memory.profile(1, 4), plan, chunks=2, order=order, optimizer="adamw").peak
+        for order in rank_orders(schedule, 2, 2, 2)
+    )
+    assert found.peaks == walked
+    stages = found.prediction.stages  # below the sum: a rank's stages do not all peak at once
+    assert found.peaks[0] < stages[0].peak + stages[2].peak
+
+
+def test_a_sharded_looped_ranks_peak_is_the_sum_of_its_stages() -> None:
+    memory = Memory(shapes_of(linears(), []), device_bytes=2**30, global_batch=8)
+    found = memory.fit(Candidate(2, 1, 1, 2, "interleaved_1f1b", 2, 2))
     stages = found.prediction.stages
     assert found.peaks == (stages[0].peak + stages[2].peak, stages[1].peak + stages[3].peak)
