@@ -7,8 +7,9 @@ priced each at half the backward. On this project's 2-core Xeon (2026-12-03, one
 engine's split (:func:`pipeckpt.stages.weight_pass.input_pass`) of two transformer encoder layers
 (d 256, seq 128) took 1.20-1.25x the whole backward, the input pass 0.70-0.83 of it: the input pass
 holds every gradient that is not a weight's (attention's products, the norms, the softmax), and
-the graph is walked twice. Priced at halves, the app's GPT on 2 and 4 processes picked a V-shaped
-zero-bubble layout that measured 1.20x and 1.43x the best (benchmarks/RESULTS_layout.md).
+the graph is walked twice; the app's GPT mini's own layers, 1.04-1.16x with 0.55-0.60 in the
+input pass. Priced at halves, the search ranked a V-shaped zero-bubble layout of that GPT first on
+2 and on 4 processes; priced as timed, 4th and 17th (benchmarks/RESULTS_layout.md, 2026-12-03).
 
 Two kinds of stage do not split at all, whatever the measurement:
 - a ``pipeline_of`` model's stage (engines/distributed/rooted.py: ``whole_backward``): its input
