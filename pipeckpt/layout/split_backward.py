@@ -116,7 +116,7 @@ def measured(
 
 
 def _timed(
-    modules: List[Callable[[Any], Any]], start: Tensor, params: List[Tensor], tick: Any, *, split: bool
+    modules: List[Callable[[Any], Any]], start: Tensor, params: Sequence[Tensor], tick: Any, *, split: bool
 ) -> Any:
     """One forward from ``start``, then its backward whole (its seconds) or split (the input and
     the weight pass's seconds)."""
