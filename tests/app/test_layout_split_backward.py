@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any, List
 
 import pytest
-from support.local_cluster import FIGURES
+from support.local_cluster import priced_costs
 
-from pipeckpt.layout import calibrate, cost
 from pipeckpt.layout.split_backward import HALVES, WHOLE
 from pipeckpt.plan import CONF
 from pipeckpt.plan_model import batch, built, split_timed
@@ -36,15 +35,7 @@ def test_the_local_search_prices_the_apps_gpt_split_as_timed(
 ) -> None:
     from pipeckpt.plan import run
 
-    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
-    seen: List[Any] = []
-    real = cost.estimate
-
-    def estimate(c: Any, costs: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(costs.split_backward)
-        return real(c, costs, *args, **kwargs)
-
-    monkeypatch.setattr(cost, "estimate", estimate)
+    priced = priced_costs(monkeypatch)
     run(
         [
             "model=gpt",
@@ -55,7 +46,7 @@ def test_the_local_search_prices_the_apps_gpt_split_as_timed(
             f"memory.png={tmp_path / 'frontier.png'}",
         ]
     )
-    split = seen[0]
+    split = priced[0].split_backward
     assert split.splits and split is not HALVES and split.factor > 0
     assert 0.0 < split.input_share < 1.0
 

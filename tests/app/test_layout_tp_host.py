@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.layout_configs import llama_search
-from support.local_cluster import FIGURES
+from support.local_cluster import FIGURES, priced_costs
 
 from pipeckpt import plan_layout
-from pipeckpt.layout import calibrate, cost
+from pipeckpt.layout import calibrate
 from pipeckpt.plan_tp_host import fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,17 +68,10 @@ def test_no_split_is_timed_where_the_process_is_in_a_group_already() -> None:
 def test_a_search_on_local_prices_the_host_work_of_an_hf_models_split_layers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
-    seen: List[Any] = []
-    real_estimate = cost.estimate
-
-    def estimate(c: Any, costs: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(costs.tensor_parallel)
-        return real_estimate(c, costs, *args, **kwargs)
-
-    monkeypatch.setattr(cost, "estimate", estimate)
+    priced = priced_costs(monkeypatch)
     cfg = llama_search("cluster=local", "threads=1")
     answer = plan_layout.search_config(cfg)
+    seen = [costs.tensor_parallel for costs in priced]
     measured = seen[0]
     assert set(seen) == {measured}  # measured once, for every layout
     assert 0.0 <= measured.unsplit <= 1.0 and 0.0 <= measured.head_unsplit <= 1.0

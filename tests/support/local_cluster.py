@@ -2,7 +2,7 @@
 this machine (``monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))``): round rates
 that make every figure the cost model reads easy to follow."""
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 FIGURES: Dict[str, Any] = {
     "when": "now",
@@ -18,3 +18,21 @@ FIGURES: Dict[str, Any] = {
     "memory_is_adamw": True,
     "file": "test",
 }
+
+
+def priced_costs(monkeypatch: Any) -> List[Any]:
+    """Searches on ``local`` with :data:`FIGURES` for its calibration from now on; returns the list
+    that each layout's :class:`~pipeckpt.layout.model_costs.ModelCosts` is appended to as the cost
+    model prices it."""
+    from pipeckpt.layout import calibrate, cost
+
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+    seen: List[Any] = []
+    real = cost.estimate
+
+    def estimate(c: Any, costs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(costs)
+        return real(c, costs, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "estimate", estimate)
+    return seen
