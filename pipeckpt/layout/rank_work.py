@@ -28,8 +28,8 @@ class Stage:
     host: float  # offload: one direction of the stage input over the host link
     gather: float  # FSDP's all-gather of the stage's parameters
     gather_unit: float
-    input_pass: float = 0.0  # a split backward's input pass (layout.split_backward)
-    weight_pass: float = 0.0  # and its weight pass
+    input_pass: float  # a split backward's input pass (layout.split_backward)
+    weight_pass: float  # and its weight pass
 
 
 def grad_bytes(precision: str) -> int:
