@@ -80,7 +80,7 @@ class StepEstimate:
     engine_s: float  # the engine's own cost per micro-batch
     tokens_per_s_per_device: float
     mfu: float  # model FLOPs (no recompute) per second over the world's peak
-    optimizer_s: float = 0.0  # the optimizer's step (memory-bound)
+    optimizer_s: float = 0.0  # the optimizer's step (memory-bound), and FSDP2's host work a step
     shared_s: float = 0.0  # waiting for a core, where the processes outnumber the cluster's cores
 
 

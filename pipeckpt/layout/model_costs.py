@@ -19,6 +19,7 @@ from pipeckpt.memory.profile import profile as profile_fn
 
 __all__ = [
     "ADAMW_ELEMENTS_PER_PARAM",
+    "FsdpHostCosts",
     "ModelCosts",
     "TensorParallelCosts",
     "model_costs_from_config",
@@ -60,6 +61,22 @@ class TensorParallelCosts:
 
 
 @dataclass(frozen=True)
+class FsdpHostCosts:
+    """What FSDP2 costs the host a step beyond its collectives, per layer it shards: measured on
+    ``local`` by :mod:`pipeckpt.plan_fsdp_host`; nothing elsewhere (on an accelerator the dispatch
+    overlaps the kernels it launches).
+
+    Args:
+        step_s: seconds a step and sharded layer: DTensor's dispatch in the optimizer's step and in
+            FSDP2's hooks, and its copies into and out of its flat buffers. Not per micro-batch: on
+            this project's machine the difference between one micro-batch and two was within the
+            measurement's noise (-10 to +67 ms a step on the app's GPT over five measurements).
+    """
+
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """A model as the cost model counts it. FLOPs are forward FLOPs per token (2 per multiply-add);
     backward costs ``backward_factor`` forwards (2: input and weight gradients of every matmul).
@@ -87,6 +104,7 @@ class ModelCosts:
         split_backward: a zero-bubble schedule's input and weight passes against the backward
             (:mod:`pipeckpt.layout.split_backward`: counted from FLOPs, measured on ``local``, or
             whole for a ``pipeline_of`` model, whose stages do not split).
+        fsdp_host: what FSDP2 costs the host per sharded layer (:class:`FsdpHostCosts`).
     """
 
     name: str
@@ -105,6 +123,7 @@ class ModelCosts:
     backward_factor: float = 2.0
     tensor_parallel: TensorParallelCosts = TensorParallelCosts()
     split_backward: SplitBackward = HALVES
+    fsdp_host: FsdpHostCosts = FsdpHostCosts()
 
     @property
     def layers(self) -> int:

@@ -16,7 +16,7 @@ from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
 from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM, ModelCosts, dtype_bytes
 from pipeckpt.layout.orders import RankOp
 
-__all__ = ["Stage", "per_rank", "waited", "messages", "collectives"]
+__all__ = ["Stage", "per_rank", "waited", "messages", "collectives", "sharded_collectives_s"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def per_rank(
     """Per pipeline rank: when it may start (FSDP's first all-gather, prefetched under the first
     forward), what it adds after its last op (gradient reduce-scatter and all-reduces, overlapped with
     the last micro-batch's backward except the last unit's; the embedding's all-reduce, whose gradient
-    is made last, not at all; the optimizer step), of that the communication, the optimizer, and the
-    gradients' collectives whole (overlapped or not)."""
+    is made last, not at all; the optimizer step, FSDP2's host work a step with it), of that the
+    communication, the optimizer, and the gradients' collectives whole (overlapped or not)."""
     lat = cluster.latency_s
     grad = grad_bytes(precision)
     master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
@@ -80,6 +80,8 @@ def per_rank(
         comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
         opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
+        if c.dp_shard > 1:  # FSDP2's host work a step (ModelCosts.fsdp_host), with the optimizer's
+            opt += units * model.fsdp_host.step_s
         tails.append(comm + opt)
         comms.append(comm)
         opts.append(opt)
@@ -115,3 +117,16 @@ def collectives(st: Sequence[Stage], ops: Sequence[RankOp], reshard: bool) -> fl
     if not reshard:
         return sum(st[j].gather for j in mine)
     return sum(st[j].gather for j, k, _ in ops if k in ("F", "B", "I"))
+
+
+def sharded_collectives_s(model: ModelCosts, cluster: Cluster, shard: int, precision: str) -> float:
+    """What FSDP's collectives add to a step over DDP's, every layer over ``shard`` ranks of one node
+    of ``cluster``, priced as a layout's are (a stage's all-gather in :mod:`pipeckpt.layout.cost`,
+    the reduce-scatter and all-reduce in :func:`per_rank`), none overlapped: what a measurement of
+    FSDP's host work against DDP takes out."""
+    mesh = Mesh(cluster, pp=1, tp=1, dp_replicate=1, dp_shard=shard)
+    params, lat = sum(model.layer_params), cluster.latency_s * model.layers
+    gather = gather_s(params * dtype_bytes(precision), shard, mesh.shard_bytes_per_s, lat)
+    scatter = gather_s(params * grad_bytes(precision), shard, mesh.shard_bytes_per_s, lat)
+    reduce = all_reduce_s(params * grad_bytes(precision), shard, mesh.shard_bytes_per_s, cluster.latency_s)
+    return cluster.all_gather_factor * gather + cluster.reduce_scatter_factor * scatter - reduce

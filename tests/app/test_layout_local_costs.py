@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.local_cluster import FIGURES
 
-from pipeckpt import plan_layout
+from pipeckpt import plan_layout, plan_shapes
 from pipeckpt.layout import calibrate, cost
 from pipeckpt.plan import run
 
@@ -26,7 +26,7 @@ def test_the_local_costs_are_a_real_step_timed_before_any_fake_build(
     calibrated: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     builds: List[bool] = []
-    real_built = plan_layout.built
+    real_built = plan_shapes.built
 
     @contextlib.contextmanager
     def recording(*args: Any, fake: bool, **kwargs: Any) -> Any:
@@ -41,7 +41,7 @@ def test_the_local_costs_are_a_real_step_timed_before_any_fake_build(
         profiles.append((profile, kwargs))
         return real_costs(profile, **kwargs)
 
-    monkeypatch.setattr(plan_layout, "built", recording)
+    monkeypatch.setattr(plan_shapes, "built", recording)
     monkeypatch.setattr(cost, "model_costs_from_profile", costs)
     answer, _, _ = run([*AUTO, "cluster=local", f"memory.png={tmp_path / 'frontier.png'}"])
     assert builds[0] is False and all(builds[1:])  # the real build first, then only fake ones
@@ -60,14 +60,14 @@ def test_the_timed_step_runs_on_the_threads_of_a_training_process(
     from pipeckpt.plan import CONF
 
     seen: List[int] = []
-    real_profiled = plan_layout._Shapes._profiled
+    real_profiled = plan_shapes.SearchShapes._profiled
 
     def profiled(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("fake") is False:
             seen.append(torch.get_num_threads())
         return real_profiled(self, *args, **kwargs)
 
-    monkeypatch.setattr(plan_layout._Shapes, "_profiled", profiled)
+    monkeypatch.setattr(plan_shapes.SearchShapes, "_profiled", profiled)
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[*AUTO, "cluster=local", "threads=1"])

@@ -7,7 +7,7 @@ from typing import Any, List, Tuple
 import pytest
 from support.local_cluster import FIGURES
 
-from pipeckpt import plan_layout, plan_model
+from pipeckpt import plan_layout, plan_model, plan_shapes
 from pipeckpt.layout import calibrate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,10 +52,10 @@ def test_an_hf_gpt2_is_profiled_on_three_of_its_layers_with_the_same_ranking(
     def ranking(answer: Any) -> List[Tuple[Any, ...]]:
         return [(r.candidate, r.fitted.peaks, r.estimate.step_s) for r in answer.searched.ranked]
 
-    monkeypatch.setattr(plan_layout, "three_layers", three)
+    monkeypatch.setattr(plan_shapes, "three_layers", three)
     short = ranking(plan_layout.search_config(_gpt2_search("cluster=h100_8", layers=5)))
     assert shortened and set(shortened) == {3}
-    monkeypatch.setattr(plan_layout, "three_layers", lambda cfg, full: None)
+    monkeypatch.setattr(plan_shapes, "three_layers", lambda cfg, full: None)
     whole = ranking(plan_layout.search_config(_gpt2_search("cluster=h100_8", layers=5)))
     # the same layouts in the same order at the same predicted steps, and every rank's peak within
     # 4 KiB. Alone the peaks are equal to the byte; after this file's searches in the same process one

@@ -13,6 +13,7 @@ from support.local_cluster import FIGURES, priced_costs
 
 from pipeckpt import plan_layout
 from pipeckpt.layout import calibrate
+from pipeckpt.plan_shapes import SearchShapes
 from pipeckpt.plan_tp_host import fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +58,7 @@ def test_no_split_is_timed_where_the_process_is_in_a_group_already() -> None:
     try:
         cfg = llama_search("cluster=local", "threads=1")
         with plan_layout.contextlib.ExitStack() as stack:
-            shapes = plan_layout._Shapes(cfg, plan_layout.batch(cfg), stack, fake=True)
+            shapes = SearchShapes(cfg, plan_layout.batch(cfg), stack, fake=True)
             shapes._rooted = True
             assert shapes.timed_split(8, 2) is None
         assert dist.is_initialized()  # left as it was
