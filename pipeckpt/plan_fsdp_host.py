@@ -39,9 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeckpt.app.config import register
 from pipeckpt.layout.model_costs import FsdpHostCosts
-from pipeckpt.plan_model import Built, batch, built
+from pipeckpt.plan_model import Built, batch, built, joined
 
 __all__ = ["SHARDS", "Times", "fit", "timed", "units"]
 
@@ -70,14 +69,8 @@ def timed(cfg: DictConfig, samples: int, rounds: int = 6) -> Times:
 def _worker(
     rank: int, plain: Dict[str, Any], samples: int, rounds: int, dtype: torch.dtype, scratch: str, out: str
 ) -> None:
-    register()  # the app's resolvers, which the unresolved config names
     warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step without a Trainer
-    cfg = OmegaConf.create(plain)
-    torch.set_default_dtype(dtype)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-    store = dist.FileStore(os.path.join(scratch, "store"), SHARDS)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=SHARDS)
+    cfg = joined(rank, SHARDS, plain, dtype, scratch)
     try:
         mesh = init_device_mesh("cpu", (SHARDS,))
         drawn = batch(cfg)

@@ -10,18 +10,21 @@ A ``pipeline_of`` model's input is the arguments ``training_step`` calls it with
 (:func:`~pipeckpt.memory.budget.first_call`), not the batch: its own ``forward`` computes the loss.
 """
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import PipeckptConfigError, config_error
+from pipeckpt.app.config import register
 from pipeckpt.app.models.hf import HFCausalLM
 from pipeckpt.app.models.hf_directory import local_directory
 from pipeckpt.boundaries.contract import pipelined_sequential
@@ -33,7 +36,18 @@ from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, fake_mode, profile
 from pipeckpt.memory.repeated import identical_run
 
-__all__ = ["Built", "built", "build", "loss", "batch", "plannable", "profiled", "split_timed", "three_layers"]
+__all__ = [
+    "Built",
+    "built",
+    "build",
+    "loss",
+    "batch",
+    "joined",
+    "plannable",
+    "profiled",
+    "split_timed",
+    "three_layers",
+]
 
 #: The files a pretrained directory keeps its weights in (what ``from_pretrained`` reads).
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
@@ -235,3 +249,17 @@ def _on_meta(cfg: DictConfig, extra: Dict[str, Any]) -> Optional[Any]:
         raise
     except Exception:  # any other failure on meta only means: build it under the fake mode
         return None
+
+
+def joined(rank: int, world: int, plain: Dict[str, Any], dtype: torch.dtype, scratch: str) -> DictConfig:
+    """In a process a measurement spawned (:mod:`pipeckpt.plan_tp_host`, :mod:`pipeckpt.plan_fsdp_host`):
+    the run's config from its unresolved container, the default dtype and torch threads a training
+    process takes, and this process in a gloo group of ``world`` met through a file in ``scratch``."""
+    register()  # the app's resolvers, which the unresolved config names
+    cfg = OmegaConf.create(plain)
+    torch.set_default_dtype(dtype)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    store = dist.FileStore(os.path.join(scratch, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return cfg

@@ -32,10 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeckpt.app.config import register
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.layout.model_costs import TensorParallelCosts
-from pipeckpt.plan_model import batch, built, profiled
+from pipeckpt.plan_model import batch, built, joined, profiled
 
 __all__ = ["Times", "fit", "split", "timed_pair"]
 
@@ -77,13 +76,7 @@ def _worker(
     scratch: str,
     out: str,
 ) -> None:
-    register()  # the app's resolvers, which the unresolved config names
-    cfg = OmegaConf.create(plain)
-    torch.set_default_dtype(dtype)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-    store = dist.FileStore(os.path.join(scratch, "store"), tp)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=tp)
+    cfg = joined(rank, tp, plain, dtype, scratch)
     try:
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))["tp"]
         drawn = batch(cfg)
