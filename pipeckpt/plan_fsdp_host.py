@@ -79,9 +79,8 @@ def _worker(
         firsts = {m: _first(drawn, max(1, m * size // samples)) for m in (1, 2)}
         seen: Dict[str, List[float]] = {}
         with built(cfg, drawn, fake=False) as whole, built(cfg, drawn, fake=False) as parted:
-            for layer in parted.sequential:
-                if any(p.requires_grad for p in layer.parameters()):
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+            for layer in filter(_trains, parted.sequential):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
             # the module the root, as the engine makes its stage: one root's hooks a backward, and
             # what is left outside the layers sharded with it
             root = fully_shard(parted.module, mesh=mesh, reshard_after_forward=False)
@@ -161,7 +160,11 @@ def _first(drawn: Any, chunks: int) -> Any:
 
 def units(sequential: Iterable[nn.Module]) -> int:
     """The layers FSDP shards as units of their own: those that train parameters."""
-    return sum(1 for layer in sequential if any(p.requires_grad for p in layer.parameters()))
+    return sum(1 for layer in sequential if _trains(layer))
+
+
+def _trains(layer: nn.Module) -> bool:
+    return any(p.requires_grad for p in layer.parameters())
 
 
 def fit(times: Times, layers: int, comm_s: float) -> FsdpHostCosts:
