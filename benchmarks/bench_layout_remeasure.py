@@ -3,64 +3,89 @@ how a change to the engine moved their measured steps: the same model, world, ba
 (``harness.layout_fit``), the named rows only, rounds interleaved as the full run interleaves them.
 
 Reported per row: the median over rounds of its slowest rank's seconds per step now, the saved
-measurement, and their ratio; and each row's step over the fastest's, now and then.
+measurement, and their ratio; each row's step over the fastest's, now and then; and its peak per
+pipeline rank now and as saved. ``--save FILE`` writes the saved run again with the rows' peaks
+counted now (their times as saved), for ``bench_layout_measured.py --repredict FILE``: how the
+harness's counting changed moves no measured step.
 
     python benchmarks/bench_layout_remeasure.py benchmarks/layout_measured_llama4_2026-12-02.json \\
         "pp4 x tp1 x dp1 1f1b x8" "pp2 x tp1 x dp2 gpipe x2" --rounds 5
+    python benchmarks/bench_layout_remeasure.py SAVED.json --matching "(fsdp" --rounds 1 --save NEW.json
 """
 
 import argparse
+import copy
 import json
-import statistics
+import sys
+import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from bench_layout_measured import __file__ as measured_script
+from bench_layout_measured import measured
 from harness.machine import machine
 from harness.ranks import run_ranks
 
 
-def remeasure(saved: Dict[str, Any], names: List[str], rounds: int, timeout: int) -> List[str]:
+def remeasure(
+    saved: Dict[str, Any], wanted: Any, rounds: int, timeout: int, recounted: Optional[Dict[str, Any]] = None
+) -> List[str]:
+    """The rows of ``saved`` that ``wanted`` takes (a row's layout name -> bool) trained again;
+    ``recounted``, a copy of ``saved``, gets their peaks as counted now."""
+    mib = 2**20
     lines = [f"On {machine()}.", ""]
-    for run in saved["runs"]:
-        rows = [r for r in run["rows"] if r["layout"] in names]
+    for n, run in enumerate(saved["runs"]):
+        rows = [r for r in run["rows"] if wanted(r["layout"])]
         if not rows:
             continue
         spec = {"overrides": run["overrides"], "rows": rows, **saved["args"], "rounds": rounds}
         results = run_ranks(measured_script, run["world"], spec, timeout=timeout)
-        now = []
-        for i in range(len(rows)):
-            mine = [x for x in results if x["row"] == i]
-            now.append(
-                statistics.median(max(x["seconds"] for x in mine if x["round"] == r) for r in range(rounds))
-            )
-        best_now, best_then = min(now), min(r["measured_s"] for r in rows)
+        now = [copy.deepcopy(r) for r in rows]
+        measured(results, now, rounds)
+        best_now, best_then = min(r["measured_s"] for r in now), min(r["measured_s"] for r in rows)
         lines += [
             f"{run['name']} on {run['world']} processes, {rounds} rounds (saved: {saved['when']})",
             "",
-            "| layout | now ms | saved ms | now / saved | over the fastest now | then |",
-            "|---|---|---|---|---|---|",
+            "| layout | now ms | saved ms | now / saved | over the fastest now | then "
+            "| peak MiB per pp rank now | saved |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for row, s in zip(rows, now):
-            then = row["measured_s"]
+        for row, new in zip(rows, now):
+            s, then = new["measured_s"], row["measured_s"]
             lines.append(
                 f"| {row['layout']} | {s * 1e3:.0f} | {then * 1e3:.0f} | {s / then:.2f} "
-                f"| {s / best_now:.2f} | {then / best_then:.2f} |"
+                f"| {s / best_now:.2f} | {then / best_then:.2f} "
+                f"| {' / '.join(f'{p / mib:.1f}' for p in new['measured_peaks'])} "
+                f"| {' / '.join(f'{p / mib:.1f}' for p in row['measured_peaks'])} |"
             )
         lines.append("")
+        if recounted is not None:
+            peaks = {r["layout"]: r["measured_peaks"] for r in now}
+            for row in recounted["runs"][n]["rows"]:
+                row["measured_peaks"] = peaks.get(row["layout"], row["measured_peaks"])
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("saved", help="a bench_layout_measured.py --save JSON")
-    parser.add_argument("layouts", nargs="+", help="rows by their layout column")
+    parser.add_argument("layouts", nargs="*", help="rows by their layout column")
+    parser.add_argument("--matching", help="also every row whose layout column contains this")
+    parser.add_argument("--save", help="write the saved run again, these rows' peaks counted now")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--out", default="/dev/stdout")
     args = parser.parse_args()
     saved = json.loads(Path(args.saved).read_text())
-    lines = remeasure(saved, args.layouts, args.rounds, args.timeout)
+
+    def wanted(layout: str) -> bool:
+        return layout in args.layouts or bool(args.matching and args.matching in layout)
+
+    recounted = copy.deepcopy(saved) if args.save else None
+    lines = remeasure(saved, wanted, args.rounds, args.timeout, recounted)
+    if recounted is not None:
+        recounted["peaks_recounted"] = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {sys.argv[1:]}"
+        Path(args.save).write_text(json.dumps(recounted, indent=1, default=str))
     with open(args.out, "a") as f:
         f.write("\n".join(lines) + "\n")
 

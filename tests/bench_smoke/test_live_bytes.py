@@ -109,3 +109,23 @@ def test_a_tensor_on_the_meta_device_is_not_counted() -> None:
         made = torch.empty(1024, device="meta") * 2
     assert made.is_meta
     assert live.peak == live.live == 256 * 4
+
+
+def test_a_storage_resized_in_place_is_counted_at_its_new_size() -> None:
+    # FSDP2 frees a unit's gathered parameters by resizing their storage to 0 and gathers them again
+    # into the same storage: counted at its first size, a resharded unit would be held all step.
+    live = LiveBytes()
+    with live:
+        gathered = torch.ones(1024)  # 4 KiB, counted as the op returns it
+        gathered.untyped_storage().resize_(0)
+        assert live.live == 0
+        gathered.untyped_storage().resize_(2048 * 4)
+        assert live.live == 2048 * 4
+    assert live.peak == 2048 * 4 and live.peak_op == "UntypedStorage.resize_"
+
+
+def test_resize_is_wrapped_only_while_counting() -> None:
+    original = torch.UntypedStorage.resize_
+    with LiveBytes():
+        assert torch.UntypedStorage.resize_ is not original
+    assert torch.UntypedStorage.resize_ is original
