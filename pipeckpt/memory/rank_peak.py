@@ -41,6 +41,14 @@ class RankMemory:
 _BEFORE_GRADIENTS = re.compile(r"(?:stage \d+ )?(?:F\d+ |gather$|B\d+ loss$|loss (?:forward|backward)$)")
 
 
+# The walk's loss ops: under ``reshard_after_forward`` every unit of the stage, the head among them,
+# has been resharded after its forward, and before the first backward none is gathered again
+# (measured on the Llama of benchmarks/RESULTS_layout.md at pp1 x fsdp 2: the step peaks in the
+# loss's backward, before the head's, at 30.1 MiB under the peak without the reshard: every unit's
+# gathered bytes).
+_LOSS = re.compile(r"(?:stage \d+ )?(?:[FB]\d+ loss$|loss (?:forward|backward)$)")
+
+
 def before_gradients(peak_at: str) -> bool:
     """Whether the walk's op ``peak_at`` comes before its micro-batch's backward makes a gradient (a
     forward, the gather, the loss); whether an earlier micro-batch's backward made some, only the
@@ -89,6 +97,8 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     again = state.unsharded_backward  # units gathered for the backward are kept (RankState says why):
     if backward and again is not None and not stepping:  # those whose gradients it holds, and 2 more
         unsharded = min(again, round(share * again) + state.unsharded)
+    elif again is not None and _LOSS.match(at):  # resharded after their forwards, none gathered yet
+        unsharded = 0
     collectives = 0 if stepping or not backward else state.collectives
     peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(

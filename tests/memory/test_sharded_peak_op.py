@@ -59,7 +59,8 @@ def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> No
 def test_under_reshard_after_forward_a_backward_keeps_the_units_it_has_gathered() -> None:
     """torch's PipelineStage keeps FSDP2 from resharding after each backward until the step's
     reduce_grad: in the backward the units whose gradients it holds stay gathered beside the running
-    and the prefetched one, before it (the loss) only those two."""
+    and the prefetched one; in a forward only those two; at the loss before any backward none (every
+    unit was resharded after its forward)."""
     layers, stage = _stage()
     kept = rank_state(list(layers), Layout(fsdp=4, precision="bf16-mixed"), "adamw")
     freed = rank_state(
@@ -76,10 +77,25 @@ def test_under_reshard_after_forward_a_backward_keeps_the_units_it_has_gathered(
         share = held / (stage.params - stage.frozen)
         backward = held or not before_gradients(at)
         again = min(kept.unsharded, round(share * kept.unsharded) + freed.unsharded)
-        gap = kept.unsharded - (again if backward else freed.unsharded)
+        before = 0 if at.endswith(" loss") else freed.unsharded
+        gap = kept.unsharded - (again if backward else before)
         gaps.add(gap)
         assert _held(stage, kept, c, rest) - _held(stage, freed, c, rest) == gap, at
     assert len(gaps) > 2  # the loss, a backward part done, one all but done
+
+
+def test_under_reshard_after_forward_nothing_is_gathered_at_the_first_loss() -> None:
+    """A ``pipeline_of`` stage's walk has its loss as an op of its own (this Sequential's last layer
+    computes it): before the first backward, every unit, the head among them, was resharded after
+    its forward; the walk's other ops before any gradient (a forward) hold the running and the
+    prefetched unit."""
+    layers, stage = _stage()
+    freed = rank_state(
+        list(layers), Layout(fsdp=4, precision="bf16-mixed", reshard_after_forward=True), "adamw"
+    )
+    for at, gathered in [("B0 loss", 0), ("stage 1 F2 loss", 0), ("F0 layer 1", freed.unsharded)]:
+        assert _at(stage, freed, (0, 100, 10, 1, at), 111).state.unsharded == gathered, at
+    assert freed.unsharded > 0
 
 
 def _held(stage, state, candidate, rest):  # type: ignore[no-untyped-def]
