@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from bench_layout_measured import __file__ as measured_script
-from bench_layout_measured import measured
+from bench_layout_measured import _key, measured
 from harness.machine import machine
 from harness.ranks import run_ranks
 
@@ -60,9 +60,9 @@ def remeasure(
             )
         lines.append("")
         if recounted is not None:
-            peaks = {r["layout"]: r["measured_peaks"] for r in now}
+            peaks = {_key(r): r["measured_peaks"] for r in now}
             for row in recounted["runs"][n]["rows"]:
-                row["measured_peaks"] = peaks.get(row["layout"], row["measured_peaks"])
+                row["measured_peaks"] = peaks.get(_key(row), row["measured_peaks"])
     return lines
 
 

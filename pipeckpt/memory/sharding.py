@@ -97,8 +97,8 @@ class RankState:
     # compute-dtype parameters gathered and held once the backward has begun (None: ``unsharded``).
     # torch's PipelineStage turns FSDP2's reshard after backward off for every micro-batch
     # (``backward_maybe_with_nosync``) until the step's ``perform_reduce_grad``, so under
-    # ``reshard_after_forward`` a unit gathered again for its backward stays gathered (torch's
-    # ``stage.backward_maybe_with_nosync``); before the first backward none is (rank_peak._LOSS).
+    # ``reshard_after_forward`` a unit gathered again for its backward stays gathered; before the
+    # first backward none is (rank_peak._LOSS).
     unsharded_backward: Optional[int] = None
 
 
