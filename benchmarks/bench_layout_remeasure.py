@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from bench_layout_measured import __file__ as measured_script
 from bench_layout_measured import _key, measured
@@ -28,7 +28,11 @@ from harness.ranks import run_ranks
 
 
 def remeasure(
-    saved: Dict[str, Any], wanted: Any, rounds: int, timeout: int, recounted: Optional[Dict[str, Any]] = None
+    saved: Dict[str, Any],
+    wanted: Callable[[str], bool],
+    rounds: int,
+    timeout: int,
+    recounted: Optional[Dict[str, Any]] = None,
 ) -> List[str]:
     """The rows of ``saved`` that ``wanted`` takes (a row's layout name -> bool) trained again;
     ``recounted``, a copy of ``saved``, gets their peaks as counted now."""

@@ -38,7 +38,8 @@ class RankMemory:
 
 # The walk's points before a stage's backward has made any gradient: its forwards, the gather, and
 # the loss (its backward runs before the head's). pipeckpt/memory/walk.py names them.
-_BEFORE_GRADIENTS = re.compile(r"(?:stage \d+ )?(?:F\d+ |gather$|B\d+ loss$|loss (?:forward|backward)$)")
+_LOSS_OPS = r"[FB]\d+ loss$|loss (?:forward|backward)$"
+_BEFORE_GRADIENTS = re.compile(rf"(?:stage \d+ )?(?:F\d+ |gather$|{_LOSS_OPS})")
 
 
 # The walk's loss ops: under ``reshard_after_forward`` every unit of the stage, the head among them,
@@ -46,7 +47,7 @@ _BEFORE_GRADIENTS = re.compile(r"(?:stage \d+ )?(?:F\d+ |gather$|B\d+ loss$|loss
 # (measured on the Llama of benchmarks/RESULTS_layout.md at pp1 x fsdp 2: the step peaks in the
 # loss's backward, before the head's, at 30.1 MiB under the peak without the reshard: every unit's
 # gathered bytes).
-_LOSS = re.compile(r"(?:stage \d+ )?(?:[FB]\d+ loss$|loss (?:forward|backward)$)")
+_LOSS = re.compile(rf"(?:stage \d+ )?(?:{_LOSS_OPS})")
 
 
 def before_gradients(peak_at: str) -> bool:
