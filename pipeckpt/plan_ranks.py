@@ -29,7 +29,7 @@ from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rank_peak import RankTable, per_rank
 from pipeckpt.memory.repeated import repeat_layer, shortened
-from pipeckpt.memory.sharding import Layout, RankState, rank_state
+from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built, three_layers
 from pipeckpt.settings import PipeSettings
@@ -159,7 +159,7 @@ def with_outside(
     ranks = []
     for s, (a, b), (alone, whole) in zip(prediction.stages, ranges, sharded_share(outside, ranges)):
         held = units(root, alone, layout.tp_plan, layout.tp)
-        state = rank_state([*layers[a:b], *held], layout, optimizer)
+        state = rank_state(layers[a:b], layout, optimizer, held)
         if whole:
             kept = rank_state(units(root, whole), unsharded, optimizer)
             state = replace(
@@ -167,6 +167,7 @@ def with_outside(
                 params=state.params + kept.params,
                 grads=state.grads + kept.grads,
                 optimizer=state.optimizer + kept.optimizer,
+                grads_backward=None if state.grads_backward is None else state.grads_backward + kept.grads,
             )
         ranks.append(per_rank(s, state))
     return RankTable(
@@ -193,12 +194,13 @@ def _on_the_last_stage(
         beyond = s.params - sum(_bytes(layer) for layer in layers[a:b])
         if whole is not None and beyond > 0:
             share = beyond / as_built  # 1 on the stage that holds them all
-            state = RankState(
-                state.params + round(share * whole.params),
-                state.grads + round(share * whole.grads),
-                state.optimizer + round(share * whole.optimizer),
-                state.unsharded,
-                state.collectives,
+            grads = round(share * whole.grads)
+            state = replace(
+                state,
+                params=state.params + round(share * whole.params),
+                grads=state.grads + grads,
+                optimizer=state.optimizer + round(share * whole.optimizer),
+                grads_backward=None if state.grads_backward is None else state.grads_backward + grads,
             )
         ranks.append(per_rank(s, state))
     return RankTable(

@@ -42,12 +42,21 @@ _LOSS_OPS = r"[FB]\d+ loss$|loss (?:forward|backward)$"
 _BEFORE_GRADIENTS = re.compile(rf"(?:stage \d+ )?(?:F\d+ |gather$|{_LOSS_OPS})")
 
 
+#: The op :func:`per_rank` adds after a stage's last backward under FSDP with gradient sync deferred:
+#: torch's ``PipelineStage.perform_reduce_grad`` reduces every unit's whole gradient.
+REDUCING = "reduce gradients"
+
+
 # The walk's loss ops: under ``reshard_after_forward`` every unit of the stage, the head among them,
 # has been resharded after its forward, and before the first backward none is gathered again
 # (measured on the Llama of benchmarks/RESULTS_layout.md at pp1 x fsdp 2: the step peaks in the
 # loss's backward, before the head's, at 30.1 MiB under the peak without the reshard: every unit's
 # gathered bytes).
 _LOSS = re.compile(rf"(?:stage \d+ )?(?:{_LOSS_OPS})")
+
+
+# The walk's backward ops of the units outside the layers: the head's, the embeddings'.
+_OUTSIDE = re.compile(r"(?:stage \d+ )?B\d+ (?:outside|embeddings)$")
 
 
 def before_gradients(peak_at: str) -> bool:
@@ -79,6 +88,8 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
         )
     ]
     found += [_at(stage, state, c, c[1] + c[2] + c[3]) for c in stage.candidates]
+    if state.grads_backward is not None:  # after the last backward, before the optimizer's step
+        found.append(_at(stage, state, (stage.params - stage.frozen, 0, 0, 0, REDUCING), 0))
     return max(found, key=lambda r: r.peak)  # the first of equal ones: the walk's own peak
 
 
@@ -92,7 +103,7 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     # optimizer step holds neither (seen on a one-process fake world of 2, reshard_after_forward=False:
     # after the backward every unit's group was resharded, and the bytes alive beyond the sharded
     # parameters were the sharded gradients, 279,168 of the tiny Llama's, exactly).
-    stepping = at == "optimizer step"
+    stepping, reducing = at == "optimizer step", at == REDUCING
     backward = held or not before_gradients(at)
     unsharded = 0 if stepping else state.unsharded
     again = state.unsharded_backward  # units gathered for the backward are kept (RankState says why):
@@ -100,13 +111,19 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
         unsharded = min(again, round(share * again) + state.unsharded)
     elif again is not None and _LOSS.match(at):  # resharded after their forwards, none gathered yet
         unsharded = 0
+    if state.grads_backward is not None and not stepping:  # whole until the step reduces them
+        grads = round(share * state.grads_backward)
     collectives = 0 if stepping or not backward else state.collectives
+    if _OUTSIDE.match(at):
+        collectives = max(collectives, state.outside_collectives)
+    elif reducing:
+        collectives = state.reducing
     peak = rest + state.params + grads + state.optimizer + unsharded + collectives
     return RankMemory(
         stage=stage.stage,
         layers=stage.layers,
         mode=stage.mode,
-        state=RankState(state.params, grads, state.optimizer, unsharded, collectives),
+        state=replace(state, grads=grads, unsharded=unsharded, collectives=collectives),
         activations=activations,
         boundary=boundary,
         working=working,
@@ -129,11 +146,13 @@ def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = N
     """
     if whole is not None:
         extra = stage.params - whole.params
+        grads = stage.params - stage.frozen - whole.grads  # whole on every rank
         state = replace(
             state,
             params=state.params + extra,
-            grads=state.grads + stage.params - stage.frozen - whole.grads,
+            grads=state.grads + grads,
             optimizer=state.optimizer + stage.optimizer - whole.optimizer,
+            grads_backward=None if state.grads_backward is None else state.grads_backward + grads,
         )
     rank = per_rank(stage, state)
     return replace(

@@ -93,13 +93,24 @@ class RankState:
     grads: int  # the trained ones' gradients, sharded, after the reduce-scatter
     optimizer: int  # optimizer state of the trained sharded parameters
     unsharded: int  # compute-dtype parameters gathered and held at the peak
-    collectives: int  # one block's unsharded gradient and its reduce-scatter input
+    collectives: int  # buffers of one layer's backward (rank_state says which)
     # compute-dtype parameters gathered and held once the backward has begun (None: ``unsharded``).
     # torch's PipelineStage turns FSDP2's reshard after backward off for every micro-batch
     # (``backward_maybe_with_nosync``) until the step's ``perform_reduce_grad``, so under
     # ``reshard_after_forward`` a unit gathered again for its backward stays gathered; before the
     # first backward none is (rank_peak._LOSS).
     unsharded_backward: Optional[int] = None
+    # gradients held once every unit's backward has run, before the step reduces them (None:
+    # ``grads``). The same call turns gradient sync off, so the stage's units keep their whole
+    # gradients in the reduce dtype until ``perform_reduce_grad`` (tests/memory/
+    # test_fsdp_no_sync_gradients.py); a module outside the layers, a root of its own, reduces its
+    # gradient every micro-batch and keeps its shard.
+    grads_backward: Optional[int] = None
+    # the step's deferred reduction: every whole gradient still held beside one unit's reduce-scatter
+    # input, FSDP2's copy of it (``foreach_reduce``) before it frees them.
+    reducing: int = 0
+    # buffers of the backward of a unit outside the layers: its gradient and reduce-scatter input.
+    outside_collectives: int = 0
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -145,18 +156,29 @@ def split_shapes(unit: nn.Module, layout: Layout) -> List[Tuple[Tuple[int, ...],
 
 
 def rank_state(
-    units: Sequence[nn.Module], layout: Layout, optimizer: Union[str, torch.optim.Optimizer, type] = "adamw"
+    units: Sequence[nn.Module],
+    layout: Layout,
+    optimizer: Union[str, torch.optim.Optimizer, type] = "adamw",
+    outside: Sequence[nn.Module] = (),
 ) -> RankState:
     """The training state one rank holds for a stage whose ``units`` are each wrapped by ``fully_shard``.
 
+    "collectives" are the buffers of one layer's backward: under mixed precision the largest of
+    ``units``' compute-dtype gradient before FSDP2 upcasts it to the one it accumulates
+    (``to_accumulated_grad_if_needed``); nothing else, as no reduce-scatter runs before the step's
+    end. An ``outside`` unit's backward holds its gradient and its reduce-scatter input.
+
     Args:
-        units: the stage's layers, one FSDP2 unit each (torchtitan wraps every block).
+        units: the stage's layers, one FSDP2 unit each (torchtitan wraps every block), reduced once a
+            step, at its end (``RankState.grads_backward``).
         layout: degrees, reshard policy and precision.
         optimizer: whose state to count (:func:`~pipeckpt.memory.optimizer_state.optimizer_state_bytes`).
+        outside: units outside the stage's module, each a root of its own that reduces its
+            gradient every micro-batch (a ``pipeline_of`` model's embedding or head).
     """
     master = torch.empty((), dtype=layout.master_dtype).element_size()
     compute = torch.empty((), dtype=layout.compute_dtype).element_size()
-    shapes = [split_shapes(unit, layout) for unit in units]
+    shapes = [split_shapes(unit, layout) for unit in (*units, *outside)]
     params = [shape for unit in shapes for shape, trained in unit if trained]
     sharded = sum(shard_numel(shape, layout.fsdp) for shape in params) * master
     # Frozen parameters are sharded and held like the rest, with no gradient and no optimizer state.
@@ -166,13 +188,20 @@ def rank_state(
     gathered = [sum(shard_numel(shape, layout.fsdp) * layout.fsdp for shape, _ in u) for u in shapes]
     largest = max(gathered, default=0)
     gathered_held = 2 * largest if layout.reshard_after_forward else sum(gathered)  # running + prefetched
+    whole = [sum(shard_numel(s, layout.fsdp) * layout.fsdp for s, t in u if t) for u in shapes]
+    deferred, own = whole[: len(units)], whole[len(units) :]
+    own_shards = sum(shard_numel(s, layout.fsdp) for u in shapes[len(units) :] for s, t in u if t)
+    upcast = max(deferred, default=0) * compute if compute != master else 0
     return RankState(
         params=held,
         grads=sharded,
         optimizer=optimizer_state_bytes(optimizer, sharded, len(params)),
         unsharded=gathered_held * compute,
-        collectives=largest * (compute + master),
+        collectives=upcast,
         unsharded_backward=sum(gathered) * compute if layout.reshard_after_forward else None,
+        grads_backward=(sum(deferred) + own_shards) * master,
+        reducing=max(deferred, default=0) * master,
+        outside_collectives=max(own, default=0) * (compute + master),
     )
 
 
@@ -197,8 +226,12 @@ def stage_rank_states(
         out = []
         for j, (a, b) in enumerate(ranges):
             held = units(root, alone[j], layout.tp_plan, layout.tp) if alone and root is not None else []
-            stage = [*layers[a:b], *held]
-            out.append((rank_state(stage, layout, optimizer), rank_state(stage, unsharded, optimizer)))
+            out.append(
+                (
+                    rank_state(layers[a:b], layout, optimizer, held),
+                    rank_state([*layers[a:b], *held], unsharded, optimizer),
+                )
+            )
         return out
 
     return states

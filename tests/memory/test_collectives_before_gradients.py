@@ -1,9 +1,9 @@
-"""FSDP2's collective buffers (a unit's unsharded gradient and its reduce-scatter input) exist only once
-the unit's backward has made its gradient, so a rank's peak before any gradient is made (the loss of
-the first micro-batch: Llama 3.1 8B at fsdp 8 with one micro-batch of 2) holds none of them
-(pipeckpt/memory/rank_peak.py, ``per_rank``; docs/MEMORY.md, the 8B row beside torchtitan's)."""
+"""FSDP2's collective buffers (a unit's unsharded gradient, and with gradient sync on, as a module
+outside a ``pipeline_of`` model's layers has it, its reduce-scatter input) exist only once the unit's
+backward has made its gradient, so a rank's peak before any gradient is made (the loss of the first
+micro-batch: Llama 3.1 8B at fsdp 8 with one micro-batch of 2) holds none of them
+(pipeckpt/memory/rank_peak.py, ``_at``; docs/MEMORY.md, the 8B row beside torchtitan's)."""
 
-from dataclasses import replace
 from typing import List, Tuple
 
 import torch
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.rank_peak import before_gradients, per_rank
+from pipeckpt.memory.rank_peak import _at, before_gradients
 from pipeckpt.memory.sharding import Layout, rank_state, shard_numel
 from pipeckpt.stages.partition import plan
 
@@ -67,15 +67,15 @@ def test_a_peak_before_any_gradient_counts_no_collective_buffers() -> None:
         list(layers), Layout(fsdp=8, reshard_after_forward=True, precision="bf16-mixed"), "adamw"
     )
     assert state.collectives > 0
+    rest = stage.peak - stage.params - stage.grads - stage.optimizer
     for at in ("F0 layer 2", "F0 loss", "B0 loss", "gather"):
-        rank = per_rank(replace(stage, peak_at=at, grads=0, candidates=()), state)
+        rank = _at(stage, state, (0, 0, 0, 0, at), rest)
         assert rank.state.collectives == 0, at
-        rest = stage.peak - stage.params - stage.optimizer
         gathered = 0 if at.endswith(" loss") else state.unsharded  # at the loss every unit is resharded
         assert rank.peak == rest + state.params + state.optimizer + gathered, at
     # In a backward past the loss a unit's gradient may be made (the head's, before the layers'),
     # and where gradients are held (an earlier micro-batch's backward) so may its buffers.
     for at, grads in (("B0 layer 2", 0), ("B0 recompute layer 3", 0), ("B0 outside", 0), ("F1 loss", 1)):
         assert not before_gradients(at) or grads
-        rank = per_rank(replace(stage, peak_at=at, grads=grads, candidates=()), state)
+        rank = _at(stage, state, (grads, 0, 0, 0, at), rest)
         assert rank.state.collectives == state.collectives, at

@@ -1,12 +1,9 @@
 """What FSDP2 holds after a backward without gradient synchronisation, the way torch's
 ``PipelineStage`` runs every micro-batch's backward (``backward_maybe_with_nosync``:
-``set_requires_gradient_sync(False)`` until the step's ``perform_reduce_grad``).
-
-A specification of the engine's ground, not yet of the memory model: the model counts a rank's
-gradients as their shards plus one unit's reduce-scatter buffers (``rank_state``), where this shows
-every unit's whole gradient kept in the reduce dtype and nothing reduce-scattered. Measured so here
-for the model's next change (benchmarks/RESULTS_layout.md, "FSDP's frees counted": rank 0 of the
-Llama's pp2 x dp2 FSDP layouts is over by exactly the 8.00 MiB of those buffers)."""
+``set_requires_gradient_sync(False)`` until the step's ``perform_reduce_grad``), and the memory
+model's count of it (``RankState.grads_backward``, pipeckpt/memory/sharding.py): every unit's whole
+gradient kept in the reduce dtype, nothing reduce-scattered (measured on the Llama's pp2 x dp2 FSDP
+layouts: benchmarks/RESULTS_layout.md, "FSDP's gradients kept whole")."""
 
 import weakref
 from typing import List
@@ -17,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeckpt.app.models.llama import llama_config, llama_layers
+from pipeckpt.memory.sharding import Layout, rank_state
 
 
 class _Backward(TorchDispatchMode):
@@ -53,3 +51,4 @@ def test_without_gradient_sync_fsdp2_keeps_every_units_whole_gradient_in_the_red
         sharded = [p.grad for p in layers.parameters() if p.grad is not None]
     assert sum(kept.values()) == whole  # every unit's gradient, whole, in float32
     assert not sharded  # and no shard of it reduced yet
+    assert rank_state(list(layers), Layout(fsdp=2, precision="bf16-mixed")).grads_backward == whole

@@ -3,15 +3,16 @@ do (pipeckpt/memory/stage_memory.py, ``StageMemory.candidates``; memory/rank_pea
 
 Unsharded, a stage whose parameters outweigh its activations peaks at the optimizer step (every
 gradient beside the optimizer state); sharded 64 ways, the same stage peaks in a backward, where the
-activations are. Read at the whole stage's op, Llama 3.1 405B at pp1 x fsdp256 was planned at 61 GiB a
-rank with no activations at all, and the layout search picked it without recompute."""
+activations are, or at the step's deferred reduction, where every unit's whole gradient is held. Read
+at the whole stage's op, Llama 3.1 405B at pp1 x fsdp256 was planned at 61 GiB a rank with no
+activations at all, and the layout search picked it without recompute."""
 
 import torch
 
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.rank_peak import _at, before_gradients, per_rank
+from pipeckpt.memory.rank_peak import REDUCING, _at, before_gradients, per_rank
 from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.stages.partition import plan
 
@@ -29,13 +30,21 @@ def test_unsharded_the_tiny_llamas_stage_peaks_at_its_optimizer_step() -> None:
     assert stage.peak_at == "optimizer step" and stage.activations == 0
 
 
-def test_sharded_its_rank_peaks_in_the_backward_that_holds_the_activations() -> None:
+def test_sharded_its_rank_peaks_where_its_own_shares_make_the_most() -> None:
+    """64 ways sharded, the optimizer step holds little (shards of the state and the gradients), the
+    backward the activations, and the step's deferred reduction every unit's whole gradient (torch's
+    PipelineStage reduces them once, at the step's end): the largest of the three is the rank's."""
     layers, stage = _stage()
     state = rank_state(list(layers), Layout(fsdp=64, precision="bf16-mixed"), "adamw")
     rank = per_rank(stage, state)
-    assert rank.peak_at.startswith("B0") and rank.activations > 0
+    first = stage.candidates[0]
+    assert first[4] == "B0 layer 3" and first[1] > 0
+    backward = _at(stage, state, first, first[1] + first[2] + first[3])
     step = rank.state.params + state.grads + state.optimizer + stage.working  # nothing gathered then
-    assert rank.peak > step
+    assert backward.peak > step
+    assert rank.peak_at == REDUCING and rank.state.grads == state.grads_backward
+    whole = state.params + state.grads_backward + state.optimizer + state.unsharded + state.reducing
+    assert rank.peak == whole > backward.peak
 
 
 def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> None:
@@ -44,15 +53,17 @@ def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> No
     trained = stage.params - stage.frozen
     totals = []
     for held, acts, boundary, working, at in stage.candidates:
-        grads = round(held / trained * state.grads)
-        collectives = state.collectives if held or not before_gradients(at) else 0
-        if at == "optimizer step":  # FSDP2 has resharded every unit and freed its buffers
+        if at == "optimizer step":  # FSDP2 has reduced, resharded every unit and freed its buffers
+            grads = round(held / trained * state.grads)
             totals.append(acts + boundary + working + state.params + grads + state.optimizer)
             continue
+        grads = round(held / trained * state.grads_backward)  # whole until the step reduces them
+        collectives = state.collectives if held or not before_gradients(at) else 0
         totals.append(
             acts + boundary + working + state.params + grads + state.optimizer + state.unsharded + collectives
         )
     assert len(stage.candidates) > 2  # none, some and every gradient held
+    totals.append(state.params + state.grads_backward + state.optimizer + state.unsharded + state.reducing)
     assert per_rank(stage, state).peak == max(totals)
 
 

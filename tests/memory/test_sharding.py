@@ -53,8 +53,8 @@ def test_rank_state_equals_the_bytes_fsdp2_holds_on_rank_0_under_bf16_mixed() ->
         optimizer = torch.optim.AdamW(layers.parameters())
         optimizer.step()
         state = _storage_bytes(v for s in optimizer.state.values() for v in s.values())
-    measured = RankState(params, grads, state, unsharded, predicted.collectives)
-    assert measured == predicted
+    measured = (params, grads, state, unsharded)
+    assert measured == (predicted.params, predicted.grads, predicted.optimizer, predicted.unsharded)
 
 
 def test_without_sharding_a_rank_holds_the_stage_whole_in_the_master_dtype() -> None:
