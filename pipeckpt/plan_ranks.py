@@ -27,7 +27,7 @@ from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.predict import Prediction, predict
 from pipeckpt.memory.profile import ModelProfile, profile
-from pipeckpt.memory.rank_peak import RankTable, per_rank
+from pipeckpt.memory.rank_peak import RankTable, per_rank, stage_orders
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, rank_state
 from pipeckpt.memory.vocab_share import split_over_vocabulary
@@ -157,7 +157,9 @@ def with_outside(
     if outside is None or root is None or prediction.schedule == "local":
         return _on_the_last_stage(prediction, sequential, ranges, layout, optimizer)
     ranks = []
-    for s, (a, b), (alone, whole) in zip(prediction.stages, ranges, sharded_share(outside, ranges)):
+    orders = stage_orders(prediction.schedule, len(prediction.stages), prediction.chunks)
+    shares = sharded_share(outside, ranges)
+    for s, (a, b), (alone, whole), order in zip(prediction.stages, ranges, shares, orders):
         held = units(root, alone, layout.tp_plan, layout.tp)
         state = rank_state(layers[a:b], layout, optimizer, held)
         if whole:
@@ -169,7 +171,7 @@ def with_outside(
                 optimizer=state.optimizer + kept.optimizer,
                 grads_backward=None if state.grads_backward is None else state.grads_backward + kept.grads,
             )
-        ranks.append(per_rank(s, state))
+        ranks.append(per_rank(s, state, order))
     return RankTable(
         ranks=tuple(ranks), layout=layout, schedule=prediction.schedule, chunks=prediction.chunks
     )
@@ -189,7 +191,8 @@ def _on_the_last_stage(
     whole = rank_state([outside], Layout(precision=layout.precision), optimizer) if outside else None
     as_built = _bytes(outside) if outside else 0
     ranks = []
-    for s, (a, b) in zip(prediction.stages, ranges):
+    orders = stage_orders(prediction.schedule, len(prediction.stages), prediction.chunks)
+    for s, (a, b), order in zip(prediction.stages, ranges, orders):
         state = rank_state(layers[a:b], layout, optimizer)
         beyond = s.params - sum(_bytes(layer) for layer in layers[a:b])
         if whole is not None and beyond > 0:
@@ -202,7 +205,7 @@ def _on_the_last_stage(
                 optimizer=state.optimizer + round(share * whole.optimizer),
                 grads_backward=None if state.grads_backward is None else state.grads_backward + grads,
             )
-        ranks.append(per_rank(s, state))
+        ranks.append(per_rank(s, state, order))
     return RankTable(
         ranks=tuple(ranks), layout=layout, schedule=prediction.schedule, chunks=prediction.chunks
     )

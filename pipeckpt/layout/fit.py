@@ -30,7 +30,7 @@ from pipeckpt.memory.auto import DEFAULT_MODES, choose, with_balance_modes
 from pipeckpt.memory.outside_share import OutsideParam
 from pipeckpt.memory.predict import Prediction, predict, predict_device, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.rank_peak import on_rank
+from pipeckpt.memory.rank_peak import on_rank, stage_orders
 from pipeckpt.memory.sharding import Layout, RankState, stage_rank_states
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.sizes import human
@@ -257,7 +257,11 @@ class Memory:
         def predicted(modes: Sequence[CheckpointMode]) -> Prediction:
             plan = with_balance(with_balance_modes(balance, NEVER), balance, modes)
             p = predict(fitted, plan, chunks=chunks, optimizer=self.optimizer, schedule=schedule)
-            ranks = tuple(on_rank(st, mine, whole) for st, (mine, whole) in zip(p.stages, states(balance)))
+            orders = stage_orders(p.schedule, len(p.stages), p.chunks)
+            ranks = tuple(
+                on_rank(st, mine, whole, order)
+                for st, (mine, whole), order in zip(p.stages, states(balance), orders)
+            )
             return replace(p, stages=ranks)
 
         candidates = [parse_modes([m], 1)[0] for m in self.modes]  # type: ignore[list-item]

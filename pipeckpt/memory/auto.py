@@ -29,7 +29,7 @@ from pipeckpt.memory.fastest_first import fastest_first
 from pipeckpt.memory.one_device import compose, gathered_gradient, held_per_step, process_peak
 from pipeckpt.memory.predict import Prediction, predict, predict_depth_first, with_balance
 from pipeckpt.memory.profile import ModelProfile
-from pipeckpt.memory.rank_peak import on_rank
+from pipeckpt.memory.rank_peak import on_rank, stage_orders
 from pipeckpt.memory.sharding import RankState
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.sizes import human, parse_bytes
@@ -208,7 +208,10 @@ def _predict_on_ranks(
     if rank_states is None:
         return prediction
     states = rank_states(tuple(plan.balance))
-    ranks = tuple(on_rank(s, mine, whole) for s, (mine, whole) in zip(prediction.stages, states))
+    orders = stage_orders(prediction.schedule, len(prediction.stages), prediction.chunks)
+    ranks = tuple(
+        on_rank(s, mine, whole, order) for s, (mine, whole), order in zip(prediction.stages, states, orders)
+    )
     return replace(prediction, stages=ranks)
 
 

@@ -5,6 +5,7 @@ follows from the walk's ops. The walk counts the stage's state whole, so the ran
 again over the walk's candidate ops with the rank's shares (memory/stage_memory.py says why).
 """
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple, Union
@@ -12,11 +13,22 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from pipeckpt.memory.gathered import StageOrder, gathered
 from pipeckpt.memory.predict import Prediction
+from pipeckpt.memory.schedule import SCHEDULES, op_order
 from pipeckpt.memory.sharding import Layout, RankState, rank_state
 from pipeckpt.memory.stage_memory import Candidate, StageMemory
 
-__all__ = ["RankMemory", "RankTable", "before_gradients", "per_rank", "on_rank", "rank_table", "format_ranks"]
+__all__ = [
+    "RankMemory",
+    "RankTable",
+    "before_gradients",
+    "per_rank",
+    "on_rank",
+    "stage_orders",
+    "rank_table",
+    "format_ranks",
+]
 
 GiB, MiB = 2**30, 2**20
 
@@ -47,14 +59,6 @@ _BEFORE_GRADIENTS = re.compile(rf"(?:stage \d+ )?(?:F\d+ |gather$|{_LOSS_OPS})")
 REDUCING = "reduce gradients"
 
 
-# The walk's loss ops: under ``reshard_after_forward`` every unit of the stage, the head among them,
-# has been resharded after its forward, and before the first backward none is gathered again
-# (measured on the Llama of benchmarks/RESULTS_layout.md at pp1 x fsdp 2: the step peaks in the
-# loss's backward, before the head's, at 30.1 MiB under the peak without the reshard: every unit's
-# gathered bytes).
-_LOSS = re.compile(rf"(?:stage \d+ )?(?:{_LOSS_OPS})")
-
-
 # The walk's backward ops of the units outside the layers: the head's, the embeddings'.
 _OUTSIDE = re.compile(r"(?:stage \d+ )?B\d+ (?:outside|embeddings)$")
 
@@ -66,7 +70,7 @@ def before_gradients(peak_at: str) -> bool:
     return _BEFORE_GRADIENTS.match(peak_at) is not None
 
 
-def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
+def per_rank(stage: StageMemory, state: RankState, order: Optional[StageOrder] = None) -> RankMemory:
     """A stage's predicted peak on one of its ranks: the walk's activations, boundary and working set
     (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
     gradients and optimizer state replaced by the rank's sharded ones, at whichever of the walk's
@@ -80,21 +84,23 @@ def per_rank(stage: StageMemory, state: RankState) -> RankMemory:
     Args:
         stage: the walk's prediction for the stage, parameters in the compute dtype.
         state: :func:`rank_state` of the stage's layers.
+        order: the stage's ops in the schedule's order (:func:`stage_orders`), which tells which
+            units are gathered at an op under ``reshard_after_forward``; None: where the model has none.
     """
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
-    found = [
-        _at(
-            stage, state, (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at), rest
-        )
-    ]
-    found += [_at(stage, state, c, c[1] + c[2] + c[3]) for c in stage.candidates]
+    peak = (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at)
+    found = [_at(stage, state, peak, rest, order)]
+    found += [_at(stage, state, c, c[1] + c[2] + c[3], order) for c in stage.candidates]
     if state.grads_backward is not None:  # after the last backward, before the optimizer's step
         found.append(_at(stage, state, (stage.params - stage.frozen, 0, 0, 0, REDUCING), 0))
     return max(found, key=lambda r: r.peak)  # the first of equal ones: the walk's own peak
 
 
-def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -> RankMemory:
-    """The rank's memory at one op: ``rest`` beside the gradients the op holds (``candidate``)."""
+def _at(
+    stage: StageMemory, state: RankState, candidate: Candidate, rest: int, order: Optional[StageOrder] = None
+) -> RankMemory:
+    """The rank's memory at one op: ``rest`` beside the gradients the op holds (``candidate``);
+    ``order``: the stage's ops in the schedule's order, where the memory model has it."""
     held, activations, boundary, working, at = candidate
     trained = stage.params - stage.frozen
     share = held / trained if trained else 0.0
@@ -106,11 +112,10 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     stepping, reducing = at == "optimizer step", at == REDUCING
     backward = held or not before_gradients(at)
     unsharded = 0 if stepping else state.unsharded
-    again = state.unsharded_backward  # units gathered for the backward are kept (RankState says why):
-    if backward and again is not None and not stepping:  # those whose gradients it holds, and 2 more
-        unsharded = min(again, round(share * again) + state.unsharded)
-    elif again is not None and _LOSS.match(at):  # resharded after their forwards, none gathered yet
-        unsharded = 0
+    again = state.unsharded_backward  # units gathered for a backward are kept (memory/gathered.py)
+    if again is not None and not stepping:
+        share_if = share if backward else None
+        unsharded = again if reducing else gathered(at, stage.layers, again, state.unsharded, share_if, order)
     if state.grads_backward is not None and not stepping:  # whole until the step reduces them
         grads = round(share * state.grads_backward)
     collectives = 0 if stepping or not backward else state.collectives
@@ -132,7 +137,25 @@ def _at(stage: StageMemory, state: RankState, candidate: Candidate, rest: int) -
     )
 
 
-def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = None) -> StageMemory:
+def stage_orders(schedule: str, stages: int, chunks: int) -> Tuple[Optional[StageOrder], ...]:
+    """Each stage's ops in ``schedule``'s order, for :func:`per_rank`; None for every stage of a
+    schedule the memory model has no order of (the looped ones)."""
+    return _orders(str(schedule), stages, chunks)
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(schedule: str, stages: int, chunks: int) -> Tuple[Optional[StageOrder], ...]:
+    if schedule not in SCHEDULES or schedule == "local" or chunks < 1:
+        return (None,) * stages
+    return tuple(tuple(ops) for ops in op_order(schedule, stages=stages, microbatches=chunks)[0])
+
+
+def on_rank(
+    stage: StageMemory,
+    state: RankState,
+    whole: Optional[RankState] = None,
+    order: Optional[StageOrder] = None,
+) -> StageMemory:
     """:func:`per_rank` in the walk's own terms, for the planners that compare a stage's peak with a
     budget (``checkpoint='auto'``): the parameters held are the rank's shards and the gathered
     parameters, its working set takes FSDP's collective buffers; the peak is :func:`per_rank`'s.
@@ -143,6 +166,7 @@ def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = N
         whole: :func:`rank_state` of the same layers unsharded (``Layout(precision=...)``): what the
             walk counts beyond them (a ``pipeline_of`` model's own parameters, on its last stage)
             stays whole on every rank, as the engine shards the layers only. None: nothing beyond.
+        order: the stage's ops in the schedule's order (:func:`stage_orders`).
     """
     if whole is not None:
         extra = stage.params - whole.params
@@ -154,7 +178,7 @@ def on_rank(stage: StageMemory, state: RankState, whole: Optional[RankState] = N
             optimizer=state.optimizer + stage.optimizer - whole.optimizer,
             grads_backward=None if state.grads_backward is None else state.grads_backward + grads,
         )
-    rank = per_rank(stage, state)
+    rank = per_rank(stage, state, order)
     return replace(
         stage,
         params=rank.state.params + rank.state.unsharded,
@@ -200,9 +224,10 @@ def rank_table(
         optimizer: whose state to count.
     """
     layers = list(sequential)
+    orders = stage_orders(prediction.schedule, len(prediction.stages), prediction.chunks)
     ranks = tuple(
-        per_rank(s, rank_state(layers[a:b], layout, optimizer))
-        for s, (a, b) in zip(prediction.stages, ranges)
+        per_rank(s, rank_state(layers[a:b], layout, optimizer), order)
+        for s, (a, b), order in zip(prediction.stages, ranges, orders)
     )
     return RankTable(ranks=ranks, layout=layout, schedule=prediction.schedule, chunks=prediction.chunks)
 
