@@ -6,6 +6,7 @@ changes one of them fails here, by name.
 
 import collections
 import inspect
+import re
 import threading
 
 import pytest
@@ -703,3 +704,12 @@ def test_split_threads_between_gives_each_process_its_share_unless_omp_num_threa
         assert torch.get_num_threads() == share + 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_pipeline_stage_turns_fsdp2s_sync_off_in_backward_through_the_three_setters_held():
+    # reducing_in_backward holds these three at True; a fourth would escape it.
+    method, setters = _compat.NOSYNC_BACKWARD
+    source = inspect.getsource(getattr(PipelineStage, method))
+    fsdp_branch = source[source.index("FSDPModule") :]
+    called = set(re.findall(r"self\.submod\.(set_\w+)\(False\)", fsdp_branch))
+    assert called == set(setters)

@@ -1,11 +1,11 @@
 """Every reach into torch's private names (torch.utils._python_dispatch, _pytree, pipelining's
-_backward, the memory tools); DCP's metadata classes are :mod:`pipeckpt._compat.torch_dcp`'s.
+_backward, the memory tools); DCP's metadata classes are :mod:`pipeckpt._compat.torch_dcp`'s,
+torch.distributed's stage, FSDP2 and mesh helpers :mod:`pipeckpt._compat.torch_distributed`'s.
 
 Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
 behaviour.
 """
 
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -195,42 +195,6 @@ def module_memory(tracker: Any, module: nn.Module) -> Dict[str, int]:
     return out
 
 
-def schedule_op_order(
-    schedule_cls: Any, *, stages: int, microbatches: int
-) -> Optional[Dict[int, List[Tuple[str, int]]]]:
-    """The compute actions (``"F"`` or ``"B"``, micro-batch) of each rank of a single-stage torch
-    schedule, in torch's own schedule IR (``_get_pipeline_order``), or None where the class has none.
-    The public ``pipeline_order`` is set only on a schedule built around a live ``PipelineStage`` in
-    an initialised process group; the IR itself needs only the two counts."""
-    order_of = getattr(schedule_cls, "_get_pipeline_order", None)
-    if order_of is None:
-        return None
-    order = order_of(SimpleNamespace(_num_stages=stages, _n_microbatches=microbatches))
-    if order is None:
-        return None
-    out: Dict[int, List[Tuple[str, int]]] = {}
-    for rank, actions in order.items():
-        out[rank] = [
-            (a.computation_type.value, int(a.microbatch_index))
-            for a in actions
-            if a is not None and a.computation_type.value in ("F", "B") and a.microbatch_index is not None
-        ]
-    return out
-
-
-def live_op_order(schedule: Any) -> List[Tuple[int, str, int]]:
-    """The compute actions (stage index, ``"F"``/``"B"``/``"I"``/``"W"``, micro-batch) that a live
-    multi-stage torch schedule runs on its own pipeline rank, in order: its public
-    ``pipeline_order`` holds torch's private ``_Action`` tuples, read here by field name."""
-    out: List[Tuple[int, str, int]] = []
-    for action in schedule.pipeline_order[schedule.rank]:
-        if action is None or action.microbatch_index is None:
-            continue
-        kind = str(action.computation_type.value)
-        out.append((int(action.stage_index), kind, int(action.microbatch_index)))
-    return out
-
-
 # The aten kernels selective checkpointing keeps (matrix products, fused attention): the
 # attention and scaled-mm kernels have only underscored names (there is no public op
 # namespace for them); missing ones (another build) are skipped.
@@ -271,28 +235,6 @@ def sac_stateful_ops() -> List[Any]:
     return [getattr(torch.ops.aten, n) for n in SAC_STATEFUL_OP_NAMES if hasattr(torch.ops.aten, n)]
 
 
-# -- torch.distributed.pipelining -----------------------------------------------------
-
-from torch.distributed.pipelining import PipelineStage  # noqa: E402
-
-# A schedule calls PipelineStage.forward_one_chunk for every micro-batch and runs the
-# module elsewhere for shape inference; overriding it is the only way to tell the two
-# apart (no public hook sees the micro-batch index).
-FORWARD_ONE_CHUNK = "forward_one_chunk"
-# Likewise, the local backward of one micro-batch (its input and weight parts), which the
-# engine overrides to tell a stage's own errors from a peer's failure.
-BACKWARD_ONE_CHUNK = ("backward_one_chunk", "backward_weight_one_chunk")
-# The input gradients of a micro-batch's backward wait in ``bwd_cache`` until ``get_bwd_send_ops``
-# sends them; overriding it is the one place to make them contiguous before they go (no public hook).
-BWD_SEND = ("get_bwd_send_ops", "bwd_cache")
-# Shape inference hands a stage's output shapes to the next process through these two; overriding
-# them is the only way to send the output's pytree structure along (no public hook carries metadata).
-STAGE_META = ("_send_meta", "_recv_meta")
-# Older releases (torch 2.11 has neither) infer shapes in one method with no hook for metadata, and
-# their stages lose the input gradients the distributed engine hands back: it refuses them.
-STAGE_META_HOOKS = all(hasattr(PipelineStage, name) for name in STAGE_META)
-
-
 def is_view(t: Any) -> bool:
     """Whether ``t`` is a view of another tensor. A split-backward schedule's input pass detaches
     the stage's outputs in place, which autograd refuses for a view; no public API tells a view."""
@@ -306,40 +248,9 @@ def saved_tensors_hooks_now() -> Optional[Tuple[Callable[[Any], Any], Callable[[
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-def make_fsdp_root(module: nn.Module) -> None:
-    """Makes ``module`` (an FSDP2 module) the root of the FSDP modules below it now, as its first
-    forward would (FSDP's lazy init: its state's ``_lazy_init``, which no public API runs)."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
-
-
-def split_mesh_dim(mesh: Any, sizes: Tuple[int, ...], names: Tuple[str, ...]) -> Any:
-    """The 1-D DeviceMesh ``mesh`` viewed as a mesh of shape ``sizes`` (row-major, last innermost)
-    named ``names``, on the same root mesh (so DTensors on it and on the root's other dimensions
-    compose), its groups made now (a collective of every rank). FSDP2's hybrid sharding takes a 2-D
-    (replicate, shard) mesh; torch has no public way to make one from a dimension of an existing
-    mesh (``DeviceMesh._unflatten``), and ``init_device_mesh`` would make a second root."""
-    return mesh._unflatten(0, sizes, names)
-
-
-def local_extent(t: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """The shape of this rank's shard of the DTensor ``t`` and its offset in the whole tensor, from the
-    layout alone (no collective): what lets a rank read only its slice of a checkpointed tensor.
-    torch computes it for DCP (``torch.distributed.tensor._utils``) and offers no public API."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(shape), tuple(offset)
-
-
 __all__ = [
-    "local_extent",
-    "STAGE_META",
     "is_view",
-    "BACKWARD_ONE_CHUNK",
     "BatchNormBase",
-    "FORWARD_ONE_CHUNK",
     "FakeTensorMode",
     "MODULE_STATES",
     "MemTracker",
@@ -353,8 +264,6 @@ __all__ = [
     "default_store",
     "dispatch_mode_stack",
     "keep_buffers_out_of_state_dict",
-    "live_op_order",
-    "make_fsdp_root",
     "module_memory",
     "own_tensors",
     "param_groups",
@@ -364,8 +273,6 @@ __all__ = [
     "reverse_graph",
     "sac_saved_ops",
     "saved_tensors_hooks_now",
-    "schedule_op_order",
-    "split_mesh_dim",
     "set_module_device",
     "set_own_tensor",
     "tree_flatten",

@@ -16,7 +16,7 @@ from torch import nn
 from pipeckpt.memory.gathered import StageOrder, gathered
 from pipeckpt.memory.predict import Prediction
 from pipeckpt.memory.schedule import SCHEDULES, op_order
-from pipeckpt.memory.sharding import Layout, RankState, rank_state
+from pipeckpt.memory.sharding import Layout, RankState, rank_state, reduced_in_backward
 from pipeckpt.memory.stage_memory import Candidate, StageMemory
 
 __all__ = [
@@ -75,11 +75,11 @@ def per_rank(stage: StageMemory, state: RankState, order: Optional[StageOrder] =
     (profiled on one tensor-parallel rank's layers in the compute dtype) with the stage's parameters,
     gradients and optimizer state replaced by the rank's sharded ones, at whichever of the walk's
     candidate ops (``StageMemory.candidates``: per amount of gradients held, the op holding the most
-    beside them) is then the largest. The sharded gradients count in the share the walk held there
-    (all, unless it falls in the first backward), and the collective buffers only where a gradient
-    can have been made: FSDP2 holds a unit's unsharded gradient and allocates its reduce-scatter
-    input in the unit's backward, so a peak at the first micro-batch's loss (Llama 3.1 8B at fsdp 8,
-    one micro-batch) has none of them.
+    beside them) is then the largest, or the step's deferred gradient reduction (``REDUCING``).
+    The gradients count in the share the walk held there (all, unless it falls in the first
+    backward): whole until the reduction under FSDP (``RankState.grads_backward``), sharded at the
+    optimizer step; the collective buffers only where a gradient can have been made, in a backward,
+    so a peak at the first micro-batch's loss (Llama 3.1 8B at fsdp 8, one micro-batch) has none.
 
     Args:
         stage: the walk's prediction for the stage, parameters in the compute dtype.
@@ -87,6 +87,8 @@ def per_rank(stage: StageMemory, state: RankState, order: Optional[StageOrder] =
         order: the stage's ops in the schedule's order (:func:`stage_orders`), which tells which
             units are gathered at an op under ``reshard_after_forward``; None: where the model has none.
     """
+    if order is not None and sum(kind == "B" for kind, _ in order) == 1:
+        state = reduced_in_backward(state)  # one micro-batch a step: reduced in its backward
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
     peak = (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at)
     found = [_at(stage, state, peak, rest, order)]

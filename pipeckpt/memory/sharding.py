@@ -10,7 +10,7 @@ rules.
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -30,6 +30,7 @@ __all__ = [
     "stage_rank_states",
     "split_shapes",
     "rank_state",
+    "reduced_in_backward",
 ]
 
 #: Lightning's precision names: (compute dtype, master dtype of parameters, gradients and optimizer).
@@ -111,6 +112,25 @@ class RankState:
     reducing: int = 0
     # buffers of the backward of a unit outside the layers: its gradient and reduce-scatter input.
     outside_collectives: int = 0
+    # one unit's gradient and reduce-scatter input, the buffers of a backward that reduces
+    # (reduced_in_backward).
+    synced_collectives: int = 0
+
+
+def reduced_in_backward(state: RankState) -> RankState:
+    """``state`` where each unit's gradient is reduce-scattered in its own backward, as FSDP2 does
+    alone and the engine lets it for a stage that runs one micro-batch a step
+    (engines/distributed/wiring.py, ``LiveStage.backward_maybe_with_nosync``): shards only, one
+    unit's buffers in a backward, and a unit resharded after its backward."""
+    if state.grads_backward is None:
+        return state
+    return replace(
+        state,
+        grads_backward=None,
+        reducing=0,
+        unsharded_backward=None,
+        collectives=max(state.synced_collectives, state.outside_collectives),
+    )
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -202,6 +222,7 @@ def rank_state(
         grads_backward=(sum(deferred) + own_shards) * master,
         reducing=max(deferred, default=0) * master,
         outside_collectives=max(own, default=0) * (compute + master),
+        synced_collectives=max(whole, default=0) * (compute + master),
     )
 
 

@@ -13,6 +13,7 @@ from support.fake_world import fake_world
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeckpt._compat import reducing_in_backward
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.sharding import Layout, rank_state
 
@@ -52,3 +53,23 @@ def test_without_gradient_sync_fsdp2_keeps_every_units_whole_gradient_in_the_red
     assert sum(kept.values()) == whole  # every unit's gradient, whole, in float32
     assert not sharded  # and no shard of it reduced yet
     assert rank_state(list(layers), Layout(fsdp=2, precision="bf16-mixed")).grads_backward == whole
+
+
+def test_reducing_in_backward_keeps_fsdp2_reducing_whatever_the_stage_sets() -> None:
+    # What the engine wraps a one-micro-batch stage's backward in: torch's stage sets gradient sync
+    # off inside it (as here), and FSDP2 reduce-scatters each unit's gradient all the same.
+    torch.manual_seed(0)
+    layers = llama_layers(llama_config("tiny", seq_len=16))
+    with fake_world(2) as mesh:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layers, mesh=mesh, mp_policy=policy)
+        loss = layers(torch.randint(256, (2, 16))).float().logsumexp(-1).mean()
+        with reducing_in_backward(layers):
+            layers.set_requires_gradient_sync(False)
+            layers.set_reshard_after_backward(False)
+            loss.backward()
+        sharded = sum(p.grad.to_local().numel() * 4 for p in layers.parameters() if p.grad is not None)
+        assert "set_requires_gradient_sync" not in layers.__dict__  # the stage's setters are back
+    assert sharded == rank_state(list(layers), Layout(fsdp=2, precision="bf16-mixed")).grads

@@ -41,8 +41,9 @@ def test_a_forward_after_a_backward_reshards_only_the_units_it_has_passed() -> N
         first, seen[:] = list(seen), []
         layers(x)
         assert _gathered(layers) == [False] * 4
-    assert first == [(k, [j == k for j in range(4)]) for k in range(4)]  # before any backward: the running one
-    assert seen == [(k, [j >= k for j in range(4)]) for k in range(4)]  # after one: those not passed yet
+    # Before any backward, the running unit only; after one, those the forward has not passed yet.
+    assert first == [(k, [j == k for j in range(4)]) for k in range(4)]
+    assert seen == [(k, [j >= k for j in range(4)]) for k in range(4)]
 
 
 def test_in_1f1b_a_forward_after_a_backward_holds_the_units_it_has_not_reached() -> None:

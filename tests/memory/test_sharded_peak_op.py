@@ -12,8 +12,8 @@ import torch
 from pipeckpt.app.models.llama import llama_config, llama_layers
 from pipeckpt.memory.predict import predict
 from pipeckpt.memory.profile import profile
-from pipeckpt.memory.rank_peak import REDUCING, _at, before_gradients, per_rank
-from pipeckpt.memory.sharding import Layout, rank_state
+from pipeckpt.memory.rank_peak import REDUCING, _at, before_gradients, per_rank, stage_orders
+from pipeckpt.memory.sharding import Layout, rank_state, reduced_in_backward
 from pipeckpt.stages.partition import plan
 
 
@@ -45,6 +45,18 @@ def test_sharded_its_rank_peaks_where_its_own_shares_make_the_most() -> None:
     assert rank.peak_at == REDUCING and rank.state.grads == state.grads_backward
     whole = state.params + state.grads_backward + state.optimizer + state.unsharded + state.reducing
     assert rank.peak == whole > backward.peak
+
+
+def test_a_stage_of_one_micro_batch_a_step_reduces_in_its_backward_and_holds_shards() -> None:
+    """The engine lets FSDP2 reduce-scatter in the backward of a stage that runs one micro-batch a
+    step (engines/distributed/wiring.py): no whole gradients, no step's reduction."""
+    layers, stage = _stage()  # one micro-batch, GPipe
+    state = rank_state(list(layers), Layout(fsdp=64, precision="bf16-mixed"), "adamw")
+    (order,) = stage_orders("gpipe", 1, 1)
+    rank = per_rank(stage, state, order)
+    assert rank.peak_at != REDUCING and rank.state.grads <= state.grads
+    assert rank == per_rank(stage, reduced_in_backward(state))
+    assert per_rank(stage, state, stage_orders("gpipe", 1, 2)[0]).peak_at == REDUCING  # two: deferred
 
 
 def test_the_ranks_peak_is_the_largest_of_the_candidates_with_its_shares() -> None:

@@ -15,11 +15,19 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from pipeckpt._compat import BatchNormBase, DeferredBatchNorm, is_view, tree_flatten, tree_map
+from pipeckpt._compat import (
+    BatchNormBase,
+    DeferredBatchNorm,
+    is_view,
+    reducing_in_backward,
+    tree_flatten,
+    tree_map,
+)
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.boundaries import Boundaries, announced
 from pipeckpt.engines.distributed.liveness import mark_own
@@ -198,6 +206,20 @@ class LiveStage(PipelineStage):
         except BaseException as error:
             mark_own(error)
             raise
+
+    @override
+    def backward_maybe_with_nosync(  # named in pipeckpt._compat
+        self, backward_type: str, bwd_kwargs: Dict[str, Any], last_backward: bool = False
+    ) -> Any:
+        # torch's turns FSDP2's gradient sync and its reshard after backward off for every
+        # micro-batch and reduces once, in perform_reduce_grad: until then each rank holds its
+        # stage's gradients whole. Waiting saves reduce-scatters only between micro-batches; a stage
+        # that runs one a step reduces as FSDP2 does alone, each unit's gradient in its backward, and
+        # keeps the shards (docs/MEMORY.md, "Gradients whole until the step's end").
+        if self.chunks == 1 and backward_type == "full" and isinstance(self.submod, FSDPModule):
+            with reducing_in_backward(self.submod):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     @override
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat

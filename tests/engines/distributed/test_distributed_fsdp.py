@@ -82,6 +82,8 @@ RUNS = [  # name, model, steps, strategy, clip
         None,
     ),
     ("llama_zbv_never", "llama", 3, dict(FSDP, **FOUR, schedule="zbv_zero_bubble", checkpoint="never"), None),
+    # One micro-batch a step: the engine lets FSDP2 reduce in the backward (wiring.LiveStage).
+    ("llama_gpipe_one_microbatch", "llama", 3, dict(FSDP, chunks=1, balance=[2, 2], schedule="gpipe"), None),
     (
         "gpt2_gpipe_selective",
         "gpt2",
