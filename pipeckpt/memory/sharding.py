@@ -112,7 +112,7 @@ class RankState:
     reducing: int = 0
     # buffers of the backward of a unit outside the layers: its gradient and reduce-scatter input.
     outside_collectives: int = 0
-    # one unit's gradient and reduce-scatter input, the buffers of a backward that reduces
+    # one layer's gradient and reduce-scatter input, the buffers of a layer's backward that reduces
     # (reduced_in_backward).
     synced_collectives: int = 0
 
@@ -129,7 +129,7 @@ def reduced_in_backward(state: RankState) -> RankState:
         grads_backward=None,
         reducing=0,
         unsharded_backward=None,
-        collectives=max(state.synced_collectives, state.outside_collectives),
+        collectives=state.synced_collectives,  # an outside unit's at its own op, as before
     )
 
 
@@ -222,7 +222,7 @@ def rank_state(
         grads_backward=(sum(deferred) + own_shards) * master,
         reducing=max(deferred, default=0) * master,
         outside_collectives=max(own, default=0) * (compute + master),
-        synced_collectives=max(whole, default=0) * (compute + master),
+        synced_collectives=max(deferred, default=0) * (compute + master),
     )
 
 
