@@ -128,7 +128,8 @@ def reduced_in_backward(state: RankState) -> RankState:
         state,
         grads_backward=None,
         reducing=0,
-        unsharded_backward=None,
+        # resharded after its backward: two units at most, none at a loss (memory/gathered.py)
+        unsharded_backward=None if state.unsharded_backward is None else state.unsharded,
         collectives=state.synced_collectives,  # an outside unit's at its own op, as before
     )
 
