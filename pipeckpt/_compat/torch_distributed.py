@@ -2,8 +2,8 @@
 methods the engine overrides and its schedule IR, FSDP2's lazy init and DeviceMesh's and DTensor's
 layout helpers (split from torch_private.py, which holds the rest).
 
-Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
-behaviour.
+Each entry says why no public API serves; ``tests/test_compat_distributed.py`` checks each by name
+and behaviour.
 """
 
 from contextlib import contextmanager
