@@ -17,7 +17,11 @@ rule held every unit gathered after a backward, whatever came after it, so the p
 import re
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["StageOrder", "gathered"]
+__all__ = ["LOSS_OPS", "StageOrder", "gathered"]
+
+#: The walk's loss ops (pipeckpt/memory/walk.py): a pipelined stage's, and a local one's.
+LOSS_OPS = r"[FB]\d+ loss$|loss (?:forward|backward)$"
+_LOSS = re.compile(rf"(?:stage \d+ )?(?:{LOSS_OPS})")
 
 #: One stage's compute ops in the order it runs them, ``("F" | "B", micro-batch)``
 #: (:func:`pipeckpt.memory.schedule.op_order`).
@@ -52,9 +56,9 @@ def gathered(
     if order is None or op is None or (op.group(1), int(op.group(2))) not in order:
         if backward_share is not None:
             return min(whole, round(backward_share * whole) + two)
-        return 0 if re.search(r"loss(?: forward| backward)?$", at) else two
+        return 0 if _LOSS.match(at) else two
     kind, i, layer, part = op.group(1), int(op.group(2)), op.group(3), op.group(4)
-    before = list(order[: list(order).index((kind, i))])
+    before = order[: order.index((kind, i))]
     backwards = [n for n, (k, _) in enumerate(before) if k == "B"]
     start, stop = layers
     after = 0.0 if layer is None else min(1.0, max(0.0, (stop - 1 - int(layer)) / max(stop - start, 1)))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from pipeckpt.memory.gathered import StageOrder, gathered
+from pipeckpt.memory.gathered import LOSS_OPS, StageOrder, gathered
 from pipeckpt.memory.predict import Prediction
 from pipeckpt.memory.schedule import SCHEDULES, op_order
 from pipeckpt.memory.sharding import Layout, RankState, rank_state, reduced_in_backward
@@ -50,8 +50,7 @@ class RankMemory:
 
 # The walk's points before a stage's backward has made any gradient: its forwards, the gather, and
 # the loss (its backward runs before the head's). pipeckpt/memory/walk.py names them.
-_LOSS_OPS = r"[FB]\d+ loss$|loss (?:forward|backward)$"
-_BEFORE_GRADIENTS = re.compile(rf"(?:stage \d+ )?(?:F\d+ |gather$|{_LOSS_OPS})")
+_BEFORE_GRADIENTS = re.compile(rf"(?:stage \d+ )?(?:F\d+ |gather$|{LOSS_OPS})")
 
 
 #: The op :func:`per_rank` adds after a stage's last backward under FSDP with gradient sync deferred:
