@@ -74,6 +74,8 @@ it and writes a PNG; under ckpt=auto the table is the chosen plan's. The command
                         tensor_parallel argument, e.g. model=llama3), or its layers split by its
                         own plan (a pipeline_of model's config.base_model_tp_plan, e.g. model=hf)
   memory.reshard=BOOL   FSDP2 frees each block's gathered parameters after its forward (default false)
+  memory.reduce_every=BOOL FSDP2 reduce-scatters the gradients in every micro-batch's backward
+                        (strategy.reduce_every_microbatch; default false: once, after the last)
 """
 
 
@@ -88,6 +90,7 @@ class MemoryOptions:
     fsdp: Optional[int] = None
     tp: Optional[int] = None
     reshard: bool = False
+    reduce_every: bool = False
     available: Optional[int] = None
     #: Why the model was built on fake tensors when the user did not ask (printed above the table).
     fake_reason: Optional[str] = None
@@ -116,7 +119,8 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             rest.append(arg.lstrip("+"))  # the configs define it: a plain override
         else:
             rest.append(arg)
-    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", "available", *CONFIG_KEYS}
+    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", "reduce_every", "available"}
+    known |= set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)
     if unknown:
         raise config_error(
@@ -133,6 +137,7 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             fsdp=_degree(values, "fsdp"),
             tp=_degree(values, "tp"),
             reshard=values.get("reshard", "false").lower() in ("1", "true", "yes"),
+            reduce_every=values.get("reduce_every", "false").lower() in ("1", "true", "yes"),
             available=parse_bytes(values["available"], "memory.available") if "available" in values else None,
         ),
         rest,
@@ -232,6 +237,7 @@ def _per_rank_run(
         fsdp=options.fsdp or 1,
         tp=options.tp or 1,
         reshard_after_forward=options.reshard,
+        reduce_every_microbatch=options.reduce_every,
         precision=str(cfg.trainer.precision),
     )
     if settings.modes == "auto":

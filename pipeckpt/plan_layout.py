@@ -165,6 +165,7 @@ def _cost(
             seq_len=seq_len,
             precision=precision,
             reshard_after_forward=c.reshard,
+            reduce_every_microbatch=c.reduce_every,
         )
 
     return estimate

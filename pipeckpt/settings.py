@@ -169,6 +169,14 @@ class PipeSettings:
             "forward (less memory, one more gather per backward); default False"
         ),
     )
+    reduce_every_microbatch: Optional[bool] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed, data_parallel='fsdp': reduce-scatter each micro-batch's gradients in its "
+            "backward and keep only shards (less memory: no stage's whole gradients; one "
+            "reduce-scatter per micro-batch); default False: once, after the last micro-batch"
+        ),
+    )
     dp_shard: Optional[int] = field(
         default=None,
         metadata=_engine_help(
@@ -276,6 +284,7 @@ class PipeSettingsArgs(TypedDict, total=False):
     start_timeout: Optional[float]
     data_parallel: Optional[str]
     reshard_after_forward: Optional[bool]
+    reduce_every_microbatch: Optional[bool]
     dp_shard: Optional[int]
     tensor_parallel: Optional[int]
     tensor_parallel_plan: Optional[Dict[str, str]]

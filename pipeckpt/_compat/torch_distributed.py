@@ -85,11 +85,13 @@ NOSYNC_BACKWARD = (
 
 
 @contextmanager
-def reducing_in_backward(module: nn.Module) -> Iterator[None]:
-    """Within it, ``module`` (an FSDP2 module) reduce-scatters each unit's gradient in its backward
-    and reshards it after, as FSDP2 does alone, whatever torch's stage sets for its backward: the
-    three setters of :data:`NOSYNC_BACKWARD` are set to True and held there."""
-    setters = NOSYNC_BACKWARD[1]
+def reducing_in_backward(module: nn.Module, *, reshard: bool = True) -> Iterator[None]:
+    """Within it, ``module`` (an FSDP2 module) reduce-scatters each unit's gradient in its backward,
+    as FSDP2 does alone, whatever torch's stage sets for its backward: the gradient sync of
+    :data:`NOSYNC_BACKWARD` is set to True and held there; with ``reshard``, the other two setters
+    too (a unit resharded after its backward, the backward the step's last), else left to the stage
+    (gathered units kept for the next micro-batch, the step's end still to come)."""
+    setters = NOSYNC_BACKWARD[1] if reshard else ("set_requires_gradient_sync",)
     for name in setters:
         getattr(module, name)(True)
     for name in setters:

@@ -128,8 +128,9 @@ class Engine(ABC):
         """``checkpoint='auto'`` (the world known): how each stage's parameters, gradients and
         optimizer state are spread over the ranks that run it, as the fields of
         :class:`~pipeckpt.memory.sharding.Layout` (``fsdp``, ``tp``, ``reshard_after_forward``,
-        ``precision``, ``tp_plan``). Empty: every stage is held whole by its device. ``layers``:
-        the pipelined Sequential, when the spread depends on the model (a plan of its own)."""
+        ``reduce_every_microbatch``, ``precision``, ``tp_plan``). Empty: every stage is held whole
+        by its device. ``layers``: the pipelined Sequential, when the spread depends on the model (a
+        plan of its own)."""
         return {}
 
     @classmethod

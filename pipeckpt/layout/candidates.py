@@ -10,7 +10,7 @@ batch. Checkpoint modes are not enumerated: :mod:`pipeckpt.layout.fit` chooses t
 :func:`pipeckpt.memory.auto.choose` under the device's memory.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipeckpt._errors import config_error
@@ -44,6 +44,8 @@ class Candidate:
     chunks: int
     modes: Tuple[str, ...] = ()
     reshard: bool = False  # FSDP2 frees the gathered parameters after each forward (dp_shard > 1)
+    # FSDP2 reduce-scatters the gradients in every micro-batch's backward (dp_shard > 1, chunks > 1)
+    reduce_every: bool = False
 
     @property
     def dp(self) -> int:
@@ -58,8 +60,10 @@ class Candidate:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        """``pp2 x tp1 x dp2 (fsdp 2)``: the degrees as a table's column reads them."""
-        shard = f" (fsdp {self.dp_shard}{', reshard' if self.reshard else ''})" if self.dp_shard > 1 else ""
+        """``pp2 x tp1 x dp2 (fsdp 2)``: the degrees as a table's column reads them (``reshard``:
+        ``reshard_after_forward``; ``reduce every``: ``reduce_every_microbatch``)."""
+        how = (", reshard" if self.reshard else "") + (", reduce every" if self.reduce_every else "")
+        shard = f" (fsdp {self.dp_shard}{how})" if self.dp_shard > 1 else ""
         return f"pp{self.pp} x tp{self.tp} x dp{self.dp}{shard}"
 
     def settings(self) -> Dict[str, Any]:
@@ -79,6 +83,7 @@ class Candidate:
         }
         if self.dp_shard > 1:
             out["reshard_after_forward"] = self.reshard
+            out["reduce_every_microbatch"] = self.reduce_every
         if self.modes:
             out["checkpoint"] = list(self.modes)
         return out
@@ -161,7 +166,10 @@ def candidates(
     single-rank pipeline is listed under gpipe only (every schedule runs one stage alike), and a
     data-parallel degree must divide the global batch (each replica takes an equal share). A layout
     that shards with FSDP is listed twice: parameters kept gathered through the step (the engine's
-    default) and freed after each forward (``reshard_after_forward``: less memory, gathered again)."""
+    default) and freed after each forward (``reshard_after_forward``: less memory, gathered again);
+    with more than one micro-batch and a whole backward each, twice again: gradients reduced once a
+    step (whole until then) and in every micro-batch's backward (``reduce_every_microbatch``:
+    shards only, a reduce-scatter per micro-batch)."""
     if world < 1 or global_batch < 1:
         raise config_error(
             f"a world of {world} processes with a global batch of {global_batch}",
@@ -180,6 +188,9 @@ def candidates(
                 for chunks in chunk_counts(
                     schedule, pp=pp, virtual_stages=v, replica_batch=global_batch // dp, most=most_chunks
                 ):
+                    each = shard > 1 and chunks > 1 and not lookup(schedule).traits.split_backward
                     for reshard in (False, True) if shard > 1 else (False,):
-                        out.append(Candidate(pp, tp, replicate, shard, schedule, v, chunks, reshard=reshard))
+                        for reduce in (False, True) if each else (False,):
+                            c = Candidate(pp, tp, replicate, shard, schedule, v, chunks, reshard=reshard)
+                            out.append(replace(c, reduce_every=reduce))
     return out

@@ -26,7 +26,7 @@ from pipeckpt.layout.model_costs import (
     model_costs_from_profile,
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
-from pipeckpt.layout.rank_work import Stage, collectives, messages, per_rank, waited
+from pipeckpt.layout.rank_work import Stage, collectives, grad_bytes, messages, per_rank, waited
 from pipeckpt.layout.shared_cores import simulate_shared
 from pipeckpt.memory.engine_cost import ENGINE_S_PER_MICROBATCH  # re-exported: the layout's default
 from pipeckpt.stages.partition import min_max_partition
@@ -103,6 +103,7 @@ def estimate(
     seq_len: int,
     precision: str,
     reshard_after_forward: bool = False,
+    reduce_every_microbatch: bool = False,
     engine_s_per_microbatch: float = ENGINE_S_PER_MICROBATCH,
     stage_layers: Optional[Sequence[int]] = None,
 ) -> StepEstimate:
@@ -118,6 +119,8 @@ def estimate(
         precision: Lightning's precision name (the device's rate and the dtypes moved).
         reshard_after_forward: FSDP frees gathered parameters after each forward (the engine's
             default is False: gathered once per step).
+        reduce_every_microbatch: FSDP reduce-scatters each micro-batch's gradients in its backward
+            (the engine's default is False: once, after the last micro-batch's backward).
         engine_s_per_microbatch: the engine's own cost of one micro-batch on one stage.
         stage_layers: layers per stage (default :func:`balance`).
     """
@@ -157,6 +160,9 @@ def estimate(
         per_op = s.tp + s.host + regather if comm else 0.0
         if kind == "F":
             return work + e + per_op
+        if comm and kind == "B" and i != c.chunks - 1 and reduce_every_microbatch:
+            # the gradients' reduction (the step's tail has the last micro-batch's), under the backward
+            per_op += waited(s.reduce, s.reduce / max(1, s.units), work, cluster)
         redo = s.recompute if modes[j].recomputes(i, c.chunks, keep=keep[j]) else 0.0
         return work + redo + e + per_op
 
@@ -215,6 +221,8 @@ def estimate(
     step += shared
     sent = sum(messages(j, k, sends, owner) for j, k, _ in ops)
     carried = sum(st[j].tp + st[j].host for j, k, _ in ops if k != "W")  # all-reduces, host copies
+    if reduce_every_microbatch:  # every backward's reduction but the last (in the tail)
+        carried += sum(st[j].reduce for j, k, i in ops if k == "B" and i != c.chunks - 1)
     # at least the exposed part, which may hold sends between other stages on the step's critical path
     comm = max(exposed, carried + sent + collectives(st, ops, reshard_after_forward) + grads_comm[r])
     peak = cluster.device.peak_flops[precision]
@@ -307,6 +315,11 @@ def _stages(
         gather = cluster.all_gather_factor * gather_s(
             params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
         )
+        # a micro-batch's reduction, as the step's (rank_work.per_rank): reduce-scatter, then all-reduce
+        grads = params / dtype_bytes(precision) * grad_bytes(precision)
+        reduce = cluster.reduce_scatter_factor * gather_s(
+            grads, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
+        ) + all_reduce_s(grads / c.dp_shard, c.dp_replicate, mesh.replicate_bytes_per_s, cluster.latency_s)
         backward = model.backward_factor * (layers + head) + backward_host
         inputs, weights = model.split_backward.at(backward, first=j == 0)
         out.append(
@@ -318,6 +331,8 @@ def _stages(
                 host=act / host if mode.offloads and host > 0 else 0.0,
                 gather=gather,
                 gather_unit=gather / max(1, b - a),
+                reduce=reduce,
+                units=b - a,
                 input_pass=inputs,
                 weight_pass=weights,
             )

@@ -126,7 +126,12 @@ class Memory:
         """How ``c`` spreads a stage's parameters over ranks, as the memory model reads it."""
         _, plan = self._layers(c.tp)
         return Layout(
-            fsdp=c.dp_shard, tp=c.tp, precision=self.precision, tp_plan=plan, reshard_after_forward=c.reshard
+            fsdp=c.dp_shard,
+            tp=c.tp,
+            precision=self.precision,
+            tp_plan=plan,
+            reshard_after_forward=c.reshard,
+            reduce_every_microbatch=c.reduce_every,
         )
 
     def state_bytes(self, c: Candidate) -> int:
@@ -158,7 +163,7 @@ class Memory:
         """Each stage's state on one of its ranks, per balance, for ``c``'s sharding: one function (it
         caches by balance) for every layout sharded alike, whatever its micro-batches and schedule;
         made anew for each, the per-rank states were most of a 512-GPU search's time."""
-        key = (c.tp, c.dp_shard, c.reshard, outside)
+        key = (c.tp, c.dp_shard, c.reshard, c.reduce_every, outside)
         if key not in self._rank_state_fns:
             sequential, _ = self._layers(c.tp)
             self._rank_state_fns[key] = stage_rank_states(
@@ -190,7 +195,7 @@ class Memory:
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
-        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard)
+        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard, c.reduce_every)
         if key not in self._answers:
             fitted = self.profile(c.tp, microbatch)
             states = self._rank_states(c, fitted.outside_params)

@@ -30,6 +30,8 @@ class Stage:
     gather_unit: float
     input_pass: float  # a split backward's input pass (layout.split_backward)
     weight_pass: float  # and its weight pass
+    reduce: float = 0.0  # FSDP's reduction of the stage's gradients (reduce-scatter, HSDP all-reduce)
+    units: int = 1  # FSDP units (layers) the stage's collectives run in
 
 
 def grad_bytes(precision: str) -> int:

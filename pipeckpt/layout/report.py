@@ -29,7 +29,7 @@ def modes_text(modes: Sequence[str]) -> str:
 
 
 HEADER = (
-    f"{'#':>2} {'layout':<36} {'schedule':<26} {'chunks':>6} {'peak/rank':>10} {'step ms':>9} "
+    f"{'#':>2} {'layout':<48} {'schedule':<26} {'chunks':>6} {'peak/rank':>10} {'step ms':>9} "
     f"{'tok/s/dev':>10} {'MFU %':>6} {'bubble %':>8} {'comm %':>6}  modes"
 )
 
@@ -39,7 +39,7 @@ def format_row(i: int, r: Ranked) -> str:
     c, e = r.candidate, r.estimate
     schedule = c.schedule + (f" (v{c.virtual_stages})" if c.virtual_stages > 1 else "")
     return (
-        f"{i:>2} {c.describe():<36} {schedule:<26} {c.chunks:>6} {human(r.fitted.peak):>10} "
+        f"{i:>2} {c.describe():<48} {schedule:<26} {c.chunks:>6} {human(r.fitted.peak):>10} "
         f"{e.step_s * 1e3:>9.2f} {e.tokens_per_s_per_device:>10.0f} {100 * e.mfu:>6.1f} "
         f"{100 * r.bubble_share:>8.1f} {100 * r.comm_share:>6.1f}  {modes_text(c.modes)}"
     )
@@ -51,7 +51,13 @@ def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:
         f"layout search: {searched.considered} layouts considered, {len(searched.ranked)} fit"
         + (f" {device}" if device else "")
         + f"; {searched.dropped_at('state')} dropped on parameters, gradients and optimizer state "
-        f"alone, {searched.dropped_at('memory')} with every checkpoint mode",
+        f"alone, {searched.dropped_at('memory')} with every checkpoint mode"
+        + (
+            f", {searched.dropped_at('dominated')} reducing every micro-batch where reducing once "
+            "fits without recompute"
+            if searched.dropped_at("dominated")
+            else ""
+        ),
         HEADER,
     ]
     lines += [format_row(i + 1, r) for i, r in enumerate(searched.ranked[:top])]

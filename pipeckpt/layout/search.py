@@ -9,7 +9,7 @@ test that states them.
 """
 
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Set, Tuple
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.layout.candidates import Candidate
@@ -73,12 +73,18 @@ class Ranked:
         return self.estimate.exposed_comm_s / self.estimate.step_s if self.estimate.step_s else 0.0
 
 
+#: Why a layout reducing every micro-batch is dropped when its twin fits with nothing recomputed.
+DOMINATED = "slower than the same layout reducing once a step, which fits without recompute"
+
+
 @dataclass(frozen=True)
 class Dropped:
     """A layout the search dropped, and why in one line."""
 
     candidate: Candidate
-    stage: str  # "state": its parameters, gradients and optimizer state alone; "memory": no modes fit
+    # "state": its parameters, gradients and optimizer state alone; "memory": no modes fit;
+    # "dominated": a twin as fast or faster in the same memory (DOMINATED)
+    stage: str
     reason: str
 
 
@@ -141,7 +147,13 @@ def search(
     """
     dropped: List[Dropped] = []
     ranked: List[Ranked] = []
+    unbound: Set[Candidate] = set()  # layouts ranked with no stage recomputing, gradients reduced once
     for c in candidates:
+        if c.reduce_every and replace(c, reduce_every=False) in unbound:
+            # Reducing every micro-batch only adds reduce-scatters: it buys memory, which a layout
+            # that fits without any recompute cannot spend (its twin, just ranked, is faster).
+            dropped.append(Dropped(c, "dominated", DOMINATED))
+            continue
         held = state(c)
         if held > device_bytes:
             dropped.append(
@@ -161,6 +173,8 @@ def search(
             dropped.append(Dropped(c, "memory", f"peak {human(fitted.peak)} > {human(device_bytes)}"))
             continue
         ranked.append(Ranked(fitted, cost(fitted.candidate)))
+        if not c.reduce_every and all(m == "never" for m in fitted.candidate.modes):
+            unbound.add(c)
     ranked.sort(key=_order)
     return Searched(tuple(ranked[:top] if top else ranked), tuple(dropped), len(candidates))
 

@@ -242,7 +242,9 @@ def format_ranks(table: RankTable) -> str:
     unit, name = (GiB, "GiB") if table.peak >= GiB else (MiB, "MiB")
     lines = [
         f"one rank per stage: fsdp {lay.fsdp}, tp {lay.tp}, reshard_after_forward "
-        f"{lay.reshard_after_forward}, {lay.precision}; schedule {table.schedule}, "
+        f"{lay.reshard_after_forward}, {lay.precision}"
+        + (", gradients reduced every micro-batch" if lay.reduce_every_microbatch else "")
+        + f"; schedule {table.schedule}, "
         f"chunks {table.chunks}; {name}",
         f"{'stage':>5} {'layers':>7} {'mode':>11} "
         + " ".join(f"{c:>11}" for c in (*COLUMNS, "activations", "boundary", "working", "peak"))

@@ -31,6 +31,7 @@ __all__ = [
     "split_shapes",
     "rank_state",
     "reduced_in_backward",
+    "reduced_every_microbatch",
 ]
 
 #: Lightning's precision names: (compute dtype, master dtype of parameters, gradients and optimizer).
@@ -52,6 +53,9 @@ class Layout:
         tp: tensor-parallel degree (the stage's layers must already be one rank's share).
         reshard_after_forward: FSDP2 frees a block's gathered parameters after its forward (True) or
             keeps the stage's for the whole step (False, torchtitan's default under PP).
+        reduce_every_microbatch: FSDP2 reduce-scatters each unit's gradient in every micro-batch's
+            backward (True: shards only, :func:`reduced_every_microbatch`) or, as torch's pipeline
+            stage does, once after the last (False: the stage's gradients whole until then).
         precision: a key of :data:`PRECISIONS`.
         tp_plan: ``tensor_parallel_plan``'s entries (submodule pattern, ``"colwise"`` or
             ``"rowwise"``) that split whole layers' parameters into one rank's share; empty: the
@@ -63,6 +67,7 @@ class Layout:
     reshard_after_forward: bool = False
     precision: str = "32-true"
     tp_plan: Tuple[Tuple[str, str], ...] = ()
+    reduce_every_microbatch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):
@@ -122,16 +127,21 @@ def reduced_in_backward(state: RankState) -> RankState:
     alone and the engine lets it for a stage that runs one micro-batch a step
     (engines/distributed/wiring.py, ``LiveStage.backward_maybe_with_nosync``): shards only, one
     unit's buffers in a backward, and a unit resharded after its backward."""
-    if state.grads_backward is None:
-        return state
     return replace(
-        state,
-        grads_backward=None,
-        reducing=0,
+        reduced_every_microbatch(state),
         # resharded after its backward: two units at most, none at a loss (memory/gathered.py)
         unsharded_backward=None if state.unsharded_backward is None else state.unsharded,
-        collectives=state.synced_collectives,  # an outside unit's at its own op, as before
     )
+
+
+def reduced_every_microbatch(state: RankState) -> RankState:
+    """``state`` where each unit's gradient is reduce-scattered in every micro-batch's backward
+    (``reduce_every_microbatch``): shards only, no deferred reduction, one unit's gradient and
+    reduce-scatter input in a layer's backward; the units a backward gathered are kept as torch's
+    stage keeps them (its reshard after backward stays off until the step's end)."""
+    if state.grads_backward is None:
+        return state  # no FSDP: nothing deferred
+    return replace(state, grads_backward=None, reducing=0, collectives=state.synced_collectives)
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -213,7 +223,7 @@ def rank_state(
     deferred, own = whole[: len(units)], whole[len(units) :]
     own_shards = sum(shard_numel(s, layout.fsdp) for u in shapes[len(units) :] for s, t in u if t)
     upcast = max(deferred, default=0) * compute if compute != master else 0
-    return RankState(
+    state = RankState(
         params=held,
         grads=sharded,
         optimizer=optimizer_state_bytes(optimizer, sharded, len(params)),
@@ -225,6 +235,7 @@ def rank_state(
         outside_collectives=max(own, default=0) * (compute + master),
         synced_collectives=max(deferred, default=0) * (compute + master),
     )
+    return reduced_every_microbatch(state) if layout.reduce_every_microbatch else state
 
 
 def stage_rank_states(

@@ -1,5 +1,7 @@
 """The layouts the search enumerates: the engine's own rules, counted exactly."""
 
+from dataclasses import replace
+
 import pytest
 
 from pipeckpt import PipeckptConfigError
@@ -127,6 +129,26 @@ def test_a_layout_sharded_by_fsdp_is_listed_kept_gathered_and_resharded_after_fo
     assert PipeSettings(**c.settings()).reshard_after_forward is True
     assert c.describe().endswith(f"(fsdp {c.dp_shard}, reshard)")
     assert "reshard_after_forward" not in next(c for c in found if c.dp_shard == 1).settings()
+
+
+def test_a_sharded_layout_of_several_micro_batches_is_listed_reducing_once_and_every_micro_batch() -> None:
+    found = candidates(4, Model(layers=4), global_batch=8)
+    every = [c for c in found if c.reduce_every]
+    assert every and all(c.dp_shard > 1 and c.chunks > 1 for c in every)
+    assert not any(lookup(c.schedule).traits.split_backward for c in every)  # refused by the engine
+    twins = {replace(c, reduce_every=False) for c in every}
+    expected = {
+        c
+        for c in found
+        if c.dp_shard > 1
+        and c.chunks > 1
+        and not c.reduce_every
+        and not lookup(c.schedule).traits.split_backward
+    }
+    assert twins == expected  # each such layout both ways
+    c = every[0]
+    assert PipeSettings(**c.settings()).reduce_every_microbatch is True
+    assert c.describe().endswith("reduce every)")
 
 
 def test_an_unknown_schedule_is_refused_by_name() -> None:

@@ -342,3 +342,18 @@ def test_parts_add_up_to_the_step(schedule: str, v: int, mode: str) -> None:
         parts = e.compute_s + e.recompute_s + e.bubble_s + e.exposed_comm_s + e.engine_s + e.optimizer_s
         assert parts == pytest.approx(e.step_s)
         assert 0 < e.exposed_comm_s <= e.comm_s and e.bubble_s >= 0
+
+
+def test_reducing_every_microbatch_adds_a_reduce_scatter_for_each_micro_batch_but_the_last() -> None:
+    once = run(Layout(dp_shard=2, chunks=4), 2)
+    every = run(Layout(dp_shard=2, chunks=4), 2, reduce_every_microbatch=True)
+    scatter = (2 - 1) / 2 * LAYERS * PARAMS * 4 / BW  # float32 gradients, as the step's own
+    assert every.comm_s == pytest.approx(once.comm_s + 3 * scatter)
+    # under the backward but its last unit's share, which the step waits for
+    assert every.step_s >= once.step_s + 3 * scatter / LAYERS
+
+
+def test_reducing_every_microbatch_changes_nothing_at_one_micro_batch() -> None:
+    once = run(Layout(dp_shard=2, chunks=1), 2)
+    every = run(Layout(dp_shard=2, chunks=1), 2, reduce_every_microbatch=True)
+    assert (every.step_s, every.comm_s) == (once.step_s, once.comm_s)

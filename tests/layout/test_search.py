@@ -4,7 +4,7 @@ The cost and memory functions here are stated in each test (the search takes the
 so a ranking is checked against numbers written down, not against another model of the step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
 import pytest
@@ -252,3 +252,33 @@ def test_a_sharded_looped_ranks_peak_is_the_sum_of_its_stages() -> None:
     found = memory.fit(Candidate(2, 1, 1, 2, "interleaved_1f1b", 2, 2))
     stages = found.prediction.stages
     assert found.peaks == (stages[0].peak + stages[2].peak, stages[1].peak + stages[3].peak)
+
+
+def test_reducing_every_micro_batch_is_dropped_where_its_twin_fits_without_recompute() -> None:
+    once = Candidate(1, 1, 1, 2, "gpipe", 1, 2, modes=())
+    every = replace(once, reduce_every=True)
+    asked: List[Candidate] = []
+
+    def memory(c: Candidate) -> Fitted:
+        asked.append(c)
+        return fitted(replace(c, modes=("never",)), 10)
+
+    found = search(
+        [once, every], device_bytes=100, state=lambda c: 0, memory=memory, cost=lambda c: Step(1.0)
+    )
+    assert asked == [once]  # no memory fit for the dominated twin
+    assert [(d.candidate, d.stage) for d in found.dropped] == [(every, "dominated")]
+
+
+def test_reducing_every_micro_batch_is_searched_where_its_twin_recomputes() -> None:
+    once = Candidate(1, 1, 1, 2, "gpipe", 1, 2, modes=())
+    every = replace(once, reduce_every=True)
+    modes = {once: ("always",), every: ("never",)}
+    found = search(
+        [once, every],
+        device_bytes=100,
+        state=lambda c: 0,
+        memory=lambda c: fitted(replace(c, modes=modes[c]), 10),
+        cost=lambda c: Step(2.0 if c.modes == ("always",) else 1.0),
+    )
+    assert [r.candidate.reduce_every for r in found.ranked] == [True, False]  # memory bought time

@@ -11,6 +11,7 @@ from typing import List
 import torch
 from support.fake_world import fake_world
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeckpt._compat import reducing_in_backward
@@ -73,3 +74,39 @@ def test_reducing_in_backward_keeps_fsdp2_reducing_whatever_the_stage_sets() -> 
         sharded = sum(p.grad.to_local().numel() * 4 for p in layers.parameters() if p.grad is not None)
         assert "set_requires_gradient_sync" not in layers.__dict__  # the stage's setters are back
     assert sharded == rank_state(list(layers), Layout(fsdp=2, precision="bf16-mixed")).grads
+
+
+def test_reducing_every_micro_batch_keeps_shards_and_leaves_the_gathered_units_to_the_stage() -> None:
+    # What the engine wraps each micro-batch's backward in under reduce_every_microbatch: torch's
+    # stage turns all three setters off inside it (as here); FSDP2 reduces every micro-batch's
+    # gradient into the shards, and keeps each unit gathered as the stage asked (no reshard after
+    # backward: the next micro-batch's forward gathers nothing again).
+    torch.manual_seed(0)
+    layers = llama_layers(llama_config("tiny", seq_len=16))
+    layout = Layout(fsdp=2, precision="bf16-mixed", reduce_every_microbatch=True)
+    state = rank_state(list(layers), layout)
+    # FSDP2 holds the last reduce-scatter's input (the embedding's, reduced last) until the next
+    retained = sum(p.numel() for p in layers[0].parameters()) * 4
+    with fake_world(2) as mesh:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layers, mesh=mesh, mp_policy=policy)
+        for _ in range(2):  # two micro-batches of one step
+            loss = layers(torch.randint(256, (2, 16))).float().logsumexp(-1).mean()
+            backward = _Backward()
+            with reducing_in_backward(layers, reshard=False):
+                for setter in (
+                    "set_is_last_backward",
+                    "set_reshard_after_backward",
+                    "set_requires_gradient_sync",
+                ):
+                    getattr(layers, setter)(False)
+                with backward:
+                    loss.backward()
+            kept = {id(s): s.nbytes() for s in (r() for r in backward.made) if s is not None}
+            gathered = [not isinstance(next(layer.parameters()), DTensor) for layer in layers]
+            assert sum(kept.values()) == state.grads + retained  # shards, no whole gradient
+            assert all(gathered)  # kept for the next micro-batch, as the stage set
+    assert state.grads_backward is None and state.reducing == 0  # nothing whole, nothing deferred
+    assert state.collectives == state.synced_collectives >= retained  # a unit's gradient, its input

@@ -211,6 +211,7 @@ class EngineBuilding:
             device=self._device,
             group=self.processes.pp_group,
             loss_fn=step.microbatch_loss,
+            reduce_every=bool(self.settings.reduce_every_microbatch),
         )
         self.step = step
         self.module = module

@@ -117,6 +117,7 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
             fsdp=self.topology.shard_degree,  # dp_shard under hybrid sharding
             tp=self.topology.tp,
             reshard_after_forward=bool(s.reshard_after_forward),
+            reduce_every_microbatch=bool(s.reduce_every_microbatch),
             precision=precision,
             tp_plan=tuple((s.tensor_parallel_plan or {}).items()),
         )

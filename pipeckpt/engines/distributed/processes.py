@@ -29,7 +29,7 @@ from pipeckpt.engines.distributed.children import ScriptLauncher
 from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.liveness import Liveness
 from pipeckpt.engines.distributed.schedules import ScheduleKind, lookup
-from pipeckpt.engines.distributed.sharding import check_data_parallel
+from pipeckpt.engines.distributed.sharding import check_data_parallel, check_reduce_every
 from pipeckpt.engines.distributed.startup import rendezvous
 from pipeckpt.engines.distributed.tensor_parallel import check_tensor_parallel
 from pipeckpt.engines.distributed.topology import Topology, check_kind, resolve
@@ -46,6 +46,7 @@ SETTINGS: Dict[str, Any] = {
     "start_timeout": 600.0,
     "data_parallel": "ddp",
     "reshard_after_forward": False,
+    "reduce_every_microbatch": False,
     "dp_shard": None,
     "tensor_parallel": 1,
     "tensor_parallel_plan": None,
@@ -83,6 +84,7 @@ def check_process_settings(s: PipeSettings) -> None:
     assert s.schedule is not None and s.virtual_stages is not None
     kind = lookup(s.schedule)
     check_kind(kind, s.virtual_stages)
+    check_reduce_every(s, kind.traits.split_backward)
     check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
 
 

@@ -137,8 +137,10 @@ class Schedules:
         device: torch.device,
         group: dist.ProcessGroup,
         loss_fn: Callable[[Any, Tensor], Tensor],
+        reduce_every: bool = False,
     ) -> None:
         self.kind = kind
+        self._reduce_every = reduce_every
         self._indices, self._modules, self._trained = list(indices), list(modules), list(trained)
         self._num_stages, self._device, self._group = num_stages, device, group
         self._loss_fn = loss_fn
@@ -167,6 +169,8 @@ class Schedules:
             LiveStage(m, s, j, self._num_stages, self._device, self._group, boundaries)
             for j, m, s in zip(self._indices, self._modules, submodules)
         ]
+        for stage in stages:
+            stage.reduce_every = self._reduce_every
         if train and self.kind.traits.split_backward:
             for stage, submodule in zip(stages, submodules):
                 _split(stage, wrapped=submodule is not stage.stage_module)

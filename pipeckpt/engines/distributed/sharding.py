@@ -37,7 +37,8 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 
 def check_data_parallel(s: PipeSettings) -> None:
-    """``data_parallel`` names a kind this engine runs; ``reshard_after_forward`` is FSDP's switch."""
+    """``data_parallel`` names a kind this engine runs; ``reshard_after_forward`` and
+    ``reduce_every_microbatch`` are FSDP's switches."""
     if s.data_parallel not in DATA_PARALLEL:
         raise config_error(
             f"data_parallel={s.data_parallel!r}",
@@ -45,18 +46,37 @@ def check_data_parallel(s: PipeSettings) -> None:
             "parameters, gradients and optimizer state, 'fsdp' shards them over the replicas",
             "set data_parallel='ddp' (the default) or data_parallel='fsdp'",
         )
-    if s.reshard_after_forward is not None and not isinstance(s.reshard_after_forward, bool):
-        raise config_error(
-            f"reshard_after_forward={s.reshard_after_forward!r}",
-            "is a switch: True or False",
-            "set reshard_after_forward=True or reshard_after_forward=False",
-        )
+    switches = {
+        "reshard_after_forward": "gathers parameters for a forward and frees them after",
+        "reduce_every_microbatch": "reduce-scatters gradients into shards",
+    }
+    for name in switches:
+        value = getattr(s, name)
+        if value is not None and not isinstance(value, bool):
+            raise config_error(
+                f"{name}={value!r}", "is a switch: True or False", f"set {name}=True or {name}=False"
+            )
     check_dp_shard(s)
-    if s.reshard_after_forward and s.data_parallel != "fsdp":
+    for name, what in switches.items():
+        if getattr(s, name) and s.data_parallel != "fsdp":
+            raise config_error(
+                f"{name}=True with data_parallel={s.data_parallel!r}",
+                f"only sharded data parallelism {what}",
+                f"set data_parallel='fsdp', or drop {name}",
+            )
+
+
+def check_reduce_every(s: PipeSettings, split_backward: bool) -> None:
+    """``reduce_every_microbatch`` lets FSDP2 reduce in each micro-batch's backward, which a
+    zero-bubble schedule splits: its weight gradients are made in a later pass, after the backward
+    FSDP2 reduces them in, so it keeps torch's one reduction at the step's end."""
+    if s.reduce_every_microbatch and split_backward:
         raise config_error(
-            f"reshard_after_forward=True with data_parallel={s.data_parallel!r}",
-            "only sharded data parallelism gathers parameters for a forward and frees them after",
-            "set data_parallel='fsdp', or drop reshard_after_forward",
+            f"reduce_every_microbatch=True with schedule={s.schedule!r}",
+            "a zero-bubble schedule makes the weights' gradients in a pass after the backward that "
+            "FSDP2 reduce-scatters them in, so they are reduced once, after the last micro-batch",
+            "choose a schedule without a split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS), "
+            "or drop reduce_every_microbatch",
         )
 
 

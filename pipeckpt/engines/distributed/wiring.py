@@ -155,6 +155,7 @@ class LiveStage(PipelineStage):
         self.boundaries = boundaries
         self.last_output: Any = None
         self.outputs: List[Any] = []  # the last stage's micro-batch outputs of a forward-only step
+        self.reduce_every = False  # FSDP2 reduce-scatters every micro-batch (reduce_every_microbatch)
 
     @override
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:  # named in pipeckpt._compat
@@ -216,9 +217,12 @@ class LiveStage(PipelineStage):
         # stage's gradients whole. Waiting saves reduce-scatters only between micro-batches; a stage
         # that runs one a step reduces as FSDP2 does alone, each unit's gradient in its backward, and
         # keeps the shards (docs/MEMORY.md, "Gradients whole until the step's end").
-        if self.chunks == 1 and backward_type == "full" and isinstance(self.submod, FSDPModule):
-            with reducing_in_backward(self.submod):
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # With reduce_every_microbatch it reduces in every micro-batch's backward and keeps the
+        # shards, the stage's gathered units left as torch's stage keeps them.
+        if backward_type == "full" and isinstance(self.submod, FSDPModule):
+            if self.chunks == 1 or self.reduce_every:
+                with reducing_in_backward(self.submod, reshard=self.chunks == 1):
+                    return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     @override

@@ -3,7 +3,8 @@
 One launch of 4 real processes (2 pipeline ranks x 2 replicas sharding each stage with FSDP2, gloo
 on CPU, tests/engines/distributed/distributed_fsdp_worker.py) trains Hugging Face Llama and GPT-2
 (tied input embedding and LM head) and the toy Sequential under gpipe, 1f1b, interleaved_1f1b and
-zbv, with never, always and selective checkpointing. Replica r reads rows 4r..4r+3 of every batch
+zbv, with never, always and selective checkpointing, the gradients reduced once a step, and every
+micro-batch (``reduce_every_microbatch``). Replica r reads rows 4r..4r+3 of every batch
 of 8; each run's weights after its AdamW steps are compared with the module trained in this process
 on the whole batches: within 1e-5 relative. Under bf16-mixed the weights stay fp32 and within
 bf16's error of the fp32 reference. A toy run under checkpoint='auto' has a budget that only one rank's
@@ -38,6 +39,7 @@ EPOCH = 2  # steps of the toy data (two batches): a resume restarts an epoch's b
 CLIP = 0.05  # by norm: every shard counted once over the replicas and the pipeline
 FSDP = dict(dp=DP, data_parallel="fsdp", chunks=2)
 FOUR = dict(balance=[1, 1, 1, 1], virtual_stages=2)
+EVERY = dict(reduce_every_microbatch=True)
 
 
 class Leg(NamedTuple):
@@ -84,6 +86,15 @@ RUNS = [  # name, model, steps, strategy, clip
     ("llama_zbv_never", "llama", 3, dict(FSDP, **FOUR, schedule="zbv_zero_bubble", checkpoint="never"), None),
     # One micro-batch a step: the engine lets FSDP2 reduce in the backward (wiring.LiveStage).
     ("llama_gpipe_one_microbatch", "llama", 3, dict(FSDP, chunks=1, balance=[2, 2], schedule="gpipe"), None),
+    # reduce_every_microbatch: FSDP2 reduces in every micro-batch's backward (wiring.LiveStage).
+    ("llama_1f1b_reduce_every", "llama", 3, dict(FSDP, balance=[2, 2], schedule="1f1b", **EVERY), None),
+    (
+        "llama_interleaved_reduce_every",
+        "llama",
+        3,
+        dict(FSDP, **FOUR, schedule="interleaved_1f1b", checkpoint="always", **EVERY),
+        None,
+    ),
     (
         "gpt2_gpipe_selective",
         "gpt2",
@@ -120,6 +131,22 @@ def test_resharding_after_forward_without_sharding_is_refused():
         PipeckptConfigError, match=r"(?s)reshard_after_forward=True with data_parallel='ddp'.*HINT"
     ):
         _checked(reshard_after_forward=True)
+
+
+def test_reducing_every_micro_batch_without_sharding_is_refused():
+    with pytest.raises(
+        PipeckptConfigError, match=r"(?s)reduce_every_microbatch=True with data_parallel='ddp'.*HINT"
+    ):
+        _checked(reduce_every_microbatch=True)
+
+
+def test_reducing_every_micro_batch_under_a_split_backward_is_refused_naming_the_schedule():
+    with pytest.raises(
+        PipeckptConfigError, match=r"(?s)reduce_every_microbatch=True with schedule='zbv_zero_bubble'.*HINT"
+    ):
+        _checked(
+            reduce_every_microbatch=True, data_parallel="fsdp", schedule="zbv_zero_bubble", virtual_stages=2
+        )
 
 
 def test_data_parallel_is_refused_by_the_local_engine():
