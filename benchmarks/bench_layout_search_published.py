@@ -87,16 +87,22 @@ def _same(a: Candidate, b: Candidate) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
-def own_modes(cfg: Any, runs: Sequence[Run]) -> Dict[str, Tuple[Optional[Tuple[int, ...]], Any]]:
+def own_modes(
+    cfg: Any, runs: Sequence[Run], *, every: bool = False
+) -> Dict[str, Tuple[Optional[Tuple[int, ...]], Any]]:
     """Each published layout with its own published modes: each pipeline rank's peak by the memory
     model (as :meth:`pipeckpt.layout.fit.Memory.fit` sums a rank's stages; None where the search
-    cannot split the model as published) and its step by the cost model."""
+    cannot split the model as published) and its step by the cost model; ``every``: with its
+    gradients reduced every micro-batch (``reduce_every_microbatch``), where it shards and has
+    several micro-batches (the others left out)."""
     out: Dict[str, Tuple[Optional[Tuple[int, ...]], Any]] = {}
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         price = _cost(cfg, memory, where, shapes)
         for run in runs:
-            c = published_layout(run)
+            c = replace(published_layout(run), reduce_every=every)
+            if every and (c.dp_shard == 1 or c.chunks == 1 or lookup(c.schedule).traits.split_backward):
+                continue
             step = price(c)
             if c.tp > 1 and not model.tensor_parallel:
                 out[run.name] = (None, step)
@@ -132,7 +138,12 @@ def _pick(r: Ranked) -> str:
     )
 
 
-def report(run: Run, answer: Answer, own: Tuple[Optional[Tuple[int, ...]], Any]) -> List[str]:
+def report(
+    run: Run,
+    answer: Answer,
+    own: Tuple[Optional[Tuple[int, ...]], Any],
+    every: Optional[Tuple[Optional[Tuple[int, ...]], Any]] = None,
+) -> List[str]:
     """The published layout against the pick: in the search's ranking (its modes as the search
     gives them), with its own published modes, and the fastest layout within its memory."""
     ranked = answer.searched.ranked
@@ -154,6 +165,12 @@ def report(run: Run, answer: Answer, own: Tuple[Optional[Tuple[int, ...]], Any])
             f"  - with its own modes ({', '.join(c.modes)}): peak {max(peaks) / GIB:.1f} GiB, "
             f"{'fits' if fits else '**does not fit**'} {device / GIB:.1f} GiB; {step.step_s * 1e3:,.0f} ms, "
             f"{step.tokens_per_s_per_device:,.0f} tok/s/GPU"
+        )
+    if every is not None and every[0] is not None:
+        lines.append(
+            f"  - the same reducing every micro-batch (`reduce_every_microbatch`): peak "
+            f"{max(every[0]) / GIB:.1f} GiB, {every[1].step_s * 1e3:,.0f} ms, "
+            f"{every[1].tokens_per_s_per_device:,.0f} tok/s/GPU"
         )
     if mine is None:
         why = "not searched" if peaks is None else "no modes fit"
@@ -188,7 +205,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
     answer = search_config(cfg)
     wall, cpu = time.time() - began, time.process_time() - cpu
     ranked = answer.searched.ranked
-    own = own_modes(cfg, runs)
+    own, every = own_modes(cfg, runs), own_modes(cfg, runs, every=True)
     gpus = first.nodes * 8
     lines = [
         f"### {first.config.get('model_type')} {', '.join(r.name for r in runs)}",
@@ -204,7 +221,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
         f"- the pick: {_pick(ranked[0])}",
     ]
     for run in runs:
-        lines += report(run, answer, own[run.name])
+        lines += report(run, answer, own[run.name], every.get(run.name))
     return [*lines, ""]
 
 

@@ -31,7 +31,7 @@ from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rank_peak import RankTable, format_ranks
 from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.timing import for_compile
-from pipeckpt.plan_layout import Answer, search_config
+from pipeckpt.plan_layout import Answer, check_layout, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
@@ -58,6 +58,8 @@ directory holding config.json alone (only shapes are read).
       memory.fake=true memory.fsdp=4                                    # one rank's table
   python -m pipeckpt.plan model=gpt strategy.engine=distributed trainer.devices=4 \
       strategy.layout=auto cluster=local            # the top layouts on 4 processes, + PNG
+  python -m pipeckpt.plan model=gpt strategy.engine=distributed trainer.devices=4 \
+      strategy.stages=2 strategy.dp=2 cluster=local # this layout checked and predicted as the search does
 
 The configs' memory.budget, memory.search and memory.optimizer are the strategy's memory_*
 settings: with a budget the table marks each stage against it, prints the plan auto picks under
@@ -174,6 +176,8 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
         torch.set_num_threads(cfg.threads)
     if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
         return search_config(cfg, png=options.png or "layout_frontier.png"), options, None
+    if any(o.lstrip("+").startswith("cluster=") for o in overrides):  # a layout given by hand, on it
+        return check_layout(cfg), options, None
     torch.manual_seed(cfg.seed)
     settings, budget = _settings(cfg)
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
@@ -319,7 +323,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_ranks(prediction), flush=True)
         return 0
     if isinstance(prediction, Answer):
-        print(prediction.text(), f"wrote {options.png or 'layout_frontier.png'}", sep="\n", flush=True)
+        print(prediction.text(), flush=True)
+        if prediction.searched.considered > 1:  # a search (one layout checked draws nothing)
+            print(f"wrote {options.png or 'layout_frontier.png'}", flush=True)
         return 0
     print(format_prediction(prediction, options.budget), flush=True)
     if choice is not None:

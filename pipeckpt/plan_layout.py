@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -37,7 +37,7 @@ from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 
-__all__ = ["Answer", "search_config", "apply_layout", "PICK_VARIABLE"]
+__all__ = ["Answer", "search_config", "hand_layout", "check_layout", "apply_layout", "PICK_VARIABLE"]
 
 #: The environment variable the launching process hands its pick to the processes it starts in.
 PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
@@ -205,12 +205,17 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
         torch.set_default_dtype(default_dtype)
 
 
-def search_config(cfg: DictConfig, *, png: Optional[str] = None) -> Answer:
+def search_config(
+    cfg: DictConfig, *, png: Optional[str] = None, only: Optional[Sequence[Candidate]] = None
+) -> Answer:
     """The layouts of the configured model on the configured cluster, ranked (the plan command's
-    ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one."""
+    ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one; ``only``:
+    these layouts instead of every one (each fitted and predicted as the search does)."""
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
-        found = candidates(where.world, model, global_batch=int(cfg.data.batch_size))
+        found = (
+            candidates(where.world, model, global_batch=int(cfg.data.batch_size)) if only is None else only
+        )
         searched = search(
             found,
             device_bytes=where.device.memory_bytes,
@@ -222,6 +227,54 @@ def search_config(cfg: DictConfig, *, png: Optional[str] = None) -> Answer:
     if png is not None:
         draw(searched, png, where.device.memory_bytes)
     return answer
+
+
+def hand_layout(cfg: DictConfig, world: int) -> Candidate:
+    """The layout ``cfg``'s strategy gives by hand (``strategy.layout=manual``) on ``world``
+    devices, as the search names layouts: its degrees, schedule, chunks, FSDP policies and modes
+    (none under ``ckpt=auto``: the search's fit chooses them)."""
+    s = cfg.strategy
+    v = int(s.get("virtual_stages") or 1)
+    if s.get("stages") is None:
+        raise config_error(
+            "strategy.stages=null with a cluster named",
+            "a layout given by hand is checked with its stage count",
+            "set strategy.stages, or strategy.layout=auto to search for one",
+        )
+    pp, tp = int(s.stages) // v, int(s.get("tensor_parallel") or 1)
+    dp = int(s.get("dp") or max(1, world // (pp * tp)))
+    if pp * tp * dp != world:
+        raise config_error(
+            f"pp{pp} x tp{tp} x dp{dp} ({pp * tp * dp} devices) on a cluster of {world}",
+            "a layout checked on a cluster uses every one of its devices",
+            "set trainer.devices and trainer.num_nodes (or cluster.nodes) to the layout's, or the degrees",
+        )
+    shard = int(s.get("dp_shard") or dp) if s.get("data_parallel") == "fsdp" else 1
+    modes = s.checkpoint
+    given = () if modes == "auto" else (str(modes),) if isinstance(modes, str) else tuple(map(str, modes))
+    return Candidate(
+        pp,
+        tp,
+        dp // shard,
+        shard,
+        str(s.get("schedule") or "gpipe"),
+        v,
+        int(s.chunks),
+        given,
+        reshard=bool(s.get("reshard_after_forward")),
+        reduce_every=bool(s.get("reduce_every_microbatch")),
+    )
+
+
+def check_layout(cfg: DictConfig) -> Answer:
+    """The layout given by hand, fitted and predicted on the configured cluster as the search does
+    each of its layouts (its own modes kept): its row, or why it does not fit."""
+    where = _cluster(cfg)
+    c = hand_layout(cfg, where.world)
+    whole = cfg.copy()
+    with open_dict(whole):  # the search's batch is the global one; a hand layout's is a replica's
+        whole.data.batch_size = int(cfg.data.batch_size) * c.dp
+    return search_config(whole, only=[c])
 
 
 def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:

@@ -191,17 +191,27 @@ class Memory:
     def fit(self, c: Candidate) -> Fitted:
         """``c`` with each stage's mode chosen under the device's memory, and each rank's peak.
         Raises :class:`~pipeckpt.PipeckptConfigError` (choose's, naming the smallest budget that
-        would fit) where no modes do."""
+        would fit) where no modes do. A layout given with its modes (by hand) keeps them: its peak
+        is predicted, fit or not."""
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
         key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard, c.reduce_every)
-        if key not in self._answers:
+        if c.modes:  # given (one for every stage, or one each): predicted, not chosen
             fitted = self.profile(c.tp, microbatch)
             states = self._rank_states(c, fitted.outside_params)
             balance = self._balance(c)
-            self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
-        names, balance, prediction = self._answers[key]
+            given = parse_modes(c.modes[0] if len(c.modes) == 1 else list(c.modes), len(balance))
+            prediction = self._predicted(fitted, balance, c.chunks, schedule, states, given)
+            answer = (tuple(m.name for m in given), balance, prediction)
+        else:
+            if key not in self._answers:
+                fitted = self.profile(c.tp, microbatch)
+                states = self._rank_states(c, fitted.outside_params)
+                balance = self._balance(c)
+                self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
+            answer = self._answers[key]
+        names, balance, prediction = answer
         kind = lookup(c.schedule)
         if c.virtual_stages > 1 and c.tp == 1 and c.dp == 1:
             peaks = self._looped_peaks(c, microbatch, names, balance)
@@ -260,14 +270,7 @@ class Memory:
         states: Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]],
     ) -> Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]:
         def predicted(modes: Sequence[CheckpointMode]) -> Prediction:
-            plan = with_balance(with_balance_modes(balance, NEVER), balance, modes)
-            p = predict(fitted, plan, chunks=chunks, optimizer=self.optimizer, schedule=schedule)
-            orders = stage_orders(p.schedule, len(p.stages), p.chunks)
-            ranks = tuple(
-                on_rank(st, mine, whole, order)
-                for st, (mine, whole), order in zip(p.stages, states(balance), orders)
-            )
-            return replace(p, stages=ranks)
+            return self._predicted(fitted, balance, chunks, schedule, states, modes)
 
         candidates = [parse_modes([m], 1)[0] for m in self.modes]  # type: ignore[list-item]
         uniform = [predicted([m] * len(balance)) for m in candidates]
@@ -284,3 +287,22 @@ class Memory:
                 )
             picked.append(min(fits, key=lambda f: (f[0], f[1]))[2])
         return tuple(m.name for m in picked), balance, predicted(picked)
+
+    def _predicted(
+        self,
+        fitted: ModelProfile,
+        balance: Tuple[int, ...],
+        chunks: int,
+        schedule: str,
+        states: Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]],
+        modes: Sequence[CheckpointMode],
+    ) -> Prediction:
+        """The prediction of ``modes`` (one per stage), each stage on one of its ranks."""
+        plan = with_balance(with_balance_modes(balance, NEVER), balance, modes)
+        p = predict(fitted, plan, chunks=chunks, optimizer=self.optimizer, schedule=schedule)
+        orders = stage_orders(p.schedule, len(p.stages), p.chunks)
+        ranks = tuple(
+            on_rank(st, mine, whole, order)
+            for st, (mine, whole), order in zip(p.stages, states(balance), orders)
+        )
+        return replace(p, stages=ranks)

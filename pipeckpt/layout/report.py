@@ -48,7 +48,12 @@ def format_row(i: int, r: Ranked) -> str:
 def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:
     """The top layouts, why the runner-up lost, and what was dropped and why."""
     lines = [
-        f"layout search: {searched.considered} layouts considered, {len(searched.ranked)} fit"
+        (
+            f"layout search: {searched.considered} layouts considered"
+            if searched.considered > 1
+            else "layout checked"
+        )
+        + f", {len(searched.ranked)} fit"
         + (f" {device}" if device else "")
         + f"; {searched.dropped_at('state')} dropped on parameters, gradients and optimizer state "
         f"alone, {searched.dropped_at('memory')} with every checkpoint mode"
@@ -61,6 +66,11 @@ def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:
         HEADER,
     ]
     lines += [format_row(i + 1, r) for i, r in enumerate(searched.ranked[:top])]
+    if not searched.ranked:  # why the closest did not fit (a layout given by hand: why it does not)
+        lines += [
+            f"dropped: {d.candidate.describe()} {d.candidate.schedule}: {d.reason}"
+            for d in searched.dropped[:3]
+        ]
     if len(searched.ranked) >= 2:
         lines.append(why_lost(searched.ranked[1], searched.ranked[0]))
     return "\n".join(lines)
