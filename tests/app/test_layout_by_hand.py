@@ -2,6 +2,8 @@
 and predicts it as the search does each of its layouts, its own modes kept, on a published preset
 (its figures in conf/cluster/, no calibration)."""
 
+from pathlib import Path
+
 import pytest
 
 from pipeckpt import PipeckptConfigError
@@ -21,14 +23,14 @@ HAND = [
 ]
 
 
-def _searched(*extra: str) -> Answer:
+def _searched(png: Path, *extra: str) -> Answer:
     auto = ["model=gpt", "strategy.engine=distributed", "trainer.devices=4", "strategy.layout=auto"]
-    answer, _, _ = run([*auto, "data.batch_size=16", *extra])  # the global batch: 8 a replica
+    answer, _, _ = run([*auto, "data.batch_size=16", f"memory.png={png}", *extra])  # 8 a replica
     assert isinstance(answer, Answer)
     return answer
 
 
-def test_a_layout_given_by_hand_is_predicted_as_the_search_predicts_it() -> None:
+def test_a_layout_given_by_hand_is_predicted_as_the_search_predicts_it(tmp_path: Path) -> None:
     answer, _, _ = run([*HAND, "ckpt=always", "cluster=h100_8"])
     assert isinstance(answer, Answer) and answer.searched.considered == 1
     (mine,) = answer.searched.ranked
@@ -36,7 +38,7 @@ def test_a_layout_given_by_hand_is_predicted_as_the_search_predicts_it() -> None
     assert (c.pp, c.tp, c.dp_replicate, c.dp_shard, c.schedule, c.chunks) == (2, 1, 1, 2, "1f1b", 4)
     assert c.modes == ("always", "always")  # its own, not chosen
     # the same layout among the search's (global batch 2 x 8), with the modes the search chose
-    ranked = _searched("cluster=h100_8").searched.ranked
+    ranked = _searched(tmp_path / "frontier.png", "cluster=h100_8").searched.ranked
     searched = {(r.candidate.describe(), r.candidate.schedule, r.candidate.chunks): r for r in ranked}
     twin = searched[(c.describe(), "1f1b", 4)]
     assert twin.candidate.modes == ("never", "never")  # the search needs no recompute here
