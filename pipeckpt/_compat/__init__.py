@@ -2,8 +2,8 @@
 package, a module per library (``torch_private``, ``torch_dcp``, ``lightning_private``,
 ``torchgpipe_private``, ``transformers_private``).
 
-Each entry says why no public API serves. ``tests/test_compat.py`` checks every
-one by name and behaviour, so an upgrade that removes or changes one fails there,
+Each entry says why no public API serves. ``tests/test_compat*.py`` (a file per library) check
+every one by name and behaviour, so an upgrade that removes or changes one fails there,
 with the name, instead of somewhere deep in a training run.
 """
 

@@ -1,7 +1,7 @@
 """Every reach into Lightning's private names (launcher, data connector, optimizer parser,
 ModelCheckpoint's counters).
 
-Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
+Each entry says why no public API serves; ``tests/test_compat_lightning.py`` checks each by name and
 behaviour.
 """
 
