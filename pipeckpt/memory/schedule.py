@@ -7,6 +7,7 @@ once backward, so a torch release that changes a schedule shows here. An op here
 ``("F" | "B", micro-batch)``: one stage's, without the stage index.
 """
 
+import functools
 from typing import List, Sequence, Set, Tuple
 
 from torch.distributed.pipelining.schedules import get_schedule_class
@@ -33,19 +34,27 @@ def op_order(schedule: str, *, stages: int, microbatches: int) -> Tuple[List[Lis
         stages: stages in the pipeline.
         microbatches: micro-batches per step.
     """
-    m = microbatches
+    order, source = _op_order(str(schedule), stages, microbatches)
+    return [list(ops) for ops in order], source
+
+
+@functools.lru_cache(maxsize=512)
+def _op_order(schedule: str, stages: int, m: int) -> Tuple[Tuple[Tuple[Tuple[str, int], ...], ...], str]:
+    """:func:`op_order`, kept per arguments: a layout search asks it of thousands of predictions
+    with the same few, and building torch's schedule IR each time was 15% of a 32-GPU search."""
     if schedule == "local":
-        order = [_ops(local_order(j, m)) for j in range(stages)]
-        return order, "torchgpipe fill-drain, backward from the last micro-batch"
+        return tuple(tuple(_ops(local_order(j, m))) for j in range(stages)), (
+            "torchgpipe fill-drain, backward from the last micro-batch"
+        )
     name = _schedule_name(schedule)
     cls = get_schedule_class(name)
     ir = schedule_op_order(cls, stages=stages, microbatches=m)
     if ir is not None and all(_valid(ir.get(r, []), m) for r in range(stages)):
-        return [ir[r] for r in range(stages)], f"{cls.__name__}'s op order (torch's schedule IR)"
+        return tuple(tuple(ir[r]) for r in range(stages)), f"{cls.__name__}'s op order (torch's schedule IR)"
     if cls.__name__ == "Schedule1F1B":
-        order = [_ops(one_f_one_b_order(j, stages, m)) for j in range(stages)]
+        order = tuple(tuple(_ops(one_f_one_b_order(j, stages, m))) for j in range(stages))
         return order, "Schedule1F1B: min(m, S - i) warm-up forwards, then 1B1F (its _step_microbatches)"
-    order = [_ops(gpipe_order(j, m)) for j in range(stages)]
+    order = tuple(tuple(_ops(gpipe_order(j, m))) for j in range(stages))
     return order, f"{cls.__name__}: all forwards, then backwards from micro-batch 0"
 
 
