@@ -269,6 +269,13 @@ def hand_layout(cfg: DictConfig, world: int) -> Candidate:
 def check_layout(cfg: DictConfig) -> Answer:
     """The layout given by hand, fitted and predicted on the configured cluster as the search does
     each of its layouts (its own modes kept): its row, or why it does not fit."""
+    engine = cfg.strategy.get("engine")
+    if not engine_class(str(engine)).is_distributed:
+        raise config_error(
+            f"cluster= with strategy.engine={engine}",
+            "a layout is checked on a cluster's devices, one process each, which the distributed engine runs",
+            "add strategy.engine=distributed, or drop cluster=",
+        )
     where = _cluster(cfg)
     c = hand_layout(cfg, where.world)
     whole = cfg.copy()

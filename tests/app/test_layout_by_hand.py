@@ -55,3 +55,8 @@ def test_a_layout_by_hand_that_does_not_fit_says_its_peak(capsys: pytest.Capture
 def test_a_layout_by_hand_on_a_cluster_of_other_size_is_refused_naming_both() -> None:
     with pytest.raises(PipeckptConfigError, match=r"pp2 x tp1 x dp2 \(4 devices\) on a cluster of 8"):
         run([*HAND, "cluster=h100_8", "trainer.devices=8"])
+
+
+def test_a_cluster_named_under_the_local_engine_is_refused_naming_the_engine() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"cluster= with strategy.engine=local"):
+        run(["model=mlp", "cluster=h100_8"])
