@@ -31,10 +31,7 @@ from harness.machine import machine
 
 from pipeckpt.engines.distributed.schedules import lookup
 from pipeckpt.layout.candidates import Candidate
-from pipeckpt.layout.fit import balance_of, memory_schedule
 from pipeckpt.layout.search import Ranked
-from pipeckpt.memory.auto import choose
-from pipeckpt.memory.sharding import stage_rank_states
 from pipeckpt.plan_layout import Answer, _cost, _searching, search_config
 
 GIB = 2**30
@@ -87,44 +84,30 @@ def _same(a: Candidate, b: Candidate) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
-def own_modes(
-    cfg: Any, runs: Sequence[Run], *, every: bool = False
-) -> Dict[str, Tuple[Optional[Tuple[int, ...]], Any]]:
-    """Each published layout with its own published modes: each pipeline rank's peak by the memory
-    model (as :meth:`pipeckpt.layout.fit.Memory.fit` sums a rank's stages; None where the search
-    cannot split the model as published) and its step by the cost model; ``every``: with its
-    gradients reduced every micro-batch (``reduce_every_microbatch``), where it shards and has
-    several micro-batches (the others left out)."""
-    out: Dict[str, Tuple[Optional[Tuple[int, ...]], Any]] = {}
+#: One published layout with its own modes: each pipeline rank's peak (None where the search cannot
+#: split the model as published) and its step by the cost model.
+Own = Tuple[Optional[Tuple[int, ...]], Any]
+
+
+def own_modes(cfg: Any, runs: Sequence[Run]) -> Dict[str, Tuple[Own, Optional[Own]]]:
+    """Each published layout with its own published modes, predicted as the search predicts a layout
+    given by hand (:meth:`pipeckpt.layout.fit.Memory.fit` keeps given modes); and the same reducing
+    every micro-batch (``reduce_every_microbatch``) where it shards and has several micro-batches
+    under a whole backward (None elsewhere)."""
+    out: Dict[str, Tuple[Own, Optional[Own]]] = {}
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         price = _cost(cfg, memory, where, shapes)
-        for run in runs:
-            c = replace(published_layout(run), reduce_every=every)
-            if every and (c.dp_shard == 1 or c.chunks == 1 or lookup(c.schedule).traits.split_backward):
-                continue
-            step = price(c)
+
+        def predicted(c: Candidate) -> Own:
             if c.tp > 1 and not model.tensor_parallel:
-                out[run.name] = (None, step)
-                continue
-            microbatch = run.global_batch // c.dp // c.chunks
-            profile = memory.profile(c.tp, microbatch)
-            sequential, _ = memory._layers(c.tp)
-            states = stage_rank_states(sequential, memory.layout(c), memory.optimizer, profile.outside_params)
-            picked = choose(
-                profile,
-                2**62,  # no budget: the peak its own modes reach, fit or not
-                balance=balance_of(sequential, c.stages),
-                chunks=c.chunks,
-                optimizer=memory.optimizer,
-                schedule=memory_schedule(c.schedule),
-                modes=[c.modes[0]],
-                rank_states=states,
-            )
-            kind = lookup(c.schedule)
-            stages = picked.prediction.stages
-            peaks = tuple(sum(stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp))
-            out[run.name] = (peaks, step)
+                return None, price(c)
+            return memory.fit(c).peaks, price(c)
+
+        for run in runs:
+            c = published_layout(run)
+            each = c.dp_shard > 1 and c.chunks > 1 and not lookup(c.schedule).traits.split_backward
+            out[run.name] = (predicted(c), predicted(replace(c, reduce_every=True)) if each else None)
     return out
 
 
@@ -141,8 +124,8 @@ def _pick(r: Ranked) -> str:
 def report(
     run: Run,
     answer: Answer,
-    own: Tuple[Optional[Tuple[int, ...]], Any],
-    every: Optional[Tuple[Optional[Tuple[int, ...]], Any]] = None,
+    own: Own,
+    every: Optional[Own] = None,
 ) -> List[str]:
     """The published layout against the pick: in the search's ranking (its modes as the search
     gives them), with its own published modes, and the fastest layout within its memory."""
@@ -205,7 +188,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
     answer = search_config(cfg)
     wall, cpu = time.time() - began, time.process_time() - cpu
     ranked = answer.searched.ranked
-    own, every = own_modes(cfg, runs), own_modes(cfg, runs, every=True)
+    own = own_modes(cfg, runs)
     gpus = first.nodes * 8
     lines = [
         f"### {first.config.get('model_type')} {', '.join(r.name for r in runs)}",
@@ -221,7 +204,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
         f"- the pick: {_pick(ranked[0])}",
     ]
     for run in runs:
-        lines += report(run, answer, own[run.name], every.get(run.name))
+        lines += report(run, answer, *own[run.name])
     return [*lines, ""]
 
 

@@ -80,13 +80,16 @@ def _cluster(cfg: DictConfig) -> Cluster:
     return cluster(given, devices=_world(cfg))  # type: ignore[arg-type]
 
 
-def _check(cfg: DictConfig) -> None:
+def _check(cfg: DictConfig, given: str = "strategy.layout=auto", fix: str = "") -> None:
+    """The distributed engine, which runs a layout's world of processes, is the one configured
+    (``given``: what the user asked that needs it)."""
     engine = cfg.strategy.get("engine")
     if not engine_class(str(engine)).is_distributed:  # the engine's own word, not its name
         raise config_error(
-            f"strategy.layout=auto with strategy.engine={engine}",
-            "the search lays a model out over a world of processes, which the distributed engine runs",
-            "add strategy.engine=distributed",
+            f"{given} with strategy.engine={engine}",
+            "a layout spreads the model over a world of processes, one per device, which the "
+            "distributed engine runs",
+            "add strategy.engine=distributed" + fix,
         )
 
 
@@ -269,13 +272,7 @@ def hand_layout(cfg: DictConfig, world: int) -> Candidate:
 def check_layout(cfg: DictConfig) -> Answer:
     """The layout given by hand, fitted and predicted on the configured cluster as the search does
     each of its layouts (its own modes kept): its row, or why it does not fit."""
-    engine = cfg.strategy.get("engine")
-    if not engine_class(str(engine)).is_distributed:
-        raise config_error(
-            f"cluster= with strategy.engine={engine}",
-            "a layout is checked on a cluster's devices, one process each, which the distributed engine runs",
-            "add strategy.engine=distributed, or drop cluster=",
-        )
+    _check(cfg, "cluster=", ", or drop cluster=")
     where = _cluster(cfg)
     c = hand_layout(cfg, where.world)
     whole = cfg.copy()

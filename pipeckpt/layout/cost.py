@@ -26,7 +26,7 @@ from pipeckpt.layout.model_costs import (
     model_costs_from_profile,
 )
 from pipeckpt.layout.orders import RankOp, rank_orders, simulate
-from pipeckpt.layout.rank_work import Stage, collectives, grad_bytes, messages, per_rank, waited
+from pipeckpt.layout.rank_work import Stage, collectives, messages, per_rank, reduction_s, waited
 from pipeckpt.layout.shared_cores import simulate_shared
 from pipeckpt.memory.engine_cost import ENGINE_S_PER_MICROBATCH  # re-exported: the layout's default
 from pipeckpt.stages.partition import min_max_partition
@@ -162,7 +162,7 @@ def estimate(
             return work + e + per_op
         if comm and kind == "B" and i != c.chunks - 1 and reduce_every_microbatch:
             # the gradients' reduction (the step's tail has the last micro-batch's), under the backward
-            per_op += waited(s.reduce, s.reduce / max(1, s.units), work, cluster)
+            per_op += waited(s.reduce, s.reduce_unit, work, cluster)
         redo = s.recompute if modes[j].recomputes(i, c.chunks, keep=keep[j]) else 0.0
         return work + redo + e + per_op
 
@@ -315,11 +315,8 @@ def _stages(
         gather = cluster.all_gather_factor * gather_s(
             params, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
         )
-        # a micro-batch's reduction, as the step's (rank_work.per_rank): reduce-scatter, then all-reduce
-        grads = params / dtype_bytes(precision) * grad_bytes(precision)
-        reduce = cluster.reduce_scatter_factor * gather_s(
-            grads, c.dp_shard, mesh.shard_bytes_per_s, cluster.latency_s * (b - a)
-        ) + all_reduce_s(grads / c.dp_shard, c.dp_replicate, mesh.replicate_bytes_per_s, cluster.latency_s)
+        # a micro-batch's reduction of the stage's gradients, priced as the step's (rank_work.per_rank)
+        reduce = reduction_s(sum(model.layer_params[a:b]) / c.tp, c, mesh, cluster, precision, b - a)
         backward = model.backward_factor * (layers + head) + backward_host
         inputs, weights = model.split_backward.at(backward, first=j == 0)
         out.append(
@@ -332,7 +329,7 @@ def _stages(
                 gather=gather,
                 gather_unit=gather / max(1, b - a),
                 reduce=reduce,
-                units=b - a,
+                reduce_unit=reduce / max(1, b - a),
                 input_pass=inputs,
                 weight_pass=weights,
             )

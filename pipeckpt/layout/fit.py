@@ -198,17 +198,13 @@ class Memory:
         budget = self.device_bytes // c.virtual_stages
         key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard, c.reduce_every)
         if c.modes:  # given (one for every stage, or one each): predicted, not chosen
-            fitted = self.profile(c.tp, microbatch)
-            states = self._rank_states(c, fitted.outside_params)
-            balance = self._balance(c)
+            fitted, states, balance = self._inputs(c, microbatch)
             given = parse_modes(c.modes[0] if len(c.modes) == 1 else list(c.modes), len(balance))
             prediction = self._predicted(fitted, balance, c.chunks, schedule, states, given)
             answer = (tuple(m.name for m in given), balance, prediction)
         else:
             if key not in self._answers:
-                fitted = self.profile(c.tp, microbatch)
-                states = self._rank_states(c, fitted.outside_params)
-                balance = self._balance(c)
+                fitted, states, balance = self._inputs(c, microbatch)
                 self._answers[key] = self._choose(fitted, budget, balance, c.chunks, schedule, states)
             answer = self._answers[key]
         names, balance, prediction = answer
@@ -220,6 +216,16 @@ class Memory:
                 sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
             )
         return Fitted(replace(c, modes=names), balance, peaks, prediction)
+
+    def _inputs(
+        self, c: Candidate, microbatch: int
+    ) -> Tuple[
+        ModelProfile, Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]], Tuple[int, ...]
+    ]:
+        """What a prediction of ``c`` starts from: the micro-batch's profile, the per-rank states of
+        ``c``'s sharding, and the engine's balance of its stages."""
+        fitted = self.profile(c.tp, microbatch)
+        return fitted, self._rank_states(c, fitted.outside_params), self._balance(c)
 
     def _looped_peaks(
         self, c: Candidate, microbatch: int, names: Sequence[str], balance: Tuple[int, ...]

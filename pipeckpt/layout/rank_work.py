@@ -16,7 +16,7 @@ from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
 from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM, ModelCosts, dtype_bytes
 from pipeckpt.layout.orders import RankOp
 
-__all__ = ["Stage", "per_rank", "waited", "messages", "collectives", "sharded_collectives_s"]
+__all__ = ["Stage", "per_rank", "reduction_s", "waited", "messages", "collectives", "sharded_collectives_s"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Stage:
     gather_unit: float
     input_pass: float  # a split backward's input pass (layout.split_backward)
     weight_pass: float  # and its weight pass
-    reduce: float = 0.0  # FSDP's reduction of the stage's gradients (reduce-scatter, HSDP all-reduce)
-    units: int = 1  # FSDP units (layers) the stage's collectives run in
+    reduce: float = 0.0  # FSDP's reduction of the stage's gradients (reduction_s)
+    reduce_unit: float = 0.0  # and one layer's share of it
 
 
 def grad_bytes(precision: str) -> int:
@@ -68,16 +68,12 @@ def per_rank(
         gather = sum(st[j].gather for j in mine)
         unit = gather / max(1, units)
         starts.append(waited(gather, unit, st[first].forward, cluster))
-        rs = cluster.reduce_scatter_factor * gather_s(
-            params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
-        )
-        ar = all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
         dp = c.dp_replicate * c.dp_shard
         head = model.head_params / c.tp if len(cuts) - 1 in mine else 0.0
         emb = model.embedding_params / c.tp if 0 in mine else 0.0
         ar_head = all_reduce_s(head * grad, dp, mesh.dp_bytes_per_s, lat)
         ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
-        overlapped = rs + ar + ar_head
+        overlapped = reduction_s(params, c, mesh, cluster, precision, units) + ar_head
         last = ops[-1][0] if ops else 0
         comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
@@ -89,6 +85,17 @@ def per_rank(
         opts.append(opt)
         wholes.append(overlapped + ar_emb)
     return starts, tails, comms, opts, wholes
+
+
+def reduction_s(params: float, c: Any, mesh: Mesh, cluster: Cluster, precision: str, units: int) -> float:
+    """FSDP's reduction of the gradients of ``params`` elements in ``units`` units: their
+    reduce-scatter over the shard group (x the cluster's factor, a latency per unit), then, under
+    HSDP, the all-reduce of the shards across the replicas."""
+    grad, lat = grad_bytes(precision), cluster.latency_s
+    rs = cluster.reduce_scatter_factor * gather_s(
+        params * grad, c.dp_shard, mesh.shard_bytes_per_s, lat * units
+    )
+    return rs + all_reduce_s(params / c.dp_shard * grad, c.dp_replicate, mesh.replicate_bytes_per_s, lat)
 
 
 def waited(whole: float, unit: float, under: float, cluster: Cluster) -> float:

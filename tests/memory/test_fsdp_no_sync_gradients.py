@@ -34,6 +34,14 @@ class _Backward(TorchDispatchMode):
         return out
 
 
+def _shard(layers: torch.nn.Module, mesh: object) -> None:
+    """Every layer an FSDP2 unit and the stack their root, as the engine shards a stage, bf16 compute."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(layers, mesh=mesh, mp_policy=policy)
+
+
 def test_without_gradient_sync_fsdp2_keeps_every_units_whole_gradient_in_the_reduce_dtype() -> None:
     # A one-process fake world of 2 (collectives do nothing; every buffer is real), bf16 compute.
     torch.manual_seed(0)
@@ -41,10 +49,7 @@ def test_without_gradient_sync_fsdp2_keeps_every_units_whole_gradient_in_the_red
     whole = sum(p.numel() for p in layers.parameters()) * 4  # float32 bytes, unsharded
     backward = _Backward()
     with fake_world(2) as mesh:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(layers, mesh=mesh, mp_policy=policy)
+        _shard(layers, mesh)
         layers.set_requires_gradient_sync(False)
         loss = layers(torch.randint(256, (2, 16))).float().logsumexp(-1).mean()
         with backward:
@@ -62,10 +67,7 @@ def test_reducing_in_backward_keeps_fsdp2_reducing_whatever_the_stage_sets() -> 
     torch.manual_seed(0)
     layers = llama_layers(llama_config("tiny", seq_len=16))
     with fake_world(2) as mesh:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(layers, mesh=mesh, mp_policy=policy)
+        _shard(layers, mesh)
         loss = layers(torch.randint(256, (2, 16))).float().logsumexp(-1).mean()
         with reducing_in_backward(layers):
             layers.set_requires_gradient_sync(False)
@@ -88,10 +90,7 @@ def test_reducing_every_micro_batch_keeps_shards_and_leaves_the_gathered_units_t
     # FSDP2 holds the last reduce-scatter's input (the embedding's, reduced last) until the next
     retained = sum(p.numel() for p in layers[0].parameters()) * 4
     with fake_world(2) as mesh:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(layers, mesh=mesh, mp_policy=policy)
+        _shard(layers, mesh)
         for _ in range(2):  # two micro-batches of one step
             loss = layers(torch.randint(256, (2, 16))).float().logsumexp(-1).mean()
             backward = _Backward()
