@@ -9,10 +9,11 @@ if [ -n "${GPU_CHECK_DRY:-}" ]; then
     export PYTHONPATH=$PWD
     TINY="--quick --device cpu"  # bench_gpu*.py at their CPU size; argparse keeps the last of a flag
     TINY_AUTO="--device cpu --layers 2 --width 64 --heads 2 --seq 32 --vocab 128 --optimizer sgd --stages 2 --rounds 1"
+    TINY_CAL="--device cpu --preset local_cpu_test --tiny --seq 32 --batch 2 --steps 4 --precision 32-true"
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    TINY="" TINY_AUTO=""
+    TINY="" TINY_AUTO="" TINY_CAL=""
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
     python3 -c "import torch, lightning, transformers; print(torch.__version__, lightning.__version__, transformers.__version__, torch.cuda.get_device_name(0))" | tee -a $OUT/gpu.txt
 fi
@@ -21,16 +22,18 @@ bench() {  # bench <seconds> <out name> <args...>: one table, to $OUT/<out name>
     local seconds=$1 name=$2; shift 2
     timeout "$seconds" python3 benchmarks/bench_gpu.py --out "$OUT/$name" "$@" $TINY 2>&1 | quiet
 }
-timeout ${T_TESTS:-110} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
+timeout ${T_TESTS:-100} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
 # compiled selective vs never at 4 chunks, both shapes, bf16; reduce-overhead vs eager (GPT-2 small)
-bench ${T_COMPILE:-140} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
+bench ${T_COMPILE:-120} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
 # offload vs always, whole stage and per layer, with the share of always's kept bytes moved off the GPU
-bench ${T_OFFLOAD:-80} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
+bench ${T_OFFLOAD:-70} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
 # the plan's predicted peaks against each stage's measured peak and the device's max_memory_allocated
 timeout ${T_MEMORY:-70} python3 benchmarks/bench_gpu_memory.py --out $OUT/RESULTS_gpu_memory.md \
     --plans small-bf16,small-32,medium-bf16,medium-32 $TINY 2>&1 | quiet
 # checkpoint='auto' on HF GPT-2 (seq 1024, bf16-mixed) under per-block checkpointing's measured peak
 timeout ${T_AUTO:-80} python3 benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 \
     --batch 8 --stages 4 --rounds 2 --out $OUT/RESULTS_gpu_auto.md $TINY_AUTO 2>&1 | quiet
+# the h200_1 preset's efficiency from a measured step: HF Llama at 3.2 1B's shape, seq 4096, bf16-mixed
+timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
 # the full table (always vs loop + one forward among its rows), one round
-bench ${T_BENCH:-70} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
+bench ${T_BENCH:-60} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2

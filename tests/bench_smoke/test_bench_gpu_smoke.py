@@ -40,7 +40,7 @@ def test_the_prepared_gpu_run_runs_every_part_on_the_cpu_and_writes_each_table(t
     done = forkserver.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "skipped" in (tmp_path / "test_cuda.log").read_text()
-    for name in ("compile", "offload", "memory", "auto", ""):
+    for name in ("compile", "offload", "memory", "auto", "calibrate", ""):
         table = (tmp_path / f"RESULTS_gpu{'_' + name if name else ''}.md").read_text()
         rows = [line for line in table.splitlines() if line.startswith("| ")]
         assert len(rows) >= 3 and not [r for r in rows if "failed" in r], (name, rows)
