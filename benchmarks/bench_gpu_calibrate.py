@@ -55,7 +55,7 @@ TINY = dict(
 #: A CPU "device" for the dry run: its figures are not a machine's, only numbers to fit against.
 CPU_TEST = dict(
     name="cpu (dry run)", nodes=1, devices_per_node=1, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9,
-    latency_s=1e-5, device=dict(name="cpu", memory_bytes=2**34, peak_flops={"32-true": 1e11, "bf16-mixed": 1e11},
+    latency_s=1e-5, device=dict(name="cpu", memory_bytes=2**34, peak_flops={"32-true": 1e11},
                                 memory_bytes_per_s=1e10, efficiency=0.5),
 )  # fmt: skip
 
@@ -82,7 +82,10 @@ class Steps(L.Callback):
     """Wall time of every step after the second (CUDA-synchronised), and the second's peak."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.walls, self.peak, self._t0 = cuda, [], 0, 0.0  # type: List[float]
+        self.cuda = cuda
+        self.walls: List[float] = []
+        self.peak = 0
+        self._t0 = 0.0
 
     def _sync(self) -> None:
         if self.cuda:
