@@ -15,16 +15,22 @@ else
     export PYTHONPATH=$PWD:/tmp/site
     TINY="" TINY_AUTO="" TINY_CAL=""
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
-    python3 -c "import torch, lightning, transformers; print(torch.__version__, lightning.__version__, transformers.__version__, torch.cuda.get_device_name(0))" | tee -a $OUT/gpu.txt
+    # every part imports these: a wheel missing or mismatched stops the run here, not in each part
+    python3 -c "import torch, lightning, transformers, hydra, pipeckpt; print(torch.__version__, lightning.__version__, transformers.__version__, torch.cuda.get_device_name(0))" >> $OUT/gpu.txt || exit 1
+    cat $OUT/gpu.txt
 fi
 quiet() { grep -v -i "warn\|^ *$" | tail -30; }
 bench() {  # bench <seconds> <out name> <args...>: one table, to $OUT/<out name>
     local seconds=$1 name=$2; shift 2
     timeout "$seconds" python3 benchmarks/bench_gpu.py --out "$OUT/$name" "$@" $TINY 2>&1 | quiet
 }
-timeout ${T_TESTS:-100} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=10 2>&1 | tee $OUT/test_cuda.log | tail -30
+# addopts dropped: the suite's own (-n 2) needs pytest-xdist, which the image need not have
+timeout ${T_TESTS:-100} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts=-ra --durations=10 \
+    2>&1 | tee $OUT/test_cuda.log | tail -30
+# the h200_1 preset's efficiency from a measured step: HF Llama at 3.2 1B's shape, seq 4096, bf16-mixed
+timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
 # compiled selective vs never at 4 chunks, both shapes, bf16; reduce-overhead vs eager (GPT-2 small)
-bench ${T_COMPILE:-120} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
+bench ${T_COMPILE:-100} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
 # offload vs always, whole stage and per layer, with the share of always's kept bytes moved off the GPU
 bench ${T_OFFLOAD:-70} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
 # the plan's predicted peaks against each stage's measured peak and the device's max_memory_allocated
@@ -33,7 +39,5 @@ timeout ${T_MEMORY:-70} python3 benchmarks/bench_gpu_memory.py --out $OUT/RESULT
 # checkpoint='auto' on HF GPT-2 (seq 1024, bf16-mixed) under per-block checkpointing's measured peak
 timeout ${T_AUTO:-80} python3 benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 \
     --batch 8 --stages 4 --rounds 2 --out $OUT/RESULTS_gpu_auto.md $TINY_AUTO 2>&1 | quiet
-# the h200_1 preset's efficiency from a measured step: HF Llama at 3.2 1B's shape, seq 4096, bf16-mixed
-timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
 # the full table (always vs loop + one forward among its rows), one round
-bench ${T_BENCH:-60} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
+bench ${T_BENCH:-50} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
