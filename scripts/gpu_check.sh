@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device run, under 10 minutes: CUDA tests, then each GPU table, every part under its own
-# timeout and written to $OUT as it finishes (a part cut short keeps what it measured). Wheels for the
-# image's python in .whl/ (docs/BENCHMARKS.md, "The GPU run"); the image brings torch.
+# timeout and written to $OUT as it finishes (a part cut short keeps what it measured); the exit status
+# is the CUDA tests' (every part runs regardless). Wheels for the image's python in .whl/
+# (docs/BENCHMARKS.md, "The GPU run"); the image brings torch.
 # GPU_CHECK_DRY=1: every part on the CPU at a tiny size, nothing installed (tests/bench_smoke runs it,
 # so a flag or path the GPU run would trip on fails here first).
 export PYTHONUNBUFFERED=1
@@ -30,6 +31,7 @@ part "CUDA tests"
 # addopts dropped: the suite's own (-n 2) needs pytest-xdist, which the image need not have
 timeout ${T_TESTS:-70} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts=-ra --durations=10 \
     2>&1 | tee $OUT/test_cuda.log | tail -30
+TESTS_RC=${PIPESTATUS[0]}  # the run's own status at its end: the tables are written either way
 part "calibration"
 # the h200_1 preset's efficiency from a measured step: HF Llama at 3.2 1B's shape, seq 4096, bf16-mixed
 timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
@@ -51,3 +53,5 @@ part "full table"
 # the full table (always vs loop + one forward among its rows), one round
 bench ${T_BENCH:-50} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
 part "end"
+[ "$TESTS_RC" = 0 ] || echo "gpu_check: tests/test_cuda.py exited $TESTS_RC (the tables above were written anyway)"
+exit "$TESTS_RC"
