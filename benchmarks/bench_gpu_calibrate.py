@@ -23,7 +23,6 @@ which the prepared run's dry mode runs)::
 """
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import lightning as L
 import torch
 import transformers
+from harness.efficiency import bisect_efficiency, with_efficiency
 from harness.machine import machine
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -41,7 +41,7 @@ import pipeckpt
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.cost import estimate
-from pipeckpt.layout.model_costs import model_costs_from_config
+from pipeckpt.layout.model_costs import ModelCosts, model_costs_from_config
 
 #: Llama 3.2 1B's config.json fields (tied embedding).
 LLAMA_1B = dict(
@@ -124,31 +124,22 @@ def measure(config: transformers.LlamaConfig, mode: str, args: argparse.Namespac
     return steps
 
 
-def with_efficiency(where: Cluster, efficiency: float) -> Cluster:
-    return dataclasses.replace(where, device=dataclasses.replace(where.device, efficiency=efficiency))
-
-
-def predicted(config: Any, mode: str, where: Cluster, args: argparse.Namespace) -> float:
+def predicted(costs: ModelCosts, mode: str, where: Cluster, args: argparse.Namespace) -> float:
     layout = Candidate(pp=1, tp=1, dp_replicate=1, dp_shard=1, schedule="gpipe", virtual_stages=1, chunks=1,
                        modes=(mode,))  # fmt: skip
-    costs = model_costs_from_config(config, seq_len=args.seq, precision=args.precision)
     step = estimate(layout, costs, where, global_batch=args.batch, seq_len=args.seq, precision=args.precision)
     return step.step_s
 
 
-def fitted(config: Any, mode: str, where: Cluster, measured_s: float, args: argparse.Namespace) -> float:
-    """The efficiency at which the model's step equals ``measured_s`` (the step falls as it rises)."""
-    low, high = 1e-4, 1.0
-    if predicted(config, mode, with_efficiency(where, high), args) > measured_s:
+def fitted(
+    costs: ModelCosts, mode: str, where: Cluster, measured_s: float, args: argparse.Namespace
+) -> float:
+    """The efficiency at which the model's step equals ``measured_s``."""
+    if predicted(costs, mode, with_efficiency(where, 1.0), args) > measured_s:
         return float("nan")  # slower than the model's step at full peak: nothing to fit
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (
-            (mid, high)
-            if predicted(config, mode, with_efficiency(where, mid), args) > measured_s
-            else (low, mid)
-        )
-    return (low + high) / 2
+    return bisect_efficiency(
+        lambda e: predicted(costs, mode, with_efficiency(where, e), args) > measured_s, low=1e-4
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -168,6 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     where = cluster(CPU_TEST if args.preset == "local_cpu_test" else args.preset)
     config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA_1B), use_cache=False)
+    costs = model_costs_from_config(config, seq_len=args.seq, precision=args.precision)
     shape = ", ".join(f"{k} {v}" for k, v in (TINY if args.tiny else LLAMA_1B).items())
     lines = [
         f"Machine: {machine()}; preset `{where.name}` ({where.device.name}), efficiency "
@@ -185,10 +177,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             steps = measure(config, mode, args)
             ms = statistics.median(steps.walls) * 1e3
-            preset_ms = predicted(config, mode, where, args) * 1e3
-            eff = fitted(config, mode, where, ms / 1e3, args)
+            preset_ms = predicted(costs, mode, where, args) * 1e3
+            eff = fitted(costs, mode, where, ms / 1e3, args)
             calibrated = eff if calibrated is None else calibrated
-            cal_ms = predicted(config, mode, with_efficiency(where, calibrated), args) * 1e3
+            cal_ms = predicted(costs, mode, with_efficiency(where, calibrated), args) * 1e3
             lines.append(f"| {mode} | {ms:.1f} | {preset_ms:.1f} | {ms / preset_ms:.3f} | {eff:.3f} "
                          f"| {cal_ms:.1f} | {steps.peak / 2**30:.2f} |")  # fmt: skip
         except Exception as e:  # a failing mode (out of memory, say) is a row, not the end of the table

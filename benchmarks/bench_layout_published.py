@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from harness.efficiency import bisect_efficiency, with_efficiency
+
 from pipeckpt.layout.candidates import Candidate as Layout  # the search's own layout record
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.cost import StepEstimate, estimate
@@ -179,9 +181,7 @@ def costs_of(run: Run) -> ModelCosts:
 
 def cluster_of(run: Run, efficiency: Optional[float] = None) -> Cluster:
     c = replace(cluster(run.preset), nodes=run.nodes)
-    if efficiency is not None:
-        c = replace(c, device=replace(c.device, efficiency=efficiency))
-    return c
+    return c if efficiency is None else with_efficiency(c, efficiency)
 
 
 def predict(run: Run, efficiency: Optional[float] = None) -> StepEstimate:
@@ -199,14 +199,7 @@ def predict(run: Run, efficiency: Optional[float] = None) -> StepEstimate:
 
 def fitted(run: Run) -> float:
     """The efficiency at which the run's prediction equals its published throughput (bisection)."""
-    low, high = 0.05, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if predict(run, mid).tokens_per_s_per_device < run.published:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
+    return bisect_efficiency(lambda e: predict(run, e).tokens_per_s_per_device < run.published, low=0.05)
 
 
 def table() -> str:
