@@ -11,14 +11,22 @@ with SAC's policy (:mod:`pipeckpt.checkpointing.selective`) traced into the laye
 the policy decides once, at graph partitioning, what the backward recomputes. Eager SAC around a
 compiled layer instead runs a Python dispatch mode over every op of every step (4.7-10x plain
 in bf16 on an H200, benchmarks/RESULTS.md "GPU").
+
+Under a CUDA-graph mode (:data:`CUDA_GRAPH_MODES`) each compiled layer's outputs are cloned out of the
+graph's memory pool: CUDA-graph trees replay a graph over the memory of its last replay's outputs once
+they count a new step begun, which a forward without gradients (a checkpointed stage's) starts at every
+call, while the pipeline still holds that micro-batch's output for the next stage and the recompute
+(torch's own remedy, named in its error: clone the output outside ``torch.compile``).
 """
 
+import functools
 import weakref
-from typing import Any, Collection, Dict, FrozenSet, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, ContextManager, Dict, FrozenSet, Optional, Sequence, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from pipeckpt._compat import tree_flatten, tree_unflatten
 from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.selective import selective_region
@@ -30,6 +38,7 @@ __all__ = [
     "compile_options",
     "compile_layers",
     "uncompile_layers",
+    "uncompiled",
     "selective_in_graph",
     "selective_layers",
 ]
@@ -97,13 +106,38 @@ def compile_layers(layers: nn.Sequential, value: Any, *, selective: Collection[i
         own = layer.__dict__.get("forward")
         forward = selective_region(layer.forward) if k in selective else layer.forward
         compiled = torch.compile(forward, **options)
+        if value in CUDA_GRAPH_MODES:
+            compiled = _outputs_cloned(compiled)
         layer.__dict__["forward"] = compiled
         _COMPILED[layer] = (compiled, own)
         if k in selective:
             _SELECTIVE.add(layer)
 
 
-def selective_layers(ranges: Sequence[Tuple[int, int]], modes: Sequence[CheckpointMode]) -> FrozenSet[int]:
+def _outputs_cloned(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` returning copies of its tensors, outside the CUDA graphs' memory pool (module doc)."""
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten(compiled(*args, **kwargs))
+        return tree_unflatten([x.clone() if isinstance(x, Tensor) else x for x in leaves], spec)
+
+    return forward
+
+
+def uncompiled() -> ContextManager[Any]:
+    """Inside it, every compiled layer runs its own eager forward (``torch.compiler.set_stance``).
+
+    The first micro-batch's check of escaping tensors (:mod:`pipeckpt.stages.escapes`) runs under it,
+    so that it sees the layer's own ops and not the compiler's: the first call of a compiled layer
+    traces and compiles it, and on an H200 (torch 2.11, inductor) left tensors of an activation's
+    shape held by dicts and tuples, which the check refused as the layer's. That micro-batch's
+    recompute runs under it too, so that it replays the ops (and dropout masks) of the forward it
+    recomputes."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def selective_layers(ranges: Sequence[tuple[int, int]], modes: Sequence[CheckpointMode]) -> FrozenSet[int]:
     """The positions of the layers of the stages whose mode is selective, from a plan's
     ``ranges`` and ``modes``."""
     return frozenset(k for (a, b), mode in zip(ranges, modes) if mode.selective for k in range(a, b))

@@ -12,8 +12,15 @@ that after the fact, so the first micro-batch with gradients of every stage runs
 them; when the call has returned, one still held by Python (a list, a dict, a closure's cell, an object)
 and not by the call's output or the stage's own bookkeeping is refused, naming the layer. Later
 micro-batches and steps pay nothing (``Stage._watching`` is off).
+
+Under the ``compile`` setting, the checked micro-batch runs each layer's own eager forward
+(:func:`~pipeckpt.checkpointing.compiling.uncompiled`), so the check sees the layer's ops, not the
+compiler's first call. A layer compiled with SAC inside (a ``selective`` stage's) runs compiled (its
+eager form is another region, with its own handling of BatchNorm's running statistics): the ops the
+compiler traces (under Dynamo, or on fake tensors) are not noted, so such a layer goes unchecked.
 """
 
+import contextlib
 import functools
 import gc
 import types
@@ -24,10 +31,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipeckpt._compat import is_traced
 from pipeckpt._errors import config_error
+from pipeckpt.checkpointing.compiling import selective_in_graph, uncompiled
 
 __all__ = ["EscapeWatch", "checked"]
 
+_NOTHING = contextlib.nullcontext()
 _Made = Tuple[str, "weakref.ReferenceType[Tensor]", bool]  # layer, tensor, made with gradients on
 
 
@@ -52,13 +62,16 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.layer is not None:
+        # Not inside a compiled graph (Dynamo traces this mode too): those tensors are the compiler's.
+        if self.layer is not None and not torch.compiler.is_compiling():
             grad = torch.is_grad_enabled()
             given = list(_tensors((args, kwargs)))
             ids = {id(a) for a in given}
             carries = grad or (func not in _NO_GRAPH and any(self._needs(a) for a in given))
             for t in _tensors(out):  # not a tensor handed in and back as it is (``x.to(x.dtype)``)
                 if (t.is_floating_point() or t.is_complex()) and id(t) not in ids and carries:
+                    if is_traced(t):  # a fake tensor a compiler traces with, not the layer's
+                        continue
                     self.made.append((self.layer, weakref.ref(t), grad))
                     if not grad:
                         self._would[id(t)] = weakref.ref(t)
@@ -230,10 +243,11 @@ def checked(stage: Any, call: Callable[..., Any], fn: Optional[Callable[..., Any
     watch = EscapeWatch(stage.index, layers, names)
     stage._watched, stage._watching, stage.watch = True, False, watch
     try:
-        if fn is None:
-            return watch.run(call, hooked=True)
-        own = watch.layer(fn, _layer_of(fn))
-        return watch.run(lambda: call(own), hooked=False)
+        with _NOTHING if selective_in_graph(stage.partition) else uncompiled():
+            if fn is None:
+                return watch.run(call, hooked=True)
+            own = watch.layer(fn, _layer_of(fn))
+            return watch.run(lambda: call(own), hooked=False)
     finally:
         stage.watch = None
         stage._watching = fn is not None

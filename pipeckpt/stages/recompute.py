@@ -21,6 +21,7 @@ from pipeckpt._compat import accumulate_gradients, apply_function, gpipe_flags
 from pipeckpt.boundaries.calls import Call, Layout, flat_output
 from pipeckpt.boundaries.pytrees import TensorOrTensors
 from pipeckpt.boundaries.side_inputs import Chain
+from pipeckpt.checkpointing.compiling import uncompiled
 from pipeckpt.checkpointing.layer_rng import LayerStreams
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.offload import Copies, Offloader, copies_for
@@ -71,6 +72,7 @@ class _Recompute(torch.autograd.Function):
         ctx.stage, ctx.params, ctx.phonies = stage, params, len(args) - n
         ctx.packing = None if keep else packing
         ctx.kept = None
+        ctx.eager = stage.watch is not None  # the checked micro-batch ran uncompiled: so does its recompute
         if keep:
             inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
             with torch.enable_grad():
@@ -132,7 +134,8 @@ class _Recompute(torch.autograd.Function):
         # Not under a split backward: its weight pass reads saved tensors its input pass read.
         split = stage._weight_passes() is not None
         release = ReleasedAtUnpack() if stage.mode.every is not None and not split else None
-        with side_effect_free(stage.partition, norms) if norms else Recomputing():
+        eager = uncompiled() if ctx.eager else _NOTHING
+        with side_effect_free(stage.partition, norms) if norms else Recomputing(), eager:
             now = RngState(stage._cuda, stage.streams)
             ctx.rng.restore()
             try:

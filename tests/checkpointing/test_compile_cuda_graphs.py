@@ -1,11 +1,16 @@
 """``compile`` modes that replay CUDA graphs (``reduce-overhead``, ``max-autotune``) with the checkpoint
 modes: refused with offload (and ``auto``, which may pick it) when the strategy is made, before any
 work: offload copies a layer's input to the host asynchronously while the graph's next replay writes
-over the memory it lives in. The other modes are taken (tests/test_cuda.py runs them on a GPU)."""
+over the memory it lives in. The other modes are taken (tests/test_cuda.py runs them on a GPU), each
+compiled layer handing out copies of its graph's outputs."""
+
+from typing import Dict, Tuple
 
 import pytest
+import torch
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.checkpointing.compiling import compile_layers, uncompile_layers
 
 
 @pytest.mark.parametrize("compile", ["reduce-overhead", "max-autotune"])
@@ -29,3 +34,24 @@ def test_a_cuda_graph_compile_mode_is_taken_with_the_modes_that_do_not_offload(c
 
 def test_compile_without_cuda_graphs_is_taken_with_offload():
     assert PipelineStrategy(stages=2, chunks=2, checkpoint="offload", compile="max-autotune-no-cudagraphs")
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, None, Dict[str, torch.Tensor]]:
+        return x, None, {"twice": x * 2}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_layer_compiled_for_cuda_graphs_hands_out_copies_of_what_its_graph_returns(grad):
+    # A CUDA-graph tree replays over its last outputs while the pipeline still holds them (a checkpointed
+    # stage's forward runs without gradients): the layer's outputs are cloned out of the graph's pool.
+    layers = torch.nn.Sequential(_PassThrough())
+    compile_layers(layers, "reduce-overhead")
+    x = torch.randn(3, 4, requires_grad=True)
+    try:
+        with torch.set_grad_enabled(grad):
+            out, none, side = layers[0](x)
+    finally:
+        uncompile_layers(layers)
+    assert none is None and torch.equal(out, x) and torch.equal(side["twice"], x * 2)
+    assert out.data_ptr() != x.data_ptr()  # a copy, not the tensor the graph returned

@@ -114,3 +114,11 @@ def test_only_the_first_step_is_checked(monkeypatch):
     monkeypatch.setattr(escapes.EscapeWatch, "__init__", counted)
     fit(SideChannel(at=0, detached=True), "except_last", steps=3)
     assert sorted(made) == [0, 1]  # one check per stage, at the first step's first micro-batch
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_compiled_layer_that_stashes_its_activation_is_refused_as_the_eager_one_is(mode):
+    # the checked micro-batch runs the layer's own forward, not the compiler's first call
+    strategy = pipeckpt.PipelineStrategy(stages=2, chunks=2, checkpoint=mode, compile="aot_eager")
+    with pytest.raises(PipeckptConfigError, match=r"layer 'layers\.0' \(pipeline stage 0\) hands out .*list"):
+        quiet_trainer(strategy, max_steps=1).fit(SideChannel(at=0), loader())
