@@ -269,13 +269,6 @@ def test_fake_tensor_mode_runs_a_module_without_allocating():
     assert type(out).__name__ == "FakeTensor"
 
 
-def test_is_traced_tells_a_fake_tensor_from_a_real_one():
-    with _compat.FakeTensorMode():
-        fake = torch.ones(2)
-    assert _compat.is_traced(fake)
-    assert not _compat.is_traced(torch.ones(2))
-
-
 def test_module_memory_reads_memtrackers_per_module_snapshots():
     layers = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])
     x = torch.randn(4, 8, requires_grad=True)

@@ -149,11 +149,6 @@ class FakeTensorMode(_TorchFakeTensorMode):
         self.cache_enabled = False
 
 
-# Whether a tensor is one a compiler traces with (a fake tensor, or a functional wrapper of one): the
-# escape check (stages/escapes.py) notes the tensors an op returns, and a compiler's first call may
-# run ops on those; torch has no public test for them.
-from torch._subclasses.fake_tensor import is_fake as is_traced  # noqa: E402
-
 # torch's per-operator memory accounting lives only in torch.distributed._tools (no public module
 # counts the bytes of every tensor an operator creates, nor snapshots them per module).
 from torch.distributed._tools.mem_tracker import MemTracker as _TorchMemTracker  # noqa: E402
@@ -257,7 +252,6 @@ __all__ = [
     "is_view",
     "BatchNormBase",
     "FakeTensorMode",
-    "is_traced",
     "MODULE_STATES",
     "MemTracker",
     "SAC_SAVED_OP_NAMES",

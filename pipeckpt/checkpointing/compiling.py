@@ -12,11 +12,18 @@ the policy decides once, at graph partitioning, what the backward recomputes. Ea
 compiled layer instead runs a Python dispatch mode over every op of every step (4.7-10x plain
 in bf16 on an H200, benchmarks/RESULTS.md "GPU").
 
-Under a CUDA-graph mode (:data:`CUDA_GRAPH_MODES`) each compiled layer's outputs are cloned out of the
-graph's memory pool: CUDA-graph trees replay a graph over the memory of its last replay's outputs once
-they count a new step begun, which a forward without gradients (a checkpointed stage's) starts at every
-call, while the pipeline still holds that micro-batch's output for the next stage and the recompute
-(torch's own remedy, named in its error: clone the output outside ``torch.compile``).
+Under a CUDA-graph mode (:data:`CUDA_GRAPH_MODES`) a CUDA-graph tree replays a graph over the memory
+of its last replay's outputs once it counts a new step begun, which every call that leaves no backward
+pending starts: a forward without gradients, and a recompute, whose backward runs at once. So:
+- each graphed layer's outputs are cloned out of the graph's pool (torch's own remedy, named in its
+  error), since the pipeline holds a micro-batch's output for the next stage meanwhile;
+- the layers of a stage that recomputes (``except_last``, ``always``, ``:k``) compile without CUDA
+  graphs (``reduce-overhead`` as the default mode, ``max-autotune`` as ``max-autotune-no-cudagraphs``):
+  each micro-batch's recompute would start a new step in the middle of the pipeline's backward, over
+  the gradients the last one left in ``.grad`` (on an H200, torch 2.11: "accessing tensor output of
+  CUDAGraphs that has been overwritten by a subsequent run" in backward, benchmarks/RESULTS.md "GPU").
+A ``never`` or ``selective`` stage (SAC inside the graph) keeps every backward pending until the
+pipeline's, and replays its graphs.
 """
 
 import functools
@@ -41,11 +48,13 @@ __all__ = [
     "uncompiled",
     "selective_in_graph",
     "selective_layers",
+    "recomputed_layers",
 ]
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BACKENDS = ("aot_eager", "eager")  # need no C++/CUDA compiler: capture checks, exactness tests
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor modes that replay CUDA graphs
+_WITHOUT_GRAPHS = {"reduce-overhead": True, "max-autotune": "max-autotune-no-cudagraphs"}
 
 # layer -> the compiled forward set on it and the instance forward it replaced (None: the class's)
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
@@ -88,7 +97,9 @@ def compile_options(value: Any) -> Optional[Dict[str, Any]]:
     return {"mode": value}
 
 
-def compile_layers(layers: nn.Sequential, value: Any, *, selective: Collection[int] = ()) -> None:
+def compile_layers(
+    layers: nn.Sequential, value: Any, *, selective: Collection[int] = (), recomputed: Collection[int] = ()
+) -> None:
     """Compiles each layer's forward in place, per the ``compile`` setting (False: nothing).
 
     Args:
@@ -96,6 +107,8 @@ def compile_layers(layers: nn.Sequential, value: Any, *, selective: Collection[i
         value: the ``compile`` setting.
         selective: the positions of the layers whose stage checkpoints selectively
             (:func:`selective_layers`): their compiled forward runs SAC's checkpoint inside.
+        recomputed: the positions of the layers whose stage recomputes them
+            (:func:`recomputed_layers`): compiled without CUDA graphs (module doc).
     """
     options = compile_options(value)
     if options is None:
@@ -105,8 +118,12 @@ def compile_layers(layers: nn.Sequential, value: Any, *, selective: Collection[i
             continue
         own = layer.__dict__.get("forward")
         forward = selective_region(layer.forward) if k in selective else layer.forward
-        compiled = torch.compile(forward, **options)
-        if value in CUDA_GRAPH_MODES:
+        graphed = value in CUDA_GRAPH_MODES and k not in recomputed
+        if value in CUDA_GRAPH_MODES and not graphed:
+            compiled = torch.compile(forward, **compile_options(_WITHOUT_GRAPHS[value]))
+        else:
+            compiled = torch.compile(forward, **options)
+        if graphed:
             compiled = _outputs_cloned(compiled)
         layer.__dict__["forward"] = compiled
         _COMPILED[layer] = (compiled, own)
@@ -141,6 +158,17 @@ def selective_layers(ranges: Sequence[tuple[int, int]], modes: Sequence[Checkpoi
     """The positions of the layers of the stages whose mode is selective, from a plan's
     ``ranges`` and ``modes``."""
     return frozenset(k for (a, b), mode in zip(ranges, modes) if mode.selective for k in range(a, b))
+
+
+def recomputed_layers(ranges: Sequence[tuple[int, int]], modes: Sequence[CheckpointMode]) -> FrozenSet[int]:
+    """The positions of the layers of the stages that recompute them with the engine's own checkpoint
+    (every checkpointing mode but selective, whose compiled layers recompute inside their graph)."""
+    return frozenset(
+        k
+        for (a, b), mode in zip(ranges, modes)
+        if mode.checkpoints and not mode.selective
+        for k in range(a, b)
+    )
 
 
 def selective_in_graph(layers: nn.Module) -> bool:

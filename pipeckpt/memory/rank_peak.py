@@ -90,19 +90,37 @@ def per_rank(stage: StageMemory, state: RankState, order: Optional[StageOrder] =
         state = reduced_in_backward(state)  # one micro-batch a step: reduced in its backward
     rest = stage.peak - stage.params - stage.grads - stage.optimizer
     peak = (stage.grads, stage.activations, stage.boundary, stage.working, stage.peak_at)
-    found = [_at(stage, state, peak, rest, order)]
-    found += [_at(stage, state, c, c[1] + c[2] + c[3], order) for c in stage.candidates]
+    tried = [(peak, rest, order)] + [(c, c[1] + c[2] + c[3], order) for c in stage.candidates]
     if state.grads_backward is not None:  # after the last backward, before the optimizer's step
-        found.append(_at(stage, state, (stage.params - stage.frozen, 0, 0, 0, REDUCING), 0))
-    return max(found, key=lambda r: r.peak)  # the first of equal ones: the walk's own peak
+        tried.append(((stage.params - stage.frozen, 0, 0, 0, REDUCING), 0, None))
+    # Only the largest becomes a RankMemory: a search asks this of millions of candidate ops.
+    best = (peak, _terms(stage, state, peak, rest, order))
+    for candidate, beside, at_order in tried[1:]:
+        terms = _terms(stage, state, candidate, beside, at_order)
+        if terms[0] > best[1][0]:  # the first of equal ones: the walk's own peak
+            best = (candidate, terms)
+    candidate, (top, grads, unsharded, collectives) = best
+    _, activations, boundary, working, at = candidate
+    return RankMemory(
+        stage=stage.stage,
+        layers=stage.layers,
+        mode=stage.mode,
+        state=replace(state, grads=grads, unsharded=unsharded, collectives=collectives),
+        activations=activations,
+        boundary=boundary,
+        working=working,
+        peak=top,
+        peak_at=at,
+    )
 
 
-def _at(
+def _terms(
     stage: StageMemory, state: RankState, candidate: Candidate, rest: int, order: Optional[StageOrder] = None
-) -> RankMemory:
-    """The rank's memory at one op: ``rest`` beside the gradients the op holds (``candidate``);
-    ``order``: the stage's ops in the schedule's order, where the memory model has it."""
-    held, activations, boundary, working, at = candidate
+) -> Tuple[int, int, int, int]:
+    """The rank's memory at one op, ``(peak, gradients, gathered parameters, collective buffers)``:
+    ``rest`` beside the gradients the op holds (``candidate``); ``order``: the stage's ops in the
+    schedule's order, where the memory model has it."""
+    held, _, _, _, at = candidate
     trained = stage.params - stage.frozen
     share = held / trained if trained else 0.0
     grads = round(share * state.grads)
@@ -124,17 +142,11 @@ def _at(
         collectives = max(collectives, state.outside_collectives)
     elif reducing:
         collectives = state.reducing
-    peak = rest + state.params + grads + state.optimizer + unsharded + collectives
-    return RankMemory(
-        stage=stage.stage,
-        layers=stage.layers,
-        mode=stage.mode,
-        state=replace(state, grads=grads, unsharded=unsharded, collectives=collectives),
-        activations=activations,
-        boundary=boundary,
-        working=working,
-        peak=peak,
-        peak_at=at,
+    return (
+        rest + state.params + grads + state.optimizer + unsharded + collectives,
+        grads,
+        unsharded,
+        collectives,
     )
 
 

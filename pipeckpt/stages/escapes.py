@@ -15,12 +15,13 @@ micro-batches and steps pay nothing (``Stage._watching`` is off).
 
 Under the ``compile`` setting, the checked micro-batch runs each layer's own eager forward
 (:func:`~pipeckpt.checkpointing.compiling.uncompiled`), so the check sees the layer's ops, not the
-compiler's first call. A layer compiled with SAC inside (a ``selective`` stage's) runs compiled (its
-eager form is another region, with its own handling of BatchNorm's running statistics): the ops the
-compiler traces (under Dynamo, or on fake tensors) are not noted, so such a layer goes unchecked.
+compiler's first call (on an H200, torch 2.11's inductor left tensors of an activation's shape held by
+dicts and tuples after it, which the check refused). A stage whose layers were compiled with SAC inside
+(a ``selective`` stage's) goes unchecked: their eager form is another region, with its own handling of
+BatchNorm's running statistics, and Dynamo tracing them under the recorder would guard on the layer it
+names, compiling each layer afresh until its recompile limit left the rest eager for good.
 """
 
-import contextlib
 import functools
 import gc
 import types
@@ -31,13 +32,11 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipeckpt._compat import is_traced
 from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.compiling import selective_in_graph, uncompiled
 
 __all__ = ["EscapeWatch", "checked"]
 
-_NOTHING = contextlib.nullcontext()
 _Made = Tuple[str, "weakref.ReferenceType[Tensor]", bool]  # layer, tensor, made with gradients on
 
 
@@ -62,16 +61,13 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # Not inside a compiled graph (Dynamo traces this mode too): those tensors are the compiler's.
-        if self.layer is not None and not torch.compiler.is_compiling():
+        if self.layer is not None:
             grad = torch.is_grad_enabled()
             given = list(_tensors((args, kwargs)))
             ids = {id(a) for a in given}
             carries = grad or (func not in _NO_GRAPH and any(self._needs(a) for a in given))
             for t in _tensors(out):  # not a tensor handed in and back as it is (``x.to(x.dtype)``)
                 if (t.is_floating_point() or t.is_complex()) and id(t) not in ids and carries:
-                    if is_traced(t):  # a fake tensor a compiler traces with, not the layer's
-                        continue
                     self.made.append((self.layer, weakref.ref(t), grad))
                     if not grad:
                         self._would[id(t)] = weakref.ref(t)
@@ -240,10 +236,12 @@ def checked(stage: Any, call: Callable[..., Any], fn: Optional[Callable[..., Any
     stage's next step after a layer's call (every layer call of the first micro-batch is checked)."""
     layers = list(stage.partition) if isinstance(stage.partition, nn.Sequential) else [stage.partition]
     names = stage.layer_names or [f"stage {stage.index}'s layer {k}" for k in range(len(layers))]
-    watch = EscapeWatch(stage.index, layers, names)
+    watch = None if selective_in_graph(stage.partition) else EscapeWatch(stage.index, layers, names)
     stage._watched, stage._watching, stage.watch = True, False, watch
     try:
-        with _NOTHING if selective_in_graph(stage.partition) else uncompiled():
+        if watch is None:  # SAC compiled into the layers: unchecked (module doc)
+            return call() if fn is None else call(fn)
+        with uncompiled():
             if fn is None:
                 return watch.run(call, hooked=True)
             own = watch.layer(fn, _layer_of(fn))

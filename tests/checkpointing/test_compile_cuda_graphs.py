@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
-from pipeckpt.checkpointing.compiling import compile_layers, uncompile_layers
+from pipeckpt.checkpointing.compiling import compile_layers, recomputed_layers, uncompile_layers
+from pipeckpt.checkpointing.modes import ALWAYS, NEVER
 
 
 @pytest.mark.parametrize("compile", ["reduce-overhead", "max-autotune"])
@@ -55,3 +56,15 @@ def test_a_layer_compiled_for_cuda_graphs_hands_out_copies_of_what_its_graph_ret
         uncompile_layers(layers)
     assert none is None and torch.equal(out, x) and torch.equal(side["twice"], x * 2)
     assert out.data_ptr() != x.data_ptr()  # a copy, not the tensor the graph returned
+
+
+def test_a_recomputing_stages_layers_compile_without_cuda_graphs():
+    # Each recompute would start a graph tree's new step inside the pipeline's backward (compiling.py).
+    layers = torch.nn.Sequential(_PassThrough(), _PassThrough())
+    compile_layers(layers, "reduce-overhead", recomputed=recomputed_layers([(0, 1), (1, 2)], [ALWAYS, NEVER]))
+    x = torch.randn(3, 4)
+    try:
+        recomputed, graphed = layers[0](x)[0], layers[1](x)[0]
+    finally:
+        uncompile_layers(layers)
+    assert recomputed.data_ptr() == x.data_ptr() and graphed.data_ptr() != x.data_ptr()

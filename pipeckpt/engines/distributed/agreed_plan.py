@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.checkpointing.compiling import compile_layers, selective_layers
+from pipeckpt.checkpointing.compiling import compile_layers, recomputed_layers, selective_layers
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.batch_norm import convert_deferred_batch_norm
 from pipeckpt.stages.materialize import built_on_meta, materialize
@@ -109,5 +109,10 @@ def agreed_plan(
         )
     if settings.deferred_batch_norm:
         convert_deferred_batch_norm(layers, settings.chunks)
-    compile_layers(layers, settings.compile, selective=selective_layers(stage_plan.ranges, stage_plan.modes))
+    compile_layers(
+        layers,
+        settings.compile,
+        selective=selective_layers(stage_plan.ranges, stage_plan.modes),
+        recomputed=recomputed_layers(stage_plan.ranges, stage_plan.modes),
+    )
     return stage_plan, int(agreed[1])

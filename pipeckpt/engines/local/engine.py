@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeckpt._errors import PipeckptWarning, config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.checkpointing.compiling import compile_layers, selective_layers
+from pipeckpt.checkpointing.compiling import compile_layers, recomputed_layers, selective_layers
 from pipeckpt.engines.base import Engine
 from pipeckpt.engines.local.module import ModuleRunner
 from pipeckpt.engines.local.pipeline import LocalPipeline
@@ -67,7 +67,12 @@ class LocalEngine(Engine):
         self.plan = plan(sequential, s, devices, sample=sample, names=names)
         if s.deferred_batch_norm:
             convert_deferred_batch_norm(sequential, s.chunks)
-        compile_layers(sequential, s.compile, selective=selective_layers(self.plan.ranges, self.plan.modes))
+        compile_layers(
+            sequential,
+            s.compile,
+            selective=selective_layers(self.plan.ranges, self.plan.modes),
+            recomputed=recomputed_layers(self.plan.ranges, self.plan.modes),
+        )
         self.seed_layers(sequential, self.plan)  # before pipeline_of's routing takes the layers' forward
         self.attribute = f"self.{name}"
         if isinstance(sequential, ModulePipeline):
