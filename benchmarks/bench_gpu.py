@@ -35,6 +35,7 @@ uses the ``aot_eager`` backend), which ``tests/bench_smoke`` runs at ``--quick``
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,7 @@ def run_once(shape: Shape, method: str, precision: str, steps: int, warmup: int)
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[timer],
+        default_root_dir=tempfile.gettempdir(),  # a run its timeout stops saves its SIGTERM checkpoint there
     )
     trainer.fit(Model(shape, style), data)
     return timer

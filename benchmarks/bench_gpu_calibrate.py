@@ -25,6 +25,7 @@ which the prepared run's dry mode runs)::
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -116,6 +117,7 @@ def measure(config: transformers.LlamaConfig, mode: str, args: argparse.Namespac
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, precision=args.precision,
         max_steps=args.steps, callbacks=[steps], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tempfile.gettempdir(),  # a SIGTERM's checkpoint (its timeout) not in the checkout
         strategy=pipeckpt.PipelineStrategy(stages=1, chunks=1, checkpoint=mode),
     )  # fmt: skip
     trainer.fit(Llama(config, args.device), DataLoader(batches, batch_size=None))

@@ -44,6 +44,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -155,6 +156,7 @@ def fit(module: L.LightningModule, strategy: Any, *, track: bool = True) -> Step
         accelerator="gpu" if _cuda() else "cpu", devices=1, precision=RUN["precision"],
         max_steps=STEPS, callbacks=[probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tempfile.gettempdir(),  # a SIGTERM's checkpoint (its timeout) not in the checkout
         **({"strategy": strategy} if strategy is not None else {}),
     )  # fmt: skip
     trainer.fit(module, data())

@@ -5,6 +5,8 @@
 # (docs/BENCHMARKS.md, "The GPU run"); the image brings torch.
 # GPU_CHECK_DRY=1: every part on the CPU at a tiny size, nothing installed (tests/bench_smoke runs it,
 # so a flag or path the GPU run would trip on fails here first).
+# GPU_CHECK_PARTS="tests compile ...": only these parts (of: tests calibration compile offload memory
+# auto full), to give one the device's few minutes when the others were measured before.
 export PYTHONUNBUFFERED=1
 if [ -n "${GPU_CHECK_DRY:-}" ]; then
     export PYTHONPATH=$PWD
@@ -21,37 +23,42 @@ else
     cat $OUT/gpu.txt
 fi
 quiet() { grep -v -i "warn\|^ *$" | tail -30; }
-part() { echo "== $1 at $(date -u +%T) (run started $STARTED)"; }  # each part's start, for its timeout next time
+PARTS=" ${GPU_CHECK_PARTS:-tests calibration compile offload memory auto full} "
+part() {  # part <name> <title>: prints its start (for its timeout next time); fails when not asked for
+    if [[ "$PARTS" != *" $1 "* ]]; then echo "== $2: skipped (GPU_CHECK_PARTS)"; return 1; fi
+    echo "== $2 at $(date -u +%T) (run started $STARTED)"
+}
 STARTED=$(date -u +%T)
 bench() {  # bench <seconds> <out name> <args...>: one table, to $OUT/<out name>
     local seconds=$1 name=$2; shift 2
     timeout "$seconds" python3 benchmarks/bench_gpu.py --out "$OUT/$name" "$@" $TINY 2>&1 | quiet
 }
-part "CUDA tests"
-# addopts dropped: the suite's own (-n 2) needs pytest-xdist, which the image need not have
-timeout ${T_TESTS:-70} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts=-ra --durations=10 \
-    2>&1 | tee $OUT/test_cuda.log | tail -30
-TESTS_RC=${PIPESTATUS[0]}  # the run's own status at its end: the tables are written either way
-part "calibration"
+TESTS_RC=0
+if part tests "CUDA tests"; then
+    # addopts dropped: the suite's own (-n 2) needs pytest-xdist, which the image need not have
+    timeout ${T_TESTS:-70} python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts=-ra --durations=10 \
+        2>&1 | tee $OUT/test_cuda.log | tail -30
+    TESTS_RC=${PIPESTATUS[0]}  # the run's own status at its end: the tables are written either way
+fi
 # the h200_1 preset's efficiency from a measured step: HF Llama at 3.2 1B's shape, seq 4096, bf16-mixed
-timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
-part "compile table"
+part calibration "calibration" &&
+    timeout ${T_CAL:-80} python3 benchmarks/bench_gpu_calibrate.py --out $OUT/RESULTS_gpu_calibrate.md $TINY_CAL 2>&1 | quiet
 # compiled selective vs never at 4 chunks, both shapes, bf16; reduce-overhead vs eager (GPT-2 small)
-bench ${T_COMPILE:-100} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
-part "offload table"
+part compile "compile table" &&
+    bench ${T_COMPILE:-100} RESULTS_gpu_compile.md --methods compile --plans small-bf16,medium-bf16 --rounds 2 --steps 8 --warmup 4
 # offload vs always, whole stage and per layer, with the share of always's kept bytes moved off the GPU
-bench ${T_OFFLOAD:-70} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
-part "memory table"
+part offload "offload table" &&
+    bench ${T_OFFLOAD:-70} RESULTS_gpu_offload.md --methods offload --plans small-bf16 --rounds 2 --steps 8 --warmup 3
 # the plan's predicted peaks against each stage's measured peak and the device's max_memory_allocated
-timeout ${T_MEMORY:-70} python3 benchmarks/bench_gpu_memory.py --out $OUT/RESULTS_gpu_memory.md \
-    --plans small-bf16,small-32,medium-bf16,medium-32 $TINY 2>&1 | quiet
-part "auto table"
+part memory "memory table" &&
+    timeout ${T_MEMORY:-70} python3 benchmarks/bench_gpu_memory.py --out $OUT/RESULTS_gpu_memory.md \
+        --plans small-bf16,small-32,medium-bf16,medium-32 $TINY 2>&1 | quiet
 # checkpoint='auto' on HF GPT-2 (seq 1024, bf16-mixed) under per-block checkpointing's measured peak
-timeout ${T_AUTO:-110} python3 benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 \
-    --batch 8 --stages 4 --rounds 2 --out $OUT/RESULTS_gpu_auto.md $TINY_AUTO 2>&1 | quiet
-part "full table"
+part auto "auto table" &&
+    timeout ${T_AUTO:-110} python3 benchmarks/bench_hf_auto.py --device cuda --precision bf16-mixed --seq 1024 \
+        --batch 8 --stages 4 --rounds 2 --out $OUT/RESULTS_gpu_auto.md $TINY_AUTO 2>&1 | quiet
 # the full table (always vs loop + one forward among its rows), one round
-bench ${T_BENCH:-50} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
-part "end"
+part full "full table" && bench ${T_BENCH:-50} RESULTS_gpu.md --plans small-bf16 --rounds 1 --steps 6 --warmup 2
+echo "== end at $(date -u +%T) (run started $STARTED)"
 [ "$TESTS_RC" = 0 ] || echo "gpu_check: tests/test_cuda.py exited $TESTS_RC (the tables above were written anyway)"
 exit "$TESTS_RC"

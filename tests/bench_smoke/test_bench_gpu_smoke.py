@@ -44,3 +44,12 @@ def test_the_prepared_gpu_run_runs_every_part_on_the_cpu_and_writes_each_table(t
         table = (tmp_path / f"RESULTS_gpu{'_' + name if name else ''}.md").read_text()
         rows = [line for line in table.splitlines() if line.startswith("| ")]
         assert len(rows) >= 3 and not [r for r in rows if "failed" in r], (name, rows)
+
+
+def test_the_prepared_gpu_run_runs_only_the_parts_it_is_given(tmp_path: Path) -> None:
+    # GPU_CHECK_PARTS: the device's minutes for the parts not measured before, the others skipped.
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(tmp_path), "GPU_CHECK_PARTS": "calibration"}
+    done = forkserver.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS_gpu_calibrate.md"]
+    assert done.stdout.count("skipped (GPU_CHECK_PARTS)") == 6
