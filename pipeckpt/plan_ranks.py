@@ -10,7 +10,7 @@ sharded and split over the vocabulary as the engine holds them.
 """
 
 import inspect
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,6 +30,7 @@ from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rank_peak import RankTable, per_rank, stage_orders
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, rank_state
+from pipeckpt.memory.tp_local import one_rank_profile
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built, three_layers
 from pipeckpt.settings import PipeSettings
@@ -63,12 +64,13 @@ def rank_run(
     by_argument = layout.tp > 1 and takes_tensor_parallel(cfg)
     extra = {"tensor_parallel": layout.tp} if by_argument else {}
     with built(cfg, drawn, fake=fake, extra=extra) as b:
-        note = None
+        note, cut = None, None
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
+            cut = _Cut(cfg, drawn, dict(layout.tp_plan), layout.tp)
         three = (three_layers(cfg, b.sequential) if fake else None, drawn, extra)
         prediction, ranges, outside = _predicted(
-            b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule, three=three
+            b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule, three=three, cut=cut
         )
         return with_outside(prediction, b.sequential, ranges, layout, optimizer, outside), note
 
@@ -87,7 +89,7 @@ def _own_plan(cfg: DictConfig, sequential: nn.Sequential, layout: Layout) -> Tup
     vocab = f", and {', '.join(outside)} over the vocabulary" if outside else ""
     note = (
         f"memory.tp={layout.tp}: parameters split by the model's own plan ({len(layer)} entries per "
-        f"layer{vocab}); activations profiled on the whole layers (an upper bound)"
+        f"layer{vocab}); activations profiled on one rank's cut of the layers"
         + (", and the head's logits split as it is" if "colwise" in outside.values() else "")
     )
     return replace(layout, tp_plan=tuple(split.items())), note
@@ -102,22 +104,31 @@ def _predicted(
     optimizer: str,
     schedule: Optional[str],
     three: Tuple[Optional[DictConfig], Any, Dict[str, Any]] = (None, None, {}),
+    cut: Optional["_Cut"] = None,
 ) -> Tuple[Prediction, List[Tuple[int, int]], Optional[Sequence[OutsideParam]]]:
     """The walk's prediction for the plan's stages, a run of identical blocks profiled once on fake
     tensors (a Sequential's cut to three, a ``pipeline_of`` model's built again with three where
     ``three`` holds those configs, :func:`~pipeckpt.plan_model.three_layers`, the batch and the
     build's arguments), the logits of a head ``layout`` splits over the vocabulary counted as one
     rank holds them (memory/vocab_share.py); each stage's range of layers; a ``pipeline_of`` model's
-    parameters outside its layers and who reads them."""
+    parameters outside its layers and who reads them. ``cut``: the layers a model's own plan splits
+    are profiled on a build of their own cut to one rank (:mod:`pipeckpt.memory.tp_local`), as the
+    layout search profiles them: their activations one rank's, their parameters' figures whole."""
     sequential = b.sequential
     stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=b.inputs)
     rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
     short, index, count = shortened(sequential) if fake and not rooted else (sequential, 0, 1)
     chunks = settings.chunks
+    plan, tp = (cut.plan, cut.tp) if cut is not None else ({}, 1)
     if three[0] is not None:  # a pipeline_of model built again with three of its layers
         with built(three[0], three[1], fake=True, extra=three[2]) as short_b:
             b, short, index, count = short_b, short_b.sequential, 1, len(sequential) - 2
-            fitted = _profiled(b, short, chunks, fake)
+            fitted = one_rank_profile(short, plan, tp, lambda: _profiled(short_b, short, chunks, fake))
+    elif cut is not None:  # the model's own build stays whole: its parameters are counted from it
+        with built(cut.cfg, cut.drawn, fake=True) as cut_b:
+            fitted = one_rank_profile(
+                cut_b.sequential, plan, tp, lambda: _profiled(cut_b, cut_b.sequential, chunks, True)
+            )
     else:
         fitted = _profiled(b, short, chunks, fake)
     fitted = repeat_layer(fitted, index, count) if count > 1 else fitted
@@ -125,6 +136,17 @@ def _predicted(
     schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
     return prediction, list(stage_plan.ranges), fitted.outside_params
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """What a build cut to one tensor-parallel rank is made from: the model's config and drawn
+    weights, and the plan that splits its layers over ``tp`` ranks."""
+
+    cfg: DictConfig
+    drawn: Any
+    plan: Dict[str, str]
+    tp: int
 
 
 def _profiled(b: Built, layers: nn.Sequential, chunks: int, fake: bool) -> ModelProfile:

@@ -99,7 +99,20 @@ def per_rank(stage: StageMemory, state: RankState, order: Optional[StageOrder] =
         terms = _terms(stage, state, candidate, beside, at_order)
         if terms[0] > best[1][0]:  # the first of equal ones: the walk's own peak
             best = (candidate, terms)
-    candidate, (top, grads, unsharded, collectives) = best
+    return _memory(stage, state, *best)
+
+
+def _at(
+    stage: StageMemory, state: RankState, candidate: Candidate, rest: int, order: Optional[StageOrder] = None
+) -> RankMemory:
+    """The rank's memory at one op (:func:`_terms`)."""
+    return _memory(stage, state, candidate, _terms(stage, state, candidate, rest, order))
+
+
+def _memory(
+    stage: StageMemory, state: RankState, candidate: Candidate, terms: Tuple[int, int, int, int]
+) -> RankMemory:
+    top, grads, unsharded, collectives = terms
     _, activations, boundary, working, at = candidate
     return RankMemory(
         stage=stage.stage,
