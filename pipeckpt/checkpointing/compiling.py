@@ -119,10 +119,10 @@ def compile_layers(
         own = layer.__dict__.get("forward")
         forward = selective_region(layer.forward) if k in selective else layer.forward
         graphed = value in CUDA_GRAPH_MODES and k not in recomputed
+        own_options = options
         if value in CUDA_GRAPH_MODES and not graphed:
-            compiled = torch.compile(forward, **compile_options(_WITHOUT_GRAPHS[value]))
-        else:
-            compiled = torch.compile(forward, **options)
+            own_options = compile_options(_WITHOUT_GRAPHS[value]) or {}
+        compiled = torch.compile(forward, **own_options)
         if graphed:
             compiled = _outputs_cloned(compiled)
         layer.__dict__["forward"] = compiled

@@ -10,8 +10,9 @@ micro-batches of 4, ``never``, AdamW; each rank's peak is every storage alive in
 same configuration. The bar: at or over the measured peak and within 15% of it (memory is exact
 on CPU, so this holds on any load). 2026-12-02: the plan said 232.25 MiB against 203.38 measured
 (+14.2%), with the layers' activations profiled whole; 2026-12-04, profiled on one rank's cut of
-the layers (memory/tp_local.py) as the layout search does: 226.23 (+11.2%). Earlier the measurement also counted the other stage's parameters, left on
-the meta device (16.2 MiB more): 219.6 against 231.75 then, two errors that cancelled. Before the
+the layers (memory/tp_local.py) as the layout search does: 226.23 (+11.2%). Earlier the
+measurement also counted the other stage's parameters, left on the meta device (16.2 MiB more):
+219.6 against 231.75 then, two errors that cancelled. Before the
 split was counted the plan said 294.25, and 169.25 with it but without the logits torch's
 PipelineStage keeps per micro-batch. Of the 29 MiB over, about one logits shard (31.25 MiB) is
 likely the loss backward's working memory, which the plan counts as the whole head's backward makes
