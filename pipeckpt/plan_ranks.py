@@ -10,7 +10,7 @@ sharded and split over the vocabulary as the engine holds them.
 """
 
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -67,7 +67,7 @@ def rank_run(
         note, cut = None, None
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
-            cut = _Cut(cfg, drawn, dict(layout.tp_plan), layout.tp)
+            cut = cfg  # its layers profiled cut to one rank by that plan
         three = (three_layers(cfg, b.sequential) if fake else None, drawn, extra)
         prediction, ranges, outside = _predicted(
             b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule, three=three, cut=cut
@@ -104,30 +104,31 @@ def _predicted(
     optimizer: str,
     schedule: Optional[str],
     three: Tuple[Optional[DictConfig], Any, Dict[str, Any]] = (None, None, {}),
-    cut: Optional["_Cut"] = None,
+    cut: Optional[DictConfig] = None,
 ) -> Tuple[Prediction, List[Tuple[int, int]], Optional[Sequence[OutsideParam]]]:
     """The walk's prediction for the plan's stages, a run of identical blocks profiled once on fake
     tensors (a Sequential's cut to three, a ``pipeline_of`` model's built again with three where
     ``three`` holds those configs, :func:`~pipeckpt.plan_model.three_layers`, the batch and the
     build's arguments), the logits of a head ``layout`` splits over the vocabulary counted as one
     rank holds them (memory/vocab_share.py); each stage's range of layers; a ``pipeline_of`` model's
-    parameters outside its layers and who reads them. ``cut``: the layers a model's own plan splits
-    are profiled on a build of their own cut to one rank (:mod:`pipeckpt.memory.tp_local`), as the
-    layout search profiles them: their activations one rank's, their parameters' figures whole."""
+    parameters outside its layers and who reads them. ``cut``: the model's config where ``layout``'s
+    plan is the model's own: its layers are profiled on a build of their own cut to one rank by it
+    (:mod:`pipeckpt.memory.tp_local`), as the layout search profiles them: their activations one
+    rank's, their parameters' figures whole."""
     sequential = b.sequential
     stage_plan = make_plan(sequential, settings, [torch.device("cpu")], sample=b.inputs)
     rooted = isinstance(sequential, ModulePipeline)  # its own forward runs every layer
     short, index, count = shortened(sequential) if fake and not rooted else (sequential, 0, 1)
     chunks = settings.chunks
-    plan, tp = (cut.plan, cut.tp) if cut is not None else ({}, 1)
+    plan = dict(layout.tp_plan) if cut is not None else {}
     if three[0] is not None:  # a pipeline_of model built again with three of its layers
         with built(three[0], three[1], fake=True, extra=three[2]) as short_b:
             b, short, index, count = short_b, short_b.sequential, 1, len(sequential) - 2
-            fitted = one_rank_profile(short, plan, tp, lambda: _profiled(short_b, short, chunks, fake))
+            fitted = one_rank_profile(short, plan, layout.tp, lambda: _profiled(short_b, short, chunks, fake))
     elif cut is not None:  # the model's own build stays whole: its parameters are counted from it
-        with built(cut.cfg, cut.drawn, fake=True) as cut_b:
+        with built(cut, three[1], fake=True) as cut_b:
             fitted = one_rank_profile(
-                cut_b.sequential, plan, tp, lambda: _profiled(cut_b, cut_b.sequential, chunks, True)
+                cut_b.sequential, plan, layout.tp, lambda: _profiled(cut_b, cut_b.sequential, chunks, True)
             )
     else:
         fitted = _profiled(b, short, chunks, fake)
@@ -136,17 +137,6 @@ def _predicted(
     schedule = schedule or engine_class(settings.engine).memory_schedule(settings)
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=optimizer, schedule=schedule)
     return prediction, list(stage_plan.ranges), fitted.outside_params
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """What a build cut to one tensor-parallel rank is made from: the model's config and drawn
-    weights, and the plan that splits its layers over ``tp`` ranks."""
-
-    cfg: DictConfig
-    drawn: Any
-    plan: Dict[str, str]
-    tp: int
 
 
 def _profiled(b: Built, layers: nn.Sequential, chunks: int, fake: bool) -> ModelProfile:

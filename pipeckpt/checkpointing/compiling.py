@@ -54,7 +54,11 @@ __all__ = [
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BACKENDS = ("aot_eager", "eager")  # need no C++/CUDA compiler: capture checks, exactness tests
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor modes that replay CUDA graphs
-_WITHOUT_GRAPHS = {"reduce-overhead": True, "max-autotune": "max-autotune-no-cudagraphs"}
+# torch.compile's options for a CUDA-graph mode's layer that must not replay graphs (module doc)
+_WITHOUT_GRAPHS: Dict[str, Dict[str, Any]] = {
+    "reduce-overhead": {},
+    "max-autotune": {"mode": "max-autotune-no-cudagraphs"},
+}
 
 # layer -> the compiled forward set on it and the instance forward it replaced (None: the class's)
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
@@ -119,10 +123,8 @@ def compile_layers(
         own = layer.__dict__.get("forward")
         forward = selective_region(layer.forward) if k in selective else layer.forward
         graphed = value in CUDA_GRAPH_MODES and k not in recomputed
-        own_options = options
-        if value in CUDA_GRAPH_MODES and not graphed:
-            own_options = compile_options(_WITHOUT_GRAPHS[value]) or {}
-        compiled = torch.compile(forward, **own_options)
+        ungraphed = value in CUDA_GRAPH_MODES and not graphed
+        compiled = torch.compile(forward, **(_WITHOUT_GRAPHS[value] if ungraphed else options))
         if graphed:
             compiled = _outputs_cloned(compiled)
         layer.__dict__["forward"] = compiled
