@@ -7,7 +7,7 @@ the published layout with its own published recompute (its peak by the memory mo
 fits; its step by the cost model); and the fastest layout at or under the published layout's peak.
 
 The runs are benchmarks/bench_layout_published.py's (torchtitan's Llama 3.1 8B on 8 H100 and 405B on
-512; Megatron-LM SC'21 Table 1's GPT rows on 32 to 1,536 A100, as HF GPT-2 configs of their h,
+512; Megatron-LM SC'21 Table 1's GPT rows on 32 to 1,536 A100, as HF GPT-NeoX configs of their h,
 layers, heads, V = 51,200 and s = 2048), with their layouts and assumptions; runs on the same
 cluster and batch share one search. A multi-node run takes its preset with ``cluster.nodes`` set.
 

@@ -5,7 +5,8 @@ whole, and the parameters' figures the whole layer's (the rank states divide tho
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import GPTNeoXConfig, LlamaConfig
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer, GPTNeoXRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from pipeckpt.memory.profile import profile
@@ -79,3 +80,19 @@ def test_an_hf_llama_layer_runs_cut_with_its_heads_shared_out() -> None:
     out = out[0] if isinstance(out, tuple) else out
     assert out.shape == x.shape
     assert layer.self_attn.q_proj.weight.shape == (32, 64) and layer.mlp.down_proj.weight.shape == (64, 48)
+
+
+def test_an_hf_gpt_neox_layer_runs_cut_with_its_fused_heads_shared_out() -> None:
+    """GPT-NeoX's one query-key-value Linear has its columns grouped by head (each head's q, k and
+    v together), and its attention reshapes them by -1 heads: cut colwise, a rank runs heads / tp."""
+    config = GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_hidden_layers=1)
+    layer = GPTNeoXLayer(config, 0)
+    plan = {k.split("layers.*.", 1)[1]: v for k, v in config.base_model_tp_plan.items() if "layers.*." in k}
+    assert cut_to_one_rank(nn.Sequential(layer), plan, 2) == 6  # 4 weights, the colwise ones' biases
+    x = torch.randn(1, 5, 64)
+    rope = GPTNeoXRotaryEmbedding(config)(x, torch.arange(5)[None])
+    out = layer(x, position_embeddings=rope)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == x.shape
+    assert layer.attention.query_key_value.weight.shape == (96, 64)  # 2 of 4 heads' q, k and v
+    assert layer.mlp.dense_4h_to_h.weight.shape == (64, 128)

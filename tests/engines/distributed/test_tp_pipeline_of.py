@@ -4,13 +4,14 @@ pipelined layer, and transformers' ``tp_plan`` for the input embedding and the h
 vocabulary).
 
 Without processes: the plan derived for Llama and Qwen2 (every projection, the embedding and the
-head; not the final norm), and the refusals (a plan entry naming nothing, a model without a plan
+head; not the final norm) and GPT-NeoX (its fused query-key-value projection colwise, its tied
+embedding and head whole), and the refusals (a plan entry naming nothing, a model without a plan
 of its own, a style torch does not offer plainly, heads that do not divide), and
 ``checkpoint='auto'`` counting each rank's parameters by the derived plan as by the same plan given
 explicitly. One launch of 4 real
 processes (pp2 x tp2, data_parallel='fsdp' with dp=1, gloo on CPU,
-tests/engines/distributed/tp_pipeline_of_worker.py) trains tiny HF Llama and Qwen2 (hidden 64,
-4 heads, 2 KV heads, 4 layers) 3 SGD steps on padded
+tests/engines/distributed/tp_pipeline_of_worker.py) trains tiny HF Llama, Qwen2 (hidden 64,
+4 heads, 2 KV heads, 4 layers) and GPT-NeoX (4 heads) 3 SGD steps on padded
 batches with the gradient clipped by norm, and fills Llama on the meta device from a bf16
 pretrained directory in at least 8 safetensors shards: the weights every process holds after
 training are within 1e-5 relative of the model trained unpipelined in this process; each
@@ -47,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tp_pipeline_of_worker.py"
 START_S = 600  # 3 short fits of 4 processes, or 1 of 8, on a loaded 2-core machine
 PP2_TP2 = dict(balance=[2, 2], chunks=2, schedule="gpipe", tensor_parallel=2, data_parallel="fsdp")
-SCRATCH = ("llama", "qwen2")
+SCRATCH = ("llama", "qwen2", "gpt_neox")
 #: Llama's and Qwen2's base_model_tp_plan, inside a decoder layer.
 LLAMA_PLAN = {
     "self_attn.q_proj": "colwise",
@@ -58,6 +59,15 @@ LLAMA_PLAN = {
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
 }
+#: GPT-NeoX's, inside a decoder layer: its query-key-value projection is one Linear whose columns
+#: are grouped by head, so a colwise split gives each rank whole heads.
+NEOX_PLAN = {
+    "attention.query_key_value": "colwise",
+    "attention.dense": "rowwise",
+    "mlp.dense_h_to_4h": "colwise",
+    "mlp.dense_4h_to_h": "rowwise",
+}
+PLANS = {"llama": LLAMA_PLAN, "qwen2": LLAMA_PLAN, "gpt_neox": NEOX_PLAN}
 # Every step clips: the gradient's norm is 1.7 to 2.9 on these batches, so a norm that counted a
 # split gradient's halves wrong would scale the steps.
 CLIP = 1.0
@@ -78,7 +88,7 @@ def _settings(**options: Any) -> PipeSettings:
 # -- without processes -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SCRATCH)
+@pytest.mark.parametrize("name", ("llama", "qwen2"))
 def test_a_pipeline_of_model_is_split_by_its_configs_plan_inside_each_layer(name):
     settings = layer_plan(pipeline_of(_meta(name), "model.layers"), _settings())
     # and, by transformers' own plan, the input embedding and the head over the vocabulary; the norm whole
@@ -87,6 +97,11 @@ def test_a_pipeline_of_model_is_split_by_its_configs_plan_inside_each_layer(name
         "model.embed_tokens": "rowwise",
         "lm_head": "colwise",
     }
+
+
+def test_gpt_neox_is_split_inside_each_layer_and_its_tied_embedding_and_head_stay_whole():
+    settings = layer_plan(pipeline_of(_meta("gpt_neox"), "gpt_neox.layers"), _settings())
+    assert settings.tensor_parallel_plan == NEOX_PLAN
 
 
 def test_a_users_plan_entry_that_names_nothing_in_a_pipeline_of_model_is_refused_naming_it():
@@ -231,16 +246,22 @@ def test_pp2_tp2_trains_a_pipeline_of_model_like_the_unpipelined_one(four_proces
 def test_each_projection_is_a_dtensor_of_which_each_process_holds_half(four_processes, name):
     for rank in range(4):
         held = _saved(four_processes, name, rank)["trained"]
-        projections = {k: v for k, v in held.items() if k.endswith("_proj.weight")}
-        assert len(projections) == 2 * len(LLAMA_PLAN)  # the two layers of this rank's stage
+        plan = PLANS[name]
+        projections = {k: v for k, v in held.items() if k.endswith(".weight") and _inner(k) in plan}
+        assert len(projections) == 2 * len(plan)  # the two layers of this rank's stage
         for key, v in projections.items():
-            style = LLAMA_PLAN[".".join(key.split(".")[-3:-1])]
+            style = plan[_inner(key)]
             split = 0 if style == "colwise" else 1  # by output features, or by input features
             whole, local = v["whole"].shape, v["local"].shape
             assert "tp" in v["mesh"] and local[split] * 2 == whole[split], key
             assert local[1 - split] == whole[1 - split], key
         norms = [v for k, v in held.items() if k.endswith("layernorm.weight")]
         assert norms and all(v["local"].shape == v["whole"].shape for v in norms)  # not split (dp=1)
+
+
+def _inner(key: str) -> str:
+    """A parameter's submodule path inside its decoder layer (``self_attn.q_proj``)."""
+    return ".".join(key.split(".")[-3:-1])
 
 
 @pytest.mark.slow

@@ -1,16 +1,15 @@
 """One rank of a tensor-parallel ``pipeline_of`` run, started by test_tp_pipeline_of.py beside it
 (see tests/support/ranks.py).
 
-Each run of the spec trains a tiny Hugging Face model (``model``: ``llama`` or ``qwen2``) through
-``pipeline_of(model, "model.layers")`` under ``engine="distributed"`` with ``strategy`` (tensor
-parallelism from the model's own plan), 3 steps (the gradient clipped to ``clip`` by norm, if
-given) on this replica's rows of every batch: built eagerly from its config, seeded
-(``build='scratch'``), or on the meta device and filled from the pretrained directory ``path``
-(``build='pretrained'``). Each rank saves ``<run>_rank<r>.pt``: its stages, the keys it read from
-the directory's shards and the bytes of the tensors (or slices) it read, and for each tensor it
-holds for real its whole value (a DTensor gathered) and, for a DTensor, its local shard,
-placements, mesh dimensions and this rank's coordinate on the mesh, at fit start and after
-training."""
+Each run of the spec trains a tiny Hugging Face model (``model``: ``llama``, ``qwen2`` or
+``gpt_neox``) through ``pipeline_of`` over its decoder layers under ``engine="distributed"`` with
+``strategy`` (tensor parallelism from the model's own plan), 3 steps (the gradient clipped to
+``clip`` by norm, if given) on this replica's rows of every batch: built eagerly from its config,
+seeded (``build='scratch'``), or on the meta device and filled from the pretrained directory
+``path`` (``build='pretrained'``). Each rank saves ``<run>_rank<r>.pt``: its stages, the keys it
+read from the directory's shards and the bytes of the tensors (or slices) it read, and for each
+tensor it holds for real its whole value (a DTensor gathered) and, for a DTensor, its local shard,
+placements, mesh dimensions and this rank's coordinate on the mesh, at fit start and after training."""
 
 import os
 from contextlib import contextmanager
@@ -33,10 +32,22 @@ from pipeckpt.weights.ranged_read import SafetensorsFile
 
 VOCAB, LENGTH, BATCH, STEPS = 64, 12, 8, 3
 CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+#: Each model's decoder layers, the path ``pipeline_of`` takes.
+LAYERS = {"llama": "model.layers", "qwen2": "model.layers", "gpt_neox": "gpt_neox.layers"}
 
 
 def config(name: str) -> Any:
-    """Hidden 64, 4 heads and 2 KV heads (2 and 1 per tensor-parallel rank), 4 layers."""
+    """Hidden 64, 4 heads and 2 KV heads (2 and 1 per tensor-parallel rank), 4 layers. GPT-NeoX
+    (the GPT of Megatron-LM's lineage: LayerNorm, a GELU MLP, a fused query-key-value projection
+    whose columns are grouped by head) has no KV heads of its own: 4 heads, its residuals in
+    sequence and its embedding tied to its head, as Megatron's GPT."""
+    if name == "gpt_neox":
+        return transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, max_position_embeddings=32, use_parallel_residual=False,
+            tie_word_embeddings=True, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
     return CONFIGS[name](
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
@@ -69,11 +80,12 @@ class FromScratch(L.LightningModule):
 
     def __init__(self, name: str) -> None:
         super().__init__()
+        self.name = name
         torch.manual_seed(7)
         self.model = transformers.AutoModelForCausalLM.from_config(config(name)).train()
 
     def configure_pipeline(self) -> nn.Module:
-        return pipeckpt.pipeline_of(self.model, "model.layers")
+        return pipeckpt.pipeline_of(self.model, LAYERS[self.name])
 
     def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         return self.model(**batch).loss
