@@ -11,8 +11,8 @@ layouts that differ only in their data-parallel replicas share one answer.
 
 A looped schedule's rank holds ``virtual_stages`` stages: each is planned as a stage of a 1F1B
 pipeline of ``pp x virtual_stages`` stages (GPipe's for looped BFS) within an equal share of the
-device; the rank's peak is its stages walked together along its own op order where its ranks
-neither shard nor replicate, else the sum of its stages' peaks, an upper bound (docs/LAYOUT.md).
+device; the rank's peak is its stages walked together along its own op order, each holding the
+rank's share of its state (docs/LAYOUT.md).
 """
 
 from dataclasses import dataclass, replace
@@ -209,7 +209,7 @@ class Memory:
             answer = self._answers[key]
         names, balance, prediction = answer
         kind = lookup(c.schedule)
-        if c.virtual_stages > 1 and c.tp == 1 and c.dp == 1:
+        if c.virtual_stages > 1:
             peaks = self._looped_peaks(c, microbatch, names, balance)
         else:
             peaks = tuple(
@@ -233,13 +233,16 @@ class Memory:
         """Each rank's peak under a looped schedule, its stages walked together along the rank's
         own op order (:func:`~pipeckpt.memory.predict.predict_device`): a zero-bubble rank holds a
         micro-batch's activations until its weight pass, which no stage of a 1F1B pipeline does.
-        Where the ranks neither shard nor replicate (each stage's memory is the rank's as it is)."""
+        Each stage's state is the rank's share of it (FSDP's shards, TP's split, replicas whole)."""
         plan = StagePlan(
             balance, (torch.device("cpu"),) * len(balance), tuple(parse_modes(list(names), len(names)))
         )
         fitted = self.profile(c.tp, microbatch)
+        states = self._rank_states(c, fitted.outside_params)(balance)
         return tuple(
-            predict_device(fitted, plan, chunks=c.chunks, order=order, optimizer=self.optimizer).peak
+            predict_device(
+                fitted, plan, chunks=c.chunks, order=order, optimizer=self.optimizer, states=states
+            ).peak
             for order in rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
         )
 

@@ -8,7 +8,7 @@ memory follows, and each prediction is a walk over op orders (:mod:`pipeckpt.mem
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -17,6 +17,7 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order, sends_held, split_backward
+from pipeckpt.memory.sharding import RankState
 from pipeckpt.memory.stage_memory import StageMemory, _Peak
 from pipeckpt.memory.stage_model import _StageModel
 from pipeckpt.memory.walk import _op_times, _predict_stage, _result, _StageWalk
@@ -116,6 +117,7 @@ def predict_device(
     order: Sequence[Tuple[int, str, int]],
     optimizer: Union[str, torch.optim.Optimizer, type] = "adam",
     accumulating: bool = False,
+    states: Optional[Sequence[Tuple[RankState, RankState]]] = None,
 ) -> DeviceMemory:
     """The peak of one device that runs several stages of ``plan`` under a looped torch schedule
     (``interleaved_1f1b``, ``looped_bfs``). While one stage runs an op, the device's other stages
@@ -133,6 +135,10 @@ def predict_device(
             own ``pipeline_order`` for this rank: :func:`pipeckpt._compat.live_op_order`).
         optimizer: whose state to count.
         accumulating: ``.grad`` already holds gradients when the step starts.
+        states: each stage's state on one of its ranks and unsharded
+            (:func:`~pipeckpt.memory.sharding.stage_rank_states`), where the device is one rank of
+            a sharded layout (FSDP, TP): each stage's walk then holds the rank's shares
+            (:func:`_on_rank`). None: each stage's state whole.
     """
     _check_balance(profile, plan)
     unknown = sorted({kind for _, kind, _ in order} - {"F", "B", "I", "W"})
@@ -158,6 +164,8 @@ def predict_device(
         )
         walks[j].hold_sends = True
         walks[j].split = {i for k, i in split if k == j}
+        if states is not None:
+            _on_rank(walks[j], *states[j])
     device = _Peak()
     for j, kind, i in ops:
         around = sum(w.resting() for k, w in walks.items() if k != j)
@@ -170,6 +178,27 @@ def predict_device(
         peak=device.value,
         peak_at=device.at,
     )
+
+
+def _on_rank(walk: _StageWalk, state: RankState, whole: RankState) -> None:
+    """``walk``'s stage state replaced, in place, by one rank's shares, as
+    :func:`pipeckpt.memory.rank_peak.on_rank` replaces a single stage's (what the walk counts
+    beyond the sharded layers, a ``pipeline_of`` model's own parameters, stays whole). A looped
+    rank holds every one of its stages' states all step, and its gathered parameters and
+    collective buffers are counted held all step too: exact without ``reshard_after_forward``
+    (torchtitan's default under PP, where a stage's units stay gathered once its first forward
+    ran), an upper bound with it. Its gradients are whole until the step reduces them
+    (``grads_backward``), or the shards where each micro-batch reduces its own; the walk counts a
+    layer's gradient as the whole layer's (a tensor-parallel profile keeps the whole layers'
+    parameter figures), so each is scaled to the rank's share."""
+    s = walk.s
+    extra = s.param_bytes + s.frozen_bytes - whole.params
+    grads = state.grads if state.grads_backward is None else state.grads_backward
+    gathered = max(state.unsharded, state.unsharded_backward or 0)
+    walk.opt = state.optimizer + walk.opt - whole.optimizer
+    walk.static = state.params + extra + walk.opt + gathered + state.collectives
+    walk.grads = grads + s.param_bytes - whole.grads
+    walk.grad_share = grads / whole.grads if whole.grads else 1.0
 
 
 def predict_depth_first(

@@ -124,6 +124,7 @@ class _StageWalk:
         self.backwards = 0  # micro-batches whose backward is over
         self.hold_sends = False  # every send lives until the step ends (a looped schedule's)
         self.split: AbstractSet[int] = frozenset()  # micro-batches whose "B" is an input pass, a "W" after
+        self.grad_share = 1.0  # of each layer's gradient, what one rank holds (predict._on_rank)
 
     def resting(self) -> int:
         """Bytes the stage holds while another stage of its device runs."""
@@ -260,7 +261,7 @@ class _StageWalk:
             _, k, saved, own, work, after, last_segment, segment_end, _ = event
             # Before the stage's first backward ends, its gradients are those of the layers after k
             # and, on the last stage, those the head's backward made (a pipeline_of model's own).
-            g = grads if self.grads_done else after + self.head_grads
+            g = grads if self.grads_done else round(self.grad_share * after) + self.head_grads
             # Each micro-batch adds its gradients into .grad in place (pipeckpt/stages/stage.py), so
             # no sum over micro-batches waits beside .grad.
             incoming = (
