@@ -169,7 +169,7 @@ def search(
         except PipeckptConfigError as error:
             dropped.append(Dropped(c, "memory", str(error).split("\n")[0]))
             continue
-        if fitted.peak > device_bytes:  # a looped schedule's rank: its stages' peaks summed
+        if fitted.peak > device_bytes:  # a looped schedule's rank: its stages walked together
             dropped.append(Dropped(c, "memory", f"peak {human(fitted.peak)} > {human(device_bytes)}"))
             continue
         ranked.append(Ranked(fitted, cost(fitted.candidate)))
