@@ -162,7 +162,8 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
 def model_costs_from_config(config: Any, *, seq_len: int, precision: str = "bf16-mixed") -> ModelCosts:
     """A decoder's costs from its Hugging Face config (a ``PretrainedConfig`` or a dict with its
     keys): Llama-shaped (grouped-query attention, a gated MLP of ``intermediate_size``, RMSNorm) or
-    GPT-shaped (a two-matrix MLP, ``n_inner`` or 4 x hidden, LayerNorm, learnt positions).
+    GPT-shaped (a two-matrix MLP, ``n_inner`` or 4 x hidden, LayerNorm; learnt positions where the
+    config names ``n_positions``, as GPT-2's does, none for rotary ones such as GPT-NeoX).
 
     FLOPs per token and layer, forward (Narayanan et al., SC'21, section 5.1: 2 FLOPs per
     multiply-add, attention over the whole sequence as their Eq. 3 and torchtitan's MFU count it):
@@ -200,7 +201,8 @@ def model_costs_from_config(config: Any, *, seq_len: int, precision: str = "bf16
     params = h * (2 * q + 2 * kv) + m * h * ffn + norms
     if bias:
         params += 2 * q + 2 * kv + (ffn + h if not gated else 0)
-    positions = 0 if gated else int(_get(config, "n_positions", "max_position_embeddings", default=0)) * h
+    # learnt positions: GPT-2's n_positions; a rotary model (Llama, GPT-NeoX) has none
+    positions = int(_get(config, "n_positions", default=0)) * h
     return ModelCosts(
         name=str(_get(config, "model_type", default="decoder")),
         seq_len=seq_len,

@@ -224,9 +224,14 @@ def test_config_parameters_equal_transformers_own_count() -> None:
         num_key_value_heads=2, vocab_size=300,
     )  # fmt: skip
     gpt2 = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=300, n_positions=32)
+    neox = transformers.GPTNeoXConfig(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=300, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
     for config, cls, tied in (
         (llama, transformers.LlamaForCausalLM, False),
         (gpt2, transformers.GPT2LMHeadModel, True),
+        (neox, transformers.GPTNeoXForCausalLM, False),  # rotary: no position embedding
     ):
         with torch.device("meta"):
             model = cls(config)
