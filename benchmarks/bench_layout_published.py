@@ -54,11 +54,13 @@ def gpt(h: int, heads: int, layers: int) -> Dict[str, Any]:
     but splits both over the vocabulary across t, and holds a copy on the last stage, as an untied
     GPT-NeoX's plan splits its two (a tied one stays whole on every tp rank); at p1 this counts V h
     parameters more than Megatron's (7% of 1.7B, 0.4% of 145.6B). Its rotary positions replace
-    Megatron's learnt ones (2,048 h parameters; no matmul FLOPs)."""
+    Megatron's learnt ones (2,048 h parameters; no matmul FLOPs). Dropout 0.1 on attention and the
+    residuals, Megatron-LM's defaults (the paper does not say what its runs set; GPT-NeoX's own
+    default is none, and the masks a dropout keeps are activation memory)."""
     return dict(
         model_type="gpt_neox", hidden_size=h, num_attention_heads=heads, num_hidden_layers=layers,
         intermediate_size=4 * h, vocab_size=51200, max_position_embeddings=2048, hidden_act="gelu",
-        use_parallel_residual=False, tie_word_embeddings=False,
+        use_parallel_residual=False, tie_word_embeddings=False, hidden_dropout=0.1, attention_dropout=0.1,
     )  # fmt: skip
 
 
