@@ -196,7 +196,8 @@ def _on_rank(walk: _StageWalk, state: RankState, whole: RankState) -> None:
     grads = state.grads if state.grads_backward is None else state.grads_backward
     gathered = max(state.unsharded, state.unsharded_backward or 0)
     walk.opt = state.optimizer + walk.opt - whole.optimizer
-    walk.static = state.params + extra + walk.opt + gathered + state.collectives
+    walk.params = state.params + extra + gathered  # as rank_peak.on_rank counts a rank's
+    walk.static = walk.params + walk.opt + state.collectives
     walk.grads = grads + s.param_bytes - whole.grads
     walk.grad_share = grads / whole.grads if whole.grads else 1.0
 

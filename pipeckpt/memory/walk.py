@@ -75,7 +75,8 @@ class _StageWalk:
         m, local = chunks, s.local
         self.grads = s.param_bytes
         self.opt = optimizer_state_bytes(optimizer, s.param_bytes, s.param_tensors)
-        self.static = s.param_bytes + s.frozen_bytes + self.opt
+        self.params = s.param_bytes + s.frozen_bytes  # held all step (a rank's share: predict._on_rank)
+        self.static = self.params + self.opt
         after = (
             [s.profile.loss] if s.last and s.profile.loss is not None and s.outside_share() is None else []
         )
@@ -205,22 +206,7 @@ class _StageWalk:
                     cells[k] -= self.outside.outputs
                 return
             if local and s.last and len(cells) == m:
-                # The whole batch at once: gathered outputs, loss forward and backward.
-                acts, gathered = sum(cells.values()), m * s.output_bytes
-                total = static + g_now + acts
-                # One micro-batch is handed back as it is, no copy (LocalPipeline._gather): the
-                # output, and what the loss saves of it, count once with what the micro-batch holds.
-                held = self.kept_ids_of[recompute] if m == 1 else set()
-                joined = s.bytes(s.outputs - held) if m == 1 else 2 * gathered
-                peak_see(total + joined, (acts, joined, 0), "gather")
-                if loss is not None:
-                    joined = s.bytes(s.outputs - held) if m == 1 else gathered
-                    work = m * loss.forward_peak
-                    peak_see(total + joined + work, (acts, joined, work), "loss forward")
-                    work = m * loss.backward_peak
-                    ls = s.profile.bytes_of(set(loss.saved) - held) if m == 1 else m * self.loss_saved
-                    peak_see(total + ls + work, (acts, ls, work), "loss backward")
-                self.tail = gathered
+                self.tail = _whole_batch(self, recompute, static + g_now)
             return
         kept = cells.pop(i)
         base -= kept
@@ -307,6 +293,28 @@ class _StageWalk:
         self._see(self.resting() + self.step_work, (0, 0, self.step_work), "optimizer step")
 
 
+def _whole_batch(walk: _StageWalk, recompute: bool, held: int) -> int:
+    """The local engine's last stage once every micro-batch's forward is done: the whole batch at
+    once, gathered outputs, loss forward and backward, beside ``held`` (the stage's state and
+    gradients); returns the gathered batch's output gradient, which the stage holds on (the tail)."""
+    s, m, loss, see = walk.s, walk.m, walk.loss, walk._see
+    acts, gathered = sum(walk.cells.values()), m * s.output_bytes
+    total = held + acts
+    # One micro-batch is handed back as it is, no copy (LocalPipeline._gather): the output, and
+    # what the loss saves of it, count once with what the micro-batch holds.
+    kept = walk.kept_ids_of[recompute] if m == 1 else set()
+    joined = s.bytes(s.outputs - kept) if m == 1 else 2 * gathered
+    see(total + joined, (acts, joined, 0), "gather")
+    if loss is not None:
+        joined = s.bytes(s.outputs - kept) if m == 1 else gathered
+        work = m * loss.forward_peak
+        see(total + joined + work, (acts, joined, work), "loss forward")
+        work = m * loss.backward_peak
+        saved = s.profile.bytes_of(set(loss.saved) - kept) if m == 1 else m * walk.loss_saved
+        see(total + saved + work, (acts, saved, work), "loss backward")
+    return gathered
+
+
 def _result(walk: _StageWalk) -> StageMemory:
     """The stage's memory and time once its walk is over."""
     s, mode, m, keep, peak = walk.s, walk.mode, walk.m, walk.keep, walk.peak
@@ -318,7 +326,7 @@ def _result(walk: _StageWalk) -> StageMemory:
         stage=walk.j,
         layers=(s.start, s.stop),
         mode=mode.name,
-        params=s.param_bytes + s.frozen_bytes,
+        params=walk.params,
         frozen=s.frozen_bytes,
         grads=held_grads,
         optimizer=walk.opt,
