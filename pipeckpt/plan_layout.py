@@ -217,7 +217,14 @@ def search_config(
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         found = (
-            candidates(where.world, model, global_batch=int(cfg.data.batch_size)) if only is None else only
+            candidates(
+                where.world,
+                model,
+                global_batch=int(cfg.data.batch_size),
+                devices_per_node=where.devices_per_node,
+            )
+            if only is None
+            else only
         )
         searched = search(
             found,

@@ -18,7 +18,7 @@ from pipeckpt.checkpointing.order import kept as kept_microbatches
 from pipeckpt.memory.predict import predict, predict_depth_first
 from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order
-from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.stage_model import stage_model
 from pipeckpt.memory.walk import StageMemory
 from pipeckpt.stages.partition import StagePlan
 
@@ -70,7 +70,7 @@ def held_per_step(
     out, start = [], 0
     for j, (n, mode) in enumerate(zip(balance, modes)):
         # memory.py's per-stage model, read for one quantity it already computes (same package).
-        model = _StageModel(profile, start, start + n, first=j == 0, last=j == len(balance) - 1, local=True)
+        model = stage_model(profile, start, start + n, first=j == 0, last=j == len(balance) - 1, local=True)
         keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
         total = 0
         for i in range(chunks):
@@ -91,7 +91,7 @@ def gathered_gradient(profile: ModelProfile, balance: Sequence[int], chunks: int
     if chunks == 1 or profile.outside is not None:
         return 0
     start = sum(balance[:-1])
-    last = _StageModel(profile, start, start + balance[-1], first=len(balance) == 1, last=True, local=True)
+    last = stage_model(profile, start, start + balance[-1], first=len(balance) == 1, last=True, local=True)
     return chunks * last.output_bytes
 
 

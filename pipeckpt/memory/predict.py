@@ -19,7 +19,7 @@ from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.schedule import op_order, sends_held, split_backward
 from pipeckpt.memory.sharding import RankState
 from pipeckpt.memory.stage_memory import StageMemory, _Peak
-from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.stage_model import stage_model
 from pipeckpt.memory.walk import _op_times, _predict_stage, _result, _StageWalk
 from pipeckpt.stages.partition import StagePlan
 
@@ -86,7 +86,7 @@ def predict(
     local = schedule == "local"
     out, times = [], []
     for j, ((start, stop), mode) in enumerate(zip(plan.ranges, plan.modes)):
-        model = _StageModel(profile, start, stop, first=j == 0, last=j == stages - 1, local=local)
+        model = stage_model(profile, start, stop, first=j == 0, last=j == stages - 1, local=local)
         keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
         out.append(
             _predict_stage(
@@ -152,7 +152,7 @@ def predict_device(
     walks: Dict[int, _StageWalk] = {}
     for j in sorted({j for j, _, _ in ops}):
         start, stop = plan.ranges[j]
-        model = _StageModel(profile, start, stop, first=j == 0, last=j == plan.stages - 1, local=False)
+        model = stage_model(profile, start, stop, first=j == 0, last=j == plan.stages - 1, local=False)
         walks[j] = _StageWalk(
             model,
             j,
@@ -230,7 +230,7 @@ def predict_depth_first(
     order, _ = op_order("local", stages=stages, microbatches=chunks)
     walks = []
     for j, ((start, stop), mode) in enumerate(zip(plan.ranges, plan.modes)):
-        model = _StageModel(profile, start, stop, first=j == 0, last=j == stages - 1, local=True)
+        model = stage_model(profile, start, stop, first=j == 0, last=j == stages - 1, local=True)
         keep = kept_microbatches([(j, kind, i) for kind, i in order[j]], j)
         walks.append(
             _StageWalk(

@@ -11,7 +11,8 @@ allocated). docs/MEMORY.md, "memory/profile.py", says more.
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from functools import cached_property
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -91,8 +92,22 @@ class ModelProfile:
     # Each storage's shape, as first seen (memory/vocab_share.py finds the logits' by it).
     storage_shapes: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
-    def bytes_of(self, ids: Set[int]) -> int:
-        return sum(self.storage_bytes[i] for i in ids if i not in self.batch_inputs)
+    def bytes_of(self, ids: AbstractSet[int]) -> int:
+        data = self._data
+        return sum(self.storage_bytes[i] for i in ids if i not in data)
+
+    @cached_property
+    def _data(self) -> FrozenSet[int]:
+        """``batch_inputs`` as a set: ``bytes_of`` asks it of every storage, millions of times a search."""
+        return frozenset(self.batch_inputs)
+
+    @cached_property
+    def derived(self) -> Dict[Any, Any]:
+        """Numbers other modules derive from this profile alone, kept with it (frozen, it never
+        changes; :func:`dataclasses.replace` makes a profile with none): one stage's
+        (:func:`pipeckpt.memory.stage_model.stage_model`), asked again by every prediction a search
+        makes of a layout with the same stage."""
+        return {}
 
     def saved_union(self, start: int, stop: int) -> Set[int]:
         out: Set[int] = set()

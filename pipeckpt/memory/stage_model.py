@@ -8,7 +8,7 @@ what each segment, Function and gradient holds.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.memory.outside_share import OutsideParam, stage_share
@@ -16,6 +16,21 @@ from pipeckpt.memory.profile import ModelProfile
 from pipeckpt.memory.timing import selective_extra_s
 
 __all__: List[str] = []
+
+T = TypeVar("T")
+
+
+def stage_model(
+    profile: ModelProfile, start: int, stop: int, *, first: bool, last: bool, local: bool
+) -> "_StageModel":
+    """The stage of ``profile``'s layers ``start:stop``, made once per profile: a search predicts the
+    same stage under many chunk counts and schedules, and what a stage keeps and frees per mode
+    (:meth:`_StageModel.kept_ids`, :meth:`~_StageModel.backward_events`) was most of its time."""
+    key = ("stage", start, stop, first, last, local)
+    made = profile.derived.get(key)
+    if made is None:
+        made = profile.derived[key] = _StageModel(profile, start, stop, first=first, last=last, local=local)
+    return made
 
 
 @dataclass
@@ -69,6 +84,13 @@ class _StageModel:
             self.frozen_bytes += 0 if o.trained else o.bytes
         self.forward_s = sum(layer.forward_s for layer in self.layers)
         self.backward_s = sum(layer.backward_s for layer in self.layers)
+        self._memo: Dict[Tuple[Any, ...], Any] = {}
+
+    def _once(self, key: Tuple[Any, ...], make: Callable[[], T]) -> T:
+        """``make()``, once per ``key``: its answer is shared, so callers read it and never change it."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def _crossing(self, boundary: int) -> int:
         """The bytes a pipeline_of model's stage boundary before layer ``boundary`` carries."""
@@ -126,7 +148,13 @@ class _StageModel:
     def kept_ids(
         self, mode: CheckpointMode, recompute: bool, *, function: bool = True, output: bool = False
     ) -> Set[int]:
-        """The storages :meth:`kept` counts."""
+        """The storages :meth:`kept` counts (shared: read, never changed)."""
+        return self._once(
+            ("kept", mode, recompute, function, output),
+            lambda: self._kept_ids(mode, recompute, function=function, output=output),
+        )
+
+    def _kept_ids(self, mode: CheckpointMode, recompute: bool, *, function: bool, output: bool) -> Set[int]:
         if not recompute:
             ids = self.profile.saved_union(self.start, self.stop)
             if function:
@@ -138,7 +166,10 @@ class _StageModel:
     def forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         """(held by this micro-batch, the layer's own forward peak) while each layer runs forward:
         a kept micro-batch keeps what each layer saved; a recomputed one its segments' inputs (and
-        selective, the outputs SAC keeps) so far."""
+        selective, the outputs SAC keeps) so far (shared: read, never changed)."""
+        return self._once(("forward", mode, recompute), lambda: self._forward_live(mode, recompute))
+
+    def _forward_live(self, mode: CheckpointMode, recompute: bool) -> List[Tuple[int, int]]:
         out = []
         held: Set[int] = set(self.inputs)
         for a, b in self.segments(mode, recompute):
@@ -164,7 +195,16 @@ class _StageModel:
         gradient that arrived for it stay held: its Function's backward holds both while autograd
         runs inside it (whole stage: the stage's output and its incoming gradient). ``output``: the
         stage's output from the forward is held throughout besides (torch's PipelineStage): counted
-        once with what holds it already, and apart from the new output a recompute makes."""
+        once with what holds it already, and apart from the new output a recompute makes (shared:
+        read, never changed)."""
+        return self._once(
+            ("backward", mode, recompute, function, output),
+            lambda: self._backward_events(mode, recompute, function=function, output=output),
+        )
+
+    def _backward_events(
+        self, mode: CheckpointMode, recompute: bool, *, function: bool, output: bool
+    ) -> List[Tuple[Any, ...]]:
         p = self.profile
         segments = self.segments(mode, recompute)
         outs: Set[int] = set()  # held from the forward: counted once with the rest

@@ -49,6 +49,14 @@ def test_tensor_parallel_degree_divides_heads_and_kv_heads() -> None:
     assert tps == {1, 2}
 
 
+def test_tensor_parallel_groups_stay_within_a_node() -> None:
+    # 3 nodes of 8 devices, a 96-head model: tp 3, 6, 12 and 24 divide the heads and the world but not
+    # a node's 8 devices, so some of their groups would span two nodes
+    model = Model(layers=80, heads=96, tensor_parallel=True)
+    assert {tp for _, tp, _, _ in degrees(24, model)} == {1, 2, 3, 4, 6, 8, 12, 24}
+    assert {tp for _, tp, _, _ in degrees(24, model, devices_per_node=8)} == {1, 2, 4, 8}
+
+
 def test_pipeline_degree_never_exceeds_the_layers() -> None:
     pps = {pp for pp, _, _, _ in degrees(8, Model(layers=3))}
     assert pps == {1, 2}
