@@ -116,6 +116,7 @@ class Memory:
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
         self._balances: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self._rank_state_fns: Dict[Tuple[object, ...], Callable[[Tuple[int, ...]], Sequence[Any]]] = {}
+        self._looped: Dict[Tuple[object, ...], Tuple[int, ...]] = {}
 
     def _layers(self, tp: int) -> Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]:
         if tp not in self._built:
@@ -209,8 +210,13 @@ class Memory:
             answer = self._answers[key]
         names, balance, prediction = answer
         kind = lookup(c.schedule)
-        if c.virtual_stages > 1:
+        if c.virtual_stages > 1 and c.modes:
             peaks = self._looped_peaks(c, microbatch, names, balance)
+        elif c.virtual_stages > 1:  # layouts that differ in their replicas only walk alike
+            looped = (key, c.schedule, c.pp, c.virtual_stages)
+            if looped not in self._looped:
+                self._looped[looped] = self._looped_peaks(c, microbatch, names, balance)
+            peaks = self._looped[looped]
         else:
             peaks = tuple(
                 sum(prediction.stages[j].peak for j in kind.stages_of(r, c.pp, c.stages)) for r in range(c.pp)
