@@ -27,7 +27,7 @@ from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
 from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.rank_work import sharded_collectives_s
-from pipeckpt.layout.report import draw, format_row, format_search
+from pipeckpt.layout.report import draw, format_row, format_search, progress_printer
 from pipeckpt.layout.search import Estimate, Searched, search
 from pipeckpt.layout.split_backward import WHOLE
 from pipeckpt.memory.sharding import PRECISIONS
@@ -232,6 +232,7 @@ def search_config(
             state=memory.state_bytes,
             memory=memory.fit,
             cost=_cost(cfg, memory, where, shapes),
+            progress=progress_printer(),
         )
         answer = Answer(searched, where, tuple(shapes.profiles))
     if png is not None:

@@ -6,13 +6,15 @@ table, train.py logs its first row, and the PNG shows what the table cannot, how
 byte of device memory buys among every layout that fits.
 """
 
+import sys
+import time
 from collections import Counter
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, TextIO, Tuple
 
 from pipeckpt.layout.search import Ranked, Searched, why_lost
 from pipeckpt.sizes import human
 
-__all__ = ["modes_text", "format_row", "format_search", "frontier", "draw"]
+__all__ = ["modes_text", "format_row", "format_search", "frontier", "draw", "progress_printer"]
 
 
 def modes_text(modes: Sequence[str]) -> str:
@@ -133,3 +135,26 @@ def draw(searched: Searched, path: str, device_bytes: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def progress_printer(
+    every_s: float = 60.0, out: Optional[TextIO] = None, clock: Callable[[], float] = time.monotonic
+) -> Callable[[int, int, int], None]:
+    """A :func:`pipeckpt.layout.search.search` ``progress`` that writes one line at most every
+    ``every_s`` seconds (to standard error): how many layouts are done and fit, so a search of a
+    large world says how far it is, and a short one says nothing."""
+    began = clock()
+    last = [began]
+
+    def progress(done: int, total: int, fits: int) -> None:
+        now = clock()
+        if now - last[0] >= every_s:
+            last[0] = now
+            print(
+                f"layout search: {done:,} of {total:,} layouts done, {fits:,} fit so far, "
+                f"{now - began:.0f} s",
+                file=out if out is not None else sys.stderr,
+                flush=True,
+            )
+
+    return progress

@@ -132,6 +132,7 @@ def search(
     memory: Callable[[Candidate], Fitted],
     cost: Callable[[Candidate], Estimate],
     top: Optional[int] = None,
+    progress: Optional[Callable[[int, int, int], None]] = None,
 ) -> Searched:
     """Every candidate that fits ``device_bytes`` on each of its ranks, fastest first.
 
@@ -144,11 +145,15 @@ def search(
             :class:`~pipeckpt.PipeckptConfigError` where no modes fit.
         cost: the predicted step of a layout whose modes are chosen.
         top: keep only the fastest ``top`` (None: all).
+        progress: told ``(layouts done, layouts, layouts that fit so far)`` after each layout (a
+            search of a thousand-GPU world runs for an hour: its caller says how far it is).
     """
     dropped: List[Dropped] = []
     ranked: List[Ranked] = []
     unbound: Set[Candidate] = set()  # layouts ranked with no stage recomputing, gradients reduced once
-    for c in candidates:
+    for done, c in enumerate(candidates):
+        if progress is not None:
+            progress(done, len(candidates), len(ranked))
         if c.reduce_every and replace(c, reduce_every=False) in unbound:
             # Reducing every micro-batch only adds reduce-scatters: it buys memory, which a layout
             # that fits without any recompute cannot spend (its twin, just ranked, is faster).

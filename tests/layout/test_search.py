@@ -4,6 +4,7 @@ The cost and memory functions here are stated in each test (the search takes the
 so a ranking is checked against numbers written down, not against another model of the step.
 """
 
+import io
 from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
@@ -17,6 +18,7 @@ from pipeckpt.checkpointing.modes import NEVER
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.layout.fit import Fitted, Memory, Shapes, balance_of, memory_schedule
 from pipeckpt.layout.orders import rank_orders
+from pipeckpt.layout.report import progress_printer
 from pipeckpt.layout.search import Ranked, search, why_lost
 from pipeckpt.memory.predict import Prediction, predict_device
 from pipeckpt.memory.profile import profile
@@ -313,3 +315,29 @@ def test_reducing_every_micro_batch_is_searched_where_its_twin_recomputes() -> N
         cost=lambda c: Step(2.0 if c.modes == ("always",) else 1.0),
     )
     assert [r.candidate.reduce_every for r in found.ranked] == [True, False]  # memory bought time
+
+
+def test_progress_is_told_before_each_layout_with_the_fits_so_far() -> None:
+    told: List[Tuple[int, int, int]] = []
+    search(
+        [layout(pp) for pp in (1, 2, 4)],
+        device_bytes=100,
+        state=lambda c: 0,
+        memory=lambda c: fitted(c, 10 if c.pp < 4 else 200),
+        cost=lambda c: Step(1.0),
+        progress=lambda *a: told.append(a),
+    )
+    assert told == [(0, 3, 0), (1, 3, 1), (2, 3, 2)]
+
+
+def test_the_progress_line_is_written_at_most_once_a_period() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    progress = progress_printer(60.0, out, clock=lambda: now[0])
+    for t, done in ((30.0, 10), (61.0, 20), (90.0, 30), (125.0, 40)):
+        now[0] = t
+        progress(done, 100, done // 10)
+    assert out.getvalue().splitlines() == [
+        "layout search: 20 of 100 layouts done, 2 fit so far, 61 s",
+        "layout search: 40 of 100 layouts done, 4 fit so far, 125 s",
+    ]
