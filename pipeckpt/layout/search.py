@@ -145,7 +145,7 @@ def search(
             :class:`~pipeckpt.PipeckptConfigError` where no modes fit.
         cost: the predicted step of a layout whose modes are chosen.
         top: keep only the fastest ``top`` (None: all).
-        progress: told ``(layouts done, layouts, layouts that fit so far)`` after each layout (a
+        progress: told ``(layouts done, layouts, layouts that fit so far)`` before each layout (a
             search of a thousand-GPU world runs for an hour: its caller says how far it is).
     """
     dropped: List[Dropped] = []
