@@ -46,6 +46,7 @@ def test_predictions_over_shared_stages_equal_a_fresh_profiles() -> None:
         (["always", "always", "always"], 2, "gpipe"),
         (["never", "always", "except_last"], 8, "gpipe"),
         (["offload", "never", "always"], 4, "local"),
+        (["selective", "always:2", "never"], 4, "1f1b"),
     ]
     for modes, chunks, schedule in cases + cases:  # the second round reads every stage from the first's
         fresh = replace(PROFILE)  # nothing derived yet
