@@ -210,10 +210,8 @@ class Memory:
             answer = self._answers[key]
         names, balance, prediction = answer
         kind = lookup(c.schedule)
-        if c.virtual_stages > 1 and c.modes:
-            peaks = self._looped_peaks(c, microbatch, names, balance)
-        elif c.virtual_stages > 1:  # layouts that differ in their replicas only walk alike
-            looped = (key, c.schedule, c.pp, c.virtual_stages)
+        if c.virtual_stages > 1:  # layouts that differ in their replicas only walk alike
+            looped = (key, c.schedule, c.pp, c.virtual_stages, names)
             if looped not in self._looped:
                 self._looped[looped] = self._looped_peaks(c, microbatch, names, balance)
             peaks = self._looped[looped]

@@ -143,13 +143,13 @@ def progress_printer(
     """A :func:`pipeckpt.layout.search.search` ``progress`` that writes one line at most every
     ``every_s`` seconds (to standard error): how many layouts are done and fit, so a search of a
     large world says how far it is, and a short one says nothing."""
-    began = clock()
-    last = [began]
+    began = last = clock()
 
     def progress(done: int, total: int, fits: int) -> None:
+        nonlocal last
         now = clock()
-        if now - last[0] >= every_s:
-            last[0] = now
+        if now - last >= every_s:
+            last = now
             print(
                 f"layout search: {done:,} of {total:,} layouts done, {fits:,} fit so far, "
                 f"{now - began:.0f} s",
