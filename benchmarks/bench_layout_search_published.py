@@ -17,6 +17,11 @@ fit for, or cannot search, is reported, not hidden.
 
     python benchmarks/bench_layout_search_published.py --out /tmp/search_published.md   # minutes per row
     python benchmarks/bench_layout_search_published.py --only GPT   # rows whose name has GPT
+    python benchmarks/bench_layout_search_published.py --top 5      # the 5 fastest a row: minutes
+
+With ``--top``, the search fits only the layouts that can be among the fastest (a step floor,
+pipeckpt/layout/floor.py); the published layout is then fitted on its own, and the fastest layout
+within its memory found by the search again with the device cut to that memory.
 """
 
 import argparse
@@ -101,8 +106,8 @@ def own_modes(cfg: Any, runs: Sequence[Run]) -> Dict[str, Tuple[Own, Optional[Ow
 
         def predicted(c: Candidate) -> Own:
             if c.tp > 1 and not model.tensor_parallel:
-                return None, price(c)
-            return memory.fit(c).peaks, price(c)
+                return None, price.estimate(c)
+            return memory.fit(c).peaks, price.estimate(c)
 
         for run in runs:
             c = published_layout(run)
@@ -121,19 +126,35 @@ def _pick(r: Ranked) -> str:
     )
 
 
+def _where(ranked: Sequence[Ranked], found: Optional[Ranked], bounded: bool) -> str:
+    """``rank 3 of 40``, or where the search ranked only the fastest (``--top``), that it is not
+    among them."""
+    if found is None:
+        return ""
+    if found in ranked:
+        return f"rank {ranked.index(found) + 1} of {len(ranked)}"
+    return f"not among the {len(ranked)} fastest" if bounded else "not ranked"
+
+
 def report(
     run: Run,
     answer: Answer,
     own: Own,
     every: Optional[Own] = None,
+    *,
+    mine: Optional[Ranked] = None,
+    under: Optional[Ranked] = None,
+    bounded: bool = False,
 ) -> List[str]:
-    """The published layout against the pick: in the search's ranking (its modes as the search
-    gives them), with its own published modes, and the fastest layout within its memory."""
+    """The published layout against the pick: as the search fits it (``mine``: its modes as the
+    search gives them), with its own published modes, and the fastest layout within its memory
+    (``under``, searched again with the device cut to that memory where the search was ``--top``)."""
     ranked = answer.searched.ranked
     best = ranked[0]
     device = answer.cluster.device.memory_bytes
     c = published_layout(run)
-    mine = next((r for r in ranked if _same(r.candidate, c)), None)
+    if mine is None:
+        mine = next((r for r in ranked if _same(r.candidate, c)), None)
     peaks, step = own
     lines = [f"- **{run.name}** ({run.source}: {run.published_text}, {run.published:,.0f} tok/s/GPU)"]
     fits = peaks is not None and max(peaks) <= device
@@ -159,43 +180,77 @@ def report(
         why = "not searched" if peaks is None else "no modes fit"
         lines.append(f"  - among the search's {len(ranked)} layouts: **not there** ({why})")
     else:
-        lines.append(
-            f"  - search rank {ranked.index(mine) + 1} of {len(ranked)}, modes as the search gives them: "
-            f"{_pick(mine)}"
-        )
-    # the published layout's time: the search's version of it, else its own modes'; its memory:
-    # its own modes' peak where that fits, else the search's version's, else the device
+        lines.append(f"  - {_where(ranked, mine, bounded)}, modes as the search gives them: {_pick(mine)}")
+    # the published layout's time: the search's version of it, else its own modes'
     rival = mine.estimate.step_s if mine is not None else step.step_s
-    bar = max(peaks) if peaks is not None and fits else mine.fitted.peak if mine is not None else device
+    bar = _bar(answer, own, mine)
     lines.append(
         f"  - the pick against it: **{rival / best.estimate.step_s:.2f}x** as fast, peak "
         f"{best.fitted.peak / GIB:.1f} GiB against {bar / GIB:.1f} GiB"
     )
-    under = next((r for r in ranked if r.fitted.peak <= bar), None)
+    if under is None:
+        under = next((r for r in ranked if r.fitted.peak <= bar), None)
     if under is None:
         lines.append(f"  - no layout the search found fits within {bar / GIB:.1f} GiB")
     else:
         lines.append(
-            f"  - the fastest within {bar / GIB:.1f} GiB (rank {ranked.index(under) + 1}): {_pick(under)} "
-            f"(**{rival / under.estimate.step_s:.2f}x**)"
+            f"  - the fastest within {bar / GIB:.1f} GiB ({_where(ranked, under, bounded)}): "
+            f"{_pick(under)} (**{rival / under.estimate.step_s:.2f}x**)"
         )
     return lines
 
 
-def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
+def _bar(answer: Answer, own: Own, mine: Optional[Ranked]) -> int:
+    """The memory the published layout takes: its own modes' peak where that fits the device, else
+    its peak as the search fits it, else the device."""
+    device = answer.cluster.device.memory_bytes
+    peaks = own[0]
+    if peaks is not None and max(peaks) <= device:
+        return max(peaks)
+    return mine.fitted.peak if mine is not None else device
+
+
+def _bounded(cfg: Any, answer: Answer, runs: Sequence[Run], own: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per run, for a search of the fastest only: its published layout as the search fits it (one
+    layout searched), and the fastest layout within its memory (the search again, ``top=1``, the
+    device cut to that memory)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for run in runs:
+        c = replace(published_layout(run), modes=())
+        found = search_config(cfg, only=[c]).searched.ranked if own[run.name][0][0] is not None else ()
+        mine = found[0] if found else None
+        bar = _bar(answer, own[run.name][0], mine)
+        under = answer.searched.ranked[0] if answer.searched.ranked[0].fitted.peak <= bar else None
+        if under is None:
+            cut = cfg.copy()
+            cut.cluster.device.memory_bytes = bar
+            fastest = search_config(cut, top=1).searched.ranked
+            under = fastest[0] if fastest else None
+        out[run.name] = {"mine": mine, "under": under, "bounded": True}
+    return out
+
+
+def run_case(first: Run, runs: Sequence[Run], top: Optional[int] = None) -> List[str]:
     cfg = _compose(overrides(first))
     began, cpu = time.time(), time.process_time()
-    answer = search_config(cfg)
+    answer = search_config(cfg, top=top)
     wall, cpu = time.time() - began, time.process_time() - cpu
     ranked = answer.searched.ranked
     own = own_modes(cfg, runs)
+    given = _bounded(cfg, answer, runs, own) if top else {}
     gpus = first.nodes * 8
+    counted = (
+        f"the {len(ranked)} fastest that fit ({answer.searched.dropped_at('floor')} not fitted: slower "
+        "whatever their modes)"
+        if top
+        else f"{len(ranked)} fit"
+    )
     lines = [
         f"### {first.config.get('model_type')} {', '.join(r.name for r in runs)}",
         "",
         f"`{first.preset}` with `cluster.nodes={first.nodes}` ({gpus} GPUs), global batch "
         f"{first.global_batch}, seq {first.seq_len}: {answer.searched.considered} layouts considered, "
-        f"{len(ranked)} fit; the search {wall:.0f} s wall, {cpu:.0f} s CPU",
+        f"{counted}; the search {wall:.0f} s wall, {cpu:.0f} s CPU",
         "",
         "```",
         answer.text(top=5),
@@ -204,7 +259,7 @@ def run_case(first: Run, runs: Sequence[Run]) -> List[str]:
         f"- the pick: {_pick(ranked[0])}",
     ]
     for run in runs:
-        lines += report(run, answer, *own[run.name])
+        lines += report(run, answer, *own[run.name], **given.get(run.name, {}))
     return [*lines, ""]
 
 
@@ -212,11 +267,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also append the results to this file")
     parser.add_argument("--only", default="", help="search only the runs whose name has this text")
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=None,
+        help="rank only the N fastest (search_config(top=N): minutes where every layout takes an hour)",
+    )
     args = parser.parse_args()
     lines = [f"On {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
     print(lines[0], flush=True)
     for first, runs in cases([r for r in SEARCHED if args.only in r.name]):
-        done = run_case(first, runs)
+        done = run_case(first, runs, args.top)
         print("\n".join(done), flush=True)
         lines += done
     if args.out:

@@ -78,6 +78,9 @@ it and writes a PNG; under ckpt=auto the table is the chosen plan's. The command
   memory.reshard=BOOL   FSDP2 frees each block's gathered parameters after its forward (default false)
   memory.reduce_every=BOOL FSDP2 reduce-scatters the gradients in every micro-batch's backward
                         (strategy.reduce_every_microbatch; default false: once, after the last)
+  memory.top=N          strategy.layout=auto: rank the N fastest layouts only, fitting none that a
+                        step floor shows slower than them (the same N as a search of every layout,
+                        in minutes where that takes an hour); the PNG draws those N
 """
 
 
@@ -94,6 +97,7 @@ class MemoryOptions:
     reshard: bool = False
     reduce_every: bool = False
     available: Optional[int] = None
+    top: Optional[int] = None  # strategy.layout=auto: the fastest ``top`` layouts only
     #: Why the model was built on fake tensors when the user did not ask (printed above the table).
     fake_reason: Optional[str] = None
     #: What the plan made of the model that the configs do not say (printed above the table).
@@ -121,7 +125,7 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             rest.append(arg.lstrip("+"))  # the configs define it: a plain override
         else:
             rest.append(arg)
-    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", "reduce_every", "available"}
+    known = {"schedule", "fake", "dtype", "png", "fsdp", "tp", "reshard", "reduce_every", "available", "top"}
     known |= set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)
     if unknown:
@@ -141,17 +145,18 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
             reshard=values.get("reshard", "false").lower() in ("1", "true", "yes"),
             reduce_every=values.get("reduce_every", "false").lower() in ("1", "true", "yes"),
             available=parse_bytes(values["available"], "memory.available") if "available" in values else None,
+            top=_degree(values, "top", "a number of layouts"),
         ),
         rest,
     )
 
 
-def _degree(values: Dict[str, str], key: str) -> Optional[int]:
+def _degree(values: Dict[str, str], key: str, what: str = "a degree") -> Optional[int]:
     if key not in values:
         return None
     if not values[key].isdigit() or int(values[key]) < 1:
         raise config_error(
-            f"memory.{key}={values[key]}", "a degree is a whole number, 1 or more", f"set memory.{key}=4"
+            f"memory.{key}={values[key]}", f"{what} is a whole number, 1 or more", f"set memory.{key}=4"
         )
     return int(values[key])
 
@@ -175,7 +180,7 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
-        return search_config(cfg, png=options.png or "layout_frontier.png"), options, None
+        return search_config(cfg, png=options.png or "layout_frontier.png", top=options.top), options, None
     if any(o.lstrip("+").startswith("cluster=") for o in overrides):  # a layout given by hand, on it
         return check_layout(cfg), options, None
     torch.manual_seed(cfg.seed)

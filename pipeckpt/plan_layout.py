@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -25,6 +25,7 @@ from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
+from pipeckpt.layout.floor import step_floor
 from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.rank_work import sharded_collectives_s
 from pipeckpt.layout.report import draw, format_row, format_search, progress_printer
@@ -41,6 +42,9 @@ __all__ = ["Answer", "search_config", "hand_layout", "check_layout", "apply_layo
 
 #: The environment variable the launching process hands its pick to the processes it starts in.
 PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
+
+#: The layouts train.py prints before training with the first: the search ranks these only.
+SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,16 @@ def _local_microbatch(cfg: DictConfig, where: Cluster) -> int:
     return max(1, int(cfg.data.batch_size) // where.world)
 
 
-def _cost(
-    cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes
-) -> Callable[[Candidate], Estimate]:
-    """:func:`pipeckpt.layout.cost.estimate` for this model on ``where``. On ``local`` (this machine)
+class Pricing(NamedTuple):
+    """A layout's predicted step, and a step no checkpoint modes can beat (the search's pruning)."""
+
+    estimate: Callable[[Candidate], Estimate]
+    floor: Callable[[Candidate], float]
+
+
+def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes) -> Pricing:
+    """:func:`pipeckpt.layout.cost.estimate` for this model on ``where``, and
+    :func:`pipeckpt.layout.floor.step_floor` on the same costs. On ``local`` (this machine)
     the costs are a real step's: one micro-batch timed layer by layer here, its seconds converted at
     the calibrated one-thread rate (a CPU runs a transformer's norms, softmax and small matmuls far
     below its matmul peak, which no FLOP count sees). Elsewhere: from the model's Hugging Face config
@@ -171,7 +181,19 @@ def _cost(
             reduce_every_microbatch=c.reduce_every,
         )
 
-    return estimate
+    def floor(c: Candidate) -> float:
+        return step_floor(
+            c,
+            costs,
+            where,
+            global_batch=global_batch,
+            seq_len=seq_len,
+            precision=precision,
+            reshard_after_forward=c.reshard,
+            reduce_every_microbatch=c.reduce_every,
+        )
+
+    return Pricing(estimate, floor)
 
 
 @contextlib.contextmanager
@@ -209,11 +231,17 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
 
 
 def search_config(
-    cfg: DictConfig, *, png: Optional[str] = None, only: Optional[Sequence[Candidate]] = None
+    cfg: DictConfig,
+    *,
+    png: Optional[str] = None,
+    only: Optional[Sequence[Candidate]] = None,
+    top: Optional[int] = None,
 ) -> Answer:
     """The layouts of the configured model on the configured cluster, ranked (the plan command's
     ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one; ``only``:
-    these layouts instead of every one (each fitted and predicted as the search does)."""
+    these layouts instead of every one (each fitted and predicted as the search does); ``top``: only
+    the ``top`` fastest, found without fitting the layouts that cannot be among them
+    (:func:`pipeckpt.layout.search.search`'s floor)."""
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         found = (
@@ -226,13 +254,16 @@ def search_config(
             if only is None
             else only
         )
+        price = _cost(cfg, memory, where, shapes)
         searched = search(
             found,
             device_bytes=where.device.memory_bytes,
             state=memory.state_bytes,
             memory=memory.fit,
-            cost=_cost(cfg, memory, where, shapes),
+            cost=price.estimate,
             progress=progress_printer(),
+            top=top,
+            floor=price.floor if top else None,
         )
         answer = Answer(searched, where, tuple(shapes.profiles))
     if png is not None:
@@ -298,9 +329,9 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
         return cfg
     handed = os.environ.get(PICK_VARIABLE)
     if handed is None:
-        answer = search_config(cfg)
+        answer = search_config(cfg, top=SHOWN)  # the pick and its runners-up: no other layout is fitted
         best = answer.searched.best
-        say(answer.text(top=5), flush=True)
+        say(answer.text(top=SHOWN), flush=True)
         pick: Dict[str, Any] = {
             "settings": best.candidate.settings(),
             "dp": best.candidate.dp,

@@ -9,6 +9,7 @@ the engine's balance by parameters, its mesh in :mod:`pipeckpt.layout.links`). d
 "The cost model", states every formula, constant and blind spot.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
@@ -38,6 +39,8 @@ __all__ = [
     "estimate",
     "divided",
     "balance",
+    "stage_times",
+    "op_work",
     "ADAMW_ELEMENTS_PER_PARAM",
     # what an estimate needs of a model, from pipeckpt.layout.model_costs
     "ModelCosts",
@@ -91,7 +94,14 @@ def balance(model: ModelCosts, stages: int) -> Tuple[int, ...]:
         raise config_error(
             f"{stages} stages", f"cannot exceed the model's {model.layers} layers", "use fewer stages"
         )
-    return min_max_partition([1 + p for p in model.layer_params], stages)
+    return _partition(model.layer_params, stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(layer_params: Tuple[int, ...], stages: int) -> Tuple[int, ...]:
+    """The balance of ``layer_params`` over ``stages``, once per model and stage count (a search
+    asks it of every layout)."""
+    return tuple(min_max_partition([1 + p for p in layer_params], stages))
 
 
 def estimate(
@@ -144,7 +154,9 @@ def estimate(
     cuts = tuple(stage_layers) if stage_layers is not None else balance(model, stages)
     modes = _modes(c, stages)
     mesh = Mesh(cluster, pp=c.pp, tp=c.tp, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard)
-    st = _stages(model, cluster, mesh, c, cuts, modes, tokens=tokens, seq_len=seq_len, precision=precision)
+    st = stage_times(
+        model, cluster, mesh, c, cuts, modes, tokens=tokens, seq_len=seq_len, precision=precision
+    )
     orders = rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
     keep = _kept(orders)
     e = engine_s_per_microbatch / 2  # half with the forward, half with the backward (or input pass)
@@ -154,7 +166,7 @@ def estimate(
         s = st[j]
         if kind == "W":
             return s.weight_pass
-        work = _work(s, kind)
+        work = op_work(s, kind)
         # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
         regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
         per_op = s.tp + s.host + regather if comm else 0.0
@@ -183,7 +195,7 @@ def estimate(
     r = max(range(c.pp), key=lambda k: finish[k])
     step = finish[r]
     ops = orders[r]
-    compute = sum(_work(st[j], k) for j, k, _ in ops)
+    compute = sum(op_work(st[j], k) for j, k, _ in ops)
     recompute = sum(
         st[j].recompute
         for j, k, i in ops
@@ -242,7 +254,7 @@ def estimate(
     )
 
 
-def _work(s: Stage, kind: str) -> float:
+def op_work(s: Stage, kind: str) -> float:
     """An op's own compute: a forward, a whole backward, or a split backward's pass."""
     return {"F": s.forward, "B": s.backward, "I": s.input_pass, "W": s.weight_pass}[kind]
 
@@ -275,7 +287,7 @@ def _kept(orders: Sequence[Sequence[RankOp]]) -> Dict[int, FrozenSet[int]]:
     return out
 
 
-def _stages(
+def stage_times(
     model: ModelCosts,
     cluster: Cluster,
     mesh: Mesh,

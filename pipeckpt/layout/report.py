@@ -55,7 +55,11 @@ def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:
             if searched.considered > 1
             else "layout checked"
         )
-        + f", {len(searched.ranked)} fit"
+        + (
+            f", the {len(searched.ranked)} fastest that fit"
+            if searched.dropped_at("floor")
+            else f", {len(searched.ranked)} fit"
+        )
         + (f" {device}" if device else "")
         + f"; {searched.dropped_at('state')} dropped on parameters, gradients and optimizer state "
         f"alone, {searched.dropped_at('memory')} with every checkpoint mode"
@@ -63,6 +67,11 @@ def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:
             f", {searched.dropped_at('dominated')} reducing every micro-batch where reducing once "
             "fits without recompute"
             if searched.dropped_at("dominated")
+            else ""
+        )
+        + (
+            f", {searched.dropped_at('floor')} not fitted: slower than those whatever their modes"
+            if searched.dropped_at("floor")
             else ""
         ),
         HEADER,

@@ -8,6 +8,7 @@ they come from a profile on this machine, from FLOP counts against a published d
 test that states them.
 """
 
+import heapq
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Protocol, Sequence, Set, Tuple
 
@@ -83,7 +84,8 @@ class Dropped:
 
     candidate: Candidate
     # "state": its parameters, gradients and optimizer state alone; "memory": no modes fit;
-    # "dominated": a twin as fast or faster in the same memory (DOMINATED)
+    # "dominated": a twin as fast or faster in the same memory (DOMINATED); "floor": slower than the
+    # ``top`` fastest whatever its modes, not fitted (search's floor)
     stage: str
     reason: str
 
@@ -133,6 +135,7 @@ def search(
     cost: Callable[[Candidate], Estimate],
     top: Optional[int] = None,
     progress: Optional[Callable[[int, int, int], None]] = None,
+    floor: Optional[Callable[[Candidate], float]] = None,
 ) -> Searched:
     """Every candidate that fits ``device_bytes`` on each of its ranks, fastest first.
 
@@ -147,19 +150,44 @@ def search(
         top: keep only the fastest ``top`` (None: all).
         progress: told ``(layouts done, layouts, layouts that fit so far)`` before each layout (a
             search of a thousand-GPU world runs for an hour: its caller says how far it is).
+        floor: with ``top``, a step no modes can beat for each layout
+            (:func:`pipeckpt.layout.floor.step_floor`): the layouts are visited by their floor and
+            the search stops at the first whose floor is above the ``top``-th fastest step found,
+            the rest dropped unfitted ("floor"); before that, a layout whose ``cost`` with no modes
+            (nothing recomputed) is above it is dropped unfitted too. It ranks the ``top`` layouts
+            a search of every layout ranks first.
     """
     dropped: List[Dropped] = []
     ranked: List[Ranked] = []
     unbound: Set[Candidate] = set()  # layouts ranked with no stage recomputing, gradients reduced once
-    for done, c in enumerate(candidates):
+    order, floors, keep = list(candidates), {}, top or 0
+    if floor is not None and keep:
+        floors = {c: floor(c) for c in order}
+        order.sort(key=floors.__getitem__)  # stable: a layout reducing every micro-batch after its twin
+    fastest: List[float] = []  # the ``top`` fastest steps so far, a heap of their negatives
+    for done, c in enumerate(order):
         if progress is not None:
-            progress(done, len(candidates), len(ranked))
+            progress(done, len(order), len(ranked))
+        if floors and len(fastest) == keep and floors[c] > -fastest[0]:
+            above = f"above the {keep} fastest (to {human_s(-fastest[0])})"
+            dropped.extend(
+                Dropped(rest, "floor", f"no modes beat {human_s(floors[rest])}, {above}")
+                for rest in order[done:]
+            )
+            break
         if c.reduce_every and replace(c, reduce_every=False) in unbound:
             # Reducing every micro-batch only adds reduce-scatters: it buys memory, which a layout
             # that fits without any recompute cannot spend (its twin, just ranked, is faster).
             dropped.append(Dropped(c, "dominated", DOMINATED))
             continue
         held = state(c)
+        if floors and held <= device_bytes and len(fastest) == keep:
+            # the step with nothing recomputed: no modes the fit could choose make it faster
+            unchecked = cost(c).step_s
+            if unchecked > -fastest[0]:
+                reason = f"{human_s(unchecked)} with nothing recomputed, above the {keep} fastest"
+                dropped.append(Dropped(c, "floor", reason))
+                continue
         if held > device_bytes:
             dropped.append(
                 Dropped(
@@ -178,10 +206,19 @@ def search(
             dropped.append(Dropped(c, "memory", f"peak {human(fitted.peak)} > {human(device_bytes)}"))
             continue
         ranked.append(Ranked(fitted, cost(fitted.candidate)))
+        if floors:
+            heapq.heappush(fastest, -ranked[-1].estimate.step_s)
+            if len(fastest) > keep:
+                heapq.heappop(fastest)
         if not c.reduce_every and all(m == "never" for m in fitted.candidate.modes):
             unbound.add(c)
     ranked.sort(key=_order)
     return Searched(tuple(ranked[:top] if top else ranked), tuple(dropped), len(candidates))
+
+
+def human_s(seconds: float) -> str:
+    """A step's seconds as a table reads them: ``1234.5 ms``."""
+    return f"{seconds * 1e3:.1f} ms"
 
 
 def _order(r: Ranked) -> Tuple[float, int, int, int, str, int]:

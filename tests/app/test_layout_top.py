@@ -1,0 +1,33 @@
+"""``search_config(top=N)``: the N fastest layouts of a search of every layout, found without fitting
+the layouts whose step floor (pipeckpt/layout/floor.py) is slower than them."""
+
+from typing import Any, List, Tuple
+
+import pytest
+from support.layout_configs import llama_search
+
+from pipeckpt import plan_layout
+from pipeckpt.layout.fit import Memory
+
+
+def _ranking(answer: Any) -> List[Tuple[Any, ...]]:
+    return [(r.candidate, r.fitted.peaks, r.estimate.step_s) for r in answer.searched.ranked]
+
+
+def test_the_top_layouts_are_those_of_the_search_of_every_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    fits: List[Any] = []
+    fit = Memory.fit
+
+    def counted(self: Memory, c: Any) -> Any:
+        fits.append(c)
+        return fit(self, c)
+
+    monkeypatch.setattr(Memory, "fit", counted)
+    cfg = llama_search("cluster=h100_8", "data.batch_size=16")
+    every = plan_layout.search_config(cfg)
+    every_fits, fits[:] = len(fits), []
+    top = plan_layout.search_config(cfg, top=3)
+    assert _ranking(top) == _ranking(every)[:3]
+    assert top.searched.dropped_at("floor") > 0
+    print(f"fitted {len(fits)} of the {every_fits} layouts a search of every layout fits")
+    assert len(fits) < every_fits
