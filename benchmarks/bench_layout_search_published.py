@@ -144,11 +144,14 @@ def report(
     *,
     mine: Optional[Ranked] = None,
     under: Optional[Ranked] = None,
+    within: Optional[Ranked] = None,
     bounded: bool = False,
 ) -> List[str]:
     """The published layout against the pick: as the search fits it (``mine``: its modes as the
     search gives them), with its own published modes, and the fastest layout within its memory
-    (``under``, searched again with the device cut to that memory where the search was ``--top``)."""
+    (``under``, searched again with the device cut to that memory where the search was ``--top``),
+    against the published layout's fastest modes within that memory (``within``: fitted under the
+    cut device; else the search's version where it fits there, else its own modes)."""
     ranked = answer.searched.ranked
     best = ranked[0]
     device = answer.cluster.device.memory_bytes
@@ -190,12 +193,17 @@ def report(
     )
     if under is None:
         under = next((r for r in ranked if r.fitted.peak <= bar), None)
+    if within is None and mine is not None and mine.fitted.peak <= bar:
+        within = mine
+    same = within.estimate.step_s if within is not None else step.step_s
+    if within is not None and within is not mine:
+        lines.append(f"  - the published layout within {bar / GIB:.1f} GiB, fastest modes: {_pick(within)}")
     if under is None:
         lines.append(f"  - no layout the search found fits within {bar / GIB:.1f} GiB")
     else:
         lines.append(
             f"  - the fastest within {bar / GIB:.1f} GiB ({_where(ranked, under, bounded)}): "
-            f"{_pick(under)} (**{rival / under.estimate.step_s:.2f}x**)"
+            f"{_pick(under)} (**{same / under.estimate.step_s:.2f}x** the published layout in that memory)"
         )
     return lines
 
@@ -220,13 +228,15 @@ def _bounded(cfg: Any, answer: Answer, runs: Sequence[Run], own: Dict[str, Any])
         found = search_config(cfg, only=[c]).searched.ranked if own[run.name][0][0] is not None else ()
         mine = found[0] if found else None
         bar = _bar(answer, own[run.name][0], mine)
+        cut = cfg.copy()
+        cut.cluster.device.memory_bytes = bar
         under = answer.searched.ranked[0] if answer.searched.ranked[0].fitted.peak <= bar else None
         if under is None:
-            cut = cfg.copy()
-            cut.cluster.device.memory_bytes = bar
             fastest = search_config(cut, top=1).searched.ranked
             under = fastest[0] if fastest else None
-        out[run.name] = {"mine": mine, "under": under, "bounded": True}
+        inside = search_config(cut, only=[c]).searched.ranked if own[run.name][0][0] is not None else ()
+        within = inside[0] if inside else None
+        out[run.name] = {"mine": mine, "under": under, "within": within, "bounded": True}
     return out
 
 

@@ -3,9 +3,10 @@
 Why three passes of rising cost: most layouts of a large model on a large world fail on their
 parameters' share alone, which shapes answer in microseconds; the survivors need a profile and a
 memory walk (:mod:`pipeckpt.layout.fit`, the memory function), and only a layout that fits is worth a
-cost estimate. The memory and cost functions are arguments, so the search is the same code whether
-they come from a profile on this machine, from FLOP counts against a published device, or from a
-test that states them.
+cost estimate. Asked for the ``top`` fastest only, it also skips the fit of every layout that a step
+floor (:mod:`pipeckpt.layout.floor`) shows slower than them. The memory and cost functions are
+arguments, so the search is the same code whether they come from a profile on this machine, from
+FLOP counts against a published device, or from a test that states them.
 """
 
 import heapq

@@ -17,7 +17,7 @@ def test_resharding_after_forward_holds_less_and_takes_longer_than_keeping_gathe
     with plan_layout._searching(cfg) as (memory, _, where, shapes):
         kept, freed = (Candidate(1, 1, 1, 2, "gpipe", 1, 1, reshard=r) for r in (False, True))
         assert memory.fit(freed).peaks[0] < memory.fit(kept).peaks[0]
-        estimate = plan_layout._cost(cfg, memory, where, shapes)
+        estimate = plan_layout._cost(cfg, memory, where, shapes).estimate
         assert estimate(freed).step_s > estimate(kept).step_s
         # the estimate is the cost model's with the candidate's own policy
         assert (
