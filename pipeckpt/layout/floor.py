@@ -3,13 +3,13 @@
 Why: the fit (choosing each stage's mode under the device's memory) and the cost estimate (walking the
 schedule's op order) take a tenth of a second a layout, and a thousand-GPU world has tens of
 thousands of layouts, most of them far slower than the best. The estimate
-(:func:`pipeckpt.layout.cost.estimate`) is a list schedule in which every op's time only grows
-with what a mode adds (a recompute, an offload's host copy, a gather again after a reshard, a
-reduce-scatter per micro-batch): so the same ops timed with nothing recomputed, each rank run
-without a gap from when the first micro-batch can reach it, bound its step from below. A search
-visiting layouts by this floor can stop at the first whose floor is above the ``top``-th fastest step
-already found: every later layout is slower, whatever modes the fit would give it
-(:func:`pipeckpt.layout.search.search`).
+(:func:`pipeckpt.layout.cost.estimate`) is a list schedule: every op waits for its rank's previous
+op and for the ops it depends on, and an op's time only grows with what a mode adds (a recompute,
+an offload's host copies). So the same ops timed with nothing recomputed, summed along paths that
+every run of the schedule's order takes, bound its step from below; the paths are sums of a few
+per-stage times, where the estimate walks every op. A search visiting layouts by this floor can
+stop at the first whose floor is above the ``top``-th fastest step already found: every later
+layout is slower, whatever modes the fit would give it (:func:`pipeckpt.layout.search.search`).
 """
 
 import collections
