@@ -169,11 +169,8 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
     if isinstance(shapes.built(1).sequential, ModulePipeline):  # its stages do not split
         costs = replace(costs, split_backward=WHOLE)
 
-    def estimate(c: Candidate) -> Estimate:
-        return cost.estimate(
-            c,
-            costs,
-            where,
+    def laid_out(c: Candidate) -> Dict[str, Any]:  # what both read of the run and the layout
+        return dict(
             global_batch=global_batch,
             seq_len=seq_len,
             precision=precision,
@@ -181,17 +178,11 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
             reduce_every_microbatch=c.reduce_every,
         )
 
+    def estimate(c: Candidate) -> Estimate:
+        return cost.estimate(c, costs, where, **laid_out(c))
+
     def floor(c: Candidate) -> float:
-        return step_floor(
-            c,
-            costs,
-            where,
-            global_batch=global_batch,
-            seq_len=seq_len,
-            precision=precision,
-            reshard_after_forward=c.reshard,
-            reduce_every_microbatch=c.reduce_every,
-        )
+        return step_floor(c, costs, where, **laid_out(c))
 
     return Pricing(estimate, floor)
 
