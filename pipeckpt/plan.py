@@ -181,6 +181,12 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
         torch.set_num_threads(cfg.threads)
     if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
         return search_config(cfg, png=options.png or "layout_frontier.png", top=options.top), options, None
+    if options.top is not None:
+        raise config_error(
+            f"memory.top={options.top}",
+            "it ranks the fastest layouts of a search, and strategy.layout is not auto",
+            "add strategy.layout=auto (with cluster=NAME), or drop memory.top",
+        )
     if any(o.lstrip("+").startswith("cluster=") for o in overrides):  # a layout given by hand, on it
         return check_layout(cfg), options, None
     torch.manual_seed(cfg.seed)

@@ -8,6 +8,7 @@ from support.layout_configs import llama_search
 
 from pipeckpt import plan_layout
 from pipeckpt.layout.fit import Memory
+from pipeckpt.plan import main
 
 
 def _ranking(answer: Any) -> List[Tuple[Any, ...]]:
@@ -31,3 +32,15 @@ def test_the_top_layouts_are_those_of_the_search_of_every_layout(monkeypatch: py
     assert top.searched.dropped_at("floor") > 0
     print(f"fitted {len(fits)} of the {every_fits} layouts a search of every layout fits")
     assert len(fits) < every_fits
+
+
+def test_top_without_a_search_is_a_configuration_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model=mlp", "memory.top=3"]) == 1
+    assert "memory.top=3: it ranks the fastest layouts of a search" in capsys.readouterr().err
+
+
+def test_a_top_that_is_not_a_whole_number_is_a_configuration_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["model=mlp", "strategy.layout=auto", "memory.top=all"]) == 1
+    assert "memory.top=all: a number of layouts is a whole number" in capsys.readouterr().err
