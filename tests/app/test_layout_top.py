@@ -1,13 +1,17 @@
 """``search_config(top=N)``: the N fastest layouts of a search of every layout, found without fitting
 the layouts whose step floor (pipeckpt/layout/floor.py) is slower than them."""
 
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 from support.layout_configs import llama_search
+from support.local_cluster import FIGURES
 
 from pipeckpt import plan_layout
+from pipeckpt.layout import calibrate
+from pipeckpt.layout.candidates import candidates
 from pipeckpt.layout.fit import Memory
+from pipeckpt.layout.search import search
 from pipeckpt.plan import main
 
 
@@ -32,6 +36,24 @@ def test_the_top_layouts_are_those_of_the_search_of_every_layout(monkeypatch: py
     assert top.searched.dropped_at("floor") > 0
     print(f"fitted {len(fits)} of the {every_fits} layouts a search of every layout fits")
     assert len(fits) < every_fits
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_on_this_machine_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cluster=local``: costs from a profile timed here (once: two searches would time it twice,
+    differently), and processes sharing the cores."""
+    monkeypatch.setattr(calibrate, "measured", lambda: dict(FIGURES))
+    cfg = llama_search("cluster=local", "threads=1", "data.batch_size=8")
+    with plan_layout._searching(cfg) as (memory, model, where, shapes):
+        price = plan_layout._cost(cfg, memory, where, shapes)
+        found = candidates(where.world, model, global_batch=8, devices_per_node=where.devices_per_node)
+        kw: Dict[str, Any] = dict(device_bytes=where.device.memory_bytes, state=memory.state_bytes)
+        every = search(found, memory=memory.fit, cost=price.estimate, **kw)
+        top = search(found, memory=memory.fit, cost=price.estimate, top=3, floor=price.floor, **kw)
+    assert [(r.candidate, r.estimate.step_s) for r in top.ranked] == [
+        (r.candidate, r.estimate.step_s) for r in every.ranked[:3]
+    ]
+    assert top.dropped_at("floor") > 0
 
 
 def test_top_without_a_search_is_a_configuration_error(capsys: pytest.CaptureFixture[str]) -> None:
