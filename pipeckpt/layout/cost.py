@@ -40,7 +40,10 @@ __all__ = [
     "divided",
     "balance",
     "stage_times",
+    "laid_out",
     "op_work",
+    "per_op_s",
+    "reduced_in_backward_s",
     "ADAMW_ELEMENTS_PER_PARAM",
     # what an estimate needs of a model, from pipeckpt.layout.model_costs
     "ModelCosts",
@@ -136,27 +139,12 @@ def estimate(
     """
     c = candidate
     stages = c.pp * c.virtual_stages
-    dp = c.dp_replicate * c.dp_shard
-    world = c.pp * c.tp * dp
-    if world != cluster.world:
-        raise config_error(
-            f"layout pp{c.pp} x tp{c.tp} x dp{dp} ({world} devices) on cluster {cluster.name!r}",
-            f"the layout must use the cluster's {cluster.world} devices",
-            "cut the cluster to the layout's devices (cluster(..., devices=N)) or change the degrees",
-        )
-    if global_batch % (dp * c.chunks):
-        raise config_error(
-            f"global_batch={global_batch} with dp={dp} and chunks={c.chunks}",
-            "every replica cuts its share into equal micro-batches",
-            f"use a global batch that is a multiple of {dp * c.chunks}",
-        )
-    tokens = global_batch // (dp * c.chunks) * seq_len
-    cuts = tuple(stage_layers) if stage_layers is not None else balance(model, stages)
     modes = _modes(c, stages)
-    mesh = Mesh(cluster, pp=c.pp, tp=c.tp, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard)
-    st = stage_times(
-        model, cluster, mesh, c, cuts, modes, tokens=tokens, seq_len=seq_len, precision=precision
-    )
+    tokens, cuts, mesh, st = laid_out(
+        c, model, cluster, modes, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        stage_layers=stage_layers,
+    )  # fmt: skip
+    dp, world = c.dp_replicate * c.dp_shard, cluster.world  # laid_out checked the layout uses it all
     orders = rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
     keep = _kept(orders)
     e = engine_s_per_microbatch / 2  # half with the forward, half with the backward (or input pass)
@@ -167,14 +155,12 @@ def estimate(
         if kind == "W":
             return s.weight_pass
         work = op_work(s, kind)
-        # reshard_after_forward: each forward and backward gathers again, prefetched under its compute
-        regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
-        per_op = s.tp + s.host + regather if comm else 0.0
+        per_op = per_op_s(s, work, cluster, reshard_after_forward) if comm else 0.0
         if kind == "F":
             return work + e + per_op
         if comm and kind == "B" and i != c.chunks - 1 and reduce_every_microbatch:
             # the gradients' reduction (the step's tail has the last micro-batch's), under the backward
-            per_op += waited(s.reduce, s.reduce_unit, work, cluster)
+            per_op += reduced_in_backward_s(s, cluster)
         redo = s.recompute if modes[j].recomputes(i, c.chunks, keep=keep[j]) else 0.0
         return work + redo + e + per_op
 
@@ -252,6 +238,58 @@ def estimate(
         optimizer_s=optimizer[r],
         shared_s=shared,
     )
+
+
+def laid_out(
+    c: Layout,
+    model: ModelCosts,
+    cluster: Cluster,
+    modes: Sequence[CheckpointMode],
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: str,
+    stage_layers: Optional[Sequence[int]] = None,
+) -> Tuple[int, Tuple[int, ...], Mesh, List[Stage]]:
+    """A layout on ``cluster`` as :func:`estimate` and the floor (:mod:`pipeckpt.layout.floor`)
+    read it: a micro-batch's tokens, the layers per stage, the mesh, and each stage's times for one
+    micro-batch under ``modes``; an error where it does not use the cluster's devices or cannot cut
+    the batch evenly."""
+    dp = c.dp_replicate * c.dp_shard
+    world = c.pp * c.tp * dp
+    if world != cluster.world:
+        raise config_error(
+            f"layout pp{c.pp} x tp{c.tp} x dp{dp} ({world} devices) on cluster {cluster.name!r}",
+            f"the layout must use the cluster's {cluster.world} devices",
+            "cut the cluster to the layout's devices (cluster(..., devices=N)) or change the degrees",
+        )
+    if global_batch % (dp * c.chunks):
+        raise config_error(
+            f"global_batch={global_batch} with dp={dp} and chunks={c.chunks}",
+            "every replica cuts its share into equal micro-batches",
+            f"use a global batch that is a multiple of {dp * c.chunks}",
+        )
+    tokens = global_batch // (dp * c.chunks) * seq_len
+    cuts = tuple(stage_layers) if stage_layers is not None else balance(model, c.pp * c.virtual_stages)
+    mesh = Mesh(cluster, pp=c.pp, tp=c.tp, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard)
+    times = stage_times(
+        model, cluster, mesh, c, cuts, modes, tokens=tokens, seq_len=seq_len, precision=precision
+    )
+    return tokens, cuts, mesh, times
+
+
+def per_op_s(s: Stage, work: float, cluster: Cluster, reshard_after_forward: bool) -> float:
+    """What a forward or backward (or input pass) of ``work`` seconds adds on its rank: the
+    tensor-parallel all-reduces, an offload's copy and, under ``reshard_after_forward``, the gather
+    again, prefetched under its compute."""
+    regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
+    return s.tp + s.host + regather
+
+
+def reduced_in_backward_s(s: Stage, cluster: Cluster) -> float:
+    """What a micro-batch's reduction of the stage's gradients adds to its backward
+    (``reduce_every_microbatch``), run under it."""
+    return waited(s.reduce, s.reduce_unit, s.backward, cluster)
 
 
 def op_work(s: Stage, kind: str) -> float:

@@ -19,11 +19,17 @@ from typing import List, Optional, Sequence, Tuple
 
 from pipeckpt.checkpointing.modes import NEVER
 from pipeckpt.layout.cluster import Cluster
-from pipeckpt.layout.cost import ENGINE_S_PER_MICROBATCH, Layout, balance, op_work, stage_times
-from pipeckpt.layout.links import Mesh
+from pipeckpt.layout.cost import (
+    ENGINE_S_PER_MICROBATCH,
+    Layout,
+    laid_out,
+    op_work,
+    per_op_s,
+    reduced_in_backward_s,
+)
 from pipeckpt.layout.model_costs import ModelCosts
 from pipeckpt.layout.orders import rank_orders
-from pipeckpt.layout.rank_work import per_rank, waited
+from pipeckpt.layout.rank_work import per_rank
 
 __all__ = ["step_floor"]
 
@@ -54,14 +60,10 @@ def step_floor(
     """
     c = candidate
     stages = c.pp * c.virtual_stages
-    dp = c.dp_replicate * c.dp_shard
-    tokens = global_batch // (dp * c.chunks) * seq_len
-    cuts = tuple(stage_layers) if stage_layers is not None else balance(model, stages)
-    mesh = Mesh(cluster, pp=c.pp, tp=c.tp, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard)
-    never = (NEVER,) * stages
-    st = stage_times(
-        model, cluster, mesh, c, cuts, never, tokens=tokens, seq_len=seq_len, precision=precision
-    )
+    _, cuts, mesh, st = laid_out(
+        c, model, cluster, (NEVER,) * stages, global_batch=global_batch, seq_len=seq_len,
+        precision=precision, stage_layers=stage_layers,
+    )  # fmt: skip
     orders = rank_orders(c.schedule, c.pp, c.virtual_stages, c.chunks)
     start, tail, _, _, _ = per_rank(model, cluster, mesh, c, cuts, st, orders, precision)
     if reshard_after_forward:
@@ -71,11 +73,8 @@ def step_floor(
     owner = {j: r for r, mine in enumerate(ranks) for (j, _), _ in mine.through + mine.after}
 
     def op_s(j: int, kind: str) -> float:  # cost.estimate's time of an op, nothing recomputed
-        s, work = st[j], op_work(st[j], kind)
-        if kind == "W":
-            return work
-        regather = waited(s.gather, s.gather_unit, work, cluster) if reshard_after_forward else 0.0
-        return work + e + s.tp + s.host + regather
+        work = op_work(st[j], kind)
+        return work if kind == "W" else work + e + per_op_s(st[j], work, cluster, reshard_after_forward)
 
     def time_of(counts: Counts) -> float:
         return sum(n * op_s(j, k) for (j, k), n in counts)
@@ -97,11 +96,8 @@ def step_floor(
         begin = max(start[r], reach[mine.first])
         extra = 0.0
         if reduce_every_microbatch:
-            extra = sum(
-                (n - 1) * waited(st[j].reduce, st[j].reduce_unit, st[j].backward, cluster)
-                for (j, k), n in mine.through
-                if k == "B"
-            )
+            backwards = ((j, n) for (j, k), n in mine.through if k == "B")
+            extra = sum((n - 1) * reduced_in_backward_s(st[j], cluster) for j, n in backwards)
         through = begin + time_of(mine.through) + extra  # its last backward (or input pass) ends
         # a rank's last backward of a micro-batch is followed by those of the stages before it,
         # none on this rank (it has no such op left), then stage 0's rank's tail
