@@ -11,12 +11,13 @@ the engine-specific settings are each engine's own (:meth:`pipeckpt.engines.base
 import difflib
 import inspect
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.compiling import check_compile
 from pipeckpt.checkpointing.layer_rng import LAYER_RNG, check_layer_rng
 from pipeckpt.checkpointing.modes import CheckpointMode, parse_modes
+from pipeckpt.settings_args import PipeSettingsArgs
 from pipeckpt.settings_memory import MEMORY_SEARCH, check_memory_settings
 
 __all__ = [
@@ -199,6 +200,14 @@ class PipeSettings:
             "'mlp.down': 'rowwise'}; default for pipeline_of: the model's config.base_model_tp_plan"
         ),
     )
+    sequence_parallel: Optional[bool] = field(
+        default=None,
+        metadata=_engine_help(
+            "distributed, tensor_parallel > 1, pipeline_of: each layer's norms and residual stream, "
+            "and what crosses a stage boundary, split along the sequence over the tensor-parallel "
+            "ranks (Megatron-LM's sequence parallelism: 1/tp of those activations); default False"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -255,39 +264,6 @@ class PipeSettings:
     def help(cls) -> List[Tuple[str, str, str]]:
         """``(name, default, meaning)`` of every setting, for docs and ``--help``."""
         return [(f.name, repr(f.default), f.metadata["help"]) for f in fields(cls)]
-
-
-class PipeSettingsArgs(TypedDict, total=False):
-    """:class:`PipeSettings`' fields as keyword arguments, for type checkers
-    (``PipelineStrategy(**settings)``); tests/test_settings.py keeps the two equal."""
-
-    stages: Optional[int]
-    balance: Optional[List[int]]
-    balance_by: str
-    chunks: int
-    checkpoint: Any
-    memory_budget: Optional[Any]
-    memory_search: Optional[Any]
-    memory_optimizer: Optional[str]
-    placement: Optional[List[int]]
-    deferred_batch_norm: bool
-    layer_rng: str
-    pin_memory: bool
-    compile: Any
-    strict: bool
-    engine: str
-    layout: str
-    schedule: Optional[str]
-    dp: Optional[int]
-    virtual_stages: Optional[int]
-    timeout: Optional[float]
-    start_timeout: Optional[float]
-    data_parallel: Optional[str]
-    reshard_after_forward: Optional[bool]
-    reduce_every_microbatch: Optional[bool]
-    dp_shard: Optional[int]
-    tensor_parallel: Optional[int]
-    tensor_parallel_plan: Optional[Dict[str, str]]
 
 
 def check_names(given: Mapping[str, Any], what: str) -> None:

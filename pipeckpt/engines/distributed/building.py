@@ -24,6 +24,7 @@ from pipeckpt.engines.distributed.outside_parts import (
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.rooted import RootRouting, build_rooted, check_module_pipeline
 from pipeckpt.engines.distributed.schedules import ScheduleKind, Schedules
+from pipeckpt.engines.distributed.sequence_parallel import end_ids
 from pipeckpt.engines.distributed.sharding import Sharding, refuse_ties
 from pipeckpt.engines.distributed.step import PipelinedStep
 from pipeckpt.engines.distributed.tensor_parallel import layer_plan
@@ -145,6 +146,7 @@ class EngineBuilding:
         if (sharding := self._sharding()) is not None:  # the layers sharded, and what only this rank holds
             if sharding.tp is not None:  # its embedding and head split over the vocabulary first
                 step.vocab_parallel = sharding.tp.split_outside(spec, parts.shardable)
+                sharding.tp.ends = end_ids(spec)  # where sequence parallelism splits and gathers
             sharding.shard_layers(self.modules, self.replicas, outside=parts.shardable)
             step.outside = [p for _, p in held_parameters(spec.root, parts)]  # sharding made them anew
         self._finish(module, spec, step, ties, trained=list(self.modules), routed=spec.root)

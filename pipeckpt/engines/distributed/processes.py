@@ -50,6 +50,7 @@ SETTINGS: Dict[str, Any] = {
     "dp_shard": None,
     "tensor_parallel": 1,
     "tensor_parallel_plan": None,
+    "sequence_parallel": False,
 }
 
 

@@ -35,6 +35,8 @@ from pipeckpt._compat import own_tensors, set_own_tensor
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines.distributed.model_plan import SPLITTABLE, matches, model_plan, split_by
+from pipeckpt.engines.distributed.sequence_parallel import SequenceRoles, apply_hooks, sequence_roles
+from pipeckpt.engines.distributed.sequence_parallel import styles as sequence_styles
 from pipeckpt.engines.distributed.vocab_plan import outside_entries, outside_modules, own_outside_plan
 from pipeckpt.settings import PipeSettings
 from pipeckpt.weights.pretrained import pending_reads
@@ -89,6 +91,17 @@ def check_tensor_parallel(s: PipeSettings) -> None:
             "a plan splits layers over the tensor-parallel processes, and there is one",
             "set tensor_parallel > 1, or drop tensor_parallel_plan",
         )
+    sp = s.sequence_parallel
+    if sp is not None and not isinstance(sp, bool):
+        raise config_error(
+            f"sequence_parallel={sp!r}", "is a switch: True or False", "set sequence_parallel=True or False"
+        )
+    if sp and tp == 1:
+        raise config_error(
+            f"sequence_parallel=True with tensor_parallel={tp}",
+            "sequence parallelism splits the sequence over the tensor-parallel processes, and there is one",
+            "set tensor_parallel > 1, or drop sequence_parallel",
+        )
     if tp > 1 and s.data_parallel != "fsdp":
         raise config_error(
             f"tensor_parallel={tp} with data_parallel={s.data_parallel!r}",
@@ -102,9 +115,16 @@ def layer_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
     """``s`` with the plan each pipelined layer of ``layers`` is split by: ``tensor_parallel_plan``
     (checked against the layers), else a ``pipeline_of`` model's own (:mod:`.model_plan`); an
     ``nn.Sequential`` has none of its own. Unchanged when ``tensor_parallel`` is 1."""
-    tp, plan = s.tensor_parallel or 1, s.tensor_parallel_plan
-    if tp == 1:
+    if (s.tensor_parallel or 1) == 1:
         return s
+    settled = _settled_plan(layers, s)
+    if settled.sequence_parallel:
+        check_sequence_parallel(layers, settled.tensor_parallel_plan or {})
+    return settled
+
+
+def _settled_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
+    tp, plan = s.tensor_parallel or 1, s.tensor_parallel_plan
     if plan:
         named_outside = _outside_patterns(layers, plan) if isinstance(layers, ModulePipeline) else set()
         check_plan(list(layers), {p: st for p, st in plan.items() if p not in named_outside})
@@ -117,6 +137,21 @@ def layer_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
         "plan of its own (a pipeline_of model's is its config's base_model_tp_plan)",
         "set tensor_parallel_plan (docs/DISTRIBUTED.md, 'Tensor parallel'), or tensor_parallel=1",
     )
+
+
+def check_sequence_parallel(layers: nn.Sequential, plan: Mapping[str, str]) -> None:
+    """Sequence parallelism splits a ``pipeline_of`` model's layers, each of whose parts takes a role
+    (:func:`.sequence_parallel.sequence_roles`, which refuses one that does not)."""
+    if not isinstance(layers, ModulePipeline):
+        raise config_error(
+            f"sequence_parallel=True on an nn.Sequential pipeline ({type(layers[0]).__name__}, ...)",
+            "sequence parallelism splits a layer's hidden state (batch, sequence, hidden) along the "
+            "sequence, which it knows in a pipeline_of model's layers (transformers' decoder layers)",
+            "pipeline the model with pipeline_of, or set sequence_parallel=False",
+        )
+    inside = {p: st for p, st in plan.items() if p in _inside_patterns(layers, plan)}
+    for name, layer in zip(layers.names, layers):
+        sequence_roles(layer, inside, name)
 
 
 def _inside_patterns(spec: ModulePipeline, plan: Mapping[str, str]) -> Set[str]:
@@ -173,10 +208,14 @@ def check_whole(layers: Sequence[nn.Module]) -> None:
 
 @dataclass
 class TensorParallel:
-    """``plan`` applied over ``mesh`` (the mesh's ``tp`` dimension)."""
+    """``plan`` applied over ``mesh`` (the mesh's ``tp`` dimension); with ``sequence``, sequence
+    parallelism too (:mod:`.sequence_parallel`), ``ends`` the ids of the model's first and last
+    pipelined layers (set by the build, which knows them)."""
 
     mesh: DeviceMesh
     plan: Dict[str, str]
+    sequence: bool = False
+    ends: Tuple[int, int] = (0, 0)
 
     @classmethod
     def of(cls, s: PipeSettings, mesh: Optional[DeviceMesh]) -> Optional["TensorParallel"]:
@@ -185,7 +224,7 @@ class TensorParallel:
         if (s.tensor_parallel or 1) == 1:
             return None
         assert mesh is not None and s.tensor_parallel_plan is not None
-        return cls(mesh["tp"], dict(s.tensor_parallel_plan))
+        return cls(mesh["tp"], dict(s.tensor_parallel_plan), bool(s.sequence_parallel))
 
     def split(self, layers: Sequence[nn.Module]) -> None:
         """Each submodule of ``layers`` that the plan names, split in place (its parameters become
@@ -195,8 +234,15 @@ class TensorParallel:
             styles: Dict[str, Any] = {
                 name: STYLES[style]() for name, style in split_by(layer, self.plan).items()
             }
+            roles: Optional[SequenceRoles] = None
+            if self.sequence:
+                roles = sequence_roles(layer, self.plan)
+                styles.update(sequence_styles(roles, self.mesh))
             if styles:
                 _parallelize(layer, self.mesh, styles)
+            if roles is not None:
+                first, last = (id(layer) == end for end in self.ends)
+                apply_hooks(layer, roles, self.mesh, first=first, last=last)
 
     def split_outside(self, spec: ModulePipeline, held: Sequence[nn.Module]) -> bool:
         """The modules of ``held`` (outside ``spec``'s layers, this pipeline rank's alone) that the
