@@ -254,6 +254,7 @@ def _per_rank_run(
         reshard_after_forward=options.reshard,
         reduce_every_microbatch=options.reduce_every,
         precision=str(cfg.trainer.precision),
+        sequence_parallel=bool(settings.sequence_parallel) and (options.tp or 1) > 1,
     )
     if settings.modes == "auto":
         raise config_error(

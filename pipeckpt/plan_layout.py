@@ -210,7 +210,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
             model = Model(layers=len(whole.sequential), heads=heads, kv_heads=kv, tensor_parallel=splits)
             optimizer = cfg.get("memory", {}).get("optimizer") or "adamw"
             memory = Memory(
-                Shapes(shapes.layers, shapes.profile),
+                Shapes(shapes.layers, shapes.profile, shapes.sequence),
                 device_bytes=where.device.memory_bytes,
                 global_batch=int(cfg.data.batch_size),
                 precision=precision,
@@ -337,6 +337,8 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
         for key, value in pick["settings"].items():
             picked.strategy[key] = value
         picked.strategy.layout = "manual"
+        if picked.strategy.get("sequence_parallel") and int(picked.strategy.get("tensor_parallel") or 1) == 1:
+            picked.strategy.sequence_parallel = False  # the pick splits no layer, so no sequence
         picked.strategy.memory_budget = None
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])

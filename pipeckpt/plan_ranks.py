@@ -121,14 +121,21 @@ def _predicted(
     short, index, count = shortened(sequential) if fake and not rooted else (sequential, 0, 1)
     chunks = settings.chunks
     plan = dict(layout.tp_plan) if cut is not None else {}
+    sequence = layout.sequence_parallel
     if three[0] is not None:  # a pipeline_of model built again with three of its layers
         with built(three[0], three[1], fake=True, extra=three[2]) as short_b:
             b, short, index, count = short_b, short_b.sequential, 1, len(sequential) - 2
-            fitted = one_rank_profile(short, plan, layout.tp, lambda: _profiled(short_b, short, chunks, fake))
+            fitted = one_rank_profile(
+                short, plan, layout.tp, lambda: _profiled(short_b, short, chunks, fake), sequence=sequence
+            )
     elif cut is not None:  # the model's own build stays whole: its parameters are counted from it
         with built(cut, three[1], fake=True) as cut_b:
             fitted = one_rank_profile(
-                cut_b.sequential, plan, layout.tp, lambda: _profiled(cut_b, cut_b.sequential, chunks, True)
+                cut_b.sequential,
+                plan,
+                layout.tp,
+                lambda: _profiled(cut_b, cut_b.sequential, chunks, True),
+                sequence=sequence,
             )
     else:
         fitted = _profiled(b, short, chunks, fake)

@@ -49,6 +49,8 @@ class SearchShapes:
     def __init__(self, cfg: DictConfig, drawn: Any, stack: contextlib.ExitStack, *, fake: bool) -> None:
         self.cfg, self.drawn, self.stack, self.fake = cfg, drawn, stack, fake
         self.by_argument = takes_tensor_parallel(cfg)
+        #: each layout with tp > 1 splits the sequence too (strategy.sequence_parallel)
+        self.sequence = bool(cfg.strategy.get("sequence_parallel"))
         self._built: Dict[int, Built] = {}
         self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
         self._timed: Dict[int, ModelProfile] = {}
@@ -116,7 +118,9 @@ class SearchShapes:
             return self._profiled(self.built(tp), microbatch)
         extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
         with built(short_cfg or self.cfg, self.drawn, fake=True, extra=extra) as b:  # a build to cut
-            fitted = one_rank_profile(b.sequential, plan, tp, lambda: self._profiled(b, microbatch))
+            fitted = one_rank_profile(
+                b.sequential, plan, tp, lambda: self._profiled(b, microbatch), sequence=self.sequence
+            )
             return fitted if short_cfg is None else repeat_layer(fitted, 1, len(full) - 2)
 
     def timed(self, microbatch: int) -> ModelProfile:

@@ -55,6 +55,7 @@ class Shapes:
 
     layers: LayersOf
     profile: ProfileOf
+    sequence: bool = False  # layouts with tp > 1 split the sequence too (profiled so)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class Memory:
             tp_plan=plan,
             reshard_after_forward=c.reshard,
             reduce_every_microbatch=c.reduce_every,
+            sequence_parallel=c.tp > 1 and self.shapes.sequence,
         )
 
     def state_bytes(self, c: Candidate) -> int:

@@ -60,6 +60,8 @@ class Layout:
         tp_plan: ``tensor_parallel_plan``'s entries (submodule pattern, ``"colwise"`` or
             ``"rowwise"``) that split whole layers' parameters into one rank's share; empty: the
             layers counted are one rank's share already.
+        sequence_parallel: each layer's norms and residual stream split along the sequence over
+            ``tp`` too (profiled so: :mod:`pipeckpt.memory.sequence_local`).
     """
 
     fsdp: int = 1
@@ -68,6 +70,7 @@ class Layout:
     precision: str = "32-true"
     tp_plan: Tuple[Tuple[str, str], ...] = ()
     reduce_every_microbatch: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):

@@ -20,21 +20,30 @@ from torch import nn
 
 from pipeckpt.engines.distributed.model_plan import split_by
 from pipeckpt.memory.profile import ModelProfile, param_bytes_of
+from pipeckpt.memory.sequence_local import one_rank_sequence
 from pipeckpt.memory.split_dims import split_dims
 
 __all__: List[str] = []
 
 
 def one_rank_profile(
-    layers: nn.Sequential, plan: Mapping[str, str], tp: int, profiled: Callable[[], ModelProfile]
+    layers: nn.Sequential,
+    plan: Mapping[str, str],
+    tp: int,
+    profiled: Callable[[], ModelProfile],
+    *,
+    sequence: bool = False,
 ) -> ModelProfile:
     """``profiled()`` of ``layers`` cut to one of ``tp`` ranks by ``plan`` (:func:`cut_to_one_rank`),
     its activations one rank's and its parameters' figures the whole layers': the memory model
     takes each rank's share of those from the plan itself (memory/sharding.py), which would
-    otherwise divide them twice."""
+    otherwise divide them twice. ``sequence``: under sequence parallelism, the rank's part of the
+    sequence too (:mod:`pipeckpt.memory.sequence_local`)."""
     whole = [param_bytes_of(layer) for layer in layers.children()]
     if not cut_to_one_rank(layers, plan, tp):
         return profiled()
+    if sequence:  # and its part of the sequence outside the split blocks (memory/sequence_local.py)
+        one_rank_sequence(layers, plan, tp)
     cut = profiled()
     kept = [
         replace(p, param_bytes=w[0], param_tensors=w[1], largest_param=w[2], frozen_bytes=w[3])

@@ -120,6 +120,7 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
             reduce_every_microbatch=bool(s.reduce_every_microbatch),
             precision=precision,
             tp_plan=tuple((s.tensor_parallel_plan or {}).items()),
+            sequence_parallel=bool(s.sequence_parallel),
         )
 
     @classmethod

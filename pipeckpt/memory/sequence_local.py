@@ -1,0 +1,95 @@
+"""One tensor-parallel rank's shapes under sequence parallelism, in one process, for profiling.
+
+Why: the memory model profiles a layer cut to one rank (:mod:`pipeckpt.memory.tp_local`), whose
+colwise and rowwise projections run one rank's features. Under sequence parallelism
+(:mod:`pipeckpt.engines.distributed.sequence_parallel`) the rank also holds only its part of the
+sequence outside the split blocks, and what it keeps there (each norm's input, the residual stream,
+under recompute each layer's input, what crosses a stage boundary) is ``1/tp``. Hooks of the same
+roles (:func:`~pipeckpt.engines.distributed.sequence_parallel.sequence_roles`) make those shapes
+here: each collective as a new tensor of its output's shape, as the collective's output is:
+
+- the model's first layer takes ``1/tp`` of its input's sequence, its last gives ``tp`` times it;
+- each gathered block takes its input ``tp`` times along the sequence (the all-gather's output,
+  which its colwise projections keep), each rowwise module gives ``1/tp`` of its output (the
+  reduce-scatter's).
+
+The values are not a rank's (the parts are copies of one part); only shapes and storages count.
+"""
+
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.sequence_parallel import SEQUENCE_DIM, sequence_roles
+
+__all__: List[str] = []
+
+
+def one_rank_sequence(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> None:
+    """Hooks on ``layers`` (a throwaway build's: they stay) that give one of ``tp`` ranks' shapes
+    under sequence parallelism by ``plan`` (the plan's entries inside a layer)."""
+    children = list(layers.children())
+    ends = _Ends(tp)
+    for i, layer in enumerate(children):
+        roles = sequence_roles(layer, plan)
+        for child in roles.gathered:
+            layer.get_submodule(child).register_forward_pre_hook(_on_hidden(_whole, tp), with_kwargs=True)
+        for child in roles.scattered:
+            layer.get_submodule(child).register_forward_hook(lambda m, a, y: _part(y, tp))
+        if i == 0:
+            layer.register_forward_pre_hook(_on_hidden(ends.split, tp), with_kwargs=True)
+        if i == len(children) - 1:
+            layer.register_forward_hook(lambda m, a, y: ends.output(y))
+
+
+class _Ends:
+    """The first layer's split and the last layer's gather, each done once to a value: the profile
+    of a ``pipeline_of`` model (memory/rooted.py) records each layer's call as its hooks left it
+    and replays it (the first layer's input already a part, the last layer's output whole), and
+    runs the model's own code again around the last layer's recorded output."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp, self.full = tp, -1  # the whole sequence's length, as first seen
+
+    def split(self, x: Tensor, tp: int) -> Tensor:
+        if self.full < 0:
+            self.full = x.shape[SEQUENCE_DIM]
+        return _part(x, tp) if x.shape[SEQUENCE_DIM] == self.full else x
+
+    def output(self, y: Any) -> Any:
+        h = y[0] if isinstance(y, tuple) else y
+        if h.shape[SEQUENCE_DIM] == self.full:
+            return y
+        return _output(y, self.tp)
+
+
+def _part(x: Tensor, tp: int) -> Tensor:
+    length = x.shape[SEQUENCE_DIM]
+    if length % tp:
+        raise config_error(
+            f"sequence_parallel=True with sequences of {length} tokens over tensor_parallel={tp}",
+            "each tensor-parallel rank holds an equal part of every sequence",
+            f"make the sequence length a multiple of {tp}, or set sequence_parallel=False",
+        )
+    return x.narrow(SEQUENCE_DIM, 0, length // tp).clone()
+
+
+def _whole(x: Tensor, tp: int) -> Tensor:
+    return torch.cat([x] * tp, dim=SEQUENCE_DIM)
+
+
+def _output(y: Any, tp: int) -> Any:
+    if isinstance(y, tuple):
+        return (_whole(y[0], tp), *y[1:])
+    return _whole(y, tp)
+
+
+def _on_hidden(change: Any, tp: int) -> Any:
+    def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if args and isinstance(args[0], Tensor):
+            return (change(args[0], tp), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"], tp)}
+
+    return hook

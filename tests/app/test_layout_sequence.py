@@ -1,0 +1,34 @@
+"""``strategy.sequence_parallel=true`` in a layout search: each layout with tp > 1 profiled with its
+residual stream split along the sequence too (pipeckpt/memory/sequence_local.py), the rest as
+without it; and the pick handed to training with sequence parallelism only where it splits layers."""
+
+from typing import Any, Dict, Tuple
+
+from support.layout_configs import llama_search
+
+from pipeckpt import plan_layout
+
+
+def _peaks(*extra: str) -> Dict[Any, Tuple[int, ...]]:
+    cfg = llama_search("cluster=h100_8", "data.batch_size=16", *extra)
+    answer = plan_layout.search_config(cfg)
+    return {r.candidate: r.fitted.peaks for r in answer.searched.ranked}
+
+
+def test_sequence_parallelism_lowers_every_tensor_parallel_layouts_peak_and_no_other():
+    alone, sequence = _peaks(), _peaks("strategy.sequence_parallel=true")
+    split = [c for c in alone if c.tp > 1]
+    assert split and set(sequence) >= set(alone)
+    for c in alone:
+        if c.tp > 1:
+            assert max(sequence[c]) < max(alone[c]), c
+        else:
+            assert sequence[c] == alone[c], c
+
+
+def test_a_pick_without_tensor_parallelism_trains_without_sequence_parallelism(monkeypatch):
+    cfg = llama_search("cluster=h100_8", "data.batch_size=16", "strategy.sequence_parallel=true")
+    monkeypatch.delenv(plan_layout.PICK_VARIABLE, raising=False)
+    picked = plan_layout.apply_layout(cfg, say=lambda *a, **k: None)
+    assert int(picked.strategy.get("tensor_parallel") or 1) == 1  # this small Llama's pick on 8 H100
+    assert picked.strategy.sequence_parallel is False  # else the strategy would refuse it
