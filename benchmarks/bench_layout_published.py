@@ -80,6 +80,7 @@ class Run:
     reshard: bool = False
     stage_layers: Optional[Tuple[int, ...]] = None
     torchtitan_sac: bool = False  # torchtitan's selective op policy (recomputes every second matmul)
+    sequence_parallel: bool = False  # the run's tp splits the sequence too (torchtitan's TP plan does)
     note: str = ""
 
 
@@ -148,6 +149,7 @@ RUNS: List[Run] = [
         nodes=64,
         config=LLAMA_405B,
         layout=Layout(8, 8, 1, 8, "1f1b", 1, 32, ("always",) * 8),
+        sequence_parallel=True,
         global_batch=256,
         seq_len=8192,
         published=100,
@@ -164,6 +166,7 @@ RUNS: List[Run] = [
         nodes=64,
         config=LLAMA_405B,
         layout=Layout(8, 8, 1, 8, "interleaved_1f1b", 2, 32, ("always",) * 16),
+        sequence_parallel=True,
         global_batch=256,
         seq_len=8192,
         published=128,

@@ -11,7 +11,8 @@ trains tiny HF Llama (GPipe, no recompute) and GPT-NeoX (1F1B, every layer recom
 collective runs again in the backward) 3 SGD steps on padded batches with the gradient clipped by
 norm: the weights every process holds are within 1e-5 relative of the model trained unpipelined
 in this process, and each norm's weight is replicated over tp (a DTensor whose gradient was summed
-over both halves of the sequence).
+over both halves of the sequence). In the same launch, Llama built on the meta device and filled
+from a bf16 pretrained directory starts bitwise at ``from_pretrained``, its replicated norms too.
 """
 
 from pathlib import Path
@@ -21,6 +22,8 @@ import pytest
 import support.ranks as ranks
 import torch
 import transformers
+from support.pretrained_models import reference, save
+from support.toy import assert_bitwise_equal
 from test_tp_pipeline_of import CLIP, START_S, _meta, _reference, _saved, _trains_like_the_unpipelined_model
 from tp_pipeline_of_worker import config
 
@@ -116,6 +119,11 @@ def four_processes(tmp_path_factory) -> Iterator[Path]:
         dict(name=name, model=name, build="scratch", padded=True, clip=CLIP, strategy=strategy)
         for name, strategy in RUNS.items()
     ]
+    path = str(save("llama", out / "llama"))
+    strategy = RUNS["llama"]
+    runs.append(
+        dict(name="pretrained", model="llama", build="pretrained", path=path, padded=True, strategy=strategy)
+    )
     yield ranks.launch(WORKER, 4, runs, out, within_s=START_S)
 
 
@@ -135,3 +143,18 @@ def test_each_norm_is_replicated_over_the_tensor_parallel_processes(four_process
         for key, v in norms.items():
             assert "tp" in v["mesh"] and v["local"].shape == v["whole"].shape, key
             assert v["placements"][v["mesh"].index("tp")] == "Replicate()", key
+
+
+@pytest.mark.slow
+def test_a_pretrained_llama_starts_bitwise_at_from_pretrained_its_norms_replicated(four_processes):
+    want = reference(four_processes / "llama").state_dict()
+    norms = 0
+    for rank in range(4):
+        held = _saved(four_processes, "pretrained", rank)["at_start"]
+        assert_bitwise_equal({k: v["whole"] for k, v in held.items()}, {k: want[k] for k in held})
+        for key, v in held.items():
+            if key.endswith("layernorm.weight"):
+                assert v["placements"][v["mesh"].index("tp")] == "Replicate()", key
+                assert torch.equal(v["local"], want[key]), key
+                norms += 1
+    assert norms == 4 * 2 * 2  # each process: two layers of two norms
