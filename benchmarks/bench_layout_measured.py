@@ -49,6 +49,8 @@ LLAMA = (
 CASES: Dict[str, List[str]] = {
     "gpt": ["model=gpt", "model.size=mini"],
     "llama": ["model=hf", LLAMA, "data.max_bytes=400000"],
+    # the same Llama with sequence parallelism: only its tensor-parallel layouts differ (--split)
+    "llama_sp": ["model=hf", LLAMA, "data.max_bytes=400000", "strategy.sequence_parallel=true"],
 }
 QUICK: Dict[str, List[str]] = {"gpt": ["model=gpt", "model.size=tiny"]}
 
@@ -82,9 +84,12 @@ def chosen(ranked: Sequence[Any], which: str = "default") -> List[Any]:
     """The measured layouts of a search's ranked rows: GPipe and 1F1B at the least chunk count each
     takes and twice that, the search's pick besides; ``which="per_schedule"``: instead the
     best-ranked layout of every schedule the search ranked (the looped and zero-bubble ones among
-    them); ``"all"``: every row (a saved run predicted again keeps those it measured)."""
+    them); ``"all"``: every row (a saved run predicted again keeps those it measured); ``"split"``:
+    the default's rows with tensor parallelism."""
     if which == "all":
         return list(ranked)
+    if which == "split":
+        return [r for r in chosen(ranked) if r.candidate.tp > 1]
     if which == "per_schedule":
         schedules = dict.fromkeys(r.candidate.schedule for r in ranked)
         return [next(r for r in ranked if r.candidate.schedule == s) for s in schedules]
@@ -275,6 +280,7 @@ def main() -> None:
     parser.add_argument(
         "--per-schedule", action="store_true", help="measure the best-ranked layout of every schedule instead"
     )
+    parser.add_argument("--split", action="store_true", help="measure only the default rows with tp > 1")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -297,14 +303,15 @@ def main() -> None:
         figures = calibration()
         cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
         worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
-        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds", "per_schedule")}
+        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds", "per_schedule", "split")}
         saved = {"figures": figures, "when": _now(), "args": kept, "runs": []}
         lines = _header(figures, args, saved["when"])
         for name, case in cases.items():
             for world in worlds:
                 began = time.time()
                 over = overrides(case, world, args.batch)
-                answer, rows = searched(over, "per_schedule" if args.per_schedule else "default")
+                which = "per_schedule" if args.per_schedule else "split" if args.split else "default"
+                answer, rows = searched(over, which)
                 print(answer.text(top=5), flush=True)
                 spec = {"overrides": over, "rows": rows, **kept}
                 results = run_ranks(__file__, world, spec, timeout=args.timeout)

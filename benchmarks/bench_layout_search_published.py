@@ -49,7 +49,14 @@ def cases(runs: Sequence[Run]) -> List[Tuple[Run, List[Run]]]:
     """Runs grouped by what the search sees (model, cluster, nodes, batch, sequence): one search each."""
     groups: Dict[Any, List[Run]] = {}
     for r in runs:
-        key = (r.preset, r.nodes, tuple(sorted(r.config.items())), r.global_batch, r.seq_len, r.sequence_parallel)
+        key = (
+            r.preset,
+            r.nodes,
+            tuple(sorted(r.config.items())),
+            r.global_batch,
+            r.seq_len,
+            r.sequence_parallel,
+        )
         groups.setdefault(key, []).append(r)
     return [(g[0], g) for g in groups.values()]
 

@@ -182,11 +182,12 @@ def search(
             dropped.append(Dropped(c, "dominated", DOMINATED))
             continue
         held = state(c)
+        unchecked: Optional[Estimate] = None  # the step with nothing recomputed, once priced
         if floors and held <= device_bytes and len(fastest) == keep:
-            # the step with nothing recomputed: no modes the fit could choose make it faster
-            unchecked = cost(c).step_s
-            if unchecked > -fastest[0]:
-                reason = f"{human_s(unchecked)} with nothing recomputed, above the {keep} fastest"
+            # no modes the fit could choose make it faster
+            unchecked = cost(c)
+            if unchecked.step_s > -fastest[0]:
+                reason = f"{human_s(unchecked.step_s)} with nothing recomputed, above the {keep} fastest"
                 dropped.append(Dropped(c, "floor", reason))
                 continue
         if held > device_bytes:
@@ -206,12 +207,15 @@ def search(
         if fitted.peak > device_bytes:  # a looped schedule's rank: its stages walked together
             dropped.append(Dropped(c, "memory", f"peak {human(fitted.peak)} > {human(device_bytes)}"))
             continue
-        ranked.append(Ranked(fitted, cost(fitted.candidate)))
+        never = all(m == "never" for m in fitted.candidate.modes)
+        ranked.append(
+            Ranked(fitted, unchecked if never and unchecked is not None else cost(fitted.candidate))
+        )
         if floors:
             heapq.heappush(fastest, -ranked[-1].estimate.step_s)
             if len(fastest) > keep:
                 heapq.heappop(fastest)
-        if not c.reduce_every and all(m == "never" for m in fitted.candidate.modes):
+        if not c.reduce_every and never:
             unbound.add(c)
     ranked.sort(key=_order)
     return Searched(tuple(ranked[:top] if top else ranked), tuple(dropped), len(candidates))

@@ -88,3 +88,29 @@ def test_what_the_floor_drops_is_said_with_the_step_it_cannot_beat() -> None:
         "no modes beat 3500.0 ms": 3,
         "no modes beat 4000.0 ms": 1,
     }
+
+
+def test_a_layout_priced_with_nothing_recomputed_that_fits_so_is_not_priced_again() -> None:
+    priced: List[tuple] = []
+
+    def memory(c: Candidate) -> Fitted:
+        modes = ("always",) if c.chunks in RECOMPUTING else ("never",)
+        return Fitted(replace(c, modes=modes), (1,), (10,), NO_PREDICTION)
+
+    def cost(c: Candidate) -> Step:
+        priced.append((c.chunks, c.modes))
+        return Step(RECOMPUTING[c.chunks] if c.modes == ("always",) else UNCHECKED[c.chunks])
+
+    found = search(
+        [layout(m) for m in UNCHECKED],
+        device_bytes=100,
+        state=lambda c: 0,
+        memory=memory,
+        cost=cost,
+        top=2,
+        floor=lambda c: FLOOR[c.chunks],
+    )
+    assert [(r.candidate.chunks, r.estimate.step_s) for r in found.ranked] == [(4, 1.0), (2, 2.2)]
+    # chunks 4 and 5 fill the two places unpriced; chunks 2 is priced with nothing recomputed (2.2),
+    # fits so, and keeps that price; chunks 6 is priced and dropped (9.0)
+    assert [chunks for chunks, _ in priced] == [4, 5, 2, 6]
