@@ -72,6 +72,12 @@ class Fitted:
         return max(self.peaks)
 
 
+#: The uniform modes a looped layout falls back to, each recomputing more than the one before it
+#: (``selective`` only the cheap ops, ``except_last`` all but one micro-batch, ``always`` every one),
+#: so the first that fits is the fastest of them.
+WALKED = ("never", "selective", "except_last", "always")
+
+
 def memory_schedule(schedule: str) -> str:
     """The schedule the memory model predicts for ``schedule``'s stages: its own for GPipe and 1F1B;
     GPipe's for looped BFS (all forwards first), 1F1B's for the other looped ones."""
@@ -195,7 +201,33 @@ class Memory:
         """``c`` with each stage's mode chosen under the device's memory, and each rank's peak.
         Raises :class:`~pipeckpt.PipeckptConfigError` (choose's, naming the smallest budget that
         would fit) where no modes do. A layout given with its modes (by hand) keeps them: its peak
-        is predicted, fit or not."""
+        is predicted, fit or not. A looped layout's stages are each chosen as a stage of a 1F1B
+        pipeline in an equal share of the device, which can find no modes, or modes whose stages
+        walked together do not fit, where the same mode on every stage fits walked: then the first
+        of :data:`WALKED` that fits (torchtitan's 405B interleaved layout under sequence
+        parallelism: none found in half the device; 71.3 GiB walked with ``always``)."""
+        if c.modes or c.virtual_stages == 1:
+            return self._fit(c)
+        try:
+            chosen = self._fit(c)
+        except PipeckptConfigError:
+            if (walked := self._walked(c)) is not None:
+                return walked
+            raise
+        if chosen.peak > self.device_bytes:
+            return self._walked(c) or chosen
+        return chosen
+
+    def _walked(self, c: Candidate) -> Optional[Fitted]:
+        """``c`` (looped) with the first mode of :data:`WALKED` among the search's modes whose every
+        stage holding it fits the device, its stages walked together; None where none does."""
+        names = {parse_modes([m], 1)[0].name for m in self.modes}  # type: ignore[list-item]
+        for name in (n for n in WALKED if n in names):
+            if (fitted := self._fit(replace(c, modes=(name,)))).peak <= self.device_bytes:
+                return fitted
+        return None
+
+    def _fit(self, c: Candidate) -> Fitted:
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
