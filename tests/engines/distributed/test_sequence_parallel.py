@@ -13,6 +13,8 @@ norm: the weights every process holds are within 1e-5 relative of the model trai
 in this process, and each norm's weight is replicated over tp (a DTensor whose gradient was summed
 over both halves of the sequence). In the same launch, Llama built on the meta device and filled
 from a bf16 pretrained directory starts bitwise at ``from_pretrained``, its replicated norms too.
+One launch of 8 processes trains Llama as pp2 x tp2 x dp2 (FSDP2 over the replicas on top, each
+replica its half of every batch): within the same 1e-5 of the model trained on the whole batches.
 """
 
 from pathlib import Path
@@ -125,6 +127,19 @@ def four_processes(tmp_path_factory) -> Iterator[Path]:
         dict(name="pretrained", model="llama", build="pretrained", path=path, padded=True, strategy=strategy)
     )
     yield ranks.launch(WORKER, 4, runs, out, within_s=START_S)
+
+
+@pytest.fixture(scope="module")
+def eight_processes(tmp_path_factory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("sequence_parallel_dp2")
+    strategy = dict(RUNS["llama"], dp=2)
+    run = dict(name="llama_dp2", model="llama", build="scratch", padded=False, clip=CLIP, strategy=strategy)
+    yield ranks.launch(WORKER, 8, [run], out, within_s=START_S)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_with_sequence_parallelism_trains_like_the_unpipelined_model(eight_processes):
+    _trains_like_the_unpipelined_model(eight_processes, "llama_dp2", 8, _reference("llama", False))
 
 
 @pytest.mark.slow
