@@ -35,6 +35,7 @@ from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_fsdp_host import SHARDS
 from pipeckpt.plan_fsdp_host import fit as fit_fsdp
 from pipeckpt.plan_model import batch
+from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 
@@ -207,6 +208,8 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
             whole = shapes.built(1)
             heads, kv = heads_of(whole.module)
             splits = shapes.splits(whole.sequential)
+            if shapes.sequence and (splits or shapes.by_argument):  # refused as the engine would
+                check_sequence_parallel(whole.sequential, dict(shapes.plan_of(whole.sequential)))
             model = Model(layers=len(whole.sequential), heads=heads, kv_heads=kv, tensor_parallel=splits)
             optimizer = cfg.get("memory", {}).get("optimizer") or "adamw"
             memory = Memory(

@@ -30,6 +30,7 @@ from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rank_peak import RankTable, per_rank, stage_orders
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, rank_state
+from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.memory.tp_local import one_rank_profile
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built, three_layers
@@ -68,6 +69,8 @@ def rank_run(
         if layout.tp > 1 and not by_argument:
             layout, note = _own_plan(cfg, b.sequential, layout)
             cut = cfg  # its layers profiled cut to one rank by that plan
+        if layout.sequence_parallel:  # refused as the engine refuses it, before any profile
+            check_sequence_parallel(b.sequential, dict(layout.tp_plan))
         three = (three_layers(cfg, b.sequential) if fake else None, drawn, extra)
         prediction, ranges, outside = _predicted(
             b, settings, layout, fake=fake, optimizer=optimizer, schedule=schedule, three=three, cut=cut

@@ -89,6 +89,11 @@ class SearchShapes:
             return False
         return True
 
+    def plan_of(self, sequential: torch.nn.Sequential) -> Tuple[Tuple[str, str], ...]:
+        """The plan that splits ``sequential``'s layers (:meth:`_plan`) as named at any degree;
+        empty for a model built as one rank's share by its own argument."""
+        return () if self.by_argument else self._plan(sequential, 1)
+
     def _plan(self, sequential: torch.nn.Sequential, tp: int) -> Tuple[Tuple[str, str], ...]:
         """The engine's plan (tensor_parallel.layer_plan): ``tensor_parallel_plan`` where given, else
         a ``pipeline_of`` model's own: its layers', and the embedding and head split over the

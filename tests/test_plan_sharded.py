@@ -1,5 +1,7 @@
 """``python -m pipeckpt.plan ... memory.fsdp=N memory.tp=N``: one rank's table per stage."""
 
+from typing import Dict, List, Tuple
+
 import pytest
 import torch
 
@@ -55,3 +57,46 @@ def _default_dtype_restored() -> None:
     dtype = torch.get_default_dtype()
     yield
     assert torch.get_default_dtype() == dtype
+
+
+HF_TP = [
+    "model=hf",
+    "strategy.engine=distributed",
+    "strategy.stages=2",
+    "strategy.chunks=2",
+    "trainer.devices=4",
+    "strategy.tensor_parallel=2",
+    "strategy.data_parallel=fsdp",
+    "ckpt=always",
+    "memory.fake=true",
+    "memory.tp=2",
+]
+
+
+def _rank_rows(capsys: pytest.CaptureFixture[str], *extra: str) -> Tuple[str, List[Dict[str, str]]]:
+    assert main([*HF_TP, *extra]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    at = next(i for i, line in enumerate(lines) if line.startswith("one rank per stage"))
+    header = lines[at + 1].split()
+    return lines[at], [dict(zip(header, line.split())) for line in lines[at + 2 : at + 4]]
+
+
+def test_sequence_parallelism_is_named_and_halves_what_crosses_each_stage_boundary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, alone = _rank_rows(capsys)
+    title, sequence = _rank_rows(capsys, "strategy.sequence_parallel=true")
+    assert "tp 2" in title and "sequence parallel" in title
+    # the last stage receives the hidden state: one rank's half of the sequence
+    assert float(sequence[1]["boundary"]) == float(alone[1]["boundary"]) / 2
+    for a, s in zip(alone, sequence):
+        assert float(s["activations"]) < float(a["activations"])
+        assert s["params"] == a["params"]  # the split of the weights is tensor parallelism's
+
+
+def test_sequence_parallelism_on_a_model_built_as_one_ranks_share_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [*ARGS, "trainer.devices=4", "strategy.tensor_parallel=2", "strategy.data_parallel=fsdp"]
+    assert main([*args, "memory.tp=2", "strategy.sequence_parallel=true"]) == 1
+    assert "sequence_parallel=True on an nn.Sequential pipeline" in capsys.readouterr().err

@@ -269,6 +269,7 @@ def format_ranks(table: RankTable) -> str:
         f"one rank per stage: fsdp {lay.fsdp}, tp {lay.tp}, reshard_after_forward "
         f"{lay.reshard_after_forward}, {lay.precision}"
         + (", gradients reduced every micro-batch" if lay.reduce_every_microbatch else "")
+        + (", sequence parallel" if lay.sequence_parallel else "")
         + f"; schedule {table.schedule}, "
         f"chunks {table.chunks}; {name}",
         f"{'stage':>5} {'layers':>7} {'mode':>11} "

@@ -32,3 +32,11 @@ def test_a_pick_without_tensor_parallelism_trains_without_sequence_parallelism(m
     picked = plan_layout.apply_layout(cfg, say=lambda *a, **k: None)
     assert int(picked.strategy.get("tensor_parallel") or 1) == 1  # this small Llama's pick on 8 H100
     assert picked.strategy.sequence_parallel is False  # else the strategy would refuse it
+
+
+def test_a_search_with_sequence_parallelism_on_a_model_built_as_one_ranks_share_is_refused(capsys):
+    from pipeckpt.plan import main
+
+    args = ["model=llama3", "strategy.engine=distributed", "trainer.devices=4", "data.batch_size=8"]
+    assert main([*args, "strategy.layout=auto", "cluster=h100_8", "strategy.sequence_parallel=true"]) == 1
+    assert "sequence_parallel=True on an nn.Sequential pipeline (Embed, ...)" in capsys.readouterr().err
