@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
+from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
@@ -35,7 +36,6 @@ from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_fsdp_host import SHARDS
 from pipeckpt.plan_fsdp_host import fit as fit_fsdp
 from pipeckpt.plan_model import batch
-from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 

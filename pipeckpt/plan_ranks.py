@@ -22,6 +22,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.model_plan import model_plan
+from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.engines.distributed.vocab_plan import own_outside_plan
 from pipeckpt.memory.budget import first_microbatch
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
@@ -30,7 +31,6 @@ from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rank_peak import RankTable, per_rank, stage_orders
 from pipeckpt.memory.repeated import repeat_layer, shortened
 from pipeckpt.memory.sharding import Layout, rank_state
-from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.memory.tp_local import one_rank_profile
 from pipeckpt.memory.vocab_share import split_over_vocabulary
 from pipeckpt.plan_model import Built, built, three_layers
