@@ -15,6 +15,7 @@ device; the rank's peak is its stages walked together along its own op order, ea
 rank's share of its state (docs/LAYOUT.md).
 """
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -303,37 +304,12 @@ class Memory:
             picked = choose(fitted, budget, balance=balance, modes=[NEVER], **options)  # type: ignore[arg-type]
         except PipeckptConfigError:
             if len(balance) > EXACT_STAGES:
-                return self._per_stage(fitted, budget, balance, chunks, schedule, states)
+                candidates = [parse_modes([m], 1)[0] for m in self.modes]  # type: ignore[list-item]
+                predicted = functools.partial(self._predicted, fitted, balance, chunks, schedule, states)
+                names, prediction = fastest_per_stage(predicted, candidates, budget, len(balance))
+                return names, balance, prediction
             picked = choose(fitted, budget, balance=balance, modes=self.modes, **options)  # type: ignore[arg-type]
         return tuple(m.name for m in picked.modes), picked.balance, picked.prediction
-
-    def _per_stage(
-        self,
-        fitted: ModelProfile,
-        budget: int,
-        balance: Tuple[int, ...],
-        chunks: int,
-        schedule: str,
-        states: Callable[[Tuple[int, ...]], Sequence[Tuple[RankState, RankState]]],
-    ) -> Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]:
-        def predicted(modes: Sequence[CheckpointMode]) -> Prediction:
-            return self._predicted(fitted, balance, chunks, schedule, states, modes)
-
-        candidates = [parse_modes([m], 1)[0] for m in self.modes]  # type: ignore[list-item]
-        uniform = [predicted([m] * len(balance)) for m in candidates]
-        picked = []
-        for j in range(len(balance)):
-            fits = [(u.stages[j].time_s, u.stages[j].peak, m) for m, u in zip(candidates, uniform)]
-            fits = [f for f in fits if f[1] <= budget]
-            if not fits:
-                least = min(u.stages[j].peak for u in uniform)
-                raise config_error(
-                    f"memory budget {human(budget)}",
-                    f"no plan fits: stage {j} needs {human(least)} in its least-memory mode",
-                    "add devices or stages, or use a device with more memory",
-                )
-            picked.append(min(fits, key=lambda f: (f[0], f[1]))[2])
-        return tuple(m.name for m in picked), balance, predicted(picked)
 
     def _predicted(
         self,
@@ -353,3 +329,28 @@ class Memory:
             for st, (mine, whole), order in zip(p.stages, states(balance), orders)
         )
         return replace(p, stages=ranks)
+
+
+def fastest_per_stage(
+    predicted: Callable[[Sequence[CheckpointMode]], Prediction],
+    modes: Sequence[CheckpointMode],
+    budget: int,
+    stages: int,
+) -> Tuple[Tuple[str, ...], Prediction]:
+    """Per stage the fastest of ``modes`` (then the least memory) whose peak fits ``budget``, from
+    each mode's prediction on every stage (``predicted``): a stage's memory depends on its own mode
+    only, so the plan fits; its makespan is not proven least. Raises where a stage fits in none."""
+    uniform = [predicted([m] * stages) for m in modes]
+    picked = []
+    for j in range(stages):
+        fits = [(u.stages[j].time_s, u.stages[j].peak, m) for m, u in zip(modes, uniform)]
+        fits = [f for f in fits if f[1] <= budget]
+        if not fits:
+            least = min(u.stages[j].peak for u in uniform)
+            raise config_error(
+                f"memory budget {human(budget)}",
+                f"no plan fits: stage {j} needs {human(least)} in its least-memory mode",
+                "add devices or stages, or use a device with more memory",
+            )
+        picked.append(min(fits, key=lambda f: (f[0], f[1]))[2])
+    return tuple(m.name for m in picked), predicted(picked)
