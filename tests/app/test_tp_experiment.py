@@ -32,3 +32,12 @@ def test_the_strategy_options_of_the_issue_compose_from_the_command_line(tmp_pat
     )
     strategy = build(cfg)["trainer"].strategy
     assert (strategy.engine.topology.pp, strategy.engine.topology.dp) == (2, 2)
+
+
+def test_the_sequence_parallel_experiment_builds_pp2_x_tp2_with_it_on_4_processes(tmp_path: Path):
+    objects = build(compose_train(tmp_path, "experiment=hf_pp2_tp2_sp"))
+    strategy = objects["trainer"].strategy
+    assert isinstance(strategy, PipelineStrategy)
+    topology = strategy.engine.topology
+    assert (topology.pp, topology.dp, topology.tp) == (2, 1, 2)
+    assert strategy.settings.sequence_parallel is True and strategy.settings.data_parallel == "fsdp"
