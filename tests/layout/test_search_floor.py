@@ -5,7 +5,7 @@ The floor, the memory and the cost here are stated numbers (the search takes the
 tests/layout/test_floor.py checks the real floor against the real cost model."""
 
 from dataclasses import dataclass, replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.layout.fit import Fitted
@@ -30,13 +30,17 @@ RECOMPUTING = {3: 6.0, 5: 2.5}  # these two need recompute to fit, which costs t
 FLOOR = {1: 4.0, 2: 2.0, 3: 3.5, 4: 0.5, 5: 1.0, 6: 2.1}
 
 
-def _search(top: int, fits: List[int], floor: bool = True) -> List[int]:
+def _search(top: int, fits: List[int], floor: bool = True, priced: Optional[List[int]] = None) -> List[int]:
+    """The chunks of the layouts ranked; ``fits`` and ``priced`` gather those fitted and priced."""
+
     def memory(c: Candidate) -> Fitted:
         fits.append(c.chunks)
         modes = ("always",) if c.chunks in RECOMPUTING else ("never",)
         return Fitted(replace(c, modes=modes), (1,), (10,), NO_PREDICTION)
 
     def cost(c: Candidate) -> Step:
+        if priced is not None:
+            priced.append(c.chunks)
         return Step(RECOMPUTING[c.chunks] if c.modes == ("always",) else UNCHECKED[c.chunks])
 
     found = search(
@@ -91,26 +95,8 @@ def test_what_the_floor_drops_is_said_with_the_step_it_cannot_beat() -> None:
 
 
 def test_a_layout_priced_with_nothing_recomputed_that_fits_so_is_not_priced_again() -> None:
-    priced: List[tuple] = []
-
-    def memory(c: Candidate) -> Fitted:
-        modes = ("always",) if c.chunks in RECOMPUTING else ("never",)
-        return Fitted(replace(c, modes=modes), (1,), (10,), NO_PREDICTION)
-
-    def cost(c: Candidate) -> Step:
-        priced.append((c.chunks, c.modes))
-        return Step(RECOMPUTING[c.chunks] if c.modes == ("always",) else UNCHECKED[c.chunks])
-
-    found = search(
-        [layout(m) for m in UNCHECKED],
-        device_bytes=100,
-        state=lambda c: 0,
-        memory=memory,
-        cost=cost,
-        top=2,
-        floor=lambda c: FLOOR[c.chunks],
-    )
-    assert [(r.candidate.chunks, r.estimate.step_s) for r in found.ranked] == [(4, 1.0), (2, 2.2)]
-    # chunks 4 and 5 fill the two places unpriced; chunks 2 is priced with nothing recomputed (2.2),
-    # fits so, and keeps that price; chunks 6 is priced and dropped (9.0)
-    assert [chunks for chunks, _ in priced] == [4, 5, 2, 6]
+    priced: List[int] = []
+    assert _search(2, [], priced=priced) == [4, 2]
+    # chunks 4 and 5 fill the two places, each priced once fitted; chunks 2 is priced with nothing
+    # recomputed (2.2), fits so, and keeps that price; chunks 6 is priced so and dropped (9.0)
+    assert priced == [4, 5, 2, 6]

@@ -10,43 +10,28 @@ from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
+from support.fake_world import fake_world
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipeckpt import pipeline_of
+from pipeckpt.engines.distributed.model_plan import model_plan
 from pipeckpt.engines.distributed.sequence_parallel import end_ids
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.memory.sequence_local import one_rank_sequence
 from pipeckpt.memory.tp_local import cut_to_one_rank
 
 TP, BATCH, LENGTH = 2, 2, 16
-LLAMA = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-NEOX = {
-    "attention.query_key_value": "colwise",
-    "attention.dense": "rowwise",
-    "mlp.dense_h_to_4h": "colwise",
-    "mlp.dense_4h_to_h": "rowwise",
-}
-MODELS: Dict[str, Tuple[Any, str, Dict[str, str]]] = {
+#: Each model's config and decoder layers; each is split by its own plan (config.base_model_tp_plan).
+MODELS: Dict[str, Tuple[Any, str]] = {
     "llama": (
         transformers.LlamaConfig(
             vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, use_cache=False,
         ),
         "model.layers",
-        LLAMA,
     ),
     "gpt_neox": (
         transformers.GPTNeoXConfig(
@@ -54,25 +39,22 @@ MODELS: Dict[str, Tuple[Any, str, Dict[str, str]]] = {
             num_attention_heads=4, use_parallel_residual=False, use_cache=False,
         ),
         "gpt_neox.layers",
-        NEOX,
     ),
 }  # fmt: skip
 
 
 @pytest.fixture
 def tp_mesh() -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    try:
-        yield init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+    with fake_world(TP) as mesh:
+        yield mesh
 
 
 def _model(name: str) -> Tuple[Any, Any, Dict[str, str]]:
-    config, layers, plan = MODELS[name]
+    config, layers = MODELS[name]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    return model, pipeline_of(model, layers), plan
+    spec = pipeline_of(model, layers)
+    return model, spec, model_plan(spec, TP)
 
 
 def _saved_bytes(model: Any) -> int:
