@@ -7,8 +7,8 @@ the refusals, each naming the user's value: a switch that is not a bool, sequenc
 without tensor parallelism, on an ``nn.Sequential`` pipeline, and a layer whose residual stream
 holds a dropout that would draw per rank. One launch of 4 real processes (pp2 x tp2,
 data_parallel='fsdp' with dp=1, gloo on CPU, tests/engines/distributed/tp_pipeline_of_worker.py)
-trains tiny HF Llama (GPipe, no recompute) and GPT-NeoX (1F1B, every layer recomputed, so every
-collective runs again in the backward) 3 SGD steps on padded batches with the gradient clipped by
+trains tiny HF Llama (GPipe, no recompute), GPT-NeoX (1F1B, every layer recomputed, so every
+collective runs again in the backward) and Qwen2 (selective recompute) 3 SGD steps on padded batches with the gradient clipped by
 norm: the weights every process holds are within 1e-5 relative of the model trained unpipelined
 in this process, and each norm's weight is replicated over tp (a DTensor whose gradient was summed
 over both halves of the sequence). In the same launch, Llama built on the meta device and filled
@@ -40,6 +40,7 @@ SP = dict(balance=[2, 2], chunks=2, tensor_parallel=2, data_parallel="fsdp", seq
 RUNS = {
     "llama": dict(SP, schedule="gpipe"),
     "gpt_neox": dict(SP, schedule="1f1b", checkpoint="always"),
+    "qwen2": dict(SP, schedule="gpipe", checkpoint="selective"),
 }
 LAYERS = {"llama": "model.layers", "gpt_neox": "gpt_neox.layers"}
 
