@@ -73,9 +73,10 @@ class Fitted:
         return max(self.peaks)
 
 
-#: The uniform modes a looped layout falls back to, each recomputing more than the one before it
-#: (``selective`` only the cheap ops, ``except_last`` all but one micro-batch, ``always`` every one),
-#: so the first that fits is the fastest of them.
+#: The uniform modes a looped layout falls back to, in the order of what they recompute (``selective``
+#: the cheap ops of every micro-batch, ``except_last`` every op of all but one, ``always`` every op
+#: of every one): the first that fits is taken, the fastest of them wherever the recompute each
+#: adds orders their steps so (``selective`` against ``except_last`` is not proven).
 WALKED = ("never", "selective", "except_last", "always")
 
 

@@ -19,7 +19,7 @@ the next: the same bytes on the wire. Here, with torch's styles and DTensor's re
   without sequence parallelism. What crosses a stage boundary is this rank's part, ``1/tp`` of it.
 
 The roles are found from the plan and the layer (:func:`sequence_roles`), the same for the memory
-model (:mod:`pipeckpt.memory.tp_local`), which runs one rank's shapes. A layer whose children do
+model (:mod:`pipeckpt.memory.sequence_local`), which runs one rank's shapes. A layer whose children do
 not fall into them (a child with parameters the plan does not split that is not a norm, a dropout in
 the residual stream) is refused before any work: its numbers would change.
 """
