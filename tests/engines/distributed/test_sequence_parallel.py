@@ -8,13 +8,14 @@ without tensor parallelism, on an ``nn.Sequential`` pipeline, and a layer whose 
 holds a dropout that would draw per rank. One launch of 4 real processes (pp2 x tp2,
 data_parallel='fsdp' with dp=1, gloo on CPU, tests/engines/distributed/tp_pipeline_of_worker.py)
 trains tiny HF Llama (GPipe, no recompute), GPT-NeoX (1F1B, every layer recomputed, so every
-collective runs again in the backward) and Qwen2 (selective recompute) 3 SGD steps on padded
-batches with the gradient clipped by norm: the weights every process holds are within 1e-5 relative of the model trained unpipelined
-in this process, and each norm's weight is replicated over tp (a DTensor whose gradient was summed
-over both halves of the sequence). In the same launch, Llama built on the meta device and filled
-from a bf16 pretrained directory starts bitwise at ``from_pretrained``, its replicated norms too.
-One launch of 8 processes trains Llama as pp2 x tp2 x dp2 (FSDP2 over the replicas on top, each
-replica its half of every batch): within the same 1e-5 of the model trained on the whole batches.
+collective runs again in the backward) and Qwen2 (selective recompute) 3 SGD steps on padded batches
+with the gradient clipped by norm: the weights every process holds are within 1e-5 relative of the
+model trained unpipelined in this process, and each norm's weight is replicated over tp (a DTensor
+whose gradient was summed over both halves of the sequence). In the same launch, Llama built on the
+meta device and filled from a bf16 pretrained directory starts bitwise at ``from_pretrained``, its
+replicated norms too. One launch of 8 processes trains Llama as pp2 x tp2 x dp2 (FSDP2 over the
+replicas on top, each replica its half of every batch): within the same 1e-5 of the model trained on
+the whole batches.
 """
 
 from pathlib import Path
