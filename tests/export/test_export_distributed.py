@@ -11,7 +11,8 @@ directory through ``pipeline_of`` is split by its config's own plan: after 3 ste
 keeping the trained float32: ``dtype='checkpoint'``), load with ``from_pretrained`` bitwise equal
 to the whole weights the processes gathered from their DTensors (``full_tensor``), with bitwise
 equal logits. ``checkpoint='auto'`` chose the run's modes
-counting each rank's parameters by that plan."""
+counting each rank's parameters by that plan. The same again with sequence parallelism
+(``sequence_parallel=True``: each norm a replicated DTensor, saved and exported whole)."""
 
 import json
 import subprocess
@@ -152,11 +153,13 @@ def test_an_export_refused_on_rank_0_is_raised_on_every_rank_and_nothing_is_repl
 # -- pp2 x tp2 ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory) -> Iterator[Path]:
+@pytest.fixture(scope="module", params=[False, True], ids=["tp", "sequence_parallel"])
+def tp_run(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Path]:
+    """The pp2 x tp2 run, and the same with sequence parallelism (its norms replicated DTensors)."""
     out = tmp_path_factory.mktemp("export_tp")
     path = str(save("llama", out / "pretrained"))
-    run = dict(TP_RUN, steps=3, max_shard_size=SMALL_SHARD, path=path)
+    strategy = dict(TP2, sequence_parallel=True) if request.param else TP2
+    run = dict(TP_RUN, strategy=strategy, steps=3, max_shard_size=SMALL_SHARD, path=path)
     ranks.launch(WORKER, 4, [run], out, within_s=START_S)
     yield out
 
