@@ -16,13 +16,18 @@ here: each collective as a new tensor of its output's shape, as the collective's
 The values are not a rank's (the parts are copies of one part); only shapes and storages count.
 """
 
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import List, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from pipeckpt._errors import config_error
-from pipeckpt.engines.distributed.sequence_parallel import SEQUENCE_DIM, sequence_roles
+from pipeckpt.engines.distributed.sequence_parallel import (
+    SEQUENCE_DIM,
+    check_divides,
+    on_hidden,
+    on_output,
+    sequence_roles,
+)
 
 __all__: List[str] = []
 
@@ -35,13 +40,15 @@ def one_rank_sequence(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -
     for i, layer in enumerate(children):
         roles = sequence_roles(layer, plan)
         for child in roles.gathered:
-            layer.get_submodule(child).register_forward_pre_hook(_on_hidden(_whole, tp), with_kwargs=True)
+            layer.get_submodule(child).register_forward_pre_hook(
+                on_hidden(lambda x: _whole(x, tp)), with_kwargs=True
+            )
         for child in roles.scattered:
-            layer.get_submodule(child).register_forward_hook(lambda m, a, y: _part(y, tp))
+            layer.get_submodule(child).register_forward_hook(on_output(lambda y: _part(y, tp)))
         if i == 0:
-            layer.register_forward_pre_hook(_on_hidden(ends.split, tp), with_kwargs=True)
+            layer.register_forward_pre_hook(on_hidden(ends.split), with_kwargs=True)
         if i == len(children) - 1:
-            layer.register_forward_hook(lambda m, a, y: ends.output(y))
+            layer.register_forward_hook(on_output(ends.whole))
 
 
 class _Ends:
@@ -53,43 +60,19 @@ class _Ends:
     def __init__(self, tp: int) -> None:
         self.tp, self.full = tp, -1  # the whole sequence's length, as first seen
 
-    def split(self, x: Tensor, tp: int) -> Tensor:
+    def split(self, x: Tensor) -> Tensor:
         if self.full < 0:
             self.full = x.shape[SEQUENCE_DIM]
-        return _part(x, tp) if x.shape[SEQUENCE_DIM] == self.full else x
+        return _part(x, self.tp) if x.shape[SEQUENCE_DIM] == self.full else x
 
-    def output(self, y: Any) -> Any:
-        h = y[0] if isinstance(y, tuple) else y
-        if h.shape[SEQUENCE_DIM] == self.full:
-            return y
-        return _output(y, self.tp)
+    def whole(self, h: Tensor) -> Tensor:
+        return h if h.shape[SEQUENCE_DIM] == self.full else _whole(h, self.tp)
 
 
 def _part(x: Tensor, tp: int) -> Tensor:
-    length = x.shape[SEQUENCE_DIM]
-    if length % tp:
-        raise config_error(
-            f"sequence_parallel=True with sequences of {length} tokens over tensor_parallel={tp}",
-            "each tensor-parallel rank holds an equal part of every sequence",
-            f"make the sequence length a multiple of {tp}, or set sequence_parallel=False",
-        )
-    return x.narrow(SEQUENCE_DIM, 0, length // tp).clone()
+    check_divides(x, tp)
+    return x.narrow(SEQUENCE_DIM, 0, x.shape[SEQUENCE_DIM] // tp).clone()
 
 
 def _whole(x: Tensor, tp: int) -> Tensor:
     return torch.cat([x] * tp, dim=SEQUENCE_DIM)
-
-
-def _output(y: Any, tp: int) -> Any:
-    if isinstance(y, tuple):
-        return (_whole(y[0], tp), *y[1:])
-    return _whole(y, tp)
-
-
-def _on_hidden(change: Any, tp: int) -> Any:
-    def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        if args and isinstance(args[0], Tensor):
-            return (change(args[0], tp), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"], tp)}
-
-    return hook

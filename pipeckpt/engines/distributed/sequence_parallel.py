@@ -25,7 +25,7 @@ the residual stream) is refused before any work: its numbers would change.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -106,11 +106,13 @@ def apply_hooks(layer: nn.Module, roles: SequenceRoles, mesh: DeviceMesh, *, fir
     model's ``first`` layer takes its input's part of the sequence, its ``last`` gives its output
     whole."""
     for child in roles.gathered:
-        layer.get_submodule(child).register_forward_pre_hook(_on_hidden(mesh, _gather), with_kwargs=True)
+        layer.get_submodule(child).register_forward_pre_hook(
+            on_hidden(lambda x: _gather(x, mesh)), with_kwargs=True
+        )
     if first:
-        layer.register_forward_pre_hook(_on_hidden(mesh, _part), with_kwargs=True)
+        layer.register_forward_pre_hook(on_hidden(lambda x: _part(x, mesh)), with_kwargs=True)
     if last:
-        layer.register_forward_hook(_whole_output(mesh))
+        layer.register_forward_hook(on_output(lambda y: _whole(y, mesh)))
 
 
 def _gather(x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -125,13 +127,18 @@ def _gather(x: Tensor, mesh: DeviceMesh) -> Tensor:
 def _part(x: Tensor, mesh: DeviceMesh) -> Tensor:
     """The whole hidden state (the same on every rank) as this rank's part of the sequence; its
     gradient is gathered whole."""
-    _check_divides(x, mesh)
+    check_divides(x, mesh.size())
     whole = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
     return whole.redistribute(mesh, (Shard(SEQUENCE_DIM),)).to_local()
 
 
-def _check_divides(x: Tensor, mesh: DeviceMesh) -> None:
-    tp = mesh.size()
+def _whole(y: Tensor, mesh: DeviceMesh) -> Tensor:
+    """This rank's part of the layer's output gathered whole (its gradient: this rank's part)."""
+    return DTensor.from_local(y, mesh, (Shard(SEQUENCE_DIM),), run_check=False).full_tensor()
+
+
+def check_divides(x: Tensor, tp: int) -> None:
+    """Each of ``tp`` ranks holds an equal part of every sequence of the hidden state ``x``."""
     if x.dim() <= SEQUENCE_DIM or x.shape[SEQUENCE_DIM] % tp:
         raise config_error(
             f"sequence_parallel=True with a hidden state of shape {tuple(x.shape)} over tensor_parallel={tp}",
@@ -141,31 +148,30 @@ def _check_divides(x: Tensor, mesh: DeviceMesh) -> None:
         )
 
 
-def _on_hidden(mesh: DeviceMesh, change: Any) -> Any:
-    """A forward pre-hook that replaces the hidden state (the first positional tensor, else the
-    ``hidden_states`` keyword) by ``change(it, mesh)``."""
+def on_hidden(change: Callable[[Tensor], Tensor]) -> Any:
+    """A forward pre-hook (``with_kwargs=True``) that replaces a layer's or block's hidden state
+    (the first positional tensor, else the ``hidden_states`` keyword) by ``change(it)``; the engine's
+    and the memory model's (:mod:`pipeckpt.memory.sequence_local`)."""
 
     def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, Any]]:
         if args and isinstance(args[0], Tensor):
-            return (change(args[0], mesh), *args[1:]), kwargs
+            return (change(args[0]), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), Tensor):
-            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"], mesh)}
+            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
         raise TypeError(f"{type(module).__name__} was called without a hidden state to split by sequence")
 
     return hook
 
 
-def _whole_output(mesh: DeviceMesh) -> Any:
-    """A forward hook that gathers the layer's output (a tensor, or a tuple led by one) whole."""
-
-    def whole(y: Tensor) -> Tensor:
-        return DTensor.from_local(y, mesh, (Shard(SEQUENCE_DIM),), run_check=False).full_tensor()
+def on_output(change: Callable[[Tensor], Tensor]) -> Any:
+    """A forward hook that replaces a layer's output hidden state (the output, or the first of a
+    tuple led by one) by ``change(it)``; the engine's and the memory model's."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, Tensor):
-            return whole(output)
+            return change(output)
         if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (whole(output[0]), *output[1:])
+            return (change(output[0]), *output[1:])
         raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not a hidden state")
 
     return hook
