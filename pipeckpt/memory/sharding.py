@@ -249,7 +249,12 @@ def stage_rank_states(
 ) -> Callable[[Tuple[int, ...]], List[Tuple[RankState, RankState]]]:
     """Each stage's state on one of its ranks and unsharded, per balance: every layer an FSDP2 unit,
     as the distributed engine shards a stage, and of a ``pipeline_of`` model's parameters outside
-    the layers (``outside``), each one that the stage alone holds (memory/outside_share.py)."""
+    the layers (``outside``), each one that the stage alone holds (memory/outside_share.py). The
+    unsharded state counts those whole, as the walk counts them: split over the vocabulary there too,
+    it was short by the part of the embedding and head a rank does not hold, which
+    :func:`~pipeckpt.memory.rank_peak.on_rank` then added back as "beyond the layers" (the layout
+    search's tensor-parallel ranks over by that, three times over with AdamW: +18 MiB, +11%, on the
+    measured Llama at tp 4)."""
     layers = list(sequential)
     unsharded = Layout(precision=_as_built(layers, layout.precision))
     root: Optional[nn.Module] = getattr(sequential, "root", None)
@@ -262,10 +267,11 @@ def stage_rank_states(
         out = []
         for j, (a, b) in enumerate(ranges):
             held = units(root, alone[j], layout.tp_plan, layout.tp) if alone and root is not None else []
+            built = units(root, alone[j]) if alone and root is not None else []  # as the walk counts them
             out.append(
                 (
                     rank_state(layers[a:b], layout, optimizer, held),
-                    rank_state([*layers[a:b], *held], unsharded, optimizer),
+                    rank_state([*layers[a:b], *built], unsharded, optimizer),
                 )
             )
         return out

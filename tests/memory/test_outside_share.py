@@ -93,3 +93,23 @@ def test_under_tp2_the_embedding_and_head_count_half_their_rows_by_the_models_ow
         rank for rank, _ in stage_rank_states(spec, Layout(tp=2, tp_plan=inside), "sgd", outside)((2, 2))
     ]
     assert whole[1].params == layers[1].params + norm + head  # without their entries: whole
+
+
+def test_under_tp2_a_ranks_predicted_stage_holds_its_share_of_the_embedding_and_head_once() -> None:
+    """The search's and ``checkpoint='auto'``'s prediction of a rank (``rank_peak.on_rank``: the walk's
+    stage, whose parameters are as built, less the unsharded state, plus the rank's share) holds
+    half of each vocabulary matrix, as the engine does: the unsharded state counts them whole, as
+    the walk does (split there too, the other half came back as "beyond the layers": +18 MiB on
+    the measured Llama at tp 4, benchmarks/RESULTS_layout.md)."""
+    from pipeckpt.memory.rank_peak import on_rank
+
+    model = _llama()
+    spec = pipeline_of(model, "model.layers")
+    fitted = profile(spec, RootInput((), dict(input_ids=IDS)), rounds=1)
+    settings = PipeSettings(engine="distributed", tensor_parallel=2, data_parallel="fsdp")
+    layout = Layout(tp=2, tp_plan=tuple(layer_plan(spec, settings).tensor_parallel_plan.items()))
+    states = stage_rank_states(spec, layout, "sgd", fitted.outside_params)((2, 2))
+    prediction = predict(fitted, PLAN, chunks=2, optimizer="sgd", schedule="gpipe")
+    ranks = [on_rank(s, mine, whole) for s, (mine, whole) in zip(prediction.stages, states)]
+    assert [r.params for r in ranks] == [mine.params for mine, _ in states]
+    assert [whole.params for _, whole in states] == [s.params for s in prediction.stages]
