@@ -25,6 +25,7 @@ from pipeckpt.memory.profile import ModelProfile, profile
 from pipeckpt.memory.rooted import RootInput, root_microbatch
 from pipeckpt.memory.sharding import Layout, stage_rank_states
 from pipeckpt.memory.timing import for_compile
+from pipeckpt.memory.tp_local import one_rank_profile
 from pipeckpt.memory.vocab_share import split_profiles
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import zeroes_its_own_way
@@ -183,13 +184,17 @@ def resolve_auto(
         profiled: Dict[int, ModelProfile] = {
             c: given[c]
             if c in given
-            else profile(
+            else _one_rank(
                 sequential,
-                first_microbatch(batch, c),
-                loss_fn=loss_fn,
-                target=first_microbatch(target, c) if target is not None else None,
-                rounds=2,
-                fake=fake,
+                layout,
+                lambda c=c: profile(  # type: ignore[misc]
+                    sequential,
+                    first_microbatch(batch, c),
+                    loss_fn=loss_fn,
+                    target=first_microbatch(target, c) if target is not None else None,
+                    rounds=2,
+                    fake=fake,
+                ),
             )
             for c in chunk_options
         }
@@ -225,6 +230,19 @@ def resolve_auto(
         memory_search=None,
     )
     return AutoPlan(settings=chosen, choice=choice, budget=budget, profiles=profiled, layout=layout)
+
+
+def _one_rank(
+    sequential: nn.Sequential, layout: Optional[Layout], profiled: Callable[[], ModelProfile]
+) -> ModelProfile:
+    """``profiled()`` with the layers cut to one tensor-parallel rank by ``layout``'s plan, and its
+    part of the sequence under sequence parallelism, as the layout search profiles them
+    (:func:`~pipeckpt.memory.tp_local.one_rank_profile`; the model is left as it was): profiled
+    whole, every activation between a colwise and a rowwise projection counted ``tp`` times."""
+    if layout is None or layout.tp <= 1 or not layout.tp_plan:
+        return profiled()
+    plan = dict(layout.tp_plan)
+    return one_rank_profile(sequential, plan, layout.tp, profiled, sequence=layout.sequence_parallel)
 
 
 def resolve_for(

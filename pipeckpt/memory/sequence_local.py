@@ -20,6 +20,7 @@ from typing import List, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from pipeckpt.engines.distributed.sequence_parallel import (
     SEQUENCE_DIM,
@@ -32,23 +33,27 @@ from pipeckpt.engines.distributed.sequence_parallel import (
 __all__: List[str] = []
 
 
-def one_rank_sequence(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> None:
-    """Hooks on ``layers`` (a throwaway build's: they stay) that give one of ``tp`` ranks' shapes
-    under sequence parallelism by ``plan`` (the plan's entries inside a layer)."""
+def one_rank_sequence(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> List[RemovableHandle]:
+    """Hooks on ``layers`` that give one of ``tp`` ranks' shapes under sequence parallelism by
+    ``plan`` (the plan's entries inside a layer); returns them, for a caller that takes them off."""
     children = list(layers.children())
     ends = _Ends(tp)
+    hooks = []
     for i, layer in enumerate(children):
         roles = sequence_roles(layer, plan)
         for child in roles.gathered:
-            layer.get_submodule(child).register_forward_pre_hook(
-                on_hidden(lambda x: _whole(x, tp)), with_kwargs=True
+            hooks.append(
+                layer.get_submodule(child).register_forward_pre_hook(
+                    on_hidden(lambda x: _whole(x, tp)), with_kwargs=True
+                )
             )
         for child in roles.scattered:
-            layer.get_submodule(child).register_forward_hook(on_output(lambda y: _part(y, tp)))
+            hooks.append(layer.get_submodule(child).register_forward_hook(on_output(lambda y: _part(y, tp))))
         if i == 0:
-            layer.register_forward_pre_hook(on_hidden(ends.split), with_kwargs=True)
+            hooks.append(layer.register_forward_pre_hook(on_hidden(ends.split), with_kwargs=True))
         if i == len(children) - 1:
-            layer.register_forward_hook(on_output(ends.whole))
+            hooks.append(layer.register_forward_hook(on_output(ends.whole)))
+    return hooks
 
 
 class _Ends:

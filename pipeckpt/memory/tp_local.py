@@ -14,7 +14,7 @@ plan names is the engine's own :func:`~pipeckpt.engines.distributed.model_plan.s
 """
 
 from dataclasses import replace
-from typing import Callable, List, Mapping
+from typing import Callable, List, Mapping, Tuple
 
 from torch import nn
 
@@ -38,13 +38,22 @@ def one_rank_profile(
     its activations one rank's and its parameters' figures the whole layers': the memory model
     takes each rank's share of those from the plan itself (memory/sharding.py), which would
     otherwise divide them twice. ``sequence``: under sequence parallelism, the rank's part of the
-    sequence too (:mod:`pipeckpt.memory.sequence_local`)."""
+    sequence too (:mod:`pipeckpt.memory.sequence_local`). ``layers`` is as it was afterwards (its
+    parameters put back, the hooks removed), so ``checkpoint='auto'`` profiles the user's own model
+    so: profiled whole, a tensor-parallel rank's activations were counted ``tp`` times over."""
     whole = [param_bytes_of(layer) for layer in layers.children()]
-    if not cut_to_one_rank(layers, plan, tp):
+    narrowed = _narrow(layers, plan, tp)
+    if not narrowed:
         return profiled()
-    if sequence:  # and its part of the sequence outside the split blocks (memory/sequence_local.py)
-        one_rank_sequence(layers, plan, tp)
-    cut = profiled()
+    # and its part of the sequence outside the split blocks (memory/sequence_local.py)
+    hooks = one_rank_sequence(layers, plan, tp) if sequence else []
+    try:
+        cut = profiled()
+    finally:
+        for h in hooks:
+            h.remove()
+        for module, own, original in narrowed:
+            setattr(module, own, original)
     kept = [
         replace(p, param_bytes=w[0], param_tensors=w[1], largest_param=w[2], frozen_bytes=w[3])
         for p, w in zip(cut.layers, whole)
@@ -56,9 +65,16 @@ def cut_to_one_rank(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> 
     """Narrows, in place, every parameter that ``plan`` splits inside ``layers``' layers to rank 0's
     shard of ``tp`` (``ceil(size / tp)``, the largest, as torch's ``Shard`` gives the first ranks);
     returns how many parameters it narrowed. For a throwaway build only: the module is changed."""
+    return len(_narrow(layers, plan, tp))
+
+
+def _narrow(
+    layers: nn.Sequential, plan: Mapping[str, str], tp: int
+) -> List[Tuple[nn.Module, str, nn.Parameter]]:
+    """:func:`cut_to_one_rank`'s narrowing; returns each parameter replaced, where it was."""
     if tp <= 1:
-        return 0
-    narrowed = 0
+        return []
+    narrowed = []
     for layer in layers.children():
         for name, style in split_by(layer, dict(plan)).items():
             module = layer.get_submodule(name)
@@ -68,5 +84,5 @@ def cut_to_one_rank(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> 
                     continue
                 size = -(-p.shape[dim] // tp)
                 setattr(module, own, nn.Parameter(p.detach().narrow(dim, 0, size).clone(), p.requires_grad))
-                narrowed += 1
+                narrowed.append((module, own, p))
     return narrowed

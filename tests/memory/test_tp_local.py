@@ -96,3 +96,61 @@ def test_an_hf_gpt_neox_layer_runs_cut_with_its_fused_heads_shared_out() -> None
     assert out.shape == x.shape
     assert layer.attention.query_key_value.weight.shape == (96, 64)  # 2 of 4 heads' q, k and v
     assert layer.mlp.dense_4h_to_h.weight.shape == (64, 128)
+
+
+def test_the_layers_are_left_as_they_were_after_the_profile() -> None:
+    """``checkpoint='auto'`` profiles the user's own model so: its parameters (the same objects, the
+    same values) and its hooks are as they were."""
+    layers = _layers()
+    before = {n: (p, p.detach().clone()) for n, p in layers.named_parameters()}
+    one_rank_profile(layers, PLAN, 2, lambda: _profiled(layers), sequence=False)
+    after = dict(layers.named_parameters())
+    assert after.keys() == before.keys()
+    for n, (p, value) in before.items():
+        assert after[n] is p and torch.equal(p, value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in layers.modules())
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp_sp"])
+def test_auto_under_tp2_counts_one_ranks_activations_as_the_search_does(sequence: bool) -> None:
+    """The engine's ``checkpoint='auto'`` (memory/budget.py) profiles a tensor-parallel layout's layers
+    cut to one rank, as the layout search and the plan command do: the activations between the
+    colwise and rowwise projections half of the whole (with sequence parallelism the rest too);
+    profiled whole, auto counted them twice over at tp 2, and recomputed where a rank had room."""
+    from transformers import LlamaForCausalLM
+
+    from pipeckpt import pipeline_of
+    from pipeckpt.engines.distributed.tensor_parallel import layer_plan
+    from pipeckpt.memory.budget import first_microbatch, resolve_auto
+    from pipeckpt.memory.rooted import RootInput
+    from pipeckpt.memory.sharding import Layout
+    from pipeckpt.settings import PipeSettings
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = RootInput((), dict(input_ids=ids))
+    settings = PipeSettings(
+        engine="distributed", checkpoint="auto", memory_budget="1GiB", stages=1, chunks=2,
+        schedule="gpipe", tensor_parallel=2, data_parallel="fsdp", sequence_parallel=sequence,
+    )  # fmt: skip
+
+    def model():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return pipeline_of(LlamaForCausalLM(config), "model.layers")
+
+    spec = model()
+    plan = layer_plan(spec, settings).tensor_parallel_plan
+    layout = Layout(tp=2, tp_plan=tuple(plan.items()), sequence_parallel=sequence)
+    chosen = resolve_auto(settings, spec, devices=[torch.device("cpu")], batch=batch, layout=layout)
+    mine = chosen.profiles[2]
+    searched = model()  # the search's way: a throwaway build cut to one rank
+    micro = first_microbatch(batch, 2)
+    cut = one_rank_profile(searched, plan, 2, lambda: profile(searched, micro, rounds=2), sequence=sequence)
+    whole_profile = profile(model(), micro, rounds=2)
+    for m, c, w in zip(mine.layers, cut.layers, whole_profile.layers):
+        assert (
+            mine.bytes_of(set(m.saved)) == cut.bytes_of(set(c.saved)) < whole_profile.bytes_of(set(w.saved))
+        )

@@ -81,8 +81,9 @@ HYBRID_RUN = dict(
 
 # checkpoint="auto" with the stages split by the plan: a budget (bytes per rank) that a stage held as
 # tp2 x fsdp2 fits and one held as fsdp2 alone does not (smallest feasible: 1.04 and 1.30 MB since
-# a stage's gradients count whole until the step's end; 1.20 and 1.45 before).
-TP_BUDGET = 1_170_000
+# a stage's gradients count whole until the step's end; 1.20 and 1.45 before), and that `never`
+# everywhere does not: 1.17 MB did until auto profiled the layers cut to one tp rank (2026-12-05).
+TP_BUDGET = 1_100_000
 AUTO_RUN = dict(
     name="pp2_tp2_fsdp2_auto",
     steps=EPOCH,
