@@ -42,7 +42,7 @@ def one_rank_profile(
     parameters put back, the hooks removed), so ``checkpoint='auto'`` profiles the user's own model
     so: profiled whole, a tensor-parallel rank's activations were counted ``tp`` times over."""
     whole = [param_bytes_of(layer) for layer in layers.children()]
-    narrowed = _narrow(layers, plan, tp)
+    narrowed = cut_to_one_rank(layers, plan, tp)
     if not narrowed:
         return profiled()
     # and its part of the sequence outside the split blocks (memory/sequence_local.py)
@@ -61,17 +61,13 @@ def one_rank_profile(
     return replace(cut, layers=(*kept, *cut.layers[len(kept) :]))
 
 
-def cut_to_one_rank(layers: nn.Sequential, plan: Mapping[str, str], tp: int) -> int:
-    """Narrows, in place, every parameter that ``plan`` splits inside ``layers``' layers to rank 0's
-    shard of ``tp`` (``ceil(size / tp)``, the largest, as torch's ``Shard`` gives the first ranks);
-    returns how many parameters it narrowed. For a throwaway build only: the module is changed."""
-    return len(_narrow(layers, plan, tp))
-
-
-def _narrow(
+def cut_to_one_rank(
     layers: nn.Sequential, plan: Mapping[str, str], tp: int
 ) -> List[Tuple[nn.Module, str, nn.Parameter]]:
-    """:func:`cut_to_one_rank`'s narrowing; returns each parameter replaced, where it was."""
+    """Narrows, in place, every parameter that ``plan`` splits inside ``layers``' layers to rank 0's
+    shard of ``tp`` (``ceil(size / tp)``, the largest, as torch's ``Shard`` gives the first ranks);
+    returns each parameter it replaced, with its module and name, for a caller that puts them back
+    (:func:`one_rank_profile` does)."""
     if tp <= 1:
         return []
     narrowed = []

@@ -54,11 +54,11 @@ def test_the_hidden_features_a_rank_saves_are_a_tp_share(tp: int) -> None:
 
 def test_cut_narrows_the_split_dimension_only() -> None:
     layers = _layers()
-    assert cut_to_one_rank(layers, PLAN, 2) == 6  # up's weight and bias, down's weight, per block
+    assert len(cut_to_one_rank(layers, PLAN, 2)) == 6  # up's weight and bias, down's weight, per block
     block = layers[0]
     assert block.up.weight.shape == (HIDDEN // 2, WIDTH) and block.up.bias.shape == (HIDDEN // 2,)
     assert block.down.weight.shape == (WIDTH, HIDDEN // 2) and block.down.bias.shape == (WIDTH,)
-    assert cut_to_one_rank(layers, PLAN, 1) == 0
+    assert len(cut_to_one_rank(layers, PLAN, 1)) == 0
 
 
 def test_an_hf_llama_layer_runs_cut_with_its_heads_shared_out() -> None:
@@ -73,7 +73,7 @@ def test_an_hf_llama_layer_runs_cut_with_its_heads_shared_out() -> None:
     )
     layer = LlamaDecoderLayer(config, 0)
     plan = {k.split("layers.*.", 1)[1]: v for k, v in config.base_model_tp_plan.items() if "layers.*." in k}
-    assert cut_to_one_rank(nn.Sequential(layer), plan, 2) == 7  # q, k, v, o, gate, up, down
+    assert len(cut_to_one_rank(nn.Sequential(layer), plan, 2)) == 7  # q, k, v, o, gate, up, down
     x = torch.randn(1, 5, 64)
     rope = LlamaRotaryEmbedding(config)(x, torch.arange(5)[None])
     out = layer(x, position_embeddings=rope)
@@ -88,7 +88,7 @@ def test_an_hf_gpt_neox_layer_runs_cut_with_its_fused_heads_shared_out() -> None
     config = GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_hidden_layers=1)
     layer = GPTNeoXLayer(config, 0)
     plan = {k.split("layers.*.", 1)[1]: v for k, v in config.base_model_tp_plan.items() if "layers.*." in k}
-    assert cut_to_one_rank(nn.Sequential(layer), plan, 2) == 6  # 4 weights, the colwise ones' biases
+    assert len(cut_to_one_rank(nn.Sequential(layer), plan, 2)) == 6  # 4 weights, the colwise ones' biases
     x = torch.randn(1, 5, 64)
     rope = GPTNeoXRotaryEmbedding(config)(x, torch.arange(5)[None])
     out = layer(x, position_embeddings=rope)
