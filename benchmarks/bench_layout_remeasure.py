@@ -4,9 +4,10 @@ how a change to the engine moved their measured steps: the same model, world, ba
 
 Reported per row: the median over rounds of its slowest rank's seconds per step now, the saved
 measurement, and their ratio; each row's step over the fastest's, now and then; and its peak per
-pipeline rank now and as saved. ``--save FILE`` writes the saved run again with the rows' peaks
-counted now (their times as saved), for ``bench_layout_measured.py --repredict FILE``: how the
-harness's counting changed moves no measured step.
+pipeline rank now and as saved; with ``--allocated``, also by the CPU allocator (inside DTensor's
+operators: harness.allocated_bytes), the peaks alone. ``--save FILE`` writes the saved run again
+with the rows' peaks counted now (their times as saved), for ``bench_layout_measured.py
+--repredict FILE``: how the harness's counting changed moves no measured step.
 
     python benchmarks/bench_layout_remeasure.py benchmarks/layout_measured_llama4_2026-12-02.json \\
         "pp4 x tp1 x dp1 1f1b x8" "pp2 x tp1 x dp2 gpipe x2" --rounds 5
@@ -33,9 +34,12 @@ def remeasure(
     rounds: int,
     timeout: int,
     recounted: Optional[Dict[str, Any]] = None,
+    allocated: bool = False,
 ) -> List[str]:
     """The rows of ``saved`` that ``wanted`` takes (a row's layout name -> bool) trained again;
-    ``recounted``, a copy of ``saved``, gets their peaks as counted now."""
+    ``recounted``, a copy of ``saved``, gets their peaks as counted now. ``allocated``: each counted
+    by the CPU allocator too (``harness.allocated_bytes``, in a step after the timed ones), and the
+    table gives the peaks only."""
     mib = 2**20
     lines = [f"On {machine()}.", ""]
     for n, run in enumerate(saved["runs"]):
@@ -43,6 +47,7 @@ def remeasure(
         if not rows:
             continue
         spec = {"overrides": run["overrides"], "rows": rows, **saved["args"], "rounds": rounds}
+        spec["allocated"] = allocated
         results = run_ranks(measured_script, run["world"], spec, timeout=timeout)
         now = [copy.deepcopy(r) for r in rows]
         measured(results, now, rounds)
@@ -54,7 +59,21 @@ def remeasure(
             "| peak MiB per pp rank now | saved |",
             "|---|---|---|---|---|---|---|---|",
         ]
+        if allocated:
+            lines[-2:] = [
+                "| layout | peak MiB per pp rank now | saved | by the CPU allocator now | allocator / now |",
+                "|---|---|---|---|---|",
+            ]
         for row, new in zip(rows, now):
+            if allocated:
+                now_peaks, held = new["measured_peaks"], new["allocated_peaks"]
+                lines.append(
+                    f"| {row['layout']} | {' / '.join(f'{p / mib:.1f}' for p in now_peaks)} "
+                    f"| {' / '.join(f'{p / mib:.1f}' for p in row['measured_peaks'])} "
+                    f"| {' / '.join(f'{p / mib:.1f}' for p in held)} "
+                    f"| {' / '.join(f'{h / p:.3f}' for h, p in zip(held, now_peaks))} |"
+                )
+                continue
             s, then = new["measured_s"], row["measured_s"]
             lines.append(
                 f"| {row['layout']} | {s * 1e3:.0f} | {then * 1e3:.0f} | {s / then:.2f} "
@@ -64,9 +83,10 @@ def remeasure(
             )
         lines.append("")
         if recounted is not None:
-            peaks = {_key(r): r["measured_peaks"] for r in now}
+            counted = {_key(r): r for r in now}
             for row in recounted["runs"][n]["rows"]:
-                row["measured_peaks"] = peaks.get(_key(row), row["measured_peaks"])
+                new = counted.get(_key(row), {})
+                row.update({k: new[k] for k in ("measured_peaks", "allocated_peaks") if k in new})
     return lines
 
 
@@ -77,6 +97,11 @@ def main() -> None:
     parser.add_argument("--matching", help="also every row whose layout column contains this")
     parser.add_argument("--save", help="write the saved run again, these rows' peaks counted now")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--allocated",
+        action="store_true",
+        help="count each peak by the CPU allocator too (harness.allocated_bytes)",
+    )
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--out", default="/dev/stdout")
     args = parser.parse_args()
@@ -86,7 +111,7 @@ def main() -> None:
         return layout in args.layouts or bool(args.matching and args.matching in layout)
 
     recounted = copy.deepcopy(saved) if args.save else None
-    lines = remeasure(saved, wanted, args.rounds, args.timeout, recounted)
+    lines = remeasure(saved, wanted, args.rounds, args.timeout, recounted, args.allocated)
     if recounted is not None:
         recounted["peaks_recounted"] = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {sys.argv[1:]}"
         Path(args.save).write_text(json.dumps(recounted, indent=1, default=str))

@@ -12,17 +12,18 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from harness.allocated_bytes import AllocatedBytes
 from harness.live_bytes import LiveBytes
 from harness.trainers import QUIET_CPU
 
-__all__ = ["fit_layout", "ShardBytes"]
+__all__ = ["Fitted", "fit_layout", "ShardBytes"]
 
 
 def _local(value: Any) -> Any:
@@ -54,42 +55,70 @@ def receive_buffers() -> List[Tensor]:
 class Probe(Callback):
     """Times the steps after ``warmup`` (one optimizer step a batch), then counts one more under
     :class:`ShardBytes`, the pipeline stages' receive buffers (:func:`receive_buffers`) with what
-    the step begins with."""
+    the step begins with. Under ``allocated`` too: a step more, untimed, runs under its profiler
+    before the counted one (:class:`AllocatedBytes`: why), whose sentinels it marks around that step."""
 
-    def __init__(self, warmup: int, timed: int) -> None:
+    def __init__(self, warmup: int, timed: int, allocated: Optional[AllocatedBytes] = None) -> None:
         self.warmup, self.timed = warmup, timed
+        self.lead_in = 0 if allocated is None else 1
         self.starts: List[float] = []
         self.tracker: Optional[ShardBytes] = None
+        self.allocated = allocated
         self.peak = 0
+        self.base = 0  # what the counted step began with
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.timed + self.lead_in + 1
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
     ) -> None:
         self.starts.append(time.perf_counter())
-        if len(self.starts) == self.warmup + self.timed + 1:
+        if self.allocated is not None and len(self.starts) == self.warmup + self.timed + 1:
+            gc.collect()  # an earlier fit's garbage freed while profiling would count as this one's frees
+            self.allocated.__enter__()
+        if len(self.starts) == self.steps:
             self.tracker = ShardBytes()
             self.tracker.count_step_state(module, trainer.optimizers, batch)
             self.tracker.count(receive_buffers())
+            self.base = self.tracker.live
+            if self.allocated is not None:
+                self.allocated.mark(0)
             self.tracker.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
+            if self.allocated is not None:
+                self.allocated.mark(1)
+                self.allocated.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None
 
     def seconds_per_step(self) -> float:
         return (self.starts[self.warmup + self.timed] - self.starts[self.warmup]) / self.timed
 
 
-def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Tuple[float, int, int]:
+class Fitted(NamedTuple):
+    """One rank's figures of a fitted layout."""
+
+    seconds: float  # per timed step
+    peak: int  # bytes, counted by ShardBytes
+    pp_rank: int
+    allocated: Optional[int]  # bytes as the CPU allocator held them (spec["allocated"]), else None
+
+
+def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Fitted:
     """Fits ``row``'s layout (``row["pick"]``, as the search hands it on) for warm-up, timed and one
-    counted step; returns the seconds per timed step, this rank's peak bytes and its pipeline rank."""
+    counted step; with ``spec["allocated"]``, counted by :class:`AllocatedBytes` too."""
     from bench_layout_measured import _compose
     from hydra.utils import instantiate
 
     from pipeckpt.plan_layout import PICK_VARIABLE, apply_layout
 
-    steps = spec["warmup"] + spec["timed"] + 1
+    allocated = AllocatedBytes() if spec.get("allocated") else None
+    probe = Probe(spec["warmup"], spec["timed"], allocated)
+    steps = probe.steps
     with tempfile.TemporaryDirectory() as root:
         cfg = _compose([*spec["overrides"], f"trainer.max_steps={steps}", f"trainer.default_root_dir={root}"])
         os.environ[PICK_VARIABLE] = json.dumps(row["pick"])
@@ -98,7 +127,6 @@ def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Tuple[float, int, i
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model)
         strategy = instantiate(cfg.strategy, _convert_="all")
-        probe = Probe(spec["warmup"], spec["timed"])
         quiet = {k: v for k, v in QUIET_CPU.items() if k != "use_distributed_sampler"}
         trainer = L.Trainer(
             strategy=strategy,
@@ -113,4 +141,5 @@ def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Tuple[float, int, i
         trainer.fit(model, datamodule)
     rank = trainer.global_rank
     pp, tp = row["pp"], int(row["pick"]["settings"]["tensor_parallel"])
-    return probe.seconds_per_step(), probe.peak, (rank // tp) % pp
+    held = None if allocated is None else probe.base + allocated.peak()
+    return Fitted(probe.seconds_per_step(), probe.peak, (rank // tp) % pp, held)
