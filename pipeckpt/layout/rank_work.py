@@ -78,7 +78,9 @@ def per_rank(
         comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
         opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
-        if c.dp_shard > 1:  # FSDP2's host work a step (ModelCosts.fsdp_host), with the optimizer's
+        # FSDP2's host work a step (ModelCosts.fsdp_host), with the optimizer's: where it shards, and
+        # under tensor parallelism, which the engine runs under FSDP2 at any shard degree
+        if c.dp_shard > 1 or c.tp > 1:
             opt += units * model.fsdp_host.step_s
         tails.append(comm + opt)
         comms.append(comm)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from pipeckpt._compat import TorchDispatchMode, tree_flatten, tree_unflatten
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.boundaries.recorded import replay
+from pipeckpt.memory.loss_parallel_bytes import handed_on, held_at_once
 
 __all__ = ["OutsideMemory", "outside_memory", "vocab_sized", "peak_over"]
 
@@ -63,6 +64,9 @@ class OutsideMemory:
         forward_points: the forward's live bytes as :data:`Points` above the start (the frontier:
             none with both parts at least another's).
         backward_points: the same over the head's backward, above what was live when it started.
+        split_forward_points: ``forward_points`` as a rank whose head the plan splits holds the
+            bytes: its loss under ``loss_parallel`` (memory/loss_parallel_bytes.py).
+        split_backward_points: ``backward_points`` so.
     """
 
     after_forward: int
@@ -78,6 +82,8 @@ class OutsideMemory:
     head_shape: Tuple[int, ...] = ()
     forward_points: Points = ()
     backward_points: Points = ()
+    split_forward_points: Points = ()
+    split_backward_points: Points = ()
 
 
 def vocab_sized(shape: Sequence[int], head_shape: Sequence[int]) -> bool:
@@ -126,7 +132,9 @@ class _Frontier:
 
 
 class _Live(TorchDispatchMode):
-    """Live bytes of the storages created under it, and their peak since the last :meth:`mark`."""
+    """Live bytes of the storages created under it, and their peak since the last :meth:`mark`;
+    beside the frontier of aten's ops, ``split`` holds the same bytes as a rank whose head the plan
+    splits holds them under ``loss_parallel`` (memory/loss_parallel_bytes.py)."""
 
     def __init__(
         self, exclude: Sequence[Tensor], params: Sequence[Tensor], head_shape: Tuple[int, ...] = ()
@@ -135,9 +143,12 @@ class _Live(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.vocab = 0  # of ``live``, the bytes shaped by the head's vocabulary (:func:`vocab_sized`)
+        self.split_vocab = 0  # the same under loss_parallel
         self.head_shape = head_shape
         self.frontier = _Frontier()
+        self.split = _Frontier()
         self._seen: Dict[int, Any] = {id(t.untyped_storage()): t for t in exclude}
+        self._split_bytes: Dict[int, int] = {}  # each vocabulary-shaped storage's bytes under loss_parallel
         self._params = {id(p.untyped_storage()): p for p in params}
         self.phase = "before"  # the forward's code before the layers, or "after" them
         self.used: Dict[str, Dict[int, Tensor]] = {"before": {}, "after": {}}
@@ -146,16 +157,19 @@ class _Live(TorchDispatchMode):
         self.peak = self.live
         return self.live
 
-    def restart(self) -> Tuple[int, int]:
-        """A new frontier from what is live now, returned as (other, vocabulary) bytes."""
-        self.frontier = _Frontier()
-        self.frontier.see(self.live - self.vocab, self.vocab)
-        return self.live - self.vocab, self.vocab
+    def restart(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """New frontiers from what is live now, each's start returned as (other, vocabulary) bytes."""
+        other = self.live - self.vocab
+        self.frontier, self.split = _Frontier(), _Frontier()
+        self.frontier.see(other, self.vocab)
+        self.split.see(other, self.split_vocab)
+        return (other, self.vocab), (other, self.split_vocab)
 
     def _freed(self, key: int, size: int, vocab: bool) -> None:
         self._seen.pop(key, None)
         self.live -= size
         self.vocab -= size if vocab else 0
+        self.split_vocab -= self._split_bytes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -163,6 +177,15 @@ class _Live(TorchDispatchMode):
             if isinstance(t, Tensor) and id(t.untyped_storage()) in self._params:
                 key = id(t.untyped_storage())
                 self.used[self.phase][key] = self._params[key]
+        if isinstance(out, Tensor) and vocab_sized(out.shape, self.head_shape):
+            at_once = held_at_once(func, out)
+            if at_once:
+                self.split.see(self.live - self.vocab, self.split_vocab + at_once)
+            given = handed_on(func, args, out)
+            if given is not None:  # the incoming gradient's bytes now live as long as ``out``
+                self._split_bytes[id(out.untyped_storage())] = self._split_bytes.pop(
+                    id(given.untyped_storage()), 0
+                )
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
                 st = t.untyped_storage()
@@ -172,8 +195,12 @@ class _Live(TorchDispatchMode):
                     self._seen[id(st)] = weakref.ref(st, self._on_free(id(st), size, vocab))
                     self.live += size
                     self.vocab += size if vocab else 0
+                    if vocab and id(st) not in self._split_bytes:
+                        self._split_bytes[id(st)] = size
+                        self.split_vocab += size
         self.peak = max(self.peak, self.live)
         self.frontier.see(self.live - self.vocab, self.vocab)
+        self.split.see(self.live - self.vocab, self.split_vocab)
         return out
 
     def _on_free(self, key: int, size: int, vocab: bool) -> Callable[[Any], None]:
@@ -240,11 +267,17 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             roots = [t for t in grads if t.dim() == 0] or grads
             del out, tensors, grads
             points["forward"] = live.frontier.above(0, 0)
+            points["split_forward"] = live.split.above(0, 0)
             start = live.mark()
-            base = live.restart()
+            base, split_base = live.restart()
+
+            def backward_points(g: Tensor) -> None:
+                points["backward"] = live.frontier.above(*base)
+                points["split_backward"] = live.split.above(*split_base)
+
             if head_input.requires_grad:
                 head_input.register_hook(lambda g: marks.__setitem__("after", live.peak - start))
-                head_input.register_hook(lambda g: points.__setitem__("backward", live.frontier.above(*base)))
+                head_input.register_hook(backward_points)
                 head_input.register_hook(lambda g: marks.__setitem__("left", live.live - start))
                 head_input.register_hook(lambda g: marks.__setitem__("embeddings", live.mark()))
             carried.clear()
@@ -252,7 +285,8 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
             after_backward = marks.get("after", live.peak - start)
-            backward_points = points.get("backward", live.frontier.above(*base))
+            if "backward" not in points:
+                backward_points(torch.empty(0))
             before_backward = live.peak - marks["embeddings"] if "embeddings" in marks else 0
     finally:
         for layer in layers:
@@ -270,5 +304,7 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
         head=head,
         head_shape=head_shape,
         forward_points=points["forward"],
-        backward_points=backward_points,
+        backward_points=points["backward"],
+        split_forward_points=points["split_forward"],
+        split_backward_points=points["split_backward"],
     )

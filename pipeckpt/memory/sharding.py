@@ -86,6 +86,13 @@ class Layout:
             )
 
     @property
+    def under_fsdp(self) -> bool:
+        """Whether FSDP2 wraps the stage: when it shards, and under tensor parallelism at any shard
+        degree, as the distributed engine runs it (``tensor_parallel`` needs ``data_parallel='fsdp'``),
+        where a degree of 1 still holds a gathered copy of every parameter and its collectives' buffers."""
+        return self.fsdp > 1 or self.tp > 1
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision][0]
 
@@ -217,7 +224,7 @@ def rank_state(
     sharded = sum(shard_numel(shape, layout.fsdp) for shape in params) * master
     # Frozen parameters are sharded and held like the rest, with no gradient and no optimizer state.
     held = sharded + sum(shard_numel(s, layout.fsdp) for u in shapes for s, t in u if not t) * master
-    if layout.fsdp == 1:  # no FSDP: the master parameters are the ones computed with
+    if not layout.under_fsdp:  # no FSDP: the master parameters are the ones computed with
         return RankState(held, sharded, optimizer_state_bytes(optimizer, sharded, len(params)), 0, 0)
     gathered = [sum(shard_numel(shape, layout.fsdp) * layout.fsdp for shape, _ in u) for u in shapes]
     largest = max(gathered, default=0)

@@ -100,7 +100,8 @@ def test_under_tp2_a_ranks_predicted_stage_holds_its_share_of_the_embedding_and_
     stage, whose parameters are as built, less the unsharded state, plus the rank's share) holds
     half of each vocabulary matrix, as the engine does: the unsharded state counts them whole, as
     the walk does (split there too, the other half came back as "beyond the layers": +18 MiB on
-    the measured Llama at tp 4, benchmarks/RESULTS_layout.md)."""
+    the measured Llama at tp 4, benchmarks/RESULTS_layout.md); beside it FSDP2's gathered copy of the
+    same share, as the engine runs tensor parallelism under FSDP2 even at a shard degree of 1."""
     from pipeckpt.memory.rank_peak import on_rank
 
     model = _llama()
@@ -111,5 +112,6 @@ def test_under_tp2_a_ranks_predicted_stage_holds_its_share_of_the_embedding_and_
     states = stage_rank_states(spec, layout, "sgd", fitted.outside_params)((2, 2))
     prediction = predict(fitted, PLAN, chunks=2, optimizer="sgd", schedule="gpipe")
     ranks = [on_rank(s, mine, whole) for s, (mine, whole) in zip(prediction.stages, states)]
-    assert [r.params for r in ranks] == [mine.params for mine, _ in states]
+    assert [mine.unsharded for mine, _ in states] == [mine.params for mine, _ in states]  # fp32, dp 1
+    assert [r.params for r in ranks] == [mine.params + mine.unsharded for mine, _ in states]
     assert [whole.params for _, whole in states] == [s.params for s in prediction.stages]

@@ -82,14 +82,19 @@ def test_under_tp2_the_loss_saves_half_of_the_log_probabilities(untied) -> None:
     assert whole.bytes_of(saved) - split.bytes_of(saved) == LOGITS // 2
 
 
-def test_under_tp2_the_last_stages_peak_drops_by_half_of_three_logits_tensors(untied) -> None:
+def test_under_tp2_the_last_stages_peak_holds_five_half_logits_tensors_where_whole_it_holds_four(
+    untied,
+) -> None:
     whole, plan = untied
     before, after = _last_stage(whole), _last_stage(split_over_vocabulary(whole, 2, plan))
-    # At its peak, the head's backward, the last stage holds the log-probabilities the loss saved,
-    # the logits (torch's PipelineStage keeps the micro-batch's output until its backward) and the
-    # gradients of the log-probabilities and of the logits: four such tensors, each half on a rank.
+    # At its peak, the head's backward, the last stage holds the log-probabilities the loss saved and
+    # the logits (torch's PipelineStage keeps the micro-batch's output until its backward); beside
+    # them aten's ops hold the gradients of the log-probabilities and of the logits, where
+    # loss_parallel's NLL backward holds a zeroed tensor, an exp's sum with it and their product, each
+    # half on a rank (memory/loss_parallel_bytes.py). Within 1 KiB: the two peaks fall at different
+    # ops of the backward, beside different scalars of the loss.
     assert (before.peak_at, after.peak_at) == ("B0 loss", "B0 loss")
-    assert before.peak - after.peak == 4 * LOGITS // 2
+    assert before.peak - after.peak == pytest.approx(4 * LOGITS - 5 * LOGITS // 2, abs=1024)
 
 
 def test_the_last_stage_keeps_each_micro_batchs_logits_and_loss_until_its_backward(untied) -> None:
