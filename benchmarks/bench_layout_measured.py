@@ -8,7 +8,9 @@ chunk counts each (the least the schedule takes and twice that; one stage's pipe
 and the search's own pick when it is another. Each layout's fit is warm-up steps, timed steps, and
 one more step counted by :class:`harness.live_bytes.LiveBytes` (every storage alive: parameters,
 gradients, optimizer state, the batch, what the step creates), the DTensors' local shards for
-FSDP and tensor parallelism.
+FSDP and tensor parallelism; with ``--allocated``, by the CPU allocator too, which also sees the
+local tensors DTensor makes inside an operator (:mod:`harness.allocated_bytes`), and the
+predicted peaks are held to that.
 
 The ranks are started once (:func:`harness.ranks.run_ranks`) and fit every layout in turn, rounds
 interleaved (each round in another order), so the layouts share the machine's state alike. A
@@ -24,6 +26,7 @@ file, so the new predictions use the machine as it was measured.
 Command::
 
     python benchmarks/bench_layout_measured.py --save run.json --out results.md   # ~75 min on 2 cores
+    python benchmarks/bench_layout_measured.py --allocated ...   # peaks by the CPU allocator too
     python benchmarks/bench_layout_measured.py --repredict run.json           # the same runs, predicted anew
     python benchmarks/bench_layout_measured.py --quick       # a tiny GPT, 2 processes: checks the harness
 """
@@ -296,6 +299,11 @@ def main() -> None:
         "--per-schedule", action="store_true", help="measure the best-ranked layout of every schedule instead"
     )
     parser.add_argument("--split", action="store_true", help="measure only the default rows with tp > 1")
+    parser.add_argument(
+        "--allocated",
+        action="store_true",
+        help="count each peak by the CPU allocator too (harness.allocated_bytes); predictions held to it",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -318,7 +326,10 @@ def main() -> None:
         figures = calibration()
         cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
         worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
-        kept = {k: vars(args)[k] for k in ("batch", "warmup", "timed", "rounds", "per_schedule", "split")}
+        kept = {
+            k: vars(args)[k]
+            for k in ("batch", "warmup", "timed", "rounds", "per_schedule", "split", "allocated")
+        }
         saved = {"figures": figures, "when": _now(), "args": kept, "runs": []}
         lines = _header(figures, args, saved["when"])
         for name, case in cases.items():

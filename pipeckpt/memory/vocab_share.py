@@ -34,7 +34,9 @@ def split_over_vocabulary(profile: ModelProfile, tp: int, plan: Sequence[Tuple[s
     """``profile`` with the code after a ``pipeline_of`` model's layers counted as one of ``tp`` ranks
     runs it where ``plan`` splits its head (:func:`head_split`): each storage the loss link saves or
     returns that is shaped by the vocabulary is ``ceil(bytes / tp)``, and its forward and backward
-    peaks drop by what the vocabulary's share took off the most bytes live at once. Else ``profile``.
+    peaks are the most bytes live at once with the vocabulary's share, its loss as ``loss_parallel``
+    runs it (memory/loss_parallel_bytes.py: more logits shards at once than aten's ops, so a peak
+    can drop by less than the share, or rise). Else ``profile``.
 
     Args:
         profile: a profile of the whole model (one tensor-parallel rank's layers or not).

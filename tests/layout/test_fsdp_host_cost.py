@@ -52,3 +52,9 @@ def test_the_parts_still_add_up_to_the_step(schedule: str, v: int) -> None:
         parts = e.compute_s + e.recompute_s + e.bubble_s + e.exposed_comm_s + e.engine_s + e.optimizer_s
         assert parts == pytest.approx(e.step_s)
         assert e.optimizer_s >= LAYERS // 2 * STEP and e.bubble_s >= 0
+
+
+def test_tensor_parallelism_pays_it_at_a_shard_degree_of_1() -> None:
+    # the engine runs a tensor-parallel stage under FSDP2 whatever its shard degree
+    plain, hosted = run(Layout(tp=2), 2), run(Layout(tp=2), 2, model=HOSTED)
+    assert hosted.optimizer_s - plain.optimizer_s == pytest.approx(LAYERS * STEP)
