@@ -7,16 +7,17 @@ DTensor's result. Under tensor parallelism those are real bytes: ``loss_parallel
 makes ``x - max`` and its ``exp`` beside the logits, and its backward a zeroed tensor, an ``exp``
 and their sum, each shaped like the logits' shard (torch/distributed/tensor/parallel/loss.py); a
 redistribution makes its collective's buffers. So are the buffers an aten kernel makes and frees
-inside itself. Shown on one row of the measured Llama (benchmarks/RESULTS_layout.md, "What the
-dispatch count cannot see").
+inside itself. Measured on every saved row (benchmarks/RESULTS_layout.md, "What the operator count
+cannot see").
 
 How: torch's profiler with ``profile_memory`` hears every allocation and free of the CPU allocator
 (c10's ``ProfiledCPUMemoryReporter``) of a storage allocated while it profiles, with its bytes: the
 free of one allocated before is not heard. So it runs from a whole step before the one counted
 (:class:`harness.layout_fit.Probe`): what a step frees was made in it or in the step before (the
 gradients, FSDP2's gathered parameters, the batch), or is never freed (parameters and optimizer
-state are updated in place). From before the model is built instead, it held 3.3 GB a process by
-its recording of every operator of the fit, and the 4-process runs were killed. The step is marked
+state are updated in place). Run from before the model was built instead, its record of every
+operator of the fit held 3.3 GB a process, and a rank of a 4-process run died without an error
+(killed, by the look of it: not traced). The step is marked
 by two sentinel allocations of sizes nothing else has. Its peak is what :class:`LiveBytes` counted
 as it began (parameters, gradients, optimizer state, the batch, the receive buffers) plus the most
 bytes the allocator held above its level at the first sentinel, until the second.

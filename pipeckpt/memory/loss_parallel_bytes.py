@@ -13,7 +13,7 @@ logits' shard (torch/distributed/tensor/parallel/loss.py):
 
 The profile runs aten's ops (memory/outside.py counts them); these say how loss_parallel's differ,
 so the count can keep a second frontier as a split head's rank holds the bytes. Measured by the CPU
-allocator on the Llama of benchmarks/RESULTS_layout.md ("What the dispatch count cannot see"), the
+allocator on the Llama of benchmarks/RESULTS_layout.md ("What the operator count cannot see"), the
 last stage at pp2 x tp2 held 36 MiB more than a count of aten-level ops sees, most of it these.
 Assumed: the logits reach the loss in its computation dtype (fp32: Hugging Face's losses upcast
 them first), so no conversion copy is made.

@@ -271,13 +271,13 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             start = live.mark()
             base, split_base = live.restart()
 
-            def backward_points(g: Tensor) -> None:
+            def backward_points() -> None:
                 points["backward"] = live.frontier.above(*base)
                 points["split_backward"] = live.split.above(*split_base)
 
             if head_input.requires_grad:
                 head_input.register_hook(lambda g: marks.__setitem__("after", live.peak - start))
-                head_input.register_hook(backward_points)
+                head_input.register_hook(lambda g: backward_points())
                 head_input.register_hook(lambda g: marks.__setitem__("left", live.live - start))
                 head_input.register_hook(lambda g: marks.__setitem__("embeddings", live.mark()))
             carried.clear()
@@ -285,8 +285,8 @@ def outside_memory(spec: ModulePipeline, call: Any, calls: List[Any]) -> Outside
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
             after_backward = marks.get("after", live.peak - start)
-            if "backward" not in points:
-                backward_points(torch.empty(0))
+            if "backward" not in points:  # no gradient reached the layers: the backward's end
+                backward_points()
             before_backward = live.peak - marks["embeddings"] if "embeddings" in marks else 0
     finally:
         for layer in layers:
