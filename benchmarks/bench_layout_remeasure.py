@@ -28,6 +28,41 @@ from harness.machine import machine
 from harness.ranks import run_ranks
 
 
+def _mib(peaks: List[int]) -> str:
+    """Per-pipeline-rank bytes as the tables give them: MiB, one decimal, ``/`` between ranks."""
+    return " / ".join(f"{p / 2**20:.1f}" for p in peaks)
+
+
+def _table(rows: List[Dict[str, Any]], now: List[Dict[str, Any]], allocated: bool) -> List[str]:
+    """``rows`` as saved beside ``now``, their fits of this run: steps and peaks, or with
+    ``allocated`` the peaks alone, counted by operator and by the CPU allocator."""
+    if allocated:
+        lines = [
+            "| layout | peak MiB per pp rank now | saved | by the CPU allocator now | allocator / now |",
+            "|---|---|---|---|---|",
+        ]
+        for row, new in zip(rows, now):
+            counted, held = new["measured_peaks"], new["allocated_peaks"]
+            ratios = " / ".join(f"{h / p:.3f}" for h, p in zip(held, counted))
+            saved = _mib(row["measured_peaks"])
+            lines.append(f"| {row['layout']} | {_mib(counted)} | {saved} | {_mib(held)} | {ratios} |")
+        return lines
+    best_now, best_then = min(r["measured_s"] for r in now), min(r["measured_s"] for r in rows)
+    lines = [
+        "| layout | now ms | saved ms | now / saved | over the fastest now | then "
+        "| peak MiB per pp rank now | saved |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, new in zip(rows, now):
+        s, then = new["measured_s"], row["measured_s"]
+        lines.append(
+            f"| {row['layout']} | {s * 1e3:.0f} | {then * 1e3:.0f} | {s / then:.2f} "
+            f"| {s / best_now:.2f} | {then / best_then:.2f} "
+            f"| {_mib(new['measured_peaks'])} | {_mib(row['measured_peaks'])} |"
+        )
+    return lines
+
+
 def remeasure(
     saved: Dict[str, Any],
     wanted: Callable[[str], bool],
@@ -40,7 +75,6 @@ def remeasure(
     ``recounted``, a copy of ``saved``, gets their peaks as counted now. ``allocated``: each counted
     by the CPU allocator too (``harness.allocated_bytes``, in a step after the timed ones), and the
     table gives the peaks only."""
-    mib = 2**20
     lines = [f"On {machine()}.", ""]
     for n, run in enumerate(saved["runs"]):
         rows = [r for r in run["rows"] if wanted(r["layout"])]
@@ -51,37 +85,8 @@ def remeasure(
         results = run_ranks(measured_script, run["world"], spec, timeout=timeout)
         now = [copy.deepcopy(r) for r in rows]
         measured(results, now, rounds)
-        best_now, best_then = min(r["measured_s"] for r in now), min(r["measured_s"] for r in rows)
-        lines += [
-            f"{run['name']} on {run['world']} processes, {rounds} rounds (saved: {saved['when']})",
-            "",
-            "| layout | now ms | saved ms | now / saved | over the fastest now | then "
-            "| peak MiB per pp rank now | saved |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        if allocated:
-            lines[-2:] = [
-                "| layout | peak MiB per pp rank now | saved | by the CPU allocator now | allocator / now |",
-                "|---|---|---|---|---|",
-            ]
-        for row, new in zip(rows, now):
-            if allocated:
-                now_peaks, held = new["measured_peaks"], new["allocated_peaks"]
-                lines.append(
-                    f"| {row['layout']} | {' / '.join(f'{p / mib:.1f}' for p in now_peaks)} "
-                    f"| {' / '.join(f'{p / mib:.1f}' for p in row['measured_peaks'])} "
-                    f"| {' / '.join(f'{p / mib:.1f}' for p in held)} "
-                    f"| {' / '.join(f'{h / p:.3f}' for h, p in zip(held, now_peaks))} |"
-                )
-                continue
-            s, then = new["measured_s"], row["measured_s"]
-            lines.append(
-                f"| {row['layout']} | {s * 1e3:.0f} | {then * 1e3:.0f} | {s / then:.2f} "
-                f"| {s / best_now:.2f} | {then / best_then:.2f} "
-                f"| {' / '.join(f'{p / mib:.1f}' for p in new['measured_peaks'])} "
-                f"| {' / '.join(f'{p / mib:.1f}' for p in row['measured_peaks'])} |"
-            )
-        lines.append("")
+        lines += [f"{run['name']} on {run['world']} processes, {rounds} rounds (saved: {saved['when']})", ""]
+        lines += [*_table(rows, now, allocated), ""]
         if recounted is not None:
             counted = {_key(r): r for r in now}
             for row in recounted["runs"][n]["rows"]:

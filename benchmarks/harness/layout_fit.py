@@ -60,7 +60,6 @@ class Probe(Callback):
 
     def __init__(self, warmup: int, timed: int, allocated: Optional[AllocatedBytes] = None) -> None:
         self.warmup, self.timed = warmup, timed
-        self.lead_in = 0 if allocated is None else 1
         self.starts: List[float] = []
         self.tracker: Optional[ShardBytes] = None
         self.allocated = allocated
@@ -69,7 +68,7 @@ class Probe(Callback):
 
     @property
     def steps(self) -> int:
-        return self.warmup + self.timed + self.lead_in + 1
+        return self.warmup + self.timed + (self.allocated is not None) + 1  # the lead-in, then the counted
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int

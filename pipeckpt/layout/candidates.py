@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.schedules import lookup, microbatch_rule
+from pipeckpt.engines.distributed.tensor_parallel import under_fsdp
 
 __all__ = ["SCHEDULES", "Candidate", "Model", "degrees", "virtual_stage_counts", "chunk_counts", "candidates"]
 
@@ -68,7 +69,7 @@ class Candidate:
 
     def settings(self) -> Dict[str, Any]:
         """The ``pipe`` strategy's settings that run this layout under the distributed engine."""
-        sharded = self.dp_shard > 1 or self.tp > 1  # tensor parallelism runs under FSDP2
+        sharded = under_fsdp(self.dp_shard, self.tp)
         out: Dict[str, Any] = {
             "engine": "distributed",
             "stages": self.stages,

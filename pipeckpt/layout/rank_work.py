@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from pipeckpt.engines.distributed.tensor_parallel import under_fsdp
 from pipeckpt.layout.cluster import Cluster
 from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
 from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM, ModelCosts, dtype_bytes
@@ -78,9 +79,7 @@ def per_rank(
         comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
         opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
-        # FSDP2's host work a step (ModelCosts.fsdp_host), with the optimizer's: where it shards, and
-        # under tensor parallelism, which the engine runs under FSDP2 at any shard degree
-        if c.dp_shard > 1 or c.tp > 1:
+        if under_fsdp(c.dp_shard, c.tp):  # FSDP2's host work (ModelCosts.fsdp_host), with the optimizer's
             opt += units * model.fsdp_host.step_s
         tails.append(comm + opt)
         comms.append(comm)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.tensor_parallel import under_fsdp
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes
 from pipeckpt.memory.outside_share import OutsideParam, sharded_share, units
 from pipeckpt.memory.split_dims import split_dims
@@ -87,10 +88,9 @@ class Layout:
 
     @property
     def under_fsdp(self) -> bool:
-        """Whether FSDP2 wraps the stage: when it shards, and under tensor parallelism at any shard
-        degree, as the distributed engine runs it (``tensor_parallel`` needs ``data_parallel='fsdp'``),
-        where a degree of 1 still holds a gathered copy of every parameter and its collectives' buffers."""
-        return self.fsdp > 1 or self.tp > 1
+        """Whether FSDP2 wraps the stage, as the distributed engine decides it (at any shard degree
+        under tensor parallelism: :func:`~pipeckpt.engines.distributed.tensor_parallel.under_fsdp`)."""
+        return under_fsdp(self.fsdp, self.tp)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -53,8 +53,8 @@ def split_over_vocabulary(profile: ModelProfile, tp: int, plan: Sequence[Tuple[s
             sizes[i] = -(-sizes[i] // tp)
     # what the vocabulary's share takes off the peak, the loss's ops as loss_parallel runs them
     # (memory/loss_parallel_bytes.py): negative where those hold more than the share saves
-    forward = peak_over(o.forward_points) - peak_over(o.split_forward_points or o.forward_points, tp)
-    backward = peak_over(o.backward_points) - peak_over(o.split_backward_points or o.backward_points, tp)
+    forward = peak_over(o.forward_points) - peak_over(o.split_forward_points, tp)
+    backward = peak_over(o.backward_points) - peak_over(o.split_backward_points, tp)
     split = replace(
         loss,
         forward_peak=max(0, loss.forward_peak - forward),

@@ -111,6 +111,14 @@ def check_tensor_parallel(s: PipeSettings) -> None:
         )
 
 
+def under_fsdp(dp_shard: int, tp: int) -> bool:
+    """Whether the engine wraps a stage in FSDP2: where it shards over the replicas, and under tensor
+    parallelism at any shard degree (the check above: DDP does not take DTensor parameters), where a
+    degree of 1 still gathers every parameter into a copy and reduces through FSDP2's buffers. The
+    layout search's settings and cost model and the memory model read the rule here."""
+    return dp_shard > 1 or tp > 1
+
+
 def layer_plan(layers: nn.Sequential, s: PipeSettings) -> PipeSettings:
     """``s`` with the plan each pipelined layer of ``layers`` is split by: ``tensor_parallel_plan``
     (checked against the layers), else a ``pipeline_of`` model's own (:mod:`.model_plan`); an
