@@ -21,10 +21,7 @@ noise (:class:`~pipeckpt.layout.model_costs.FsdpHostCosts`), so no term per micr
 the second step halves the noise of the one that is.
 """
 
-import json
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from contextlib import nullcontext
@@ -32,7 +29,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeckpt.layout.model_costs import FsdpHostCosts
 from pipeckpt.plan_model import Built, batch, built, joined
+from pipeckpt.plan_spawn import handed_back, spawned
 
 __all__ = ["SHARDS", "Times", "fit", "timed", "units"]
 
@@ -56,13 +53,8 @@ def timed(cfg: DictConfig, samples: int, rounds: int = 6) -> Times:
     :data:`SHARDS` gloo processes started for it (spawned: nothing of this process's state is
     shared), rounds interleaved: the medians of the step's wall seconds (every process starts and
     ends the step together). A failing process raises its own error."""
-    with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "times.json")
-        plain = OmegaConf.to_container(cfg)  # a structured config does not pickle; kept unresolved
-        args = (plain, samples, rounds, torch.get_default_dtype(), scratch, out)
-        mp.start_processes(_worker, args=args, nprocs=SHARDS, join=True, start_method="spawn")
-        with open(out) as f:
-            times: Times = json.load(f)
+    plain = OmegaConf.to_container(cfg)  # a structured config does not pickle; kept unresolved
+    times: Times = spawned(_worker, (plain, samples, rounds, torch.get_default_dtype()), SHARDS)
     return times
 
 
@@ -98,9 +90,7 @@ def _worker(
                         dist.barrier()
                         if r:
                             seen.setdefault(f"{kind} {m}", []).append(time.perf_counter() - t0)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({k: statistics.median(v) for k, v in seen.items()}, f)
+        handed_back(rank, out, {k: statistics.median(v) for k, v in seen.items()})
     finally:
         dist.destroy_process_group()
 

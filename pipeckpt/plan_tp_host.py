@@ -19,15 +19,11 @@ twice. The same is fitted for the code outside the layers (embedding, head and l
 vocabulary).
 """
 
-import json
-import os
 import statistics
-import tempfile
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -35,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pipeckpt.engines.distributed.tensor_parallel import TensorParallel
 from pipeckpt.layout.model_costs import TensorParallelCosts
 from pipeckpt.plan_model import batch, built, joined, profiled
+from pipeckpt.plan_spawn import handed_back, spawned
 
 __all__ = ["Times", "fit", "split", "timed_pair"]
 
@@ -55,13 +52,9 @@ def timed_pair(
     it (spawned, so that nothing of this process's state is shared), at each of ``microbatches``,
     rounds interleaved: per kind and size, the medians over rounds of the layers' mean forward and
     backward seconds and the outside code's. A failing process raises its own error."""
-    with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "times.json")
-        plain = OmegaConf.to_container(cfg)  # a structured config does not pickle; kept unresolved
-        args = (tp, plain, tuple(plan), tuple(microbatches), rounds, torch.get_default_dtype(), scratch, out)
-        mp.start_processes(_worker, args=args, nprocs=tp, join=True, start_method="spawn")
-        with open(out) as f:
-            times: Times = json.load(f)
+    plain = OmegaConf.to_container(cfg)  # a structured config does not pickle; kept unresolved
+    args = (tp, plain, tuple(plan), tuple(microbatches), rounds, torch.get_default_dtype())
+    times: Times = spawned(_worker, args, tp)
     return times
 
 
@@ -98,10 +91,9 @@ def _worker(
                                 loss.backward_s if loss is not None else 0.0,
                             ]
                         )
-        if rank == 0:
-            medians = {k: [statistics.median(col) for col in zip(*v, strict=True)] for k, v in seen.items()}
-            with open(out, "w") as f:
-                json.dump(medians, f)
+        handed_back(
+            rank, out, {k: [statistics.median(col) for col in zip(*v, strict=True)] for k, v in seen.items()}
+        )
     finally:
         dist.destroy_process_group()
 
