@@ -10,9 +10,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
-from pipeckpt._compat import MemTracker, TorchDispatchMode, module_memory, sac_saved_ops, tree_flatten
+from pipeckpt._compat import (
+    MemTracker,
+    TorchDispatchMode,
+    module_memory,
+    sac_saved_ops,
+    tree_flatten,
+    tree_unflatten,
+)
 from pipeckpt.memory.rooted import outside_parameters
+from pipeckpt.stages.weight_pass import input_pass
 
 __all__: List[str] = []
 
@@ -124,7 +133,38 @@ def memory_pass(
         p.grad = None
     for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
         record["first_backward_peak"] = held_peak
+    for record, (held, whole) in zip(records, _split_held(layers, x)):
+        record["split_held"], record["split_whole"] = held, whole
     return records, batch_inputs
+
+
+def _split_held(layers: List[nn.Module], x: Any) -> List[Tuple[int, bool]]:
+    """Per layer: the bytes a split backward's input pass (stages/weight_pass.py ``input_pass``) keeps
+    for its weight pass, the gradients recorded where the layer's weights join its input's path
+    (every linear's output, a norm's), and whether nothing of its input needs a gradient (a stage
+    it begins defers its whole backward to the weight pass). Measured on the engine's own split,
+    each layer alone on its input made a leaf: a stage's recorded gradients are its layers'."""
+    out = []
+    h = x
+    for layer in layers:
+        flat, spec = tree_flatten(h)
+        leaves = [
+            t.detach().requires_grad_() if isinstance(t, Tensor) and t.requires_grad else t for t in flat
+        ]
+        wrt = [t for t, was in zip(leaves, flat) if isinstance(was, Tensor) and was.requires_grad]
+        h = layer(tree_unflatten(leaves, spec))
+        outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
+        own = outside_parameters(layer)
+        params = [p for p in (layer.parameters() if own is None else own) if p.requires_grad]
+        weight_pass = None
+        if outputs and wrt and params:
+            edges = [get_gradient_edge(t) for t in outputs]
+            weight_pass = input_pass(edges, [torch.ones_like(t) for t in outputs], wrt, params)
+        recorded = weight_pass.held() if weight_pass is not None else []
+        held = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in recorded}
+        out.append((sum(held.values()), not wrt))
+        del weight_pass  # its graph with it (the next layer's input is made a leaf)
+    return out
 
 
 def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:

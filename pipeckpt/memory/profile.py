@@ -69,6 +69,12 @@ class LayerProfile:
     # the layer): each weight gradient made is kept, not added into ``.grad`` and freed (None: as
     # ``backward_held_peak``, not measured).
     first_backward_peak: Optional[int] = None
+    # Bytes a split backward's input pass keeps for the weight pass: the gradients recorded where its
+    # weights join its input's path, every linear's output and a norm's (None: not measured, counted
+    # as its outputs); and whether nothing of its input needs a gradient, so that a stage it begins
+    # defers the whole backward to the weight pass (memory/memory_pass.py ``_split_held``).
+    split_held: Optional[int] = None
+    split_whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,8 @@ def profile(
                 sac_s=fwd * _sac_share(record, fake),
                 sac_extra_s=None if fake or i >= len(layers) else sac_extra[i],
                 ops=record.get("ops", 0),
+                split_held=record.get("split_held"),
+                split_whole=record.get("split_whole", False),
             )
         )
     return ModelProfile(

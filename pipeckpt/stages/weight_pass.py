@@ -19,7 +19,23 @@ from pipeckpt._compat import accumulate_gradients, accumulate_keeping_graph, par
 
 __all__ = ["WeightPass", "input_pass"]
 
-WeightPass = Callable[[], None]  # adds one micro-batch's weight gradients to .grad
+
+class WeightPass:
+    """One micro-batch's weight gradients, added to ``.grad`` when called. Until then it holds the
+    graph above the nodes it starts from and the gradients recorded for them (:meth:`held`, which
+    the memory model's profile measures: memory/memory_pass.py)."""
+
+    __slots__ = ("_held", "_run")
+
+    def __init__(self, run: Callable[[], None], held: Callable[[], List[Tensor]]) -> None:
+        self._run, self._held = run, held
+
+    def __call__(self) -> None:
+        self._run()
+
+    def held(self) -> List[Tensor]:
+        """The gradients it starts from, kept until it runs (storages may repeat)."""
+        return self._held()
 
 
 def input_pass(
@@ -36,7 +52,10 @@ def input_pass(
         params: the weights that need one.
     """
     if not wrt:  # nothing for the previous stage: the whole backward waits for the weight pass
-        return functools.partial(accumulate_gradients, list(edges), list(grads), list(params))
+        given = list(grads)
+        return WeightPass(
+            functools.partial(accumulate_gradients, list(edges), given, list(params)), given.copy
+        )
     weights = {get_gradient_edge(p).node: p for p in params}
     reverse = reverse_graph([e.node for e in edges])
     reached = [w for w in weights if w in reverse]  # before param_groups adds keys to the defaultdict
@@ -57,7 +76,10 @@ def input_pass(
         for handle in handles:
             handle.remove()
     starts = [(list(g["intermediates"]), list(g["params"])) for g in groups]
-    return functools.partial(_weight_pass, starts, captured, weights)
+    return WeightPass(
+        functools.partial(_weight_pass, starts, captured, weights),
+        lambda: [g for grads in captured.values() for g in grads if g is not None],
+    )
 
 
 def _capture(captured: Dict[Node, Any], node: Node, grads: Tuple[Optional[Tensor], ...]) -> None:

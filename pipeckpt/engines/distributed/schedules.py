@@ -25,6 +25,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.checkpointing.order import Op, gpipe_order, one_f_one_b_order
 from pipeckpt.engines.distributed.boundaries import Boundaries
 from pipeckpt.engines.distributed.wiring import LiveStage, StageModule
+from pipeckpt.stages.weight_pass import WeightPass
 
 __all__: List[str] = []
 
@@ -238,7 +239,7 @@ class Schedules:
 
 # A split schedule's stage -> where its Stage leaves the weight passes while that schedule runs (by
 # id: torch's PipelineStage is not hashable by value); Schedules._point hands the list to the Stage.
-_WEIGHT_PASSES: Dict[int, List[Callable[[], None]]] = {}
+_WEIGHT_PASSES: Dict[int, List[WeightPass]] = {}
 
 
 def _split(stage: LiveStage, *, wrapped: bool) -> None:
@@ -249,7 +250,7 @@ def _split(stage: LiveStage, *, wrapped: bool) -> None:
     every gradient in the input pass."""
     if wrapped or stage.stage_module.stage.mode.selective:
         return
-    passes: List[Callable[[], None]] = []
+    passes: List[WeightPass] = []
     _WEIGHT_PASSES[id(stage)] = passes
     weakref.finalize(stage, _WEIGHT_PASSES.pop, id(stage), None)
 
@@ -261,6 +262,6 @@ def _split(stage: LiveStage, *, wrapped: bool) -> None:
     stage.dw_builder = weight_pass
 
 
-def _run(ready: List[Callable[[], None]]) -> None:
+def _run(ready: List[WeightPass]) -> None:
     while ready:
         ready.pop(0)()

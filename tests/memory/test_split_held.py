@@ -1,0 +1,60 @@
+"""What a split backward's input pass keeps for its weight pass, as the profile measures it per layer
+(memory/memory_pass.py ``_split_held``) and a zero-bubble stage holds it between the two passes
+(memory/stage_model.py ``between_passes``): the gradient recorded where each weight joins the input's
+path (stages/weight_pass.py), every linear's output and a norm's, not one per layer output."""
+
+import torch
+from support.hf_models import BATCH, LENGTH, batches, llama
+from torch import nn
+
+from pipeckpt import pipeline_of
+from pipeckpt.checkpointing.modes import parse_mode
+from pipeckpt.memory.profile import profile
+from pipeckpt.memory.rooted import RootInput
+from pipeckpt.memory.stage_model import _StageModel
+
+
+def _llama_profile():
+    torch.manual_seed(0)
+    model = llama()
+    return model, profile(pipeline_of(model, "model.layers"), RootInput((), batches(1)[0]), rounds=1)
+
+
+def test_an_hf_llama_layers_input_pass_keeps_every_linears_and_norms_output_gradient() -> None:
+    model, fitted = _llama_profile()
+    block = model.model.layers[0]
+    features = sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+    features += 2 * model.config.hidden_size  # its two RMSNorms' weights join at their outputs
+    expected = BATCH * LENGTH * features * 4  # float32 gradients, one per output element
+    assert [layer.split_held for layer in fitted.layers] == [expected] * len(model.model.layers)
+    # which is 11x the layer's output here (hidden 32, intermediate 64, 2 heads of 16)
+    assert expected == 11 * fitted.bytes_of(set(fitted.layers[0].outputs))
+
+
+def test_a_first_layer_whose_input_needs_no_gradient_is_measured_as_deferring_the_whole_backward() -> None:
+    seq = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    fitted = profile(seq, torch.randint(0, 10, (4, 5)), rounds=1)
+    assert [layer.split_whole for layer in fitted.layers] == [True, False, False]
+    assert fitted.layers[1].split_held == 4 * 5 * 8 * 4  # the linear's output gradient
+
+
+def test_a_stage_holds_its_layers_measured_gradients_between_its_passes() -> None:
+    _, fitted = _llama_profile()
+    stage = _StageModel(fitted, 1, 3, first=False, last=False, local=False)
+    saved = stage.bytes(fitted.saved_union(1, 3))
+    held = fitted.layers[1].split_held + fitted.layers[2].split_held
+    assert stage.between_passes(parse_mode("never")) == saved + held
+
+
+def test_a_stage_begun_by_a_layer_without_an_input_gradient_holds_only_its_outputs_gradient() -> None:
+    seq = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    fitted = profile(seq, torch.randint(0, 10, (4, 5)), rounds=1)
+    stage = _StageModel(fitted, 0, 3, first=True, last=False, local=False)
+    saved = stage.bytes(fitted.saved_union(0, 3))
+    assert stage.between_passes(parse_mode("always")) == saved + 4 * 5 * 3 * 4
+
+
+def test_a_selective_stage_holds_nothing_between_passes() -> None:
+    _, fitted = _llama_profile()
+    stage = _StageModel(fitted, 0, 2, first=False, last=False, local=False)
+    assert stage.between_passes(parse_mode("selective")) == 0
