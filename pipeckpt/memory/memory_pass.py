@@ -20,8 +20,9 @@ from pipeckpt._compat import (
     tree_flatten,
     tree_unflatten,
 )
+from pipeckpt.memory.live_bytes import LiveBytes
 from pipeckpt.memory.rooted import outside_parameters
-from pipeckpt.stages.weight_pass import input_pass
+from pipeckpt.stages.weight_pass import WeightPass, input_pass
 
 __all__: List[str] = []
 
@@ -133,38 +134,53 @@ def memory_pass(
         p.grad = None
     for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
         record["first_backward_peak"] = held_peak
-    for record, (held, whole) in zip(records, _split_held(layers, x)):
-        record["split_held"], record["split_whole"] = held, whole
+    for record, (held, whole, weight_peak) in zip(records, _split_held(layers, x)):
+        record["split_held"], record["split_whole"], record["weight_pass_peak"] = held, whole, weight_peak
     return records, batch_inputs
 
 
-def _split_held(layers: List[nn.Module], x: Any) -> List[Tuple[int, bool]]:
-    """Per layer: the bytes a split backward's input pass (stages/weight_pass.py ``input_pass``) keeps
-    for its weight pass, the gradients recorded where the layer's weights join its input's path
-    (every linear's output, a norm's), and whether nothing of its input needs a gradient (a stage
-    it begins defers its whole backward to the weight pass). Measured on the engine's own split,
-    each layer alone on its input made a leaf: a stage's recorded gradients are its layers'."""
-    out = []
+def _split_held(layers: List[nn.Module], x: Any) -> List[Tuple[int, bool, Optional[int]]]:
+    """Per layer, on the engine's own split (stages/weight_pass.py ``input_pass``), each layer alone on
+    its input made a leaf (a stage's recorded gradients are its layers'): the bytes its input pass
+    keeps for its weight pass, the gradients recorded where its weights join its input's path (every
+    linear's output, a norm's); whether nothing of its input needs a gradient (a stage it begins
+    defers its whole backward to the weight pass); and the most its weight pass allocates at once
+    (None: it has none), measured on a second micro-batch, whose weight gradients add into ``.grad``
+    as every one after a step's first does."""
+    out: List[Tuple[int, bool, Optional[int]]] = []
     h = x
     for layer in layers:
-        flat, spec = tree_flatten(h)
-        leaves = [
-            t.detach().requires_grad_() if isinstance(t, Tensor) and t.requires_grad else t for t in flat
-        ]
-        wrt = [t for t, was in zip(leaves, flat) if isinstance(was, Tensor) and was.requires_grad]
-        h = layer(tree_unflatten(leaves, spec))
-        outputs = [t for t in tree_flatten(h)[0] if isinstance(t, Tensor) and t.requires_grad]
-        own = outside_parameters(layer)
-        params = [p for p in (layer.parameters() if own is None else own) if p.requires_grad]
-        weight_pass = None
-        if outputs and wrt and params:
-            edges = [get_gradient_edge(t) for t in outputs]
-            weight_pass = input_pass(edges, [torch.ones_like(t) for t in outputs], wrt, params)
-        recorded = weight_pass.held() if weight_pass is not None else []
-        held = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in recorded}
-        out.append((sum(held.values()), not wrt))
-        del weight_pass  # its graph with it (the next layer's input is made a leaf)
+        weight_pass, wrt, made = _input_pass(layer, h)
+        if weight_pass is not None:
+            weight_pass()  # the first micro-batch's: makes each ``.grad``
+            with LiveBytes() as live:  # from the forward: the frees of what it saved are seen
+                weight_pass, wrt, made = _input_pass(layer, h)
+                assert weight_pass is not None
+                held = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in weight_pass.held()}
+                start = live.mark()
+                weight_pass()
+                out.append((sum(held.values()), not wrt, live.peak - start))
+        else:
+            out.append((0, not wrt, None))
+        h = made
     return out
+
+
+def _input_pass(layer: nn.Module, h: Any) -> Tuple[Optional[WeightPass], List[Tensor], Any]:
+    """``layer`` run on ``h`` made leaves and its split backward's input pass from gradients of ones:
+    the weight pass it leaves (None: nothing to split), the inputs it differentiated, and the
+    layer's output."""
+    flat, spec = tree_flatten(h)
+    leaves = [t.detach().requires_grad_() if isinstance(t, Tensor) and t.requires_grad else t for t in flat]
+    wrt = [t for t, was in zip(leaves, flat) if isinstance(was, Tensor) and was.requires_grad]
+    made = layer(tree_unflatten(leaves, spec))
+    outputs = [t for t in tree_flatten(made)[0] if isinstance(t, Tensor) and t.requires_grad]
+    own = outside_parameters(layer)
+    params = [p for p in (layer.parameters() if own is None else own) if p.requires_grad]
+    if not (outputs and params):
+        return None, wrt, made
+    edges = [get_gradient_edge(t) for t in outputs]
+    return input_pass(edges, [torch.ones_like(t) for t in outputs], wrt, params), wrt, made
 
 
 def _held_backward_peaks(probe: _LayerRecorder, x: Any) -> List[int]:

@@ -75,6 +75,9 @@ class LayerProfile:
     # defers the whole backward to the weight pass (memory/memory_pass.py ``_split_held``).
     split_held: Optional[int] = None
     split_whole: bool = False
+    # The most a weight pass of its allocates at once, its weight gradients adding into ``.grad``
+    # (None: not measured, counted as ``backward_peak``): no input gradients, so far less.
+    weight_pass_peak: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ def profile(
                 ops=record.get("ops", 0),
                 split_held=record.get("split_held"),
                 split_whole=record.get("split_whole", False),
+                weight_pass_peak=record.get("weight_pass_peak"),
             )
         )
     return ModelProfile(

@@ -14,6 +14,7 @@ import torch
 from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.memory.engine_cost import engine_s_per_microbatch
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes, optimizer_step_bytes
+from pipeckpt.memory.profile import LayerProfile
 from pipeckpt.memory.stage_memory import StageMemory, _Peak
 from pipeckpt.memory.stage_model import _StageModel
 
@@ -171,7 +172,7 @@ class _StageWalk:
         base = static + g_now + recv_now + others
         if kind == "W":  # what the input pass left: the weights' gradients, from the graph it held
             cells.pop(i, None)
-            work = max((layer.backward_peak for layer in s.layers), default=0)
+            work = max((_weight_work(layer) for layer in s.layers), default=0)
             peak_see(base - g_now + grads + work, (others, recv_now, work), f"W{i}")
             self.grads_done = True
             return
@@ -291,6 +292,12 @@ class _StageWalk:
         temporaries beside them (:func:`optimizer_step_bytes`)."""
         self.device, self.around = device, around
         self._see(self.resting() + self.step_work, (0, 0, self.step_work), "optimizer step")
+
+
+def _weight_work(layer: LayerProfile) -> int:
+    """What a layer's weight pass allocates at once, as the profile measured it; a whole backward's
+    peak where it did not (a bound: a weight pass makes no input gradients)."""
+    return layer.backward_peak if layer.weight_pass_peak is None else layer.weight_pass_peak
 
 
 def _whole_batch(walk: _StageWalk, recompute: bool, held: int) -> int:

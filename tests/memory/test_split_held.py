@@ -58,3 +58,15 @@ def test_a_selective_stage_holds_nothing_between_passes() -> None:
     _, fitted = _llama_profile()
     stage = _StageModel(fitted, 0, 2, first=False, last=False, local=False)
     assert stage.between_passes(parse_mode("selective")) == 0
+
+
+def test_an_hf_llama_layers_weight_pass_holds_at_most_one_norm_sized_temporary_above_its_start() -> None:
+    model, fitted = _llama_profile()
+    # RMSNorm's weight gradient is its output gradient times the normalised input, summed over the
+    # tokens: the product and its sum are the pass's most at once, as it frees what the input pass
+    # recorded (each linear's weight gradient, 32 x 32 or 32 x 64, is smaller than the product)
+    hidden = model.config.hidden_size
+    norm_product, its_sum = BATCH * LENGTH * hidden * 4, hidden * 4
+    expected = norm_product + its_sum
+    assert [layer.weight_pass_peak for layer in fitted.layers] == [expected] * len(model.model.layers)
+    assert expected < fitted.layers[0].backward_peak

@@ -1,7 +1,7 @@
 """The app's configs of a layout search on a small HF Llama built from its config (nothing
 downloaded), for tests of ``strategy.layout=auto`` (pipeckpt/plan_layout.py)."""
 
-from typing import Any
+from typing import Any, Sequence
 
 LLAMA = (
     "model.config={model_type:llama,hidden_size:%d,intermediate_size:176,num_hidden_layers:4,"
@@ -14,12 +14,6 @@ def llama_search(*extra: str, vocab: int = 512, heads: int = 4, kv_heads: int = 
     """The composed train config: the Llama (``vocab`` tokens, ``heads`` of 16 features each,
     ``kv_heads``), sequence 32, global batch 4, the distributed engine on 2 processes,
     ``strategy.layout=auto``, and ``extra`` (the cluster, say)."""
-    from hydra import compose, initialize_config_dir
-
-    from pipeckpt.app.config import register
-    from pipeckpt.plan import CONF
-
-    register()
     overrides = [
         "model=hf",
         LLAMA % (16 * heads, heads, kv_heads, vocab),
@@ -27,5 +21,16 @@ def llama_search(*extra: str, vocab: int = 512, heads: int = 4, kv_heads: int = 
         "data.batch_size=4",
     ]
     overrides += ["strategy.engine=distributed", "trainer.devices=2", "strategy.layout=auto", *extra]
+    return compose_train(overrides)
+
+
+def compose_train(overrides: Sequence[str]) -> Any:
+    """The app's train config composed with ``overrides``, as ``python train.py`` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeckpt.app.config import register
+    from pipeckpt.plan import CONF
+
+    register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=list(overrides))

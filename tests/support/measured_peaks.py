@@ -21,7 +21,7 @@ def measured_peaks(
     """Each pipeline rank's peak bytes (the most any of its replicas or tensor-parallel ranks held)
     for the layout ``settings`` (as the search hands a pick on) of the model ``case``; by the CPU
     allocator where ``allocated``."""
-    pp = int(settings["stages"])
+    pp = int(settings["stages"]) // int(settings.get("virtual_stages") or 1)  # pipeline ranks
     row = {
         "layout": "measured",
         "pick": {"settings": settings, "dp": settings["dp"], "row": "measured"},
