@@ -19,7 +19,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import config_error
-from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
@@ -31,7 +30,6 @@ from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.rank_work import sharded_collectives_s
 from pipeckpt.layout.report import draw, format_row, format_search, progress_printer
 from pipeckpt.layout.search import Estimate, Searched, search
-from pipeckpt.layout.split_backward import WHOLE
 from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_fsdp_host import SHARDS
 from pipeckpt.plan_fsdp_host import fit as fit_fsdp
@@ -167,8 +165,6 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
             param_bytes=param_bytes,
             name=name,
         )
-    if isinstance(shapes.built(1).sequential, ModulePipeline):  # its stages do not split
-        costs = replace(costs, split_backward=WHOLE)
 
     def laid_out(c: Candidate) -> Dict[str, Any]:  # what both read of the run and the layout
         return dict(

@@ -29,12 +29,13 @@ from pipeckpt.app.models.hf import HFCausalLM
 from pipeckpt.app.models.hf_directory import local_directory
 from pipeckpt.boundaries.contract import pipelined_sequential
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
-from pipeckpt.layout.split_backward import HALVES, WHOLE, SplitBackward, measured
+from pipeckpt.layout.split_backward import HALVES, SplitBackward, measured
 from pipeckpt.memory.budget import first_call, first_microbatch
 from pipeckpt.memory.fake_weights import fake_weights
 from pipeckpt.memory.precision import forward_context
 from pipeckpt.memory.profile import ModelProfile, fake_mode, profile
 from pipeckpt.memory.repeated import identical_run
+from pipeckpt.memory.rooted import RootInput, root_chain
 
 __all__ = [
     "Built",
@@ -223,15 +224,19 @@ def profiled(
 def split_timed(cfg: DictConfig, b: Built, microbatch: int) -> SplitBackward:
     """A zero-bubble schedule's split backward of ``b``'s layers, timed here on one micro-batch of
     ``microbatch`` samples as the engine splits it (:mod:`pipeckpt.layout.split_backward`); a
-    ``pipeline_of`` model's stages do not split (WHOLE); halves where it cannot be timed."""
-    if isinstance(b.sequential, ModulePipeline):
-        return WHOLE
+    ``pipeline_of`` model's on the chain the profile runs (its layers as links, from its first
+    layer's input, the code outside the layers after them: memory/rooted.py), since its stages
+    split as a Sequential's do; halves where it cannot be timed."""
     size = int(cfg.data.batch_size)
+    x = first_microbatch(b.inputs, size // microbatch)
     target = first_microbatch(b.targets, size // microbatch) if b.targets is not None else None
-    with forward_context(cfg.trainer.precision, torch.device("cpu")):
-        found = measured(
-            list(b.sequential), first_microbatch(b.inputs, size // microbatch), b.loss_fn, target
-        )
+    with forward_context(cfg.trainer.precision, torch.device("cpu")), torch.random.fork_rng():
+        if isinstance(b.sequential, ModulePipeline):
+            chain = root_chain(b.sequential, RootInput.of(x))
+            outside = chain.outside
+            found = measured(chain.links, chain.first.detach(), lambda out, _: outside(out))
+        else:
+            found = measured(list(b.sequential), x, b.loss_fn, target)
     return found or HALVES
 
 

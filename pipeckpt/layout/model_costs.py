@@ -102,8 +102,7 @@ class ModelCosts:
             on ``local`` by :mod:`pipeckpt.plan_tp_host`; nothing elsewhere (on an accelerator the
             dispatch overlaps the kernels it launches, and the parts the plan leaves whole are small).
         split_backward: a zero-bubble schedule's input and weight passes against the backward
-            (:mod:`pipeckpt.layout.split_backward`: counted from FLOPs, measured on ``local``, or
-            whole for a ``pipeline_of`` model, whose stages do not split).
+            (:mod:`pipeckpt.layout.split_backward`: counted from FLOPs, or measured on ``local``).
         fsdp_host: what FSDP2 costs the host per sharded layer (:class:`FsdpHostCosts`).
     """
 

@@ -11,11 +11,13 @@ the graph is walked twice; the app's GPT mini's own layers, 1.04-1.16x with 0.55
 input pass. Priced at halves, the search ranked a V-shaped zero-bubble layout of that GPT first on
 2 and on 4 processes; priced as timed, 4th and 17th (benchmarks/RESULTS_layout.md, 2026-12-03).
 
-Two kinds of stage do not split at all, whatever the measurement:
-- a ``pipeline_of`` model's stage (engines/distributed/rooted.py: ``whole_backward``): its input
-  pass makes every gradient, its weight pass nothing (:data:`WHOLE`);
-- the first stage, whose input takes no gradient (token ids): its input pass has nothing to make
-  and its weight pass makes everything (``input_pass`` with no ``wrt``), :meth:`SplitBackward.at`.
+The first stage does not split, whatever the measurement: its input takes no gradient (token ids),
+so its input pass has nothing to make and its weight pass makes everything (``input_pass`` with no
+``wrt``), :meth:`SplitBackward.at`. A ``pipeline_of`` model's stages split as a Sequential's do:
+the schedules' weight passes add its layers' gradients (tests/engines/distributed/
+test_distributed_zero_bubble.py, the rooted model), so its split is measured on the chain the
+profile runs (pipeckpt/plan_model.py ``split_timed``). Until 2026-12-06 the search priced it
+:data:`WHOLE`, as an engine flag (``whole_backward``) said, which the split schedules override.
 """
 
 import statistics
@@ -61,7 +63,7 @@ class SplitBackward:
 #: Each pass half the backward: where nothing was counted or timed.
 HALVES = SplitBackward()
 
-#: A stage that makes every gradient in its input pass (a ``pipeline_of`` model's).
+#: A stage that makes every gradient in its input pass.
 WHOLE = SplitBackward(input_share=1.0, factor=1.0, splits=False)
 
 

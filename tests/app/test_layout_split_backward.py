@@ -1,6 +1,7 @@
 """The search prices a zero-bubble schedule's split backward as the engine runs the model's stages:
-timed on the app's GPT (a Sequential, whose stages split), whole for a ``pipeline_of`` model (whose
-stages make every gradient in the input pass: engines/distributed/rooted.py)."""
+timed on the app's GPT (a Sequential) and on a ``pipeline_of`` model's chain, whose stages split too
+(the engine's weight passes add a rooted model's layer gradients:
+tests/engines/distributed/test_distributed_zero_bubble.py)."""
 
 from pathlib import Path
 from typing import Any, List
@@ -8,7 +9,7 @@ from typing import Any, List
 import pytest
 from support.local_cluster import priced_costs
 
-from pipeckpt.layout.split_backward import HALVES, WHOLE
+from pipeckpt.layout.split_backward import HALVES
 from pipeckpt.plan import CONF
 from pipeckpt.plan_model import batch, built, split_timed
 
@@ -51,7 +52,11 @@ def test_the_local_search_prices_the_apps_gpt_split_as_timed(
     assert 0.0 < split.input_share < 1.0
 
 
-def test_a_pipeline_of_models_stages_are_priced_whole() -> None:
+def test_a_pipeline_of_models_split_is_timed_on_its_chain() -> None:
     cfg = _compose(["model=hf", LLAMA, "model.seq_len=16", "data.batch_size=4", "data.max_bytes=20000"])
     with built(cfg, batch(cfg), fake=False) as b:
-        assert split_timed(cfg, b, 2) is WHOLE
+        kept = [p.grad for p in b.module.parameters()]
+        split = split_timed(cfg, b, 2)
+        assert all(p.grad is g for p, g in zip(b.module.parameters(), kept))  # left as found
+    assert split.splits and split is not HALVES and split.factor > 0
+    assert 0.0 < split.input_share < 1.0

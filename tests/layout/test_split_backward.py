@@ -1,6 +1,7 @@
 """A zero-bubble schedule's split backward as the cost model prices it: which pass makes which
-gradients (the engine's rules: a ``pipeline_of`` model's stage does not split, the first stage's input
-takes no gradient), the split counted from FLOPs, and the split timed on a real model."""
+gradients (the engine's rules: a stage that does not split makes them all in its input pass, the
+first stage's input takes no gradient), the split counted from FLOPs, and the split timed on a real
+model."""
 
 import pytest
 import torch
