@@ -368,7 +368,10 @@ def stage_times(
         # a micro-batch's reduction of the stage's gradients, priced as the step's (rank_work.per_rank)
         reduce = reduction_s(sum(model.layer_params[a:b]) / c.tp, c, mesh, cluster, precision, b - a)
         backward = model.backward_factor * (layers + head) + backward_host
-        inputs, weights = model.split_backward.at(backward, first=j == 0)
+        # a selective stage does not split (torch's checkpoint recomputes once: docs/DESIGN.md)
+        inputs, weights = (
+            (backward, 0.0) if mode.selective else model.split_backward.at(backward, first=j == 0)
+        )
         out.append(
             Stage(
                 forward=layers + head + forward_host,

@@ -48,6 +48,17 @@ def test_a_zero_bubble_ranks_compute_is_its_passes_as_the_split_prices_them() ->
     assert halves.compute_s == pytest.approx(m * 2 * 3 * f)
 
 
+def test_a_selective_stage_runs_its_whole_backward_in_its_input_pass() -> None:
+    # the engine does not split a selective stage (torch's checkpoint recomputes once): the split's
+    # 1.2x is not paid, and nothing is left for the weight pass to fill a bubble with
+    m = 4
+    f = forward_s(1, BATCH // m * SEQ)
+    split = SplitBackward(input_share=0.75, factor=1.2)
+    layout = Layout(pp=2, schedule="zbv_zero_bubble", virtual_stages=2, chunks=m, modes=("selective",) * 4)
+    e = run(layout, 2, model=toy(split_backward=split), cluster=toy_cluster(2))
+    assert e.compute_s == pytest.approx(m * 2 * (f + 2 * f))
+
+
 def test_a_timed_split_leaves_the_gradients_as_it_found_them() -> None:
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Embedding(16, 32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16))
