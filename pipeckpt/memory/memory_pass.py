@@ -20,7 +20,7 @@ from pipeckpt._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from pipeckpt.memory.live_bytes import LiveBytes
+from pipeckpt.memory.made_bytes import MadeBytes
 from pipeckpt.memory.rooted import outside_parameters
 from pipeckpt.stages.weight_pass import WeightPass, input_pass
 
@@ -153,7 +153,7 @@ def _split_held(layers: List[nn.Module], x: Any) -> List[Tuple[int, bool, Option
         weight_pass, wrt, made = _input_pass(layer, h)
         if weight_pass is not None:
             weight_pass()  # the first micro-batch's: makes each ``.grad``
-            with LiveBytes() as live:  # from the forward: the frees of what it saved are seen
+            with MadeBytes() as live:  # from the forward: the frees of what it saved are seen
                 weight_pass, wrt, made = _input_pass(layer, h)
                 assert weight_pass is not None
                 held = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in weight_pass.held()}

@@ -4,7 +4,10 @@ above where it began, net of what it frees.
 
 Why not torch's ``MemTracker``: its peak runs from the moment it is entered and cannot be read
 from a later point, and a storage made before it entered is never seen to be freed; a weight pass
-frees the gradients and saved tensors its input pass and forward left, which is the point.
+frees the gradients and saved tensors its input pass and forward left, which is the point. Why not
+the benchmarks' ``harness.live_bytes.LiveBytes``: it lives outside the package, and it counts a
+storage an op returns the first time it sees it, so a weight gradient added into an existing
+``.grad`` in place would count as made; here a storage any of the op's arguments held is not.
 """
 
 import weakref
@@ -17,7 +20,7 @@ from pipeckpt._compat import TorchDispatchMode, tree_flatten
 __all__: List[str] = []
 
 
-class LiveBytes(TorchDispatchMode):
+class MadeBytes(TorchDispatchMode):
     """Counts each storage an op's output brings that none of its arguments held (an in-place op's
     or a view's is its argument's), until that storage is freed; works on fake tensors too."""
 
