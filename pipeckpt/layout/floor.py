@@ -5,9 +5,11 @@ schedule's op order) take a tenth of a second a layout, and a thousand-GPU world
 thousands of layouts, most of them far slower than the best. The estimate
 (:func:`pipeckpt.layout.cost.estimate`) is a list schedule: every op waits for its rank's previous
 op and for the ops it depends on, and an op's time only grows with what a mode adds (a recompute,
-an offload's host copies). So the same ops timed with nothing recomputed, summed along paths that
-every run of the schedule's order takes, bound its step from below; the paths are sums of a few
-per-stage times, where the estimate walks every op. A search visiting layouts by this floor can
+an offload's host copies), but for one case: a selective stage runs a zero-bubble schedule's split
+backward whole, which can be cheaper than the split, so there the floor takes the cheaper of the
+two. So the same ops timed with nothing recomputed, summed along paths that every run of the
+schedule's order takes, bound its step from below; the paths are sums of a few per-stage times,
+where the estimate walks every op. A search visiting layouts by this floor can
 stop at the first whose floor is above the ``top``-th fastest step already found: every later
 layout is slower, whatever modes the fit would give it (:func:`pipeckpt.layout.search.search`).
 """
@@ -72,9 +74,17 @@ def step_floor(
     ranks = _rank_ops(c.schedule, c.pp, c.virtual_stages, c.chunks)
     owner = {j: r for r, mine in enumerate(ranks) for (j, _), _ in mine.through + mine.after}
 
-    def op_s(j: int, kind: str) -> float:  # cost.estimate's time of an op, nothing recomputed
+    def timed(j: int, kind: str) -> float:  # cost.estimate's time of an op, nothing recomputed
         work = op_work(st[j], kind)
         return work if kind == "W" else work + e + per_op_s(st[j], work, cluster, reshard_after_forward)
+
+    def op_s(j: int, kind: str) -> float:
+        """As timed, but a split backward's passes at most what a selective stage's take: its whole
+        backward in the input pass, nothing in the weight pass (cost.stage_times)."""
+        if kind not in ("I", "W"):
+            return timed(j, kind)
+        whole, inputs = timed(j, "B"), min(timed(j, "I"), timed(j, "B"))
+        return inputs if kind == "I" else max(0.0, min(timed(j, "I") + timed(j, "W"), whole) - inputs)
 
     def time_of(counts: Counts) -> float:
         return sum(n * op_s(j, k) for (j, k), n in counts)
