@@ -134,7 +134,7 @@ def split_backward(
     is split. A zero-bubble schedule's input pass (``"I"``) is the micro-batch's backward for
     memory: its recompute runs there and every layer's backward node with it (the weight gradients
     excepted); its weight pass (``"W"``) stays, to end what the micro-batch holds in between
-    (``_StageModel.between_passes``). A whole backward (``"B"``) in the same order stays one.
+    (``stage_model.between_passes``). A whole backward (``"B"``) in the same order stays one.
 
     Args:
         order: the device's ops ``(stage, "F" | "B" | "I" | "W", micro-batch)``.

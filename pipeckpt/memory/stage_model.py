@@ -265,31 +265,32 @@ class _StageModel:
                 )
         return out
 
-    def between_passes(self, mode: CheckpointMode) -> int:
-        """Bytes one micro-batch holds from a split backward's input pass to its weight pass
-        (pipeckpt/stages/weight_pass.py): the graph its stage Function recomputed or kept, with every
-        tensor its layers saved, and the gradients the input pass recorded for the weight pass, as
-        the profile measured them per layer (every linear's output gradient, a norm's: 11.4x the
-        layer's output on the benchmarks' HF Llama). A stage whose first layer's input needs no
-        gradient (token ids) defers its whole backward: it holds the gradients that arrived for its
-        outputs. Selective checkpointing does not split (torch's checkpoint recomputes once):
-        nothing."""
-        if mode.selective:
-            return 0
-        ids = self.profile.saved_union(self.start, self.stop)
-        trained = [layer for layer in self.layers if layer.param_bytes]
-        if self.layers and self.layers[0].split_whole:
-            recorded = self.profile.bytes_of(set(self.layers[-1].outputs))
-        else:
-            recorded = sum(
-                self.profile.bytes_of(set(layer.outputs)) if layer.split_held is None else layer.split_held
-                for layer in trained
-            )
-        return self.bytes(ids) + recorded
-
     def recompute_s(self, mode: CheckpointMode) -> float:
         """Seconds one recomputed micro-batch's forward takes again: the whole stage, or under
         selective all but the ops SAC kept."""
         if mode.selective:
             return sum(selective_extra_s(layer) for layer in self.layers)
         return self.forward_s
+
+
+def between_passes(s: _StageModel, mode: CheckpointMode) -> int:
+    """Bytes one micro-batch of stage ``s`` holds from a split backward's input pass to its weight pass
+    (pipeckpt/stages/weight_pass.py): the graph its stage Function recomputed or kept, with every
+    tensor its layers saved, and the gradients the input pass recorded for the weight pass, as
+    the profile measured them per layer (every linear's output gradient, a norm's: 11.4x the
+    layer's output on the benchmarks' HF Llama). A stage whose first layer's input needs no
+    gradient (token ids) defers its whole backward: it holds the gradients that arrived for its
+    outputs. Selective checkpointing does not split (torch's checkpoint recomputes once):
+    nothing."""
+    if mode.selective:
+        return 0
+    ids = s.profile.saved_union(s.start, s.stop)
+    trained = [layer for layer in s.layers if layer.param_bytes]
+    if s.layers and s.layers[0].split_whole:
+        recorded = s.profile.bytes_of(set(s.layers[-1].outputs))
+    else:
+        recorded = sum(
+            s.profile.bytes_of(set(layer.outputs)) if layer.split_held is None else layer.split_held
+            for layer in trained
+        )
+    return s.bytes(ids) + recorded

@@ -16,7 +16,7 @@ from pipeckpt.memory.engine_cost import engine_s_per_microbatch
 from pipeckpt.memory.optimizer_state import optimizer_state_bytes, optimizer_step_bytes
 from pipeckpt.memory.profile import LayerProfile
 from pipeckpt.memory.stage_memory import StageMemory, _Peak
-from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.stage_model import _StageModel, between_passes
 
 __all__ = ["StageMemory"]
 
@@ -285,7 +285,7 @@ class _StageWalk:
             peak_see(total, (others, recv_now, work), f"B{i} embeddings")
         self.backwards += 1
         if i in self.split:
-            cells[i] = s.between_passes(mode)
+            cells[i] = between_passes(s, mode)
 
     def step(self, *, device: Optional[_Peak] = None, around: int = 0) -> None:
         """The optimizer's step after the last backward: every gradient made, the step's own

@@ -19,7 +19,7 @@ from pipeckpt.checkpointing.order import gpipe_order
 from pipeckpt.memory.predict import predict, predict_device
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.schedule import op_order, sends_held
-from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.stage_model import _StageModel, between_passes
 from pipeckpt.stages.partition import StagePlan
 
 
@@ -145,7 +145,7 @@ def test_a_split_backward_holds_each_microbatchs_graph_from_its_input_pass_to_it
     fitted, stage_plan = _mlp_plan([4, 5], mode=mode)
     whole = predict_device(fitted, stage_plan, chunks=4, order=gpipe_order(1, 4), optimizer="sgd")
     split = predict_device(fitted, stage_plan, chunks=4, order=_split(1, 4), optimizer="sgd")
-    held = _StageModel(fitted, 4, 9, first=False, last=True, local=False).between_passes(stage_plan.modes[1])
+    held = between_passes(_StageModel(fitted, 4, 9, first=False, last=True, local=False), stage_plan.modes[1])
     # After the input passes every micro-batch's graph waits for its weight pass, which a whole
     # backward would have freed (a recomputed one: rebuilt by its recompute, then held).
     assert whole.peak < split.peak <= whole.peak + 4 * held
@@ -155,7 +155,7 @@ def test_a_split_backward_holds_each_microbatchs_graph_from_its_input_pass_to_it
 def test_a_selective_stage_keeps_its_backward_whole_under_a_split_schedule() -> None:
     fitted, stage_plan = _mlp_plan([4, 5], mode="selective")
     model = _StageModel(fitted, 4, 9, first=False, last=True, local=False)
-    assert model.between_passes(stage_plan.modes[1]) == 0
+    assert between_passes(model, stage_plan.modes[1]) == 0
 
 
 def test_an_op_order_with_an_unknown_op_is_refused() -> None:

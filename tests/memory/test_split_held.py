@@ -11,7 +11,7 @@ from pipeckpt import pipeline_of
 from pipeckpt.checkpointing.modes import parse_mode
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rooted import RootInput
-from pipeckpt.memory.stage_model import _StageModel
+from pipeckpt.memory.stage_model import _StageModel, between_passes
 
 
 def _llama_profile():
@@ -43,7 +43,7 @@ def test_a_stage_holds_its_layers_measured_gradients_between_its_passes() -> Non
     stage = _StageModel(fitted, 1, 3, first=False, last=False, local=False)
     saved = stage.bytes(fitted.saved_union(1, 3))
     held = fitted.layers[1].split_held + fitted.layers[2].split_held
-    assert stage.between_passes(parse_mode("never")) == saved + held
+    assert between_passes(stage, parse_mode("never")) == saved + held
 
 
 def test_a_stage_begun_by_a_layer_without_an_input_gradient_holds_only_its_outputs_gradient() -> None:
@@ -51,13 +51,13 @@ def test_a_stage_begun_by_a_layer_without_an_input_gradient_holds_only_its_outpu
     fitted = profile(seq, torch.randint(0, 10, (4, 5)), rounds=1)
     stage = _StageModel(fitted, 0, 3, first=True, last=False, local=False)
     saved = stage.bytes(fitted.saved_union(0, 3))
-    assert stage.between_passes(parse_mode("always")) == saved + 4 * 5 * 3 * 4
+    assert between_passes(stage, parse_mode("always")) == saved + 4 * 5 * 3 * 4
 
 
 def test_a_selective_stage_holds_nothing_between_passes() -> None:
     _, fitted = _llama_profile()
     stage = _StageModel(fitted, 0, 2, first=False, last=False, local=False)
-    assert stage.between_passes(parse_mode("selective")) == 0
+    assert between_passes(stage, parse_mode("selective")) == 0
 
 
 def test_an_hf_llama_layers_weight_pass_holds_at_most_one_norm_sized_temporary_above_its_start() -> None:
