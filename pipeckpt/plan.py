@@ -293,8 +293,13 @@ def _predict(b: Built, settings: PipeSettings, options: MemoryOptions) -> Tuple[
     schedule = options.schedule or engine_class(settings.engine).memory_schedule(settings)
     chunks = settings.chunks
     micro_targets = first_microbatch(targets, chunks) if targets is not None else None
-    fitted = profile(
-        sequential, first_microbatch(inputs, chunks), loss_fn=b.loss_fn, target=micro_targets, fake=fake
+    fitted = profile(  # predict's schedules never split a backward
+        sequential,
+        first_microbatch(inputs, chunks),
+        loss_fn=b.loss_fn,
+        target=micro_targets,
+        fake=fake,
+        split_backward=False,
     )
     fitted = for_compile(fitted, settings.compile is not False)  # compiled selective: no SAC host cost
     prediction = predict(fitted, stage_plan, chunks=chunks, optimizer=options.optimizer, schedule=schedule)

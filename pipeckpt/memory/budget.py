@@ -194,6 +194,7 @@ def resolve_auto(
                     target=first_microbatch(target, c) if target is not None else None,
                     rounds=2,
                     fake=fake,
+                    split_backward=False,  # auto's schedules never split a backward
                 ),
             )
             for c in chunk_options

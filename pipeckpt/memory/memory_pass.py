@@ -108,12 +108,12 @@ class _SacOutputs(TorchDispatchMode):
 
 
 def memory_pass(
-    layers: List[nn.Module], x: Any, loss: Optional[nn.Module], storages: Storages
+    layers: List[nn.Module], x: Any, loss: Optional[nn.Module], storages: Storages, *, split: bool = True
 ) -> Tuple[List[Dict[str, Any]], Tuple[int, ...]]:
     """Two forward and backward passes: one with a saved-tensor hook naming every storage each
     layer saves (and a dispatch mode naming what selective checkpointing would keep), one under
     MemTracker for each layer's peaks (apart: a hook that keeps the saved tensor changes when
-    autograd frees it)."""
+    autograd frees it); then, with ``split``, each layer's split backward (:func:`_split_held`)."""
     batch_inputs = storages.ids(x)
     probe = _LayerRecorder(layers, loss, storages)
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack), _SacOutputs(probe):
@@ -134,7 +134,7 @@ def memory_pass(
         p.grad = None
     for record, held_peak in zip(records, _held_backward_peaks(probe, x)):
         record["first_backward_peak"] = held_peak
-    for record, (held, whole, weight_peak) in zip(records, _split_held(layers, x)):
+    for record, (held, whole, weight_peak) in zip(records, _split_held(layers, x) if split else []):
         record["split_held"], record["split_whole"], record["weight_pass_peak"] = held, whole, weight_peak
     return records, batch_inputs
 

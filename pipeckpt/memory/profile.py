@@ -167,6 +167,7 @@ def profile(
     rounds: int = 3,
     fake: bool = False,
     flops_per_s: float = 100e12,
+    split_backward: bool = True,
 ) -> ModelProfile:
     """Profiles one micro-batch through ``sequential``, layer by layer, in training mode. Module
     state, RNG and gradients are left as they were.
@@ -189,6 +190,10 @@ def profile(
             (:func:`~pipeckpt.memory.fake_weights.fake_weights`): nothing is allocated and times
             come from FLOP counts.
         flops_per_s: the rate FLOP counts are divided by under ``fake``.
+        split_backward: measure what each layer's split backward holds between its input and
+            weight passes (``LayerProfile.split_held``, ``split_whole``, ``weight_pass_peak``),
+            which only a zero-bubble schedule's walk reads. False where none can run (``auto``'s
+            schedules, ``predict``'s): the passes it takes cost a fifth of an HF Llama's profile.
     """
     owner: nn.Module = sequential.root if isinstance(sequential, ModulePipeline) else sequential
     was_training = owner.training
@@ -201,7 +206,7 @@ def profile(
         storages = Storages([*owner.parameters(), *owner.buffers()])
         data = storages.ids(first) if owner is not sequential else None
         with _state_kept(owner):
-            records, batch_inputs = memory_pass(layers, microbatch, loss, storages)
+            records, batch_inputs = memory_pass(layers, microbatch, loss, storages, split=split_backward)
         with _state_kept(owner):
             outside = measure_outside(loss) if loss is not None else None
         readers, handoffs = None, None

@@ -85,6 +85,7 @@ class MemoryCheck(L.Callback):
                 loss_fn=loss_fn if target is not None else None,
                 target=first_microbatch(target, chunks) if target is not None else None,
                 rounds=1,
+                split_backward=False,  # predict's schedules never split a backward
             )
         prediction = predict(
             fitted,

@@ -3,15 +3,24 @@
 (memory/stage_model.py ``between_passes``): the gradient recorded where each weight joins the input's
 path (stages/weight_pass.py), every linear's output and a norm's, not one per layer output."""
 
+import dataclasses
+
+import pytest
 import torch
 from support.hf_models import BATCH, LENGTH, batches, llama
 from torch import nn
 
 from pipeckpt import pipeline_of
 from pipeckpt.checkpointing.modes import parse_mode
+from pipeckpt.memory import memory_pass
+from pipeckpt.memory.budget import resolve_auto
 from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rooted import RootInput
 from pipeckpt.memory.stage_model import _StageModel, between_passes
+from pipeckpt.settings import PipeSettings
+
+_SPLIT_FIELDS = ("split_held", "split_whole", "weight_pass_peak")
+_TIMES = ("forward_s", "backward_s", "sac_s", "sac_extra_s")
 
 
 def _llama_profile():
@@ -70,3 +79,32 @@ def test_an_hf_llama_layers_weight_pass_holds_at_most_one_norm_sized_temporary_a
     expected = norm_product + its_sum
     assert [layer.weight_pass_peak for layer in fitted.layers] == [expected] * len(model.model.layers)
     assert expected < fitted.layers[0].backward_peak
+
+
+def test_a_profile_told_no_schedule_splits_skips_the_split_and_measures_the_rest_the_same() -> None:
+    _, split = _llama_profile()
+    torch.manual_seed(0)
+    whole = profile(
+        pipeline_of(llama(), "model.layers"), RootInput((), batches(1)[0]), rounds=1, split_backward=False
+    )
+    assert [(layer.split_held, layer.weight_pass_peak) for layer in whole.layers] == [(None, None)] * 4
+    assert dataclasses.replace(whole, layers=(), loss=None) == dataclasses.replace(
+        split, layers=(), loss=None
+    )
+    for a, b in zip(whole.layers, split.layers):
+        skipped = {f: None for f in (*_SPLIT_FIELDS, *_TIMES)}
+        assert dataclasses.replace(a, **skipped) == dataclasses.replace(b, **skipped)
+
+
+def test_auto_profiles_without_the_split_its_schedules_never_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_: object) -> None:
+        raise AssertionError("the split pass ran")
+
+    monkeypatch.setattr(memory_pass, "_split_held", refused)
+    torch.manual_seed(0)
+    settings = PipeSettings(engine="distributed", stages=2, chunks=2, checkpoint="auto", memory_budget="1GiB")
+    sequential = pipeline_of(llama(), "model.layers")
+    auto = resolve_auto(
+        settings, sequential, devices=[torch.device("cpu")] * 2, batch=RootInput((), batches(1)[0])
+    )
+    assert len(auto.choice.modes) == 2
