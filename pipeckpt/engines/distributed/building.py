@@ -1,8 +1,8 @@
 """The distributed engine's half of the Engine protocol that builds this rank's stages.
 
 Why a class of its own: building is one job with many parts (the plan every rank agrees on, this
-rank's stages of an ``nn.Sequential`` or of a ``pipeline_of`` model, ties, replicas under DDP or
-FSDP2, the schedules), and the engine class keeps to choosing and stepping; as
+rank's stages of an ``nn.Sequential`` or of a ``pipeline_of`` model, ties, replicas under DDP,
+FSDP2 or averaged after the step, the schedules), and the engine class keeps to choosing and stepping; as
 :class:`.checkpoints.EngineCheckpoints` does for files.
 """
 
@@ -28,7 +28,7 @@ from pipeckpt.engines.distributed.sequence_parallel import end_ids
 from pipeckpt.engines.distributed.sharding import Sharding, refuse_ties
 from pipeckpt.engines.distributed.step import PipelinedStep
 from pipeckpt.engines.distributed.tensor_parallel import layer_plan
-from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, replicas_of
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import (
     StageModule,
@@ -40,7 +40,7 @@ from pipeckpt.engines.distributed.wiring import (
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import StagePlan, module_name
 from pipeckpt.stages.stage import Stage
-from pipeckpt.weights.pretrained import read_later
+from pipeckpt.weights.pretrained import pending_reads, read_later
 
 __all__ = ["EngineBuilding"]
 
@@ -107,7 +107,14 @@ class EngineBuilding:
         )
         step.modules = self.modules
         step.configure(Signatures(name, list(zip(names, sequential))), stage_plan.ranges)
-        trained = [self._data_parallel(m) for m in self.modules]
+        if self._averaged_after_step():
+            assert self.processes.dp_group is not None
+            self.replicas = replicas_of(
+                module, self.processes.dp_group, self.topology.dp, pending_reads(module)
+            )
+            trained: List[nn.Module] = list(self.modules)
+        else:
+            trained = [self._data_parallel(m) for m in self.modules]
         if self.sharding is None:  # a schedule's backward is one autograd call per micro-batch
             for stage in self.stages:
                 stage.backward_per_microbatch = True
@@ -157,6 +164,15 @@ class EngineBuilding:
         if (sharding := self._sharding()) is None:
             return data_parallel(module, self.processes.dp_group, self.topology.dp, self._device)
         return sharding.shard(module, list(module.stage.partition.children()))
+
+    def _averaged_after_step(self) -> bool:
+        """Whether a Sequential's replicas average their gradients after the step
+        (:class:`.ties.Replicas`, as a ``pipeline_of`` model's always do) rather than under DDP:
+        where nothing is sharded and the schedule splits each backward. Torch runs an input pass
+        with ``last_backward=False`` and a stage's own weight pass outside any backward DDP sees, so
+        DDP's reducer never ran: each replica trained on its own data alone (dp2_zbv_* in
+        tests/engines/distributed/test_distributed_engine.py). Unwrapped, the stages split too."""
+        return self.kind.traits.split_backward and self.topology.dp > 1 and self._sharding() is None
 
     def _sharding(self) -> Optional[Sharding]:
         p = self.processes

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeckpt._compat import is_view
@@ -27,7 +26,7 @@ from pipeckpt.engines.distributed.outside_parts import OutsideParts, drop, held_
 from pipeckpt.engines.distributed.processes import ProcessGroups
 from pipeckpt.engines.distributed.replay import Call
 from pipeckpt.engines.distributed.step import PipelinedStep
-from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_stages
+from pipeckpt.engines.distributed.ties import Replicas, Ties, find_ties, held_by_stages, replicas_of
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.engines.distributed.wiring import StageModule, _usable, build_stages
 from pipeckpt.settings import PipeSettings
@@ -319,10 +318,7 @@ def build_rooted(
     step.modules = modules
     step.outside = [p for _, p in outside]
     replicas = None
-    if topology.dp > 1:
+    if topology.dp > 1:  # before the ties: each replica's copies then start from replica 0's
         assert processes.dp_group is not None
-        src = dist.get_global_rank(processes.dp_group, 0)  # replica 0 (not pipeline_rank under tp > 1)
-        replicas = Replicas(module, group=processes.dp_group, src=src, size=topology.dp)
-        # before the ties: each replica's copies then start from replica 0's
-        replicas.broadcast(skip=pending_reads(module))
+        replicas = replicas_of(module, processes.dp_group, topology.dp, pending_reads(module))
     return modules, routing, replicas, ties

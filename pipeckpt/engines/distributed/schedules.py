@@ -246,8 +246,8 @@ def _split(stage: LiveStage, *, wrapped: bool) -> None:
     """Each micro-batch's input pass on ``stage`` leaves its weight gradients to the weight pass the
     schedule runs later. Not under selective checkpointing (torch's checkpoint gives up the outputs
     it kept at its one recompute, so no second backward can cross the region) nor a data-parallel
-    wrapper (DDP reduces the gradients that the last micro-batch's backward makes): their stages make
-    every gradient in the input pass."""
+    wrapper, which a split schedule's stages never have: their replicas average after the step
+    (building.py ``_averaged_after_step``; torch's input passes never arm DDP's reducer)."""
     if wrapped or stage.stage_module.stage.mode.selective:
         return
     passes: List[WeightPass] = []

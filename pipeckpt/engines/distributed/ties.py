@@ -20,7 +20,7 @@ from pipeckpt.engines.distributed.kept_groups import kept
 from pipeckpt.engines.distributed.topology import Topology
 from pipeckpt.stages.partition import StagePlan, split
 
-__all__ = ["Replicas", "Ties", "find_ties", "held_by_stages"]
+__all__ = ["Replicas", "Ties", "find_ties", "held_by_stages", "replicas_of"]
 
 Gradient = Tuple[nn.Parameter, Tensor]
 
@@ -179,6 +179,15 @@ class Replicas:
             for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(piece.view_as(g))
         return out
+
+
+def replicas_of(module: nn.Module, group: dist.ProcessGroup, size: int, skip: Set[int]) -> Replicas:
+    """``module``'s tensors as copies over the replicas' ``group`` (of ``size``), every one starting
+    from replica 0's: the group's first rank, not ``pipeline_rank`` under ``tp > 1``. ``skip``: as
+    :meth:`Replicas.broadcast`'s."""
+    replicas = Replicas(module, group=group, src=dist.get_global_rank(group, 0), size=size)
+    replicas.broadcast(skip=skip)
+    return replicas
 
 
 def _buckets(grads: Sequence[Tensor]) -> Iterator[List[Tensor]]:

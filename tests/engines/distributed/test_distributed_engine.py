@@ -270,6 +270,23 @@ FOUR = [
         dict(balance=[1] * 8, chunks=4, checkpoint="except_last"),
         8,
     ),
+    # Looped schedules on two replicas: a zero-bubble one's averaged after the step (under DDP,
+    # whose reducer its split backward never ran, each replica trained on its half alone), kept
+    # and recomputed; an interleaved one's under DDP.
+    *(
+        (
+            f"dp2_{schedule}_{mode}",
+            dict(balance=[2, 1, 1, 2], chunks=4, schedule=schedule, virtual_stages=2, dp=2, checkpoint=mode),
+            dict(balance=[2, 1, 1, 2], chunks=4, checkpoint=mode),
+            6,
+        )
+        for schedule, mode in [
+            ("zbv_zero_bubble", "never"),
+            ("zbv_zero_bubble", "always"),
+            ("interleaved_zero_bubble", "except_last"),
+            ("interleaved_1f1b", "never"),
+        ]
+    ),
     # Two replicas of a 2-stage pipeline, each on half of every batch, against one pipeline on all of it.
     ("dp2_pp2", dict(balance=[3, 3], chunks=4, schedule="1f1b", dp=2), dict(balance=[3, 3], chunks=4), 6),
 ]

@@ -33,6 +33,14 @@ TWO = [
 FOUR = [
     dict(name="llama_pp4", model="llama", strategy=dict(PP2, balance=[1, 1, 1, 1], chunks=4)),
     dict(name="llama_pp2_fsdp2", model="llama", strategy=dict(PP2, dp=2, data_parallel="fsdp")),
+    # replicas that average after the step, under a schedule that splits each backward
+    dict(
+        name="llama_pp2_dp2_zbv",
+        model="llama",
+        strategy=dict(
+            PP2, balance=[1, 1, 1, 1], virtual_stages=2, schedule="zbv_zero_bubble", chunks=4, dp=2
+        ),
+    ),
     # the model's own plan splits the layers, and the embedding and head over the vocabulary
     dict(
         name="llama_pp2_tp2",
@@ -96,6 +104,15 @@ def test_pipelined_training_equals_one_process_on_every_tensor_a_rank_holds(two,
 def test_pp4_pp2_x_fsdp2_and_pp2_x_tp2_training_equals_one_process(four, run) -> None:
     want, losses, _ = _trained("llama")
     for rank, saved in enumerate(_ranks(four, run, 4)):
+        held = saved["trained"]
+        assert relative_difference(held, {k: want[k] for k in held}) <= 1e-5, f"rank {rank}"
+        assert saved["losses"] == pytest.approx(losses, rel=1e-5, abs=0), f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_replicas_under_a_zero_bubble_schedule_train_as_one_process(four) -> None:
+    want, losses, _ = _trained("llama")
+    for rank, saved in enumerate(_ranks(four, "llama_pp2_dp2_zbv", 4)):
         held = saved["trained"]
         assert relative_difference(held, {k: want[k] for k in held}) <= 1e-5, f"rank {rank}"
         assert saved["losses"] == pytest.approx(losses, rel=1e-5, abs=0), f"rank {rank}"
