@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import config_error
+from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
@@ -165,6 +166,8 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
             param_bytes=param_bytes,
             name=name,
         )
+    # how the engine keeps its replicas (layout.replicas)
+    costs = replace(costs, module_pipeline=isinstance(shapes.built(1).sequential, ModulePipeline))
 
     def laid_out(c: Candidate) -> Dict[str, Any]:  # what both read of the run and the layout
         return dict(

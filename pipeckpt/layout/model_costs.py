@@ -104,6 +104,8 @@ class ModelCosts:
         split_backward: a zero-bubble schedule's input and weight passes against the backward
             (:mod:`pipeckpt.layout.split_backward`: counted from FLOPs, or measured on ``local``).
         fsdp_host: what FSDP2 costs the host per sharded layer (:class:`FsdpHostCosts`).
+        module_pipeline: a ``pipeline_of`` model, whose replicas average their gradients after the
+            step, where a Sequential's reduce under DDP (:mod:`pipeckpt.layout.replicas`).
     """
 
     name: str
@@ -123,6 +125,7 @@ class ModelCosts:
     tensor_parallel: TensorParallelCosts = TensorParallelCosts()
     split_backward: SplitBackward = HALVES
     fsdp_host: FsdpHostCosts = FsdpHostCosts()
+    module_pipeline: bool = False
 
     @property
     def layers(self) -> int:

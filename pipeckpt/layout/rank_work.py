@@ -16,6 +16,7 @@ from pipeckpt.layout.cluster import Cluster
 from pipeckpt.layout.links import Mesh, all_reduce_s, gather_s
 from pipeckpt.layout.model_costs import ADAMW_ELEMENTS_PER_PARAM, ModelCosts, dtype_bytes
 from pipeckpt.layout.orders import RankOp
+from pipeckpt.layout.replicas import reduced_after_step
 
 __all__ = ["Stage", "per_rank", "reduction_s", "waited", "messages", "collectives", "sharded_collectives_s"]
 
@@ -53,9 +54,10 @@ def per_rank(
 ) -> Tuple[List[float], List[float], List[float], List[float], List[float]]:
     """Per pipeline rank: when it may start (FSDP's first all-gather, prefetched under the first
     forward), what it adds after its last op (gradient reduce-scatter and all-reduces, overlapped with
-    the last micro-batch's backward except the last unit's; the embedding's all-reduce, whose gradient
-    is made last, not at all; the optimizer step, FSDP2's host work a step with it), of that the
-    communication, the optimizer, and the gradients' collectives whole (overlapped or not)."""
+    the last micro-batch's backward except the last unit's, or not at all where the replicas average
+    after the step; the embedding's all-reduce, whose gradient is made last, not at all; the
+    optimizer step, FSDP2's host work a step with it), of that the communication, the optimizer, and
+    the gradients' collectives whole (overlapped or not)."""
     lat = cluster.latency_s
     grad = grad_bytes(precision)
     master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
@@ -76,7 +78,12 @@ def per_rank(
         ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
         overlapped = reduction_s(params, c, mesh, cluster, precision, units) + ar_head
         last = ops[-1][0] if ops else 0
-        comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
+        if reduced_after_step(
+            c, module_pipeline=model.module_pipeline
+        ):  # under no backward (layout.replicas)
+            comm = overlapped + ar_emb
+        else:
+            comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
         held = params / c.dp_shard + head + emb
         opt = held * ADAMW_ELEMENTS_PER_PARAM * master / cluster.device.memory_bytes_per_s
         if under_fsdp(c.dp_shard, c.tp):  # FSDP2's host work (ModelCosts.fsdp_host), with the optimizer's
