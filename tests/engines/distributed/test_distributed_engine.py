@@ -291,6 +291,12 @@ FOUR = [
     ("dp2_pp2", dict(balance=[3, 3], chunks=4, schedule="1f1b", dp=2), dict(balance=[3, 3], chunks=4), 6),
 ]
 STEPS = 4
+# a zero-bubble schedule on two replicas (averaged after the step), over batches accumulated and clipped
+ZBV_ON_REPLICAS = dict(
+    name="dp2_zbv_accumulate_clip",
+    strategy=dict(balance=[2, 1, 1, 2], chunks=4, schedule="zbv_zero_bubble", virtual_stages=2, dp=2),
+    depth=6,
+)
 # Every schedule that can recompute, with dropout on: a mode mix must not change one bit.
 DROPOUT = {
     "gpipe": dict(balance=[3, 3], chunks=4, schedule="gpipe"),
@@ -357,6 +363,7 @@ def four_processes(launch) -> Path:
     runs = [dict(name=n, strategy=d, depth=depth, steps=STEPS) for n, d, _, depth in FOUR]
     # the replicas' layout fitted again in the same processes: its mesh's groups are not made twice
     runs.append(dict(runs[-1], name="dp2_pp2_again", steps=1))
+    runs.append(dict(ZBV_ON_REPLICAS, steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05))
     return launch(4, runs)
 
 
@@ -400,6 +407,19 @@ def test_two_processes_train_like_the_local_engine(two_processes, name, settings
 def test_four_processes_train_like_the_local_engine(four_processes, name, settings, local, depth):
     reference = fit(ToyModule(depth=depth), _local(**local), steps=STEPS)
     got = _state(four_processes / f"{name}.ckpt")
+    assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
+
+
+@pytest.mark.slow
+def test_accumulation_and_clipping_span_replicas_that_average_after_the_step(four_processes):
+    reference = fit(
+        ToyModule(depth=6),
+        _local(balance=[2, 1, 1, 2], chunks=4),
+        steps=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+    )
+    got = _state(four_processes / f"{ZBV_ON_REPLICAS['name']}.ckpt")
     assert max_relative_difference(got["state_dict"], params(reference.lightning_module)) < 1e-5
 
 
