@@ -62,6 +62,7 @@ def per_rank(
     grad = grad_bytes(precision)
     master = 4 if precision.endswith("-mixed") or precision.startswith("32") else dtype_bytes(precision)
     edges = [0, *itertools.accumulate(cuts)]
+    after_step = reduced_after_step(c, module_pipeline=model.module_pipeline)
     starts, tails, comms, opts, wholes = [], [], [], [], []
     for ops in orders:
         mine = sorted({j for j, _, _ in ops})
@@ -78,9 +79,7 @@ def per_rank(
         ar_emb = all_reduce_s(emb * grad, dp, mesh.dp_bytes_per_s, lat)
         overlapped = reduction_s(params, c, mesh, cluster, precision, units) + ar_head
         last = ops[-1][0] if ops else 0
-        if reduced_after_step(
-            c, module_pipeline=model.module_pipeline
-        ):  # under no backward (layout.replicas)
+        if after_step:  # under no backward (layout.replicas)
             comm = overlapped + ar_emb
         else:
             comm = waited(overlapped, overlapped / max(1, units), st[last].backward, cluster) + ar_emb
