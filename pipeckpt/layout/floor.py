@@ -83,8 +83,9 @@ def step_floor(
         backward in the input pass, nothing in the weight pass (cost.stage_times)."""
         if kind not in ("I", "W"):
             return timed(j, kind)
-        whole, inputs = timed(j, "B"), min(timed(j, "I"), timed(j, "B"))
-        return inputs if kind == "I" else max(0.0, min(timed(j, "I") + timed(j, "W"), whole) - inputs)
+        whole, split_input = timed(j, "B"), timed(j, "I")
+        inputs = min(split_input, whole)
+        return inputs if kind == "I" else max(0.0, min(split_input + timed(j, "W"), whole) - inputs)
 
     def time_of(counts: Counts) -> float:
         return sum(n * op_s(j, k) for (j, k), n in counts)
