@@ -173,8 +173,8 @@ class Schedules:
         for stage in stages:
             stage.reduce_every = self._reduce_every
         if train and self.kind.traits.split_backward:
-            for stage, submodule in zip(stages, submodules):
-                _split(stage, wrapped=submodule is not stage.stage_module)
+            for stage in stages:
+                _split(stage)
         self._point(stages)
         options: Dict[str, Any] = dict(
             n_microbatches=microbatches, scale_grads=False, loss_fn=self._loss_fn if train else None
@@ -242,13 +242,13 @@ class Schedules:
 _WEIGHT_PASSES: Dict[int, List[WeightPass]] = {}
 
 
-def _split(stage: LiveStage, *, wrapped: bool) -> None:
+def _split(stage: LiveStage) -> None:
     """Each micro-batch's input pass on ``stage`` leaves its weight gradients to the weight pass the
     schedule runs later. Not under selective checkpointing (torch's checkpoint gives up the outputs
-    it kept at its one recompute, so no second backward can cross the region) nor a data-parallel
-    wrapper, which a split schedule's stages never have: their replicas average after the step
-    (building.py ``_averaged_after_step``; torch's input passes never arm DDP's reducer)."""
-    if wrapped or stage.stage_module.stage.mode.selective:
+    it kept at its one recompute, so no second backward can cross the region). No stage of a split
+    schedule is DDP-wrapped: its replicas average after the step (building.py
+    ``_averaged_after_step``; torch's input passes never arm DDP's reducer)."""
+    if stage.stage_module.stage.mode.selective:
         return
     passes: List[WeightPass] = []
     _WEIGHT_PASSES[id(stage)] = passes
