@@ -4,6 +4,7 @@ torch's own classes on the same work."""
 
 from typing import Any, Dict, List, Tuple
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode as TorchFakeTensorMode
@@ -68,3 +69,22 @@ def test_a_fake_mode_starts_from_an_empty_dispatch_cache():
     with _compat.FakeTensorMode() as mine:
         assert mine.cache_enabled and len(TorchFakeTensorMode.cache) == 0
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_grouped_matrix_product_of_other_dtypes_runs_on_fake_tensors_as_on_real_ones(dtype):
+    # torch's meta kernel checks the fast kernel's bfloat16 only; HF's MoE experts call it in float32
+    def run() -> Tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        tokens = torch.randn(6, 8, dtype=dtype, requires_grad=True)  # grouped by offs: 2, 1 and 3 rows
+        experts = torch.randn(3, 8, 8, dtype=dtype, requires_grad=True)
+        out = torch.nn.functional.grouped_mm(tokens, experts, offs=torch.tensor([2, 3, 6], dtype=torch.int32))
+        batched = torch.nn.functional.grouped_mm(experts.transpose(1, 2), experts)  # 3D x 3D
+        (out.square().sum() + batched.square().sum()).backward()  # gradients with real strides
+        return out, batched, tokens.grad, experts.grad
+
+    real = run()
+    with _compat.FakeTensorMode():
+        fake = run()
+    for f, r in zip(fake, real, strict=True):
+        assert type(f).__name__ == "FakeTensor"
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)

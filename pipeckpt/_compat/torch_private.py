@@ -151,6 +151,27 @@ class FakeTensorMode(_TorchFakeTensorMode):
         super().__init__(*args, **kwargs)
         _TorchFakeTensorMode.cache.clear()
 
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """torch's, but for a grouped matrix product of float32 or float16 operands, which torch's
+        meta kernel refuses (it checks the fast kernel's bfloat16 only, though CPU and CUDA run
+        other dtypes by their fallback): an MoE model's experts under Hugging Face's ``grouped_mm``
+        (the default on a GPU and on CPU since torch 2.11) failed every fake profile. Its result
+        is the bfloat16 product's shape, in the operands' dtype (or ``out_dtype``); nothing but
+        that result is counted, as nothing else of the kernel's outlives it."""
+        kwargs = dict(kwargs or {})
+        if func is not torch.ops.aten._grouped_mm.default:
+            return super().dispatch(func, types, args, kwargs)
+        bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
+        a, b = bound["self"], bound["mat2"]
+        if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+            return super().dispatch(func, types, args, kwargs)
+        to = torch.ops.aten._to_copy.default
+        half = [
+            super(FakeTensorMode, self).dispatch(to, types, (t,), {"dtype": torch.bfloat16}) for t in (a, b)
+        ]
+        out = super().dispatch(func, types, (*half, bound.get("offs")), {})
+        return super().dispatch(to, types, (out,), {"dtype": bound.get("out_dtype") or a.dtype})
+
 
 # torch's per-operator memory accounting lives only in torch.distributed._tools (no public module
 # counts the bytes of every tensor an operator creates, nor snapshots them per module).
