@@ -3,7 +3,8 @@ _backward, the memory tools); DCP's metadata classes are :mod:`pipeckpt._compat.
 torch.distributed's stage, FSDP2 and mesh helpers :mod:`pipeckpt._compat.torch_distributed`'s.
 
 Each entry says why no public API serves; ``tests/test_compat.py`` checks each by name and
-behaviour.
+behaviour (the memory tools' changes against torch's own classes:
+``tests/test_compat_memory_tools.py``).
 """
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
