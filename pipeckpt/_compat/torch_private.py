@@ -138,6 +138,9 @@ def set_module_device(module: Any, device: torch.device) -> None:
 # exist only under torch._subclasses; torch has no public FakeTensorMode.
 from torch._subclasses.fake_tensor import FakeTensorMode as _TorchFakeTensorMode  # noqa: E402
 
+# The grouped matrix product (MoE experts) FakeTensorMode answers itself: only an aten name.
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
 
 class FakeTensorMode(_TorchFakeTensorMode):
     """torch's fake tensor mode, its dispatch cache emptied as each mode is made. The cache is a
@@ -159,8 +162,8 @@ class FakeTensorMode(_TorchFakeTensorMode):
         (the default on a GPU and on CPU since torch 2.11) failed every fake profile. Its result
         is the bfloat16 product's shape, in the operands' dtype (or ``out_dtype``); nothing but
         that result is counted, as nothing else of the kernel's outlives it."""
-        kwargs = dict(kwargs or {})
-        if func is not torch.ops.aten._grouped_mm.default:
+        kwargs = {} if kwargs is None else kwargs
+        if func is not _GROUPED_MM:  # every other op, as torch dispatches it
             return super().dispatch(func, types, args, kwargs)
         bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
         a, b = bound["self"], bound["mat2"]
