@@ -144,12 +144,13 @@ _GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 class FakeTensorMode(_TorchFakeTensorMode):
     """torch's fake tensor mode, its dispatch cache emptied as each mode is made. The cache is a
-    class attribute shared by every mode in the process: an op answered from an entry an earlier
-    search left allocated less than one run afresh, so a profile's counted memory depended on what
-    ran before it (a GPT-2 layer's backward working set came out 256 bytes apart after another
-    search in the same process; tests/app/test_layout_no_plan.py). Emptied, the entries a profile
-    reads are its own ops' (the later layers' repeats of the first's, counted alike:
-    tests/test_compat_memory_tools.py), and a search runs 1.4-1.8x faster than without it."""
+    class attribute shared by every mode in the process, and entries an earlier search left made a
+    profile's counted memory depend on what ran before it (a GPT-2 layer's backward working set
+    came out 256 bytes apart after another search in the same process; the op was not traced;
+    tests/app/test_layout_no_plan.py), so it was turned off. Emptied, the entries a profile reads
+    are its own ops': the later layers' repeats of the first's count what the first counted, as
+    without the cache (tests/test_compat_memory_tools.py), and searches ran 1.35x-1.84x faster
+    with it, their output equal (benchmarks/RESULTS_layout.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -242,9 +243,9 @@ class MemTracker(_TorchMemTracker):
     def _update_peak_stats(self, peak_state: Any) -> None:
         """torch's update of each active module's peak, after every operator, in the time of the
         modules active now rather than of every module tracked: torch's walks them all (a weak
-        dictionary, each entry dereferenced) to find the few whose name is among the active ones,
-        a fifth of a profile of a 4-layer HF Llama on fake tensors. The same modules are updated
-        with the same snapshots."""
+        dictionary, each entry dereferenced) to find the few whose name is among the active ones
+        (14 of 83 s of a 4-layer HF Llama's search under cProfile, which inflates each call). The
+        same modules are updated with the same snapshots."""
         tracking: _NamedWeakIdKeyDictionary = self.memory_tracking  # type: ignore[assignment]
         for mod_stats in tracking.active(self._mod_tracker.parents):
             if peak_state in mod_stats.snapshots:
