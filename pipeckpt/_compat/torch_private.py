@@ -198,8 +198,8 @@ class _NamedWeakIdKeyDictionary(WeakIdKeyDictionary):
     entry is set or the table cleared (MemTracker only sets and clears it; a module collected
     since is skipped where the walk would have found it gone)."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self) -> None:
+        super().__init__()
         self._by_name: Optional[Dict[str, List[Tuple[Any, Any]]]] = None
 
     def __setitem__(self, key: Any, value: Any) -> None:
