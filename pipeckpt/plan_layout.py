@@ -6,7 +6,10 @@ and costs as functions; building them from the configs is the plan command's job
 a fit builds it, on fake tensors when it would not fit this machine: :mod:`pipeckpt.plan_model`), and
 train.py applies the pick to the configs before the strategy is built. The processes a run starts
 (Lightning's launcher runs this script again) do not search again: the launching process hands its
-pick to them in the environment (:data:`PICK_VARIABLE`), as their profiles would differ.
+pick to them in the environment (:data:`PICK_VARIABLE`), as their profiles would differ. Under a
+launcher outside Lightning (torchrun, srun), where every process runs the script itself, global rank
+0 searches and hands its pick to the others through the run's store
+(:func:`pipeckpt.engines.distributed.startup.from_rank_zero`).
 """
 
 import contextlib
@@ -21,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
+from pipeckpt.engines.distributed.processes import SETTINGS, check_time_limit
+from pipeckpt.engines.distributed.startup import from_rank_zero, outside_launcher
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
@@ -67,6 +72,12 @@ class Answer:
         return f"{format_search(self.searched, top=top, device=where)}\n{tail}"
 
 
+def _devices(cfg: DictConfig) -> int:
+    """Processes per node: ``trainer.devices`` (1 where it is not a count)."""
+    devices = cfg.trainer.get("devices")
+    return int(devices) if isinstance(devices, int) else 1
+
+
 def _world(cfg: DictConfig) -> Optional[int]:
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes") or 1
     return int(devices) * int(nodes) if isinstance(devices, int) else None
@@ -85,8 +96,9 @@ def _cluster(cfg: DictConfig) -> Cluster:
 
 
 def _check(cfg: DictConfig, given: str = "strategy.layout=auto", fix: str = "") -> None:
-    """The distributed engine, which runs a layout's world of processes, is the one configured
-    (``given``: what the user asked that needs it)."""
+    """What the search needs of the configs, before any work (``given``: what the user asked that
+    needs it): the distributed engine, which runs a layout's world of processes, and a model of
+    tokens, whose sequence length prices every layout's work and traffic."""
     engine = cfg.strategy.get("engine")
     if not engine_class(str(engine)).is_distributed:  # the engine's own word, not its name
         raise config_error(
@@ -94,6 +106,15 @@ def _check(cfg: DictConfig, given: str = "strategy.layout=auto", fix: str = "") 
             "a layout spreads the model over a world of processes, one per device, which the "
             "distributed engine runs",
             "add strategy.engine=distributed" + fix,
+        )
+    if not isinstance(cfg.model, DictConfig) or not isinstance(cfg.model.get("seq_len"), int):
+        target = cfg.model.get("_target_") if isinstance(cfg.model, DictConfig) else cfg.model
+        raise config_error(
+            f"{given} with model._target_={target} (model.seq_len: {OmegaConf.select(cfg, 'model.seq_len')})",
+            "the search prices a layout by the tokens of a sequence model: an integer model.seq_len "
+            "(model=gpt, llama3 or hf)",
+            "train a sequence model, or give the layout by hand (strategy.stages, strategy.dp, "
+            "strategy.schedule, strategy.chunks) without it" + fix,
         )
 
 
@@ -317,23 +338,35 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
     """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
     when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
     batch per replica (``data.batch_size`` is the global batch under auto). The launching process
-    searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it."""
+    searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it. Under
+    torchrun or srun, global rank 0 searches and the others wait for its pick (up to the strategy's
+    ``start_timeout``), so every rank trains the same layout."""
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
     handed = os.environ.get(PICK_VARIABLE)
-    if handed is None:
-        answer = search_config(cfg, top=SHOWN)  # the pick and its runners-up: no other layout is fitted
-        best = answer.searched.best
-        say(answer.text(top=SHOWN), flush=True)
-        pick: Dict[str, Any] = {
-            "settings": best.candidate.settings(),
-            "dp": best.candidate.dp,
-            "row": format_row(1, best),
-        }
-        os.environ[PICK_VARIABLE] = json.dumps(pick)
-        say(f"strategy.layout=auto: training with {pick['row'].strip()}", flush=True)
-    else:
+    nodes = int(cfg.trainer.get("num_nodes") or 1)
+    outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
+    if handed is not None:
         pick = json.loads(handed)
+    elif outside is None:
+        pick = _searched_pick(cfg, say)
+    else:  # every process runs this script: rank 0 searches, the others take its pick
+        _check(cfg)
+        given = cfg.strategy.get("start_timeout")
+        window = check_time_limit(
+            "start_timeout", SETTINGS["start_timeout"] if given is None else given, "the start-up", 600
+        )
+        text = from_rank_zero(
+            outside,
+            "layout",
+            lambda: json.dumps(_searched_pick(cfg, say)),
+            window_s=window,
+            what="the layout search (strategy.layout=auto)",
+        )
+        pick = json.loads(text)
+        if outside.global_rank() != 0:
+            say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
+    os.environ[PICK_VARIABLE] = json.dumps(pick)
     picked = cfg.copy()
     with open_dict(picked):
         for key, value in pick["settings"].items():
@@ -345,3 +378,13 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
     return picked
+
+
+def _searched_pick(cfg: DictConfig, say: Any) -> Dict[str, Any]:
+    """The search's pick, printed with its runners-up: the settings, replicas and table row."""
+    answer = search_config(cfg, top=SHOWN)  # the pick and its runners-up: no other layout is fitted
+    best = answer.searched.best
+    say(answer.text(top=SHOWN), flush=True)
+    row = format_row(1, best)
+    say(f"strategy.layout=auto: training with {row.strip()}", flush=True)
+    return {"settings": best.candidate.settings(), "dp": best.candidate.dp, "row": row}

@@ -1,5 +1,6 @@
 """``strategy.layout=auto`` from the command line: the plan command ranks layouts, train.py trains with
-the pick, and a bad value is refused naming the setting.
+the pick (under torchrun too, where every process runs train.py: rank 0's pick), and a bad value is
+refused naming the setting.
 
 The plan runs in-process on a published preset (its figures are in conf/cluster/, no calibration);
 the acceptance command on ``cluster=local`` and the 4-process training run are slow tests.
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from support import forkserver
+from support.paths import launcher_free
+from support.ranks import free_port
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.plan import main, run
@@ -52,6 +55,21 @@ def test_layout_auto_under_the_local_engine_is_refused_naming_the_engine() -> No
         run(["model=gpt", "strategy.layout=auto", "cluster=h100_8"])
 
 
+def test_layout_auto_on_a_model_without_a_sequence_length_is_refused_naming_the_model() -> None:
+    with pytest.raises(
+        PipeckptConfigError, match=r"strategy.layout=auto with model._target_=pipeckpt.app.models.MLP"
+    ):
+        run(
+            [
+                "model=mlp",
+                "strategy.engine=distributed",
+                "trainer.devices=2",
+                "strategy.layout=auto",
+                "cluster=h100_8",
+            ]
+        )
+
+
 def test_the_strategy_built_with_layout_auto_says_where_the_search_runs() -> None:
     with pytest.raises(PipeckptConfigError, match=r"layout='auto' in PipelineStrategy"):
         PipelineStrategy(engine="distributed", layout="auto")
@@ -86,3 +104,37 @@ def test_train_py_trains_with_the_layout_the_search_picks(tmp_path: Path) -> Non
     first = next(line for line in lines if line.startswith(" 1 pp"))  # the table's first row
     assert f"strategy.layout=auto: training with {first.strip()}" in lines
     assert "2 steps in" in done.stdout
+
+
+@pytest.mark.slow
+def test_train_py_under_torchrun_trains_rank_0s_pick_on_every_rank(tmp_path: Path) -> None:
+    env = launcher_free({k: v for k, v in os.environ.items() if k != PICK_VARIABLE})
+    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    command = [
+        *torchrun,
+        "train.py",
+        "model=gpt",
+        "strategy.engine=distributed",
+        "trainer.devices=2",
+        "strategy.layout=auto",
+        "cluster=local",  # measured here: two searches could pick apart
+        "trainer.max_steps=2",
+        "trainer.accelerator=cpu",
+        "validate=false",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    done = forkserver.run(command, cwd=ROOT, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("layout search:") == 1, out  # rank 0's, alone
+    row = next(line for line in out.splitlines() if line.startswith(" 1 pp")).strip()
+    assert f"strategy.layout=auto: training with {row} (rank 0's search)" in out, out
+    assert "2 steps in" in out

@@ -72,14 +72,8 @@ def check_process_settings(s: PipeSettings) -> None:
         "start_timeout": (s.start_timeout, "the start-up", 600),
     }
     for name, (limit, what, example) in limits.items():
-        if limit is not None and (
-            isinstance(limit, (bool, str)) or not 0 < limit <= timedelta.max.total_seconds()
-        ):
-            raise config_error(
-                f"{name}={limit:g}" if isinstance(limit, (int, float)) else f"{name}={limit!r}",
-                f"{what} needs a positive, finite time limit",
-                f"set {name} in seconds, e.g. {example}",
-            )
+        if limit is not None:
+            check_time_limit(name, limit, what, example)
     check_data_parallel(s)
     check_tensor_parallel(s)
     assert s.schedule is not None and s.virtual_stages is not None
@@ -87,6 +81,21 @@ def check_process_settings(s: PipeSettings) -> None:
     check_kind(kind, s.virtual_stages)
     check_reduce_every(s, kind.traits.split_backward)
     check_auto(s)  # checkpoint='auto': gpipe or 1f1b, the stage count fixed
+
+
+def check_time_limit(name: str, limit: Any, what: str, example: float) -> float:
+    """``limit``, a setting's seconds, if positive and finite; else the error naming ``name``."""
+    if (
+        not isinstance(limit, (int, float))
+        or isinstance(limit, bool)
+        or not 0 < limit <= timedelta.max.total_seconds()
+    ):
+        raise config_error(
+            f"{name}={limit:g}" if isinstance(limit, (int, float)) else f"{name}={limit!r}",
+            f"{what} needs a positive, finite time limit",
+            f"set {name} in seconds, e.g. {example:g}",
+        )
+    return float(limit)
 
 
 def _is_count(value: Any) -> bool:

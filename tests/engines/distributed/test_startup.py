@@ -1,8 +1,11 @@
 """Start-up (pipeckpt/engines/distributed/startup.py): every rank waits for the others to start
 within ``start_timeout`` (600 s by default), apart from the step ``timeout`` (60 s), so a rank that
-starts late is waited for, and one that never starts is named by every rank that waited for it."""
+starts late is waited for, and one that never starts is named by every rank that waited for it; and
+which launcher outside Lightning started the processes (what global rank 0 decides alone is handed on
+through the run's store: tests/app/test_layout_handoff.py)."""
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -11,10 +14,12 @@ from typing import Any, Dict, List
 
 import pytest
 import support.ranks as ranks
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from support.paths import REPO
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.engines.distributed.processes import SETTINGS
+from pipeckpt.engines.distributed.startup import outside_launcher
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "distributed_worker.py"
@@ -79,3 +84,49 @@ def test_a_rank_that_never_starts_is_named_within_the_window_and_no_process_is_l
         logs,
     ), logs
     assert "HINT: look at the output of rank" in logs, logs
+
+
+def _launched(monkeypatch: pytest.MonkeyPatch, **variables: str) -> None:
+    """This process's environment as a launcher would leave it: ``variables`` and nothing of another."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "TORCHELASTIC", "PL_")) or key in (
+            "LOCAL_RANK",
+            "NODE_RANK",
+            "GROUP_RANK",
+        ):
+            monkeypatch.delenv(key)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_a_process_alone_or_started_by_lightnings_launcher_has_no_outside_launcher(monkeypatch):
+    _launched(monkeypatch)
+    assert outside_launcher(devices=2, num_nodes=1) is None
+
+
+def test_torchrun_is_the_outside_launcher_with_its_own_ranks(monkeypatch):
+    _launched(
+        monkeypatch,
+        TORCHELASTIC_RUN_ID="1",
+        RANK="3",
+        WORLD_SIZE="4",
+        LOCAL_RANK="1",
+        GROUP_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
+    found = outside_launcher(devices=2, num_nodes=2)
+    assert isinstance(found, TorchElasticEnvironment)
+    assert (found.global_rank(), found.world_size()) == (3, 4)
+
+
+def test_a_launch_by_hand_gets_its_ranks_as_the_strategy_sets_them(monkeypatch):
+    _launched(monkeypatch, LOCAL_RANK="1", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    found = outside_launcher(devices=2, num_nodes=2)
+    assert isinstance(found, LightningEnvironment)
+    assert (found.global_rank(), found.world_size()) == (3, 4)
+
+
+def test_one_process_started_by_an_outside_launcher_hands_nothing_on(monkeypatch):
+    _launched(monkeypatch, LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert outside_launcher(devices=1, num_nodes=1) is None
