@@ -59,7 +59,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Builds everything from ``cfg``, trains, and returns the run's summary."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    cfg = apply_layout(cfg)  # strategy.layout=auto: the searched layout, before anything is built
+    # strategy.layout=auto: the searched layout, before anything is built (a mode named kept)
+    cfg = apply_layout(cfg, overrides=_overrides())
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -127,6 +128,14 @@ def _final_checkpoint(trainer: L.Trainer, output_dir: str) -> str:
     path = os.path.join(output_dir, "final.ckpt")
     trainer.save_checkpoint(path, weights_only=False)  # the whole state; saying so silences Lightning's note
     return path
+
+
+def _overrides() -> list[str]:
+    """The command line's overrides (none where Hydra did not run this)."""
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not run by Hydra
+        return []
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

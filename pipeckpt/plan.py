@@ -31,7 +31,7 @@ from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rank_peak import RankTable, format_ranks
 from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.timing import for_compile
-from pipeckpt.plan_layout import Answer, check_layout, search_config
+from pipeckpt.plan_layout import Answer, check_layout, given_modes, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
@@ -180,7 +180,8 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
-        return search_config(cfg, png=options.png or "layout_frontier.png", top=options.top), options, None
+        png, modes = options.png or "layout_frontier.png", given_modes(cfg, overrides)
+        return search_config(cfg, png=png, top=options.top, modes=modes), options, None
     if options.top is not None:
         raise config_error(
             f"memory.top={options.top}",

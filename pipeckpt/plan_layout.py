@@ -43,13 +43,25 @@ from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 
-__all__ = ["Answer", "search_config", "hand_layout", "check_layout", "apply_layout", "PICK_VARIABLE"]
+__all__ = [
+    "Answer",
+    "search_config",
+    "hand_layout",
+    "check_layout",
+    "apply_layout",
+    "given_modes",
+    "PICK_VARIABLE",
+]
 
 #: The environment variable the launching process hands its pick to the processes it starts in.
 PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
 
 #: The layouts train.py prints before training with the first: the search ranks these only.
 SHOWN = 5
+
+#: The command line's keys that name the checkpoint modes (``ckpt=always``): under
+#: ``strategy.layout=auto`` the mode named is kept on every stage of every layout.
+MODE_KEYS = ("ckpt", "ckpt.modes", "strategy.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -250,12 +262,14 @@ def search_config(
     png: Optional[str] = None,
     only: Optional[Sequence[Candidate]] = None,
     top: Optional[int] = None,
+    modes: Optional[str] = None,
 ) -> Answer:
     """The layouts of the configured model on the configured cluster, ranked (the plan command's
     ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one; ``only``:
     these layouts instead of every one (each fitted and predicted as the search does); ``top``: only
     the ``top`` fastest, found without fitting the layouts that cannot be among them
-    (:func:`pipeckpt.layout.search.search`'s floor)."""
+    (:func:`pipeckpt.layout.search.search`'s floor); ``modes``: the one checkpoint mode every stage
+    of every layout keeps (:func:`given_modes`), else each layout's are chosen."""
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         found = (
@@ -268,6 +282,8 @@ def search_config(
             if only is None
             else only
         )
+        if modes is not None and only is None:
+            found = [replace(c, modes=(modes,) * c.stages) for c in found]
         price = _cost(cfg, memory, where, shapes)
         searched = search(
             found,
@@ -334,22 +350,43 @@ def check_layout(cfg: DictConfig) -> Answer:
     return search_config(whole, only=[c])
 
 
-def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
+def given_modes(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
+    """The checkpoint mode the command line names (``ckpt=always``, among ``overrides``), which a
+    search keeps on every stage of every layout; None where the modes are the search's to choose:
+    none named (``conf/train.yaml``'s default is not the user's choice), or ``ckpt=auto``."""
+    if not any(o.lstrip("+~").split("=", 1)[0] in MODE_KEYS for o in overrides):
+        return None
+    given = cfg.strategy.get("checkpoint")
+    names = [given] if isinstance(given, str) else list(given or [])
+    if names == ["auto"]:
+        return None
+    if len(names) != 1:
+        raise config_error(
+            f"checkpoint modes {names} ({len(names)} modes) with strategy.layout=auto",
+            "the search chooses the stage count, so a mode it keeps is one for every stage",
+            "give one mode (ckpt=always), or name none to let the search choose each stage's",
+        )
+    return str(names[0])
+
+
+def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = ()) -> DictConfig:
     """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
     when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
     batch per replica (``data.batch_size`` is the global batch under auto). The launching process
     searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it. Under
     torchrun or srun, global rank 0 searches and the others wait for its pick (up to the strategy's
-    ``start_timeout``), so every rank trains the same layout."""
+    ``start_timeout``), so every rank trains the same layout. A mode named in ``overrides``
+    (the command line's) is kept on every stage (:func:`given_modes`)."""
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
+    modes = given_modes(cfg, overrides)
     handed = os.environ.get(PICK_VARIABLE)
     nodes = int(cfg.trainer.get("num_nodes") or 1)
     outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
     if handed is not None:
         pick = json.loads(handed)
     elif outside is None:
-        pick = _searched_pick(cfg, say)
+        pick = _searched_pick(cfg, say, modes)
     else:  # every process runs this script: rank 0 searches, the others take its pick
         _check(cfg)
         given = cfg.strategy.get("start_timeout")
@@ -359,7 +396,7 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
         text = from_rank_zero(
             outside,
             "layout",
-            lambda: json.dumps(_searched_pick(cfg, say)),
+            lambda: json.dumps(_searched_pick(cfg, say, modes)),
             window_s=window,
             what="the layout search (strategy.layout=auto)",
         )
@@ -380,9 +417,9 @@ def apply_layout(cfg: DictConfig, say: Any = print) -> DictConfig:
     return picked
 
 
-def _searched_pick(cfg: DictConfig, say: Any) -> Dict[str, Any]:
+def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:
     """The search's pick, printed with its runners-up: the settings, replicas and table row."""
-    answer = search_config(cfg, top=SHOWN)  # the pick and its runners-up: no other layout is fitted
+    answer = search_config(cfg, top=SHOWN, modes=modes)  # the pick and its runners-up: nothing else fitted
     best = answer.searched.best
     say(answer.text(top=SHOWN), flush=True)
     row = format_row(1, best)

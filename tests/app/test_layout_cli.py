@@ -9,15 +9,17 @@ the acceptance command on ``cluster=local`` and the 4-process training run are s
 import os
 import sys
 from pathlib import Path
+from typing import List, Optional
 
 import pytest
 from support import forkserver
+from support.layout_configs import compose_train
 from support.paths import launcher_free
 from support.ranks import free_port
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.plan import main, run
-from pipeckpt.plan_layout import PICK_VARIABLE, Answer
+from pipeckpt.plan_layout import PICK_VARIABLE, Answer, given_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTO = ["model=gpt", "strategy.engine=distributed", "trainer.devices=4", "strategy.layout=auto"]
@@ -43,6 +45,38 @@ def test_the_plan_command_prints_the_table_the_runner_up_line_and_the_png(
     assert "layout search:" in out and "tok/s/dev" in out
     assert "runner-up " in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("top", [[], ["memory.top=5"]])  # every layout fitted; or priced first, as train.py
+def test_a_mode_named_on_the_command_line_is_kept_on_every_stage_of_every_layout(
+    tmp_path: Path, top: List[str]
+) -> None:
+    answer, _, _ = run([*AUTO, "cluster=h100_8", "ckpt=always", f"memory.png={tmp_path / 'f.png'}", *top])
+    assert isinstance(answer, Answer)
+    assert len(answer.searched.ranked) >= 3
+    for r in answer.searched.ranked:
+        assert set(r.candidate.modes) == {"always"} and len(r.candidate.modes) == r.candidate.stages, r
+
+
+@pytest.mark.parametrize(
+    "overrides, kept",
+    [
+        ([], None),  # train.yaml's default is not the user's choice: searched
+        (["ckpt=always"], "always"),
+        (["strategy.checkpoint=selective"], "selective"),
+        (["ckpt=auto"], None),
+    ],
+)
+def test_only_a_mode_the_command_line_names_is_kept(overrides: List[str], kept: Optional[str]) -> None:
+    cfg = compose_train([*AUTO, "cluster=h100_8", *overrides])
+    assert given_modes(cfg, [*AUTO, *overrides]) == kept
+
+
+def test_a_mode_per_stage_with_layout_auto_is_refused_naming_the_modes() -> None:
+    with pytest.raises(
+        PipeckptConfigError, match=r"checkpoint modes \['always', 'never'\] \(2 modes\) with strategy"
+    ):
+        run([*AUTO, "cluster=h100_8", "ckpt.modes=[always,never]"])
 
 
 def test_a_misspelt_layout_is_refused_naming_the_setting() -> None:
