@@ -46,7 +46,7 @@ from pipeckpt.app.config import register
 from pipeckpt.app.sample import sample_after_training
 from pipeckpt.app.throughput import ThroughputLog
 from pipeckpt.export import HFExport
-from pipeckpt.plan_layout import apply_layout
+from pipeckpt.plan_pick import apply_layout
 from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
 from pipeckpt.sizes import human

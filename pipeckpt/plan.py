@@ -31,9 +31,10 @@ from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rank_peak import RankTable, format_ranks
 from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.timing import for_compile
-from pipeckpt.plan_layout import Answer, check_layout, given_modes, search_config
+from pipeckpt.plan_layout import Answer, check_layout, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
+from pipeckpt.plan_pick import given_modes
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
 from pipeckpt.plan_table import COLUMNS, draw, format_prediction, mib
 from pipeckpt.settings import PipeSettings, check_names

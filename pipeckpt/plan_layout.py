@@ -4,19 +4,12 @@ for train.py.
 Why here, in the CLIs' layer: the search (:mod:`pipeckpt.layout`) takes a model's layers, profiles
 and costs as functions; building them from the configs is the plan command's job (the model built as
 a fit builds it, on fake tensors when it would not fit this machine: :mod:`pipeckpt.plan_model`), and
-train.py applies the pick to the configs before the strategy is built. The processes a run starts
-(Lightning's launcher runs this script again) do not search again: the launching process hands its
-pick to them in the environment (:data:`PICK_VARIABLE`), as their profiles would differ. Under a
-launcher outside Lightning (torchrun, srun), where every process runs the script itself, global rank
-0 searches and hands its pick to the others through the run's store
-(:func:`pipeckpt.engines.distributed.startup.from_rank_zero`).
+train.py applies the pick to the configs before the strategy is built (:mod:`pipeckpt.plan_pick`).
 """
 
 import contextlib
-import json
-import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -24,8 +17,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeckpt._errors import config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
-from pipeckpt.engines.distributed.processes import SETTINGS, check_time_limit
-from pipeckpt.engines.distributed.startup import from_rank_zero, outside_launcher
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
 from pipeckpt.layout.candidates import Candidate, Model, candidates
@@ -34,7 +25,7 @@ from pipeckpt.layout.fit import Memory, Shapes
 from pipeckpt.layout.floor import step_floor
 from pipeckpt.layout.links import Mesh, all_reduce_s
 from pipeckpt.layout.rank_work import sharded_collectives_s
-from pipeckpt.layout.report import draw, format_row, format_search, progress_printer
+from pipeckpt.layout.report import draw, format_search, progress_printer
 from pipeckpt.layout.search import Estimate, Searched, search
 from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_fsdp_host import SHARDS
@@ -43,25 +34,7 @@ from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 
-__all__ = [
-    "Answer",
-    "search_config",
-    "hand_layout",
-    "check_layout",
-    "apply_layout",
-    "given_modes",
-    "PICK_VARIABLE",
-]
-
-#: The environment variable the launching process hands its pick to the processes it starts in.
-PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
-
-#: The layouts train.py prints before training with the first: the search ranks these only.
-SHOWN = 5
-
-#: The command line's keys that name the checkpoint modes (``ckpt=always``): under
-#: ``strategy.layout=auto`` the mode named is kept on every stage of every layout.
-MODE_KEYS = ("ckpt", "ckpt.modes", "strategy.checkpoint")
+__all__ = ["Answer", "search_config", "hand_layout", "check_layout", "check_searchable", "by_hand"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +44,7 @@ class Answer:
     searched: Searched
     cluster: Cluster
     profiled: Tuple[Tuple[int, int], ...]  # (tp, micro-batch size) shapes profiled
+    hand: Tuple[str, ...] = ()  # the pick's overrides by hand (:func:`by_hand`), after a search
 
     def text(self, top: int = 8) -> str:
         d = self.cluster.device
@@ -81,13 +55,9 @@ class Answer:
         tail = f"memory profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
         if _this_machine(self.cluster):
             tail += "; times from one micro-batch timed layer by layer on this machine"
+        if self.hand:
+            tail += f"\nthe pick by hand, without a search: {' '.join(self.hand)}"
         return f"{format_search(self.searched, top=top, device=where)}\n{tail}"
-
-
-def _devices(cfg: DictConfig) -> int:
-    """Processes per node: ``trainer.devices`` (1 where it is not a count)."""
-    devices = cfg.trainer.get("devices")
-    return int(devices) if isinstance(devices, int) else 1
 
 
 def _world(cfg: DictConfig) -> Optional[int]:
@@ -107,7 +77,7 @@ def _cluster(cfg: DictConfig) -> Cluster:
     return cluster(given, devices=_world(cfg))  # type: ignore[arg-type]
 
 
-def _check(cfg: DictConfig, given: str = "strategy.layout=auto", fix: str = "") -> None:
+def check_searchable(cfg: DictConfig, given: str = "strategy.layout=auto", fix: str = "") -> None:
     """What the search needs of the configs, before any work (``given``: what the user asked that
     needs it): the distributed engine, which runs a layout's world of processes, and a model of
     tokens, whose sequence length prices every layout's work and traffic."""
@@ -222,7 +192,7 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
 
 @contextlib.contextmanager
 def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, SearchShapes]]:
-    _check(cfg)
+    check_searchable(cfg)
     where = _cluster(cfg)
     precision = str(cfg.trainer.precision)
     drawn = batch(cfg)
@@ -295,7 +265,8 @@ def search_config(
             top=top,
             floor=price.floor if top else None,
         )
-        answer = Answer(searched, where, tuple(shapes.profiles))
+        hand = by_hand(cfg, searched.best.candidate.settings()) if only is None and searched.ranked else []
+        answer = Answer(searched, where, tuple(shapes.profiles), tuple(hand))
     if png is not None:
         draw(searched, png, where.device.memory_bytes)
     return answer
@@ -341,7 +312,7 @@ def hand_layout(cfg: DictConfig, world: int) -> Candidate:
 def check_layout(cfg: DictConfig) -> Answer:
     """The layout given by hand, fitted and predicted on the configured cluster as the search does
     each of its layouts (its own modes kept): its row, or why it does not fit."""
-    _check(cfg, "cluster=", ", or drop cluster=")
+    check_searchable(cfg, "cluster=", ", or drop cluster=")
     where = _cluster(cfg)
     c = hand_layout(cfg, where.world)
     whole = cfg.copy()
@@ -350,78 +321,16 @@ def check_layout(cfg: DictConfig) -> Answer:
     return search_config(whole, only=[c])
 
 
-def given_modes(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
-    """The checkpoint mode the command line names (``ckpt=always``, among ``overrides``), which a
-    search keeps on every stage of every layout; None where the modes are the search's to choose:
-    none named (``conf/train.yaml``'s default is not the user's choice), or ``ckpt=auto``."""
-    if not any(o.lstrip("+~").split("=", 1)[0] in MODE_KEYS for o in overrides):
-        return None
-    given = cfg.strategy.get("checkpoint")
-    names = [given] if isinstance(given, str) else list(given or [])
-    if names == ["auto"]:
-        return None
-    if len(names) != 1:
-        raise config_error(
-            f"checkpoint modes {names} ({len(names)} modes) with strategy.layout=auto",
-            "the search chooses the stage count, so a mode it keeps is one for every stage",
-            "give one mode (ckpt=always), or name none to let the search choose each stage's",
-        )
-    return str(names[0])
-
-
-def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = ()) -> DictConfig:
-    """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
-    when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
-    batch per replica (``data.batch_size`` is the global batch under auto). The launching process
-    searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it. Under
-    torchrun or srun, global rank 0 searches and the others wait for its pick (up to the strategy's
-    ``start_timeout``), so every rank trains the same layout. A mode named in ``overrides``
-    (the command line's) is kept on every stage (:func:`given_modes`)."""
-    if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
-        return cfg
-    modes = given_modes(cfg, overrides)
-    handed = os.environ.get(PICK_VARIABLE)
-    nodes = int(cfg.trainer.get("num_nodes") or 1)
-    outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
-    if handed is not None:
-        pick = json.loads(handed)
-    elif outside is None:
-        pick = _searched_pick(cfg, say, modes)
-    else:  # every process runs this script: rank 0 searches, the others take its pick
-        _check(cfg)
-        given = cfg.strategy.get("start_timeout")
-        window = check_time_limit(
-            "start_timeout", SETTINGS["start_timeout"] if given is None else given, "the start-up", 600
-        )
-        text = from_rank_zero(
-            outside,
-            "layout",
-            lambda: json.dumps(_searched_pick(cfg, say, modes)),
-            window_s=window,
-            what="the layout search (strategy.layout=auto)",
-        )
-        pick = json.loads(text)
-        if outside.global_rank() != 0:
-            say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
-    os.environ[PICK_VARIABLE] = json.dumps(pick)
-    picked = cfg.copy()
-    with open_dict(picked):
-        for key, value in pick["settings"].items():
-            picked.strategy[key] = value
-        picked.strategy.layout = "manual"
-        if picked.strategy.get("sequence_parallel") and int(picked.strategy.get("tensor_parallel") or 1) == 1:
-            picked.strategy.sequence_parallel = False  # the pick splits no layer, so no sequence
-        picked.strategy.memory_budget = None
-        picked.strategy.memory_search = None
-        picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
-    return picked
-
-
-def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:
-    """The search's pick, printed with its runners-up: the settings, replicas and table row."""
-    answer = search_config(cfg, top=SHOWN, modes=modes)  # the pick and its runners-up: nothing else fitted
-    best = answer.searched.best
-    say(answer.text(top=SHOWN), flush=True)
-    row = format_row(1, best)
-    say(f"strategy.layout=auto: training with {row.strip()}", flush=True)
-    return {"settings": best.candidate.settings(), "dp": best.candidate.dp, "row": row}
+def by_hand(cfg: DictConfig, settings: Dict[str, Any]) -> List[str]:
+    """The overrides that train a pick's ``settings`` (:meth:`Candidate.settings`) by hand, in place of
+    ``strategy.layout=auto``: the degrees, schedule, chunks, FSDP policies and modes, and the batch
+    per replica (under auto, ``data.batch_size`` is the global batch)."""
+    out = []
+    for key, value in settings.items():
+        if key == "checkpoint":
+            out.append(f"ckpt.modes=[{','.join(value)}]")
+        elif value is not None:
+            out.append(f"strategy.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if cfg.strategy.get("sequence_parallel") and int(settings.get("tensor_parallel") or 1) == 1:
+        out.append("strategy.sequence_parallel=false")  # as apply_layout trains it
+    return [*out, f"data.batch_size={int(cfg.data.batch_size) // int(settings['dp'])}"]

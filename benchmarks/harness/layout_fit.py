@@ -3,7 +3,7 @@ per step and this rank's peak bytes (:mod:`bench_layout_measured`'s worker).
 
 The model, data and strategy are the app's, built from the same overrides as train.py builds them
 and with the pick handed on as train.py hands it to the processes it starts
-(:data:`pipeckpt.plan_layout.PICK_VARIABLE`); only the Trainer's extras are off
+(:data:`pipeckpt.plan_pick.PICK_VARIABLE`); only the Trainer's extras are off
 (:data:`harness.trainers.QUIET_CPU` less its sampler setting: the app's loaders are the strategy's).
 """
 
@@ -113,7 +113,7 @@ def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Fitted:
     from bench_layout_measured import _compose
     from hydra.utils import instantiate
 
-    from pipeckpt.plan_layout import PICK_VARIABLE, apply_layout
+    from pipeckpt.plan_pick import PICK_VARIABLE, apply_layout
 
     allocated = AllocatedBytes() if spec.get("allocated") else None
     probe = Probe(spec["warmup"], spec["timed"], allocated)

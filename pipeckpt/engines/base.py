@@ -87,14 +87,14 @@ class Engine(ABC):
     def check_settings(cls, settings: PipeSettings) -> None:
         """Engine-specific checks that need neither model nor world; raise ``config_error``.
         Here: a per-engine setting this engine does not run is refused, and ``layout='auto'``, which
-        is searched before the strategy is built (:func:`pipeckpt.plan_layout.apply_layout`), never
+        is searched before the strategy is built (:func:`pipeckpt.plan_pick.apply_layout`), never
         reaches it."""
         if settings.layout == "auto":
             raise config_error(
                 "layout='auto' in PipelineStrategy(...)",
                 "the layout is searched with the model and the cluster before the Trainer starts its "
                 "processes, and the strategy is built with the layout found",
-                "run train.py strategy.layout=auto (pipeckpt.plan_layout.apply_layout picks the layout "
+                "run train.py strategy.layout=auto (pipeckpt.plan_pick.apply_layout picks the layout "
                 "and builds the strategy with it; docs/LAYOUT.md, 'The search'), or give the layout",
             )
         given = [n for n in PipeSettings.per_engine() if n not in cls.own_settings]

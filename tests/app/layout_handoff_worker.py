@@ -9,7 +9,7 @@ import sys
 from omegaconf import OmegaConf
 from support.layout_configs import compose_train
 
-from pipeckpt.plan_layout import apply_layout
+from pipeckpt.plan_pick import apply_layout
 
 
 def main() -> None:

@@ -18,8 +18,10 @@ from support.paths import launcher_free
 from support.ranks import free_port
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
+from pipeckpt.layout.report import format_row
 from pipeckpt.plan import main, run
-from pipeckpt.plan_layout import PICK_VARIABLE, Answer, given_modes
+from pipeckpt.plan_layout import Answer
+from pipeckpt.plan_pick import PICK_VARIABLE, apply_layout, given_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTO = ["model=gpt", "strategy.engine=distributed", "trainer.devices=4", "strategy.layout=auto"]
@@ -77,6 +79,21 @@ def test_a_mode_per_stage_with_layout_auto_is_refused_naming_the_modes() -> None
         PipeckptConfigError, match=r"checkpoint modes \['always', 'never'\] \(2 modes\) with strategy"
     ):
         run([*AUTO, "cluster=h100_8", "ckpt.modes=[always,never]"])
+
+
+def test_the_pick_given_by_hand_as_printed_is_checked_to_the_same_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(PICK_VARIABLE, "")  # restored (unset) after the test: apply_layout sets it
+    monkeypatch.delenv(PICK_VARIABLE)
+    apply_layout(compose_train([*AUTO, "cluster=h100_8"]))
+    said = capsys.readouterr().out.splitlines()
+    picked = next(line for line in said if line.startswith("strategy.layout=auto: training with "))
+    hand = next(line for line in said if line.startswith("the pick by hand, without a search: "))
+    manual = [o for o in AUTO if o != "strategy.layout=auto"]
+    answer, _, _ = run([*manual, "cluster=h100_8", *hand.split(": ", 1)[1].split()])
+    (checked,) = answer.searched.ranked
+    assert picked == f"strategy.layout=auto: training with {format_row(1, checked).strip()}"
 
 
 def test_a_misspelt_layout_is_refused_naming_the_setting() -> None:

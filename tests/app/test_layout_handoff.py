@@ -18,7 +18,7 @@ from typing import Any, Dict, Sequence, Tuple
 import support.ranks as ranks
 from support.paths import REPO
 
-from pipeckpt.plan_layout import PICK_VARIABLE
+from pipeckpt.plan_pick import PICK_VARIABLE
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "layout_handoff_worker.py"

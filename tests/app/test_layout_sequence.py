@@ -6,7 +6,7 @@ from typing import Any, Dict, Tuple
 
 from support.layout_configs import llama_search
 
-from pipeckpt import plan_layout
+from pipeckpt import plan_layout, plan_pick
 
 
 def _peaks(*extra: str) -> Dict[Any, Tuple[int, ...]]:
@@ -28,8 +28,8 @@ def test_sequence_parallelism_lowers_every_tensor_parallel_layouts_peak_and_no_o
 
 def test_a_pick_without_tensor_parallelism_trains_without_sequence_parallelism(monkeypatch):
     cfg = llama_search("cluster=h100_8", "data.batch_size=16", "strategy.sequence_parallel=true")
-    monkeypatch.delenv(plan_layout.PICK_VARIABLE, raising=False)
-    picked = plan_layout.apply_layout(cfg, say=lambda *a, **k: None)
+    monkeypatch.delenv(plan_pick.PICK_VARIABLE, raising=False)
+    picked = plan_pick.apply_layout(cfg, say=lambda *a, **k: None)
     assert int(picked.strategy.get("tensor_parallel") or 1) == 1  # this small Llama's pick on 8 H100
     assert picked.strategy.sequence_parallel is False  # else the strategy would refuse it
 

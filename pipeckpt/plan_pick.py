@@ -1,0 +1,117 @@
+"""``strategy.layout=auto`` applied to train.py's configs: the search's pick written into the
+strategy and data settings, and agreed by every process of the run.
+
+Why a module of its own: the search (:mod:`pipeckpt.plan_layout`) answers for one process; a run has
+many. The processes Lightning's launcher starts (it runs train.py again) do not search again: the
+launching process hands its pick to them in the environment (:data:`PICK_VARIABLE`), as their
+profiles would differ. Under a launcher outside Lightning (torchrun, srun), where every process runs
+the script itself, global rank 0 searches and hands its pick to the others through the run's store
+(:func:`pipeckpt.engines.distributed.startup.from_rank_zero`).
+"""
+
+import json
+import os
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import DictConfig, open_dict
+
+from pipeckpt._errors import config_error
+from pipeckpt.engines.distributed.processes import SETTINGS, check_time_limit
+from pipeckpt.engines.distributed.startup import from_rank_zero, outside_launcher
+from pipeckpt.layout.report import format_row
+from pipeckpt.plan_layout import check_searchable, search_config
+
+__all__ = ["apply_layout", "given_modes", "PICK_VARIABLE"]
+
+#: The environment variable the launching process hands its pick to the processes it starts in.
+PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
+
+#: The layouts train.py prints before training with the first: the search ranks these only.
+SHOWN = 5
+
+#: The command line's keys that name the checkpoint modes (``ckpt=always``): under
+#: ``strategy.layout=auto`` the mode named is kept on every stage of every layout.
+MODE_KEYS = ("ckpt", "ckpt.modes", "strategy.checkpoint")
+
+
+def _devices(cfg: DictConfig) -> int:
+    """Processes per node: ``trainer.devices`` (1 where it is not a count)."""
+    devices = cfg.trainer.get("devices")
+    return int(devices) if isinstance(devices, int) else 1
+
+
+def given_modes(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
+    """The checkpoint mode the command line names (``ckpt=always``, among ``overrides``), which a
+    search keeps on every stage of every layout; None where the modes are the search's to choose:
+    none named (``conf/train.yaml``'s default is not the user's choice), or ``ckpt=auto``."""
+    if not any(o.lstrip("+~").split("=", 1)[0] in MODE_KEYS for o in overrides):
+        return None
+    given = cfg.strategy.get("checkpoint")
+    names = [given] if isinstance(given, str) else list(given or [])
+    if names == ["auto"]:
+        return None
+    if len(names) != 1:
+        raise config_error(
+            f"checkpoint modes {names} ({len(names)} modes) with strategy.layout=auto",
+            "the search chooses the stage count, so a mode it keeps is one for every stage",
+            "give one mode (ckpt=always), or name none to let the search choose each stage's",
+        )
+    return str(names[0])
+
+
+def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = ()) -> DictConfig:
+    """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
+    when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
+    batch per replica (``data.batch_size`` is the global batch under auto). The launching process
+    searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it. Under
+    torchrun or srun, global rank 0 searches and the others wait for its pick (up to the strategy's
+    ``start_timeout``), so every rank trains the same layout. A mode named in ``overrides``
+    (the command line's) is kept on every stage (:func:`given_modes`)."""
+    if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
+        return cfg
+    modes = given_modes(cfg, overrides)
+    handed = os.environ.get(PICK_VARIABLE)
+    nodes = int(cfg.trainer.get("num_nodes") or 1)
+    outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
+    if handed is not None:
+        pick = json.loads(handed)
+    elif outside is None:
+        pick = _searched_pick(cfg, say, modes)
+    else:  # every process runs this script: rank 0 searches, the others take its pick
+        check_searchable(cfg)
+        given = cfg.strategy.get("start_timeout")
+        window = check_time_limit(
+            "start_timeout", SETTINGS["start_timeout"] if given is None else given, "the start-up", 600
+        )
+        text = from_rank_zero(
+            outside,
+            "layout",
+            lambda: json.dumps(_searched_pick(cfg, say, modes)),
+            window_s=window,
+            what="the layout search (strategy.layout=auto)",
+        )
+        pick = json.loads(text)
+        if outside.global_rank() != 0:
+            say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
+    os.environ[PICK_VARIABLE] = json.dumps(pick)
+    picked = cfg.copy()
+    with open_dict(picked):
+        for key, value in pick["settings"].items():
+            picked.strategy[key] = value
+        picked.strategy.layout = "manual"
+        if picked.strategy.get("sequence_parallel") and int(picked.strategy.get("tensor_parallel") or 1) == 1:
+            picked.strategy.sequence_parallel = False  # the pick splits no layer, so no sequence
+        picked.strategy.memory_budget = None
+        picked.strategy.memory_search = None
+        picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
+    return picked
+
+
+def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:
+    """The search's pick, printed with its runners-up: the settings, replicas and table row."""
+    answer = search_config(cfg, top=SHOWN, modes=modes)  # the pick and its runners-up: nothing else fitted
+    best = answer.searched.best
+    say(answer.text(top=SHOWN), flush=True)
+    row = format_row(1, best)
+    say(f"strategy.layout=auto: training with {row.strip()}", flush=True)
+    return {"settings": best.candidate.settings(), "dp": best.candidate.dp, "row": row}
