@@ -59,22 +59,25 @@ def given_modes(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
     return str(names[0])
 
 
-def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = ()) -> DictConfig:
+def apply_layout(
+    cfg: DictConfig, say: Any = print, overrides: Sequence[str] = (), pick: Optional[Dict[str, Any]] = None
+) -> DictConfig:
     """``cfg`` with ``strategy.layout=auto`` replaced by the layout the search picks (``cfg`` itself
     when the layout is manual): the strategy's degrees, schedule, chunks and modes, and the data's
     batch per replica (``data.batch_size`` is the global batch under auto). The launching process
     searches and hands its pick on (:data:`PICK_VARIABLE`); the processes it starts take it. Under
     torchrun or srun, global rank 0 searches and the others wait for its pick (up to the strategy's
     ``start_timeout``), so every rank trains the same layout. A mode named in ``overrides``
-    (the command line's) is kept on every stage (:func:`given_modes`)."""
+    (the command line's) is kept on every stage (:func:`given_modes`). ``pick``: a pick made earlier
+    (as a search hands it on), applied without a search."""
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
     modes = given_modes(cfg, overrides)
-    handed = os.environ.get(PICK_VARIABLE)
+    handed = pick if pick is not None else _from_parent()
     nodes = int(cfg.trainer.get("num_nodes") or 1)
     outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
     if handed is not None:
-        pick = json.loads(handed)
+        pick = handed
     elif outside is None:
         pick = _searched_pick(cfg, say, modes)
     else:  # every process runs this script: rank 0 searches, the others take its pick
@@ -93,7 +96,7 @@ def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = (
         pick = json.loads(text)
         if outside.global_rank() != 0:
             say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
-    os.environ[PICK_VARIABLE] = json.dumps(pick)
+    os.environ[PICK_VARIABLE] = json.dumps(dict(pick, by=os.getpid()))  # for the processes this one starts
     picked = cfg.copy()
     with open_dict(picked):
         for key, value in pick["settings"].items():
@@ -105,6 +108,18 @@ def apply_layout(cfg: DictConfig, say: Any = print, overrides: Sequence[str] = (
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
     return picked
+
+
+def _from_parent() -> Optional[Dict[str, Any]]:
+    """The pick this process's parent handed on (:data:`PICK_VARIABLE`): Lightning's launcher is the
+    parent of the processes it starts. A pick by any other process is not this run's: an earlier run
+    of a Hydra sweep in this same process, or a variable the shell or a job's environment carried."""
+    raw = os.environ.get(PICK_VARIABLE)
+    try:
+        handed = json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return None
+    return handed if isinstance(handed, dict) and handed.get("by") == os.getppid() else None
 
 
 def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:

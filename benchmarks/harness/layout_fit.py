@@ -2,14 +2,12 @@
 per step and this rank's peak bytes (:mod:`bench_layout_measured`'s worker).
 
 The model, data and strategy are the app's, built from the same overrides as train.py builds them
-and with the pick handed on as train.py hands it to the processes it starts
-(:data:`pipeckpt.plan_pick.PICK_VARIABLE`); only the Trainer's extras are off
+and with the pick applied as train.py applies it (:func:`pipeckpt.plan_pick.apply_layout`, given
+the search's pick); only the Trainer's extras are off
 (:data:`harness.trainers.QUIET_CPU` less its sampler setting: the app's loaders are the strategy's).
 """
 
 import gc
-import json
-import os
 import tempfile
 import time
 from typing import Any, Dict, List, NamedTuple, Optional
@@ -113,15 +111,14 @@ def fit_layout(spec: Dict[str, Any], row: Dict[str, Any]) -> Fitted:
     from bench_layout_measured import _compose
     from hydra.utils import instantiate
 
-    from pipeckpt.plan_pick import PICK_VARIABLE, apply_layout
+    from pipeckpt.plan_pick import apply_layout
 
     allocated = AllocatedBytes() if spec.get("allocated") else None
     probe = Probe(spec["warmup"], spec["timed"], allocated)
     steps = probe.steps
     with tempfile.TemporaryDirectory() as root:
         cfg = _compose([*spec["overrides"], f"trainer.max_steps={steps}", f"trainer.default_root_dir={root}"])
-        os.environ[PICK_VARIABLE] = json.dumps(row["pick"])
-        cfg = apply_layout(cfg)
+        cfg = apply_layout(cfg, pick=row["pick"])
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model)

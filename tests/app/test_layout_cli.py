@@ -6,6 +6,7 @@ The plan runs in-process on a published preset (its figures are in conf/cluster/
 the acceptance command on ``cluster=local`` and the 4-process training run are slow tests.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -96,6 +97,14 @@ def test_the_pick_given_by_hand_as_printed_is_checked_to_the_same_row(
     assert picked == f"strategy.layout=auto: training with {format_row(1, checked).strip()}"
 
 
+def test_a_pick_this_process_handed_on_earlier_is_not_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = {"settings": {"stages": 2, "dp": 1, "chunks": 4}, "dp": 1, "row": "stale", "by": os.getpid()}
+    monkeypatch.setenv(PICK_VARIABLE, json.dumps(stale))  # as an earlier run of a sweep leaves it here
+    picked = apply_layout(compose_train([*AUTO, "cluster=h100_8"]), say=lambda *a, **k: None)
+    assert json.loads(os.environ[PICK_VARIABLE])["row"] != "stale"  # searched anew, and handed on
+    assert (picked.strategy.stages, picked.strategy.chunks) != (2, 4)
+
+
 def test_a_misspelt_layout_is_refused_naming_the_setting() -> None:
     with pytest.raises(PipeckptConfigError, match=r"^layout='autoo': is one of \['manual', 'auto'\]"):
         run(["strategy.layout=autoo"])
@@ -154,6 +163,7 @@ def test_train_py_trains_with_the_layout_the_search_picks(tmp_path: Path) -> Non
     lines = done.stdout.splitlines()
     first = next(line for line in lines if line.startswith(" 1 pp"))  # the table's first row
     assert f"strategy.layout=auto: training with {first.strip()}" in lines
+    assert done.stdout.count("layout search:") == 1  # the processes Lightning starts take the pick
     assert "2 steps in" in done.stdout
 
 

@@ -28,7 +28,8 @@ def test_sequence_parallelism_lowers_every_tensor_parallel_layouts_peak_and_no_o
 
 def test_a_pick_without_tensor_parallelism_trains_without_sequence_parallelism(monkeypatch):
     cfg = llama_search("cluster=h100_8", "data.batch_size=16", "strategy.sequence_parallel=true")
-    monkeypatch.delenv(plan_pick.PICK_VARIABLE, raising=False)
+    monkeypatch.setenv(plan_pick.PICK_VARIABLE, "")  # unset again after the test: apply_layout sets it
+    monkeypatch.delenv(plan_pick.PICK_VARIABLE)
     picked = plan_pick.apply_layout(cfg, say=lambda *a, **k: None)
     assert int(picked.strategy.get("tensor_parallel") or 1) == 1  # this small Llama's pick on 8 H100
     assert picked.strategy.sequence_parallel is False  # else the strategy would refuse it
