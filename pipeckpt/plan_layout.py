@@ -239,7 +239,7 @@ def search_config(
     these layouts instead of every one (each fitted and predicted as the search does); ``top``: only
     the ``top`` fastest, found without fitting the layouts that cannot be among them
     (:func:`pipeckpt.layout.search.search`'s floor); ``modes``: the one checkpoint mode every stage
-    of every layout keeps (:func:`given_modes`), else each layout's are chosen."""
+    of every layout keeps (:func:`pipeckpt.plan_pick.given_modes`), else each layout's are chosen."""
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
         found = (

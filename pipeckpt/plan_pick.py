@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Sequence
 
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from omegaconf import DictConfig, open_dict
 
 from pipeckpt._errors import config_error
@@ -73,29 +74,12 @@ def apply_layout(
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
     modes = given_modes(cfg, overrides)
-    handed = pick if pick is not None else _from_parent()
-    nodes = int(cfg.trainer.get("num_nodes") or 1)
-    outside = None if handed is not None else outside_launcher(devices=_devices(cfg), num_nodes=nodes)
-    if handed is not None:
-        pick = handed
-    elif outside is None:
-        pick = _searched_pick(cfg, say, modes)
-    else:  # every process runs this script: rank 0 searches, the others take its pick
-        check_searchable(cfg)
-        given = cfg.strategy.get("start_timeout")
-        window = check_time_limit(
-            "start_timeout", SETTINGS["start_timeout"] if given is None else given, "the start-up", 600
-        )
-        text = from_rank_zero(
-            outside,
-            "layout",
-            lambda: json.dumps(_searched_pick(cfg, say, modes)),
-            window_s=window,
-            what="the layout search (strategy.layout=auto)",
-        )
-        pick = json.loads(text)
-        if outside.global_rank() != 0:
-            say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
+    if pick is None:
+        pick = _from_parent()
+    if pick is None:
+        nodes = int(cfg.trainer.get("num_nodes") or 1)
+        outside = outside_launcher(devices=_devices(cfg), num_nodes=nodes)
+        pick = _searched_pick(cfg, say, modes) if outside is None else _rank_zeros(cfg, say, modes, outside)
     os.environ[PICK_VARIABLE] = json.dumps(dict(pick, by=os.getpid()))  # for the processes this one starts
     picked = cfg.copy()
     with open_dict(picked):
@@ -120,6 +104,29 @@ def _from_parent() -> Optional[Dict[str, Any]]:
     except json.JSONDecodeError:
         return None
     return handed if isinstance(handed, dict) and handed.get("by") == os.getppid() else None
+
+
+def _rank_zeros(
+    cfg: DictConfig, say: Any, modes: Optional[str], outside: ClusterEnvironment
+) -> Dict[str, Any]:
+    """Global rank 0's pick, on every process an outside launcher started: rank 0 searches, the
+    others wait for its pick within the strategy's ``start_timeout``."""
+    check_searchable(cfg)  # on every rank, before any waits
+    given = cfg.strategy.get("start_timeout")
+    window = check_time_limit(
+        "start_timeout", SETTINGS["start_timeout"] if given is None else given, "the start-up", 600
+    )
+    text = from_rank_zero(
+        outside,
+        "layout",
+        lambda: json.dumps(_searched_pick(cfg, say, modes)),
+        window_s=window,
+        what="the layout search (strategy.layout=auto)",
+    )
+    pick: Dict[str, Any] = json.loads(text)
+    if outside.global_rank() != 0:
+        say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
+    return pick
 
 
 def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:
