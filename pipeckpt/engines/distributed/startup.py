@@ -39,6 +39,11 @@ _PREFIX = "pipeckpt/started/"
 _HANDED = "pipeckpt/handed/"
 #: How long rank 0, its own work failed, waits for the others to read its error before raising it.
 _TELLING_S = 60.0
+#: The least the others wait for rank 0's work once they reach its store (the start-up window if
+#: longer): the largest published layout search, Megatron's 145.6B GPT on 1,536 A100, took 709 s on
+#: this project's 2-core machine. A rank 0 that stops is seen at once (its store closes with it, or
+#: torchrun's agent stops the job), so only a rank 0 that hangs is waited for this long.
+_WORK_S = 3600.0
 #: Rank 0's store of :func:`from_rank_zero`, kept for the process's life: the rendezvous's store joins
 #: its server (``multi_tenant``) rather than opening the main port a second time.
 _KEPT: List[dist.Store] = []
@@ -104,9 +109,10 @@ def from_rank_zero(
     environment: ClusterEnvironment, name: str, compute: Callable[[], str], *, window_s: float, what: str
 ) -> str:
     """``compute()``'s text, run by global rank 0 alone and handed to every process of the run through
-    the run's store, before any process group. The others wait up to ``window_s`` seconds (the
-    start-up window: rank 0's work is part of its start); an error of rank 0's ``compute`` reaches
-    each of them as its own message, naming ``what`` failed."""
+    the run's store, before any process group. The others reach the store within ``window_s`` (the
+    start-up window), then wait for rank 0's work up to the longer of that and :data:`_WORK_S`; an
+    error of rank 0's ``compute`` reaches each of them as its own message, naming ``what`` failed,
+    and a rank 0 that stops is reported at once."""
     rank, world_size = environment.global_rank(), environment.world_size()
     describe = lambda other: f"rank {other}"  # noqa: E731
     store = _store(environment, rank=rank, world_size=world_size, window_s=window_s, describe=describe)
@@ -122,16 +128,19 @@ def from_rank_zero(
         store.set(key, json.dumps({"text": text}))
         _read_by_all(store, key, world_size, window_s)
         return text
+    wait_s = max(window_s, _WORK_S)
+    begun = time.monotonic()
     try:
+        store.set_timeout(timedelta(seconds=wait_s))
         handed = json.loads(store.get(key))  # one request: waits for the key (the store's timeout)
         store.set(f"{key}/read/{rank}", "1")
-    except (RuntimeError, dist.DistError) as error:  # rank 0 stopped (its store with it), or took too long
+    except (RuntimeError, dist.DistError) as error:  # rank 0 stopped (its store with it), or hangs
         first = str(error).strip().splitlines()[0] if str(error).strip() else "no answer"
         raise StartupError(
-            f"pipeckpt: rank {rank} waited for {what} on rank 0, which did not hand it on within "
-            f"start_timeout={window_s:g}s (the run's store at {_where(environment)}: {first}). HINT: "
-            "look at the output of rank 0 (did it stop?); raise the strategy's `start_timeout` if its "
-            "work takes longer"
+            f"pipeckpt: rank {rank} waited {time.monotonic() - begun:.0f}s for {what} on rank 0, which "
+            f"did not hand it on (the run's store at {_where(environment)}: {first}). HINT: look at the "
+            f"output of rank 0: did it stop? Work that takes longer than {wait_s:g}s needs a longer "
+            "`start_timeout` on the strategy"
         ) from None
     if "error" in handed:
         raise PipeckptConfigError(  # rank 0's own words last, its fix with them

@@ -10,7 +10,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import support.ranks as ranks
@@ -130,3 +130,45 @@ def test_a_launch_by_hand_gets_its_ranks_as_the_strategy_sets_them(monkeypatch):
 def test_one_process_started_by_an_outside_launcher_hands_nothing_on(monkeypatch):
     _launched(monkeypatch, LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert outside_launcher(devices=1, num_nodes=1) is None
+
+
+def _handing(tmp_path: Path, work: str) -> Tuple[List[int], str, float]:
+    """2 ranks launched by hand running rank_zero_worker.py with rank 0's ``work``: their exit codes,
+    logs and the seconds until both ended (both always stopped)."""
+    env = ranks.rank_env(2)
+    procs = [
+        ranks.spawn(
+            HERE / "rank_zero_worker.py",
+            [work],
+            dict(env, LOCAL_RANK=str(r)),
+            r,
+            REPO,
+            tmp_path / f"r{r}.log",
+        )
+        for r in (0, 1)
+    ]
+    begun = time.monotonic()
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        elapsed = time.monotonic() - begun
+        ranks.stop(procs)
+    logs = "\n".join((tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in (0, 1))
+    return [p.returncode for p in procs], logs, elapsed
+
+
+def test_rank_0s_work_reaches_every_rank_through_the_runs_store(tmp_path):
+    codes, logs, _ = _handing(tmp_path, "answers")
+    assert codes == [0, 0] and logs.count("got: rank 0's answer") == 2, logs
+
+
+def test_a_rank_0_that_stops_during_its_work_is_reported_at_once_not_after_the_window(tmp_path):
+    codes, logs, elapsed = _handing(tmp_path, "dies")
+    assert codes[0] == 3 and codes[1] != 0, logs
+    assert elapsed < 90, logs  # the window is 600 s
+    assert re.search(r"rank 1 waited \d+s for the test's work on rank 0, which did not hand it on", logs), (
+        logs
+    )
