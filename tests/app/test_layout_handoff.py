@@ -10,13 +10,11 @@ To tell whose search a rank trains, rank 1 is given a precision its own search r
 
 import json
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
 
 import support.ranks as ranks
-from support.paths import REPO
 
 from pipeckpt.plan_pick import PICK_VARIABLE
 
@@ -40,22 +38,8 @@ def _run(
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "overrides": [list(o) for o in overrides]}))
     env = {k: v for k, v in ranks.rank_env(2).items() if k != PICK_VARIABLE}
-    procs = [
-        ranks.spawn(WORKER, [str(spec)], dict(env, LOCAL_RANK=str(r)), r, REPO, out / f"rank{r}.log")
-        for r in started
-    ]
-    deadline = time.monotonic() + within_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:  # a rank still running at the deadline: stopped below, its log shown
-        pass
-    finally:
-        ranks.stop(procs)
-    logs = "\n".join(
-        f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text(errors="replace")[-4000:] for r in started
-    )
-    return procs, logs
+    ended = ranks.run_some(WORKER, [str(spec)], env, started, out, within_s=within_s)
+    return ended.procs, ended.logs
 
 
 def _picked(out: Path, rank: int) -> Dict[str, Any]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Sequence, Union
 
 import pytest
 
@@ -112,10 +112,45 @@ def stop(procs: List[Rank]) -> None:
 
 
 def logs(out: Path, world: int) -> str:
+    return _tails(out, range(world))
+
+
+def _tails(out: Path, ranks: Iterable[int]) -> str:
+    """The end of each rank's log, under a ``--- rank r ---`` line."""
     return "\n".join(
-        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-        for r in range(world)
+        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}" for r in ranks
     )
+
+
+class Ended(NamedTuple):
+    """Ranks :func:`run_some` started, once they ended or were stopped."""
+
+    procs: List[Rank]
+    elapsed: float  # seconds from their start until the last exited (or the deadline)
+    alive: List[bool]  # each still running at the deadline (then stopped)
+    logs: str  # each one's log's end (:func:`_tails`)
+
+
+def run_some(
+    worker: Path, args: List[str], env: Dict[str, str], started: Sequence[int], out: Path, *, within_s: float
+) -> Ended:
+    """Starts the ranks ``started`` of ``python worker args`` under ``env`` (each with its ``LOCAL_RANK``;
+    the world's other ranks never start), waits up to ``within_s`` seconds for them to exit, and always
+    stops them: for tests of ranks that fail, or that are missing, where :func:`launch` wants success."""
+    procs = [
+        spawn(worker, args, dict(env, LOCAL_RANK=str(r)), r, REPO, out / f"rank{r}.log") for r in started
+    ]
+    begun = time.monotonic()
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, within_s - (time.monotonic() - begun)))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        elapsed = time.monotonic() - begun
+        alive = [p.poll() is None for p in procs]
+        stop(procs)
+    return Ended(procs, elapsed, alive, _tails(out, started))
 
 
 def exit_codes(

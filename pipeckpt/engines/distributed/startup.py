@@ -135,12 +135,11 @@ def from_rank_zero(
         handed = json.loads(store.get(key))  # one request: waits for the key (the store's timeout)
         store.set(f"{key}/read/{rank}", "1")
     except (RuntimeError, dist.DistError) as error:  # rank 0 stopped (its store with it), or hangs
-        first = str(error).strip().splitlines()[0] if str(error).strip() else "no answer"
         raise StartupError(
             f"pipeckpt: rank {rank} waited {time.monotonic() - begun:.0f}s for {what} on rank 0, which "
-            f"did not hand it on (the run's store at {_where(environment)}: {first}). HINT: look at the "
-            f"output of rank 0: did it stop? Work that takes longer than {wait_s:g}s needs a longer "
-            "`start_timeout` on the strategy"
+            f"did not hand it on (the run's store at {_where(environment)}: {_first_line(str(error))}). "
+            f"HINT: look at the output of rank 0: did it stop? Work that takes longer than {wait_s:g}s "
+            "needs a longer `start_timeout` on the strategy"
         ) from None
     if "error" in handed:
         raise PipeckptConfigError(  # rank 0's own words last, its fix with them
@@ -175,7 +174,7 @@ def _store(
         )
     except (RuntimeError, dist.DistError) as error:  # rank 0 never opened the store, or closed it
         raise _missing(
-            [0], me=rank, window_s=window_s, describe=describe, where=f"{host}:{port}", why=str(error)
+            [0], me=rank, window_s=window_s, describe=describe, where=_where(environment), why=str(error)
         ) from None
 
 
@@ -194,6 +193,11 @@ def _attempt() -> str:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
+def _first_line(why: str) -> str:
+    """An error's first line: torch's store errors go on with a C++ backtrace."""
+    return why.strip().splitlines()[0] if why.strip() else "no answer"
+
+
 def _where(environment: ClusterEnvironment) -> str:
     return f"{environment.main_address}:{environment.main_port}"
 
@@ -202,10 +206,9 @@ def _missing(
     missing: List[int], *, me: int, window_s: float, describe: Callable[[int], str], where: str, why: str
 ) -> StartupError:
     names = "; ".join(describe(other) for other in missing)
-    first = why.strip().splitlines()[0] if why.strip() else "no answer"
     return StartupError(
         f"pipeckpt: {names} did not join the run within start_timeout={window_s:g}s, so rank {me} "
-        f"stops (the rendezvous store at {where}, hosted by rank 0: {first}). HINT: look at the "
+        f"stops (the rendezvous store at {where}, hosted by rank 0: {_first_line(why)}). HINT: look at the "
         f"output of rank {missing[0]}: did its process start (the launcher, the node), or is it slow "
         "to start (imports, a loaded node)? Raise the strategy's `start_timeout` for a slow start"
     )

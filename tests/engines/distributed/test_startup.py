@@ -7,15 +7,12 @@ through the run's store: tests/app/test_layout_handoff.py)."""
 import json
 import os
 import re
-import subprocess
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import pytest
 import support.ranks as ranks
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
-from support.paths import REPO
 
 from pipeckpt import PipeckptConfigError, PipelineStrategy
 from pipeckpt.engines.distributed.processes import SETTINGS
@@ -31,23 +28,7 @@ def _only(ranks_started: List[int], runs: List[Dict[str, Any]], out: Path, *, wi
     and always stops them; returns the processes, seconds until the last exited and the logs."""
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    env = ranks.rank_env(2)
-    procs = [
-        ranks.spawn(WORKER, [str(spec)], dict(env, LOCAL_RANK=str(r)), r, REPO, out / f"rank{r}.log")
-        for r in ranks_started
-    ]
-    begun = time.monotonic()
-    try:
-        for p in procs:
-            p.wait(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        elapsed = time.monotonic() - begun
-        alive = [p.poll() is None for p in procs]
-        ranks.stop(procs)
-    logs = "\n".join((out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in ranks_started)
-    return procs, elapsed, alive, logs
+    return ranks.run_some(WORKER, [str(spec)], ranks.rank_env(2), ranks_started, out, within_s=within_s)
 
 
 def test_the_start_up_window_defaults_to_600_s_apart_from_the_step_timeout():
@@ -132,41 +113,21 @@ def test_one_process_started_by_an_outside_launcher_hands_nothing_on(monkeypatch
     assert outside_launcher(devices=1, num_nodes=1) is None
 
 
-def _handing(tmp_path: Path, work: str) -> Tuple[List[int], str, float]:
-    """2 ranks launched by hand running rank_zero_worker.py with rank 0's ``work``: their exit codes,
-    logs and the seconds until both ended (both always stopped)."""
-    env = ranks.rank_env(2)
-    procs = [
-        ranks.spawn(
-            HERE / "rank_zero_worker.py",
-            [work],
-            dict(env, LOCAL_RANK=str(r)),
-            r,
-            REPO,
-            tmp_path / f"r{r}.log",
-        )
-        for r in (0, 1)
-    ]
-    begun = time.monotonic()
-    try:
-        for p in procs:
-            p.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        elapsed = time.monotonic() - begun
-        ranks.stop(procs)
-    logs = "\n".join((tmp_path / f"r{r}.log").read_text(errors="replace")[-3000:] for r in (0, 1))
-    return [p.returncode for p in procs], logs, elapsed
+def _handing(tmp_path: Path, work: str) -> ranks.Ended:
+    """2 ranks launched by hand running rank_zero_worker.py with rank 0's ``work``, to their end."""
+    worker = HERE / "rank_zero_worker.py"
+    return ranks.run_some(worker, [work], ranks.rank_env(2), [0, 1], tmp_path, within_s=120)
 
 
 def test_rank_0s_work_reaches_every_rank_through_the_runs_store(tmp_path):
-    codes, logs, _ = _handing(tmp_path, "answers")
+    ended = _handing(tmp_path, "answers")
+    codes, logs = [p.returncode for p in ended.procs], ended.logs
     assert codes == [0, 0] and logs.count("got: rank 0's answer") == 2, logs
 
 
 def test_a_rank_0_that_stops_during_its_work_is_reported_at_once_not_after_the_window(tmp_path):
-    codes, logs, elapsed = _handing(tmp_path, "dies")
+    ended = _handing(tmp_path, "dies")
+    codes, logs, elapsed = [p.returncode for p in ended.procs], ended.logs, ended.elapsed
     assert codes[0] == 3 and codes[1] != 0, logs
     assert elapsed < 90, logs  # the window is 600 s
     assert re.search(r"rank 1 waited \d+s for the test's work on rank 0, which did not hand it on", logs), (
