@@ -88,7 +88,8 @@ def overrides(run: Run) -> List[str]:
         f"trainer.num_nodes={run.nodes}",
         f"data.batch_size={run.global_batch}",
         "trainer.precision=bf16-mixed",
-        *(["strategy.sequence_parallel=true"] if run.sequence_parallel else []),
+        # as published: off is said, else the search would run it on every split layout
+        f"strategy.sequence_parallel={str(run.sequence_parallel).lower()}",
     ]
 
 

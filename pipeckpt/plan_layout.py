@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeckpt._errors import config_error
+from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
@@ -34,7 +34,15 @@ from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
 
-__all__ = ["Answer", "search_config", "hand_layout", "check_layout", "check_searchable", "by_hand"]
+__all__ = [
+    "Answer",
+    "search_config",
+    "hand_layout",
+    "check_layout",
+    "check_searchable",
+    "by_hand",
+    "sequence_choice",
+]
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Answer:
 
     searched: Searched
     cluster: Cluster
-    profiled: Tuple[Tuple[int, int], ...]  # (tp, micro-batch size) shapes profiled
+    profiled: Tuple[Tuple[int, int, bool], ...]  # (tp, micro-batch size, sequence split) shapes profiled
     hand: Tuple[str, ...] = ()  # the pick's overrides by hand (:func:`by_hand`), after a search
 
     def text(self, top: int = 8) -> str:
@@ -51,7 +59,7 @@ class Answer:
         where = (
             f"on {self.cluster.name} ({self.cluster.world} x {d.name}, {d.memory_bytes / 2**30:.1f} GiB each)"
         )
-        shapes = ", ".join(f"tp{tp} x {mb}" for tp, mb in self.profiled)
+        shapes = ", ".join(f"tp{tp}{' (sp)' if sp else ''} x {mb}" for tp, mb, sp in self.profiled)
         tail = f"memory profiled on fake tensors: {len(self.profiled)} shapes (tp x micro-batch: {shapes})"
         if _this_machine(self.cluster):
             tail += "; times from one micro-batch timed layer by layer on this machine"
@@ -103,6 +111,32 @@ def check_searchable(cfg: DictConfig, given: str = "strategy.layout=auto", fix: 
 def _this_machine(where: Cluster) -> bool:
     """``cluster=local``, measured here (a described cluster that happens to be named so is not)."""
     return where.name == "local" and where.source.startswith("measured")
+
+
+def sequence_choice(cfg: DictConfig, where: Cluster, shapes: SearchShapes, splits: bool) -> bool:
+    """Whether the layouts with tp > 1 run sequence parallelism: ``strategy.sequence_parallel`` where
+    the user gives it (``true`` refused as the engine would, for a model that cannot); else, on a
+    described cluster, wherever the model takes it.
+
+    Why on, and not searched both ways: the cost model prices its all-gather and reduce-scatter as
+    the all-reduce they replace, the same bytes (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", MLSys 2023, section 4.2.2), and it only takes
+    memory away, so a layout without it is never faster nor smaller: searching both would double
+    the split layouts to rank the same pick. On ``cluster=local`` a split layer's time is measured
+    here, with the plain split (:mod:`pipeckpt.plan_tp_host`), so there it stays the user's."""
+    given = cfg.strategy.get("sequence_parallel")
+    if given is None and _this_machine(where):
+        return False
+    whole = shapes.built(1).sequential
+    if not (splits or shapes.by_argument):
+        return bool(given)  # nothing is split: no layout has tp > 1
+    try:
+        check_sequence_parallel(whole, dict(shapes.plan_of(whole)))
+    except PipeckptConfigError:
+        if given:
+            raise
+        return False
+    return given is None or bool(given)
 
 
 def _local_microbatch(cfg: DictConfig, where: Cluster) -> int:
@@ -210,12 +244,16 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
             whole = shapes.built(1)
             heads, kv = heads_of(whole.module)
             splits = shapes.splits(whole.sequential)
-            if shapes.sequence and (splits or shapes.by_argument):  # refused as the engine would
-                check_sequence_parallel(whole.sequential, dict(shapes.plan_of(whole.sequential)))
-            model = Model(layers=len(whole.sequential), heads=heads, kv_heads=kv, tensor_parallel=splits)
+            model = Model(
+                layers=len(whole.sequential),
+                heads=heads,
+                kv_heads=kv,
+                tensor_parallel=splits,
+                sequence_parallel=sequence_choice(cfg, where, shapes, splits),
+            )
             optimizer = cfg.get("memory", {}).get("optimizer") or "adamw"
             memory = Memory(
-                Shapes(shapes.layers, shapes.profile, shapes.sequence),
+                Shapes(shapes.layers, shapes.profile),
                 device_bytes=where.device.memory_bytes,
                 global_batch=int(cfg.data.batch_size),
                 precision=precision,
@@ -285,6 +323,7 @@ def hand_layout(cfg: DictConfig, world: int) -> Candidate:
             "set strategy.stages, or strategy.layout=auto to search for one",
         )
     pp, tp = int(s.stages) // v, int(s.get("tensor_parallel") or 1)
+    sequence = bool(s.get("sequence_parallel")) and tp > 1
     dp = int(s.get("dp") or max(1, world // (pp * tp)))
     if pp * tp * dp != world:
         raise config_error(
@@ -306,6 +345,7 @@ def hand_layout(cfg: DictConfig, world: int) -> Candidate:
         given,
         reshard=bool(s.get("reshard_after_forward")),
         reduce_every=bool(s.get("reduce_every_microbatch")),
+        sequence=sequence,
     )
 
 

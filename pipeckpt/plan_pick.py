@@ -86,8 +86,6 @@ def apply_layout(
         for key, value in pick["settings"].items():
             picked.strategy[key] = value
         picked.strategy.layout = "manual"
-        if picked.strategy.get("sequence_parallel") and int(picked.strategy.get("tensor_parallel") or 1) == 1:
-            picked.strategy.sequence_parallel = False  # the pick splits no layer, so no sequence
         picked.strategy.memory_budget = None
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])

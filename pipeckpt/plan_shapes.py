@@ -49,10 +49,8 @@ class SearchShapes:
     def __init__(self, cfg: DictConfig, drawn: Any, stack: contextlib.ExitStack, *, fake: bool) -> None:
         self.cfg, self.drawn, self.stack, self.fake = cfg, drawn, stack, fake
         self.by_argument = takes_tensor_parallel(cfg)
-        #: each layout with tp > 1 splits the sequence too (strategy.sequence_parallel)
-        self.sequence = bool(cfg.strategy.get("sequence_parallel"))
         self._built: Dict[int, Built] = {}
-        self.profiles: Dict[Tuple[int, int], ModelProfile] = {}
+        self.profiles: Dict[Tuple[int, int, bool], ModelProfile] = {}
         self._timed: Dict[int, ModelProfile] = {}
         self.split_times: Optional[Tuple[Times, int, Tuple[int, int]]] = None  # timed_split's, where taken
         self._rooted = False  # the timed build is a model its own plan splits (:meth:`splits`)
@@ -104,19 +102,21 @@ class SearchShapes:
         assert isinstance(sequential, ModulePipeline)  # Model.tensor_parallel says so
         return tuple({**model_plan(sequential, tp), **own_outside_plan(sequential)}.items())
 
-    def profile(self, tp: int, microbatch: int) -> ModelProfile:
+    def profile(self, tp: int, microbatch: int, sequence: bool = False) -> ModelProfile:
         """One micro-batch's profile, once per distinct shape: one tensor-parallel rank's layers, as
-        the model builds them or as a plan cuts them (:func:`one_rank_profile`)."""
-        key = (tp if self.by_argument or self._cut(tp) else 1, microbatch)
+        the model builds them or as a plan cuts them (:func:`one_rank_profile`); ``sequence``: the
+        rank's part of the sequence too, where a plan cuts the layers (sequence parallelism)."""
+        cut = bool(self._cut(tp))
+        key = (tp if self.by_argument or cut else 1, microbatch, sequence and cut)
         if key not in self.profiles:
-            self.profiles[key] = self._profile(tp, microbatch)
+            self.profiles[key] = self._profile(tp, microbatch, key[2])
         return self.profiles[key]
 
     def _cut(self, tp: int) -> Dict[str, str]:
         """The plan a layer is cut by for one rank's profile (empty: profiled as built)."""
         return {} if self.by_argument or tp == 1 else dict(self.layers(tp)[1])
 
-    def _profile(self, tp: int, microbatch: int) -> ModelProfile:
+    def _profile(self, tp: int, microbatch: int, sequence: bool) -> ModelProfile:
         full, plan = self.built(tp).sequential, self._cut(tp)
         short_cfg = three_layers(self.cfg, full)
         if short_cfg is None and not plan:
@@ -124,7 +124,7 @@ class SearchShapes:
         extra = {"tensor_parallel": tp} if self.by_argument and tp > 1 else {}
         with built(short_cfg or self.cfg, self.drawn, fake=True, extra=extra) as b:  # a build to cut
             fitted = one_rank_profile(
-                b.sequential, plan, tp, lambda: self._profiled(b, microbatch), sequence=self.sequence
+                b.sequential, plan, tp, lambda: self._profiled(b, microbatch), sequence=sequence
             )
             return fitted if short_cfg is None else repeat_layer(fitted, 1, len(full) - 2)
 

@@ -205,7 +205,8 @@ class PipeSettings:
         metadata=_engine_help(
             "distributed, tensor_parallel > 1, pipeline_of: each layer's norms and residual stream, "
             "and what crosses a stage boundary, split along the sequence over the tensor-parallel "
-            "ranks (Megatron-LM's sequence parallelism: 1/tp of those activations); default False"
+            "ranks (Megatron-LM's sequence parallelism: 1/tp of those activations); default False "
+            "(strategy.layout=auto on a described cluster: on wherever the model takes it)"
         ),
     )
 

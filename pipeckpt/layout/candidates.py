@@ -47,6 +47,8 @@ class Candidate:
     reshard: bool = False  # FSDP2 frees the gathered parameters after each forward (dp_shard > 1)
     # FSDP2 reduce-scatters the gradients in every micro-batch's backward (dp_shard > 1, chunks > 1)
     reduce_every: bool = False
+    # tp > 1 splits each layer's norms and residual stream along the sequence too (sequence parallelism)
+    sequence: bool = False
 
     @property
     def dp(self) -> int:
@@ -61,11 +63,13 @@ class Candidate:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        """``pp2 x tp1 x dp2 (fsdp 2)``: the degrees as a table's column reads them (``reshard``:
-        ``reshard_after_forward``; ``reduce every``: ``reduce_every_microbatch``)."""
+        """``pp2 x tp2 (sp) x dp2 (fsdp 2)``: the degrees as a table's column reads them (``sp``:
+        ``sequence_parallel``; ``reshard``: ``reshard_after_forward``; ``reduce every``:
+        ``reduce_every_microbatch``)."""
         how = (", reshard" if self.reshard else "") + (", reduce every" if self.reduce_every else "")
         shard = f" (fsdp {self.dp_shard}{how})" if self.dp_shard > 1 else ""
-        return f"pp{self.pp} x tp{self.tp} x dp{self.dp}{shard}"
+        sp = " (sp)" if self.sequence else ""
+        return f"pp{self.pp} x tp{self.tp}{sp} x dp{self.dp}{shard}"
 
     def settings(self) -> Dict[str, Any]:
         """The ``pipe`` strategy's settings that run this layout under the distributed engine."""
@@ -81,6 +85,8 @@ class Candidate:
             "data_parallel": "fsdp" if sharded else "ddp",
             "dp_shard": self.dp_shard if sharded and self.dp_shard < self.dp else None,
             "tensor_parallel": self.tp,
+            # none without a split (the strategy refuses it there, whatever the user gave)
+            "sequence_parallel": self.sequence if self.tp > 1 else None,
         }
         if self.dp_shard > 1:
             out["reshard_after_forward"] = self.reshard
@@ -100,12 +106,15 @@ class Model:
         kv_heads: key-value heads (None: as many as ``heads``).
         tensor_parallel: whether the model can be split by tensor parallelism at all (built as one
             rank's share by a ``tensor_parallel`` argument, or a ``pipeline_of`` model with its own plan).
+        sequence_parallel: whether its layouts with tp > 1 split the sequence too (one choice for
+            them all: :func:`pipeckpt.plan_layout.sequence_choice` says why not both).
     """
 
     layers: int
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
     tensor_parallel: bool = False
+    sequence_parallel: bool = False
 
 
 def _divisors(n: int) -> List[int]:
@@ -181,7 +190,8 @@ def candidates(
     with more than one micro-batch and a whole backward each, twice again: gradients reduced once a
     step (whole until then) and in every micro-batch's backward (``reduce_every_microbatch``:
     shards only, a reduce-scatter per micro-batch). ``devices_per_node``: tensor parallelism within a
-    node only (:func:`degrees`)."""
+    node only (:func:`degrees`). Every layout with tp > 1 runs sequence parallelism where
+    ``model.sequence_parallel`` says so, none otherwise."""
     if world < 1 or global_batch < 1:
         raise config_error(
             f"a world of {world} processes with a global batch of {global_batch}",
@@ -204,5 +214,7 @@ def candidates(
                     for reshard in (False, True) if shard > 1 else (False,):
                         for reduce in (False, True) if each else (False,):
                             c = Candidate(pp, tp, replicate, shard, schedule, v, chunks, reshard=reshard)
-                            out.append(replace(c, reduce_every=reduce))
+                            out.append(
+                                replace(c, reduce_every=reduce, sequence=model.sequence_parallel and tp > 1)
+                            )
     return out

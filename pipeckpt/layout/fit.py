@@ -46,8 +46,9 @@ EXACT_STAGES = 3
 #: The model's layers as one tensor-parallel rank computes them, and the plan that splits them
 #: (empty: already one rank's share), by tensor-parallel degree.
 LayersOf = Callable[[int], Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]]
-#: One micro-batch's profile, by tensor-parallel degree and micro-batch size (samples).
-ProfileOf = Callable[[int, int], ModelProfile]
+#: One micro-batch's profile, by tensor-parallel degree, micro-batch size (samples) and whether the
+#: sequence is split too (sequence parallelism, under tp > 1 only).
+ProfileOf = Callable[[int, int, bool], ModelProfile]
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,6 @@ class Shapes:
 
     layers: LayersOf
     profile: ProfileOf
-    sequence: bool = False  # layouts with tp > 1 split the sequence too (profiled so)
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,8 @@ class Memory:
         self.shapes, self.device_bytes, self.global_batch = shapes, device_bytes, global_batch
         self.precision, self.optimizer, self.modes = precision, optimizer, list(modes)
         self._built: Dict[int, Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]] = {}
-        self._profiles: Dict[Tuple[int, int], ModelProfile] = {}
-        self._states: Dict[Tuple[int, int, int, int, bool, bool], int] = {}
+        self._profiles: Dict[Tuple[int, int, bool], ModelProfile] = {}
+        self._states: Dict[Tuple[object, ...], int] = {}
         self._answers: Dict[Tuple[object, ...], Tuple[Tuple[str, ...], Tuple[int, ...], Prediction]] = {}
         self._balances: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self._rank_state_fns: Dict[Tuple[object, ...], Callable[[Tuple[int, ...]], Sequence[Any]]] = {}
@@ -142,7 +142,7 @@ class Memory:
             tp_plan=plan,
             reshard_after_forward=c.reshard,
             reduce_every_microbatch=c.reduce_every,
-            sequence_parallel=c.tp > 1 and self.shapes.sequence,
+            sequence_parallel=c.tp > 1 and c.sequence,
         )
 
     def state_bytes(self, c: Candidate) -> int:
@@ -174,7 +174,7 @@ class Memory:
         """Each stage's state on one of its ranks, per balance, for ``c``'s sharding: one function (it
         caches by balance) for every layout sharded alike, whatever its micro-batches and schedule;
         made anew for each, the per-rank states were most of a 512-GPU search's time."""
-        key = (c.tp, c.dp_shard, c.reshard, c.reduce_every, outside)
+        key = (c.tp, c.sequence, c.dp_shard, c.reshard, c.reduce_every, outside)
         if key not in self._rank_state_fns:
             sequential, _ = self._layers(c.tp)
             self._rank_state_fns[key] = stage_rank_states(
@@ -185,18 +185,19 @@ class Memory:
             )
         return self._rank_state_fns[key]
 
-    def profile(self, tp: int, microbatch: int) -> ModelProfile:
-        """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once;
-        the logits of a head the plan splits over the vocabulary counted as one rank holds them."""
-        key = (tp, microbatch)
+    def profile(self, tp: int, microbatch: int, sequence: bool = False) -> ModelProfile:
+        """One micro-batch of ``microbatch`` samples on one tensor-parallel rank's layers, profiled once
+        (``sequence``: its part of the sequence too, under tp > 1); the logits of a head the plan
+        splits over the vocabulary counted as one rank holds them."""
+        key = (tp, microbatch, sequence and tp > 1)
         if key not in self._profiles:
             _, plan = self._layers(tp)  # a head the plan splits: one rank's share of its logits
-            self._profiles[key] = split_over_vocabulary(self.shapes.profile(tp, microbatch), tp, plan)
+            self._profiles[key] = split_over_vocabulary(self.shapes.profile(*key), tp, plan)
         return self._profiles[key]
 
     @property
-    def profiled(self) -> List[Tuple[int, int]]:
-        """The ``(tp, micro-batch size)`` shapes profiled so far."""
+    def profiled(self) -> List[Tuple[int, int, bool]]:
+        """The ``(tp, micro-batch size, sequence split)`` shapes profiled so far."""
         return list(self._profiles)
 
     def fit(self, c: Candidate) -> Fitted:
@@ -233,7 +234,18 @@ class Memory:
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
-        key = (c.tp, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget, c.reshard, c.reduce_every)
+        key = (
+            c.tp,
+            c.sequence,
+            c.dp_shard,
+            microbatch,
+            c.stages,
+            c.chunks,
+            schedule,
+            budget,
+            c.reshard,
+            c.reduce_every,
+        )
         if c.modes:  # given (one for every stage, or one each): predicted, not chosen
             if (key, c.modes) not in self._answers:  # layouts alike but for their replicas: once
                 fitted, states, balance = self._inputs(c, microbatch)
@@ -266,7 +278,7 @@ class Memory:
     ]:
         """What a prediction of ``c`` starts from: the micro-batch's profile, the per-rank states of
         ``c``'s sharding, and the engine's balance of its stages."""
-        fitted = self.profile(c.tp, microbatch)
+        fitted = self.profile(c.tp, microbatch, c.sequence)
         return fitted, self._rank_states(c, fitted.outside_params), self._balance(c)
 
     def _looped_peaks(
@@ -279,7 +291,7 @@ class Memory:
         plan = StagePlan(
             balance, (torch.device("cpu"),) * len(balance), tuple(parse_modes(list(names), len(names)))
         )
-        fitted = self.profile(c.tp, microbatch)
+        fitted = self.profile(c.tp, microbatch, c.sequence)
         states = self._rank_states(c, fitted.outside_params)(balance)
         return tuple(
             predict_device(

@@ -22,7 +22,7 @@ def _linears() -> nn.Sequential:
 
 
 def _shapes(model: nn.Sequential) -> Shapes:
-    def profile_of(tp: int, microbatch: int) -> Any:
+    def profile_of(tp: int, microbatch: int, sequence: bool = False) -> Any:
         x = torch.randn(microbatch, 16)
         return profile(model, x, loss_fn=lambda out, t: out.pow(2).mean(), target=None)
 

@@ -172,7 +172,7 @@ def linears(n: int = 4, width: int = 16) -> nn.Sequential:
 
 
 def shapes_of(model: nn.Sequential, calls: List[Tuple[int, int]]) -> Shapes:
-    def profile_of(tp: int, microbatch: int) -> object:
+    def profile_of(tp: int, microbatch: int, sequence: bool = False) -> object:
         calls.append((tp, microbatch))
         x = torch.randn(microbatch, 16)
         return profile(model, x, loss_fn=lambda out, t: out.pow(2).mean(), target=None)
