@@ -94,8 +94,10 @@ def overrides(run: Run) -> List[str]:
 
 
 def _same(a: Candidate, b: Candidate) -> bool:
+    """``a`` (the search's) is the published layout ``b``, under the engine's cut by parameters (its
+    twin cut by time is the search's own layout, not the published one)."""
     fields = ("pp", "tp", "dp_replicate", "dp_shard", "schedule", "virtual_stages", "chunks", "reshard")
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
+    return not a.balance and all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 #: One published layout with its own modes: each pipeline rank's peak (None where the search cannot

@@ -31,7 +31,8 @@ from pipeckpt.memory.profile import profile
 from pipeckpt.memory.rank_peak import RankTable, format_ranks
 from pipeckpt.memory.sharding import Layout
 from pipeckpt.memory.timing import for_compile
-from pipeckpt.plan_layout import Answer, check_layout, search_config
+from pipeckpt.plan_hand import check_layout
+from pipeckpt.plan_layout import Answer, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
 from pipeckpt.plan_pick import given_modes

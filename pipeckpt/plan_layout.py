@@ -12,13 +12,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
+from pipeckpt.layout.balance import with_time_cuts
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
@@ -37,9 +38,8 @@ from pipeckpt.plan_tp_host import fit
 __all__ = [
     "Answer",
     "search_config",
-    "hand_layout",
-    "check_layout",
     "check_searchable",
+    "configured_cluster",
     "by_hand",
     "sequence_choice",
 ]
@@ -73,7 +73,8 @@ def _world(cfg: DictConfig) -> Optional[int]:
     return int(devices) * int(nodes) if isinstance(devices, int) else None
 
 
-def _cluster(cfg: DictConfig) -> Cluster:
+def configured_cluster(cfg: DictConfig) -> Cluster:
+    """The run's ``cluster=``, cut to its world (``trainer.devices x trainer.num_nodes``)."""
     spec = cfg.get("cluster")
     if spec is None:
         raise config_error(
@@ -150,6 +151,7 @@ class Pricing(NamedTuple):
 
     estimate: Callable[[Candidate], Estimate]
     floor: Callable[[Candidate], float]
+    costs: cost.ModelCosts  # the model as both count it
 
 
 def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes) -> Pricing:
@@ -213,6 +215,7 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
             precision=precision,
             reshard_after_forward=c.reshard,
             reduce_every_microbatch=c.reduce_every,
+            stage_layers=c.balance or None,  # its own cut (by time), else the engine's default
         )
 
     def estimate(c: Candidate) -> Estimate:
@@ -221,13 +224,13 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
     def floor(c: Candidate) -> float:
         return step_floor(c, costs, where, **laid_out(c))
 
-    return Pricing(estimate, floor)
+    return Pricing(estimate, floor, costs)
 
 
 @contextlib.contextmanager
 def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, SearchShapes]]:
     check_searchable(cfg)
-    where = _cluster(cfg)
+    where = configured_cluster(cfg)
     precision = str(cfg.trainer.precision)
     drawn = batch(cfg)
     fake = True  # memory is the same on fake tensors, times come from FLOPs: no layout pays a real step
@@ -290,9 +293,12 @@ def search_config(
             if only is None
             else only
         )
+        _check_cuts(found, model)
+        price = _cost(cfg, memory, where, shapes)
+        if only is None:  # each pipelined layout cut by parameters (the engine's default) and by time
+            found = with_time_cuts(found, price.costs)
         if modes is not None and only is None:
             found = [replace(c, modes=(modes,) * c.stages) for c in found]
-        price = _cost(cfg, memory, where, shapes)
         searched = search(
             found,
             device_bytes=where.device.memory_bytes,
@@ -310,65 +316,28 @@ def search_config(
     return answer
 
 
-def hand_layout(cfg: DictConfig, world: int) -> Candidate:
-    """The layout ``cfg``'s strategy gives by hand (``strategy.layout=manual``) on ``world``
-    devices, as the search names layouts: its degrees, schedule, chunks, FSDP policies and modes
-    (none under ``ckpt=auto``: the search's fit chooses them)."""
-    s = cfg.strategy
-    v = int(s.get("virtual_stages") or 1)
-    if s.get("stages") is None:
-        raise config_error(
-            "strategy.stages=null with a cluster named",
-            "a layout given by hand is checked with its stage count",
-            "set strategy.stages, or strategy.layout=auto to search for one",
-        )
-    pp, tp = int(s.stages) // v, int(s.get("tensor_parallel") or 1)
-    sequence = bool(s.get("sequence_parallel")) and tp > 1
-    dp = int(s.get("dp") or max(1, world // (pp * tp)))
-    if pp * tp * dp != world:
-        raise config_error(
-            f"pp{pp} x tp{tp} x dp{dp} ({pp * tp * dp} devices) on a cluster of {world}",
-            "a layout checked on a cluster uses every one of its devices",
-            "set trainer.devices and trainer.num_nodes (or cluster.nodes) to the layout's, or the degrees",
-        )
-    shard = int(s.get("dp_shard") or dp) if s.get("data_parallel") == "fsdp" else 1
-    modes = s.checkpoint
-    given = () if modes == "auto" else (str(modes),) if isinstance(modes, str) else tuple(map(str, modes))
-    return Candidate(
-        pp,
-        tp,
-        dp // shard,
-        shard,
-        str(s.get("schedule") or "gpipe"),
-        v,
-        int(s.chunks),
-        given,
-        reshard=bool(s.get("reshard_after_forward")),
-        reduce_every=bool(s.get("reduce_every_microbatch")),
-        sequence=sequence,
-    )
-
-
-def check_layout(cfg: DictConfig) -> Answer:
-    """The layout given by hand, fitted and predicted on the configured cluster as the search does
-    each of its layouts (its own modes kept): its row, or why it does not fit."""
-    check_searchable(cfg, "cluster=", ", or drop cluster=")
-    where = _cluster(cfg)
-    c = hand_layout(cfg, where.world)
-    whole = cfg.copy()
-    with open_dict(whole):  # the search's batch is the global one; a hand layout's is a replica's
-        whole.data.batch_size = int(cfg.data.batch_size) * c.dp
-    return search_config(whole, only=[c])
+def _check_cuts(found: Sequence[Candidate], model: Model) -> None:
+    """A balance given by hand (``strategy.balance``): one count per stage, adding up to the layers."""
+    for c in found:
+        if c.balance and (len(c.balance) != c.stages or sum(c.balance) != model.layers or min(c.balance) < 1):
+            raise config_error(
+                f"strategy.balance={list(c.balance)}",
+                f"one count of layers per stage, each at least 1, for {c.stages} stages adding up to "
+                f"the model's {model.layers} pipelined layers",
+                "fix strategy.balance, or set it to null for the engine's cut by parameters",
+            )
 
 
 def by_hand(cfg: DictConfig, settings: Dict[str, Any]) -> List[str]:
     """The overrides that train a pick's ``settings`` (:meth:`Candidate.settings`) by hand, in place of
-    ``strategy.layout=auto``: the degrees, schedule, chunks, FSDP policies and modes, and the batch
-    per replica (under auto, ``data.batch_size`` is the global batch)."""
+    ``strategy.layout=auto``: the degrees, schedule, chunks, balance, FSDP policies and modes, and the
+    batch per replica (under auto, ``data.batch_size`` is the global batch)."""
     out = []
     for key, value in settings.items():
         if key == "checkpoint":
             out.append(f"ckpt.modes=[{','.join(value)}]")
+        elif isinstance(value, list):  # the balance: no spaces, one shell word
+            out.append(f"strategy.{key}=[{','.join(map(str, value))}]")
         elif value is not None:
             out.append(f"strategy.{key}={str(value).lower() if isinstance(value, bool) else value}")
     if cfg.strategy.get("sequence_parallel") and int(settings.get("tensor_parallel") or 1) == 1:

@@ -49,6 +49,8 @@ class Candidate:
     reduce_every: bool = False
     # tp > 1 splits each layer's norms and residual stream along the sequence too (sequence parallelism)
     sequence: bool = False
+    # layers per stage (empty: the engine's default cut, by parameters; else cut by time)
+    balance: Tuple[int, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -69,7 +71,8 @@ class Candidate:
         how = (", reshard" if self.reshard else "") + (", reduce every" if self.reduce_every else "")
         shard = f" (fsdp {self.dp_shard}{how})" if self.dp_shard > 1 else ""
         sp = " (sp)" if self.sequence else ""
-        return f"pp{self.pp} x tp{self.tp}{sp} x dp{self.dp}{shard}"
+        cut = " by time" if self.balance else ""  # layers per stage cut by time (layout.balance)
+        return f"pp{self.pp}{cut} x tp{self.tp}{sp} x dp{self.dp}{shard}"
 
     def settings(self) -> Dict[str, Any]:
         """The ``pipe`` strategy's settings that run this layout under the distributed engine."""
@@ -77,7 +80,7 @@ class Candidate:
         out: Dict[str, Any] = {
             "engine": "distributed",
             "stages": self.stages,
-            "balance": None,
+            "balance": list(self.balance) if self.balance else None,
             "dp": self.dp,
             "virtual_stages": self.virtual_stages,
             "schedule": self.schedule,

@@ -149,7 +149,7 @@ class Memory:
         """The largest pipeline rank's share of parameters, gradients and optimizer state under ``c``
         (parameters outside the layers not counted: a lower bound, safe to prune by)."""
         kind = lookup(c.schedule)
-        key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape, c.reshard)
+        key = (c.tp, c.dp_shard, c.pp, c.stages, kind.traits.v_shape, c.reshard, c.balance)
         if key not in self._states:
             balance = self._balance(c)
             states = self._rank_states(c, None)(balance)
@@ -161,8 +161,11 @@ class Memory:
         return self._states[key]
 
     def _balance(self, c: Candidate) -> Tuple[int, ...]:
-        """The engine's default balance of ``c``'s stages, once per tensor-parallel degree and stage
-        count (it reads every parameter: a quarter of a 126-layer model's search, asked per layout)."""
+        """``c``'s layers per stage: its own cut (by time), else the engine's default, once per
+        tensor-parallel degree and stage count (it reads every parameter: a quarter of a 126-layer
+        model's search, asked per layout)."""
+        if c.balance:
+            return c.balance
         key = (c.tp, c.stages)
         if key not in self._balances:
             self._balances[key] = balance_of(self._layers(c.tp)[0], c.stages)
@@ -234,18 +237,8 @@ class Memory:
         microbatch = self.global_batch // c.dp // c.chunks
         schedule = memory_schedule(c.schedule)
         budget = self.device_bytes // c.virtual_stages
-        key = (
-            c.tp,
-            c.sequence,
-            c.dp_shard,
-            microbatch,
-            c.stages,
-            c.chunks,
-            schedule,
-            budget,
-            c.reshard,
-            c.reduce_every,
-        )
+        shape = (c.tp, c.sequence, c.dp_shard, microbatch, c.stages, c.chunks, schedule, budget)
+        key = (*shape, c.reshard, c.reduce_every, self._balance(c))
         if c.modes:  # given (one for every stage, or one each): predicted, not chosen
             if (key, c.modes) not in self._answers:  # layouts alike but for their replicas: once
                 fitted, states, balance = self._inputs(c, microbatch)
