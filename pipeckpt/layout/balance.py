@@ -36,13 +36,18 @@ def _cut(costs: Tuple[int, ...], stages: int) -> Tuple[int, ...]:
 
 
 def with_time_cuts(found: Sequence[Candidate], model: ModelCosts) -> List[Candidate]:
-    """``found`` and, after each layout of several stages with the engine's default cut, the same
-    layout cut by time (:func:`by_time`) where that cut differs."""
+    """``found`` and, after each layout of several stages with the engine's default cut and one
+    stage a rank, the same layout cut by time (:func:`by_time`) where that cut differs.
+
+    Not a looped layout: its ranks hold several stages each (a V-shaped one the first and the last
+    on rank 0), so the cut that makes the slowest *stage* fastest is not the one that makes the
+    slowest *rank* fastest. Measured here (benchmarks/RESULTS_layout.md, "Stages cut by time"), the
+    HF Llama's DualPipeV cut so was ranked first at 803 ms and ran in 1,036 ms, 1.30x the best."""
     differs: Dict[int, Tuple[int, ...]] = {}
     out: List[Candidate] = []
     for c in found:
         out.append(c)
-        if c.stages < 2 or c.balance:
+        if c.stages < 2 or c.balance or c.virtual_stages > 1:
             continue
         if c.stages not in differs:
             timed = by_time(model, c.stages)
