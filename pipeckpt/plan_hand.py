@@ -16,8 +16,8 @@ __all__ = ["hand_layout", "check_layout"]
 
 def hand_layout(cfg: DictConfig, world: int) -> Candidate:
     """The layout ``cfg``'s strategy gives by hand (``strategy.layout=manual``) on ``world``
-    devices, as the search names layouts: its degrees, schedule, chunks, FSDP policies and modes
-    (none under ``ckpt=auto``: the search's fit chooses them)."""
+    devices, as the search names layouts: its degrees, schedule, chunks, balance, sequence
+    parallelism, FSDP policies and modes (none under ``ckpt=auto``: the search's fit chooses them)."""
     s = cfg.strategy
     v = int(s.get("virtual_stages") or 1)
     if s.get("stages") is None:

@@ -2,7 +2,7 @@
 
 Why beside the engine's default: the engine cuts by parameters (``balance_by='params'``), which gives
 every stage of a ``pipeline_of`` model as many blocks, while the last stage also runs the head
-(``2 h V`` FLOPs a token: Llama 3.1 8B's is 1.5 of its blocks at 8,192 tokens) and the first the
+(``2 h V`` FLOPs a token: Llama 3.1 8B's is 1.8 of its blocks at 8,192 tokens) and the first the
 embedding (a lookup). A pipeline runs at its slowest stage's pace, so a cut by each layer's forward
 FLOPs, the head's counted with the last layer, can take that stage's excess away. It costs memory
 where it moves layers: a stage that takes one more holds its activations for every micro-batch in
