@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import pytest
 from support import forkserver
-from support.layout_configs import compose_train
+from support.layout_configs import compose_train, train_py
 from support.paths import launcher_free
 from support.ranks import free_port
 
@@ -144,21 +144,7 @@ def test_the_acceptance_command_on_the_local_cluster_ranks_at_least_three_layout
 
 @pytest.mark.slow
 def test_train_py_trains_with_the_layout_the_search_picks(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != PICK_VARIABLE}
-    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    command = [
-        sys.executable,
-        "train.py",
-        *AUTO,
-        "cluster=local",
-        "trainer.max_steps=2",
-        "trainer.accelerator=cpu",
-        "validate=false",
-        "trainer.enable_progress_bar=false",
-        "strategy.timeout=300",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    done = forkserver.run(command, cwd=ROOT, env=env, timeout=900)  # kills the process group on timeout
+    done = train_py([*AUTO, "cluster=local"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     first = next(line for line in lines if line.startswith(" 1 pp"))  # the table's first row

@@ -2,21 +2,16 @@
 head is 2.5 of its layers' FLOPs): listed beside its cut by parameters, its cut printed by hand,
 checked by hand to the same row, and trained with it."""
 
-import os
-import sys
 from pathlib import Path
 from typing import Any, List
 
 import pytest
-from support import forkserver
-from support.layout_configs import LLAMA, llama_search
+from support.layout_configs import LLAMA, llama_search, train_py
 
 from pipeckpt import PipeckptConfigError, plan_layout
 from pipeckpt.layout.report import format_row
 from pipeckpt.plan import run
-from pipeckpt.plan_pick import PICK_VARIABLE
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["model=hf", LLAMA % (64, 4, 2, 4096), "model.seq_len=32", "strategy.engine=distributed"]
 
 
@@ -48,25 +43,8 @@ def test_a_balance_by_hand_that_does_not_add_up_to_the_layers_is_refused_naming_
 
 @pytest.mark.slow
 def test_train_py_trains_a_layout_cut_by_time(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != PICK_VARIABLE}
-    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     hand = ["strategy.stages=2", "strategy.dp=1", "strategy.schedule=1f1b", "strategy.chunks=2"]
-    command = [
-        sys.executable,
-        "train.py",
-        *MODEL,
-        "trainer.devices=2",
-        *hand,
-        "strategy.balance=[3,1]",
-        "data.batch_size=4",
-        "data.max_bytes=200000",
-        "trainer.max_steps=2",
-        "trainer.accelerator=cpu",
-        "validate=false",
-        "trainer.enable_progress_bar=false",
-        "strategy.timeout=300",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    done = forkserver.run(command, cwd=ROOT, env=env, timeout=900)  # kills the process group on timeout
+    cut = ["strategy.balance=[3,1]", "data.batch_size=4", "data.max_bytes=200000"]
+    done = train_py([*MODEL, "trainer.devices=2", *hand, *cut], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 steps in" in done.stdout

@@ -34,3 +34,31 @@ def compose_train(overrides: Sequence[str]) -> Any:
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
+
+
+def train_py(args: Sequence[str], run_dir: Any, steps: int = 2) -> Any:
+    """``python train.py`` with ``args`` for ``steps`` steps on CPU, no validation, in ``run_dir``,
+    as a fresh user's shell runs it (no pick handed on from this process); the finished process (its
+    return code, stdout and stderr). The process group is killed after 15 minutes."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from pipeckpt.plan_pick import PICK_VARIABLE
+    from support import forkserver
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != PICK_VARIABLE}
+    env.update(PYTHONPATH=str(root), PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable,
+        "train.py",
+        *args,
+        f"trainer.max_steps={steps}",
+        "trainer.accelerator=cpu",
+        "validate=false",
+        "trainer.enable_progress_bar=false",
+        "strategy.timeout=300",
+        f"hydra.run.dir={run_dir}",
+    ]
+    return forkserver.run(command, cwd=root, env=env, timeout=900)
