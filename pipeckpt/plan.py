@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeckpt._errors import PipeckptConfigError, config_error
 from pipeckpt.app.checks import check_config
@@ -37,8 +37,9 @@ from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
 from pipeckpt.plan_pick import given_modes
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
+from pipeckpt.plan_settings import strategy_settings
 from pipeckpt.plan_table import COLUMNS, draw, format_prediction, mib
-from pipeckpt.settings import PipeSettings, check_names
+from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.partition import plan as make_plan
 
 __all__ = ["main", "MemoryOptions", "format_prediction", "draw", "COLUMNS"]
@@ -193,7 +194,7 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
     if any(o.lstrip("+").startswith("cluster=") for o in overrides):  # a layout given by hand, on it
         return check_layout(cfg), options, None
     torch.manual_seed(cfg.seed)
-    settings, budget = _settings(cfg)
+    settings, budget = strategy_settings(cfg)
     options = replace(options, budget=budget, optimizer=settings.memory_optimizer or options.optimizer)
     drawn = batch(cfg)
     with forward_context(cfg.trainer.precision, torch.device("cpu")):  # profiled as the step runs
@@ -224,26 +225,6 @@ def _decided(cfg: DictConfig, options: MemoryOptions, extra: Dict[str, Any]) -> 
     the memory available) and the lines that say why printed with the table."""
     fake, reason = fake_or_real(options.fake, lambda: build(cfg, extra), available=options.available)
     return replace(options, fake=fake, fake_reason=reason)
-
-
-def _settings(cfg: DictConfig) -> Tuple[PipeSettings, Optional[int]]:
-    """The strategy's settings as ``train.py`` builds them, and the budget to mark the stages against."""
-    container = OmegaConf.to_container(cfg.strategy, resolve=True)
-    assert isinstance(container, dict)
-    given: Dict[str, Any] = {str(k): v for k, v in container.items()}
-    if given.pop("_target_", None) is None:
-        raise config_error(
-            f"strategy={given.get('name')!r}",
-            "the plan command models the pipe strategy",
-            "use strategy=pipe",
-        )
-    budget = given.get("memory_budget")
-    if given.get("checkpoint") != "auto":  # a budget here only marks the stages against it
-        given.update(memory_budget=None, memory_search=None)
-    check_names(given, "strategy")
-    settings = PipeSettings(**given)
-    engine_class(settings.engine).check_settings(settings)
-    return settings, parse_bytes(budget, "memory.budget") if budget is not None else None
 
 
 def _per_rank_run(

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, open_dict
 from pipeckpt._errors import config_error
 from pipeckpt.layout.candidates import Candidate
 from pipeckpt.plan_layout import Answer, check_searchable, configured_cluster, search_config
+from pipeckpt.plan_settings import strategy_settings
 
 __all__ = ["hand_layout", "check_layout"]
 
@@ -59,6 +60,7 @@ def check_layout(cfg: DictConfig) -> Answer:
     each of its layouts (its own modes kept): its row, or why it does not fit."""
     check_searchable(cfg, "cluster=", ", or drop cluster=")
     where = configured_cluster(cfg)
+    strategy_settings(cfg, fit_to=where.device.memory_bytes)  # train.py's checks, in the user's names
     c = hand_layout(cfg, where.world)
     whole = cfg.copy()
     with open_dict(whole):  # the search's batch is the global one; a hand layout's is a replica's

@@ -34,6 +34,7 @@ from pipeckpt.plan_fsdp_host import fit as fit_fsdp
 from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
+from pipeckpt.stages.partition import check_balance
 
 __all__ = [
     "Answer",
@@ -293,7 +294,9 @@ def search_config(
             if only is None
             else only
         )
-        _check_cuts(found, model)
+        for c in found if only is not None else ():  # a balance by hand: its values were the settings'
+            if c.balance:
+                check_balance(c.balance, model.layers)
         price = _cost(cfg, memory, where, shapes)
         if only is None:  # each pipelined layout cut by parameters (the engine's default) and by time
             found = with_time_cuts(found, price.costs)
@@ -314,18 +317,6 @@ def search_config(
     if png is not None:
         draw(searched, png, where.device.memory_bytes)
     return answer
-
-
-def _check_cuts(found: Sequence[Candidate], model: Model) -> None:
-    """A balance given by hand (``strategy.balance``): one count per stage, adding up to the layers."""
-    for c in found:
-        if c.balance and (len(c.balance) != c.stages or sum(c.balance) != model.layers or min(c.balance) < 1):
-            raise config_error(
-                f"strategy.balance={list(c.balance)}",
-                f"one count of layers per stage, each at least 1, for {c.stages} stages adding up to "
-                f"the model's {model.layers} pipelined layers",
-                "fix strategy.balance, or set it to null for the engine's cut by parameters",
-            )
 
 
 def by_hand(cfg: DictConfig, settings: Dict[str, Any]) -> List[str]:

@@ -18,7 +18,7 @@ from pipeckpt.checkpointing.modes import CheckpointMode
 from pipeckpt.settings import PipeSettings
 from pipeckpt.stages.gradients import gradients_set_aside
 
-__all__ = ["StagePlan", "module_name", "plan", "split"]
+__all__ = ["StagePlan", "check_balance", "module_name", "plan", "split"]
 
 
 def module_name(root: nn.Module, part: nn.Module) -> str:
@@ -68,7 +68,7 @@ def split(sequential: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequenti
     return parts
 
 
-def _check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
+def check_balance(balance: Sequence[int], layers: int) -> Tuple[int, ...]:
     """The one check of a balance that needs the model (its values were checked by the settings)."""
     balance = tuple(balance)
     if sum(balance) != layers:
@@ -218,7 +218,7 @@ def plan(
     layers = len(sequential)
     balance: Optional[Tuple[int, ...]] = None
     if s.balance is not None:
-        balance = _check_balance(s.balance, layers)
+        balance = check_balance(s.balance, layers)
     stages = len(balance) if balance is not None else s.stages or max(1, min(len(devices), layers))
     if stages > layers:
         raise config_error(

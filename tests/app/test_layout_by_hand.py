@@ -60,3 +60,19 @@ def test_a_layout_by_hand_on_a_cluster_of_other_size_is_refused_naming_both() ->
 def test_a_cluster_named_under_the_local_engine_is_refused_naming_the_engine() -> None:
     with pytest.raises(PipeckptConfigError, match=r"cluster= with strategy.engine=local"):
         run(["model=mlp", "cluster=h100_8"])
+
+
+def test_a_layout_by_hand_has_train_pys_strategy_checks_before_any_work() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"chunks=0: the number of micro-batches"):
+        run([*HAND, "ckpt=always", "cluster=h100_8", "strategy.chunks=0"])
+
+
+def test_a_misspelt_strategy_key_on_a_layout_by_hand_is_refused_naming_the_key() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"strategy\(schedul=\.\.\.\).*did you mean schedule"):
+        run([*HAND, "ckpt=always", "cluster=h100_8", "+strategy.schedul=1f1b"])
+
+
+def test_a_layout_by_hand_under_auto_without_a_budget_is_fitted_to_the_device() -> None:
+    answer, _, _ = run([*HAND, "ckpt=auto", "cluster=h100_8"])  # train.py would ask for a budget
+    assert isinstance(answer, Answer) and len(answer.searched.ranked) == 1
+    assert answer.searched.ranked[0].candidate.modes  # the fit chose one mode per stage

@@ -37,7 +37,9 @@ def test_a_layout_cut_by_time_is_checked_by_hand_to_the_same_row() -> None:
 
 def test_a_balance_by_hand_that_does_not_add_up_to_the_layers_is_refused_naming_it() -> None:
     hand = ["strategy.stages=2", "strategy.dp=1", "strategy.balance=[3,2]", "data.batch_size=4"]
-    with pytest.raises(PipeckptConfigError, match=r"strategy.balance=\[3, 2\].*4 pipelined layers"):
+    with pytest.raises(
+        PipeckptConfigError, match=r"balance \[3, 2\] \(sum 5\).*sum to the number of layers.*\(4\)"
+    ):
         run([*MODEL, "trainer.devices=2", "cluster=h100_8", *hand])
 
 
