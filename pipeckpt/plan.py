@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from pipeckpt._errors import PipeckptConfigError, config_error
@@ -154,6 +155,17 @@ def split_options(argv: Sequence[str]) -> Tuple[MemoryOptions, List[str]]:
     )
 
 
+def _messages(error: BaseException) -> str:
+    """``error``'s message and its causes', one after another, as Hydra prints a failed composition
+    ("Error merging override ..." is followed by what was wrong with the value)."""
+    lines = []
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        lines.append(str(cause).strip())
+        cause = cause.__cause__
+    return "\n".join(line for line in lines if line)
+
+
 def _degree(values: Dict[str, str], key: str, what: str = "a degree") -> Optional[int]:
     if key not in values:
         return None
@@ -176,7 +188,10 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
     options, overrides = split_options(argv)
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
+        try:
+            cfg = compose(config_name="train", overrides=list(overrides))
+        except HydraException as error:  # an override Hydra cannot apply: its messages, as train.py's
+            raise PipeckptConfigError(_messages(error)) from None
     cfg, note = plannable(cfg)
     options = replace(options, note=note)
     check_config(cfg)  # train.py's checks, before the data and the model are built

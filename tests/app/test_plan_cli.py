@@ -9,6 +9,8 @@ from typing import List
 import pytest
 from support import forkserver
 
+from pipeckpt.plan import main
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,6 +49,24 @@ def test_a_bad_budget_is_a_configuration_error(tmp_path: Path) -> None:
     result = _plan("model=mlp", "+memory.budget=lots", cwd=tmp_path)
     assert result.returncode == 1
     assert "Configuration error: memory.budget='lots': is not a size" in result.stderr
+
+
+def test_a_cluster_that_does_not_exist_is_a_configuration_error_listing_the_presets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["model=gpt", "strategy.engine=distributed", "strategy.layout=auto", "cluster=nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Configuration error: In 'train': Could not find 'cluster/nosuch'")
+    assert "h100_8x8" in err and "Traceback" not in err
+
+
+def test_a_value_of_the_wrong_type_is_a_configuration_error_saying_the_key_and_type(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["model=gpt", "strategy.sequence_parallel=maybe"]) == 1
+    err = capsys.readouterr().err
+    assert "Error merging override strategy.sequence_parallel=maybe" in err
+    assert "Value 'maybe' is not a valid bool" in err and "full_key: strategy.sequence_parallel" in err
 
 
 def test_the_plan_table_shows_the_memory_models_numbers_for_the_same_model_and_batch() -> None:
