@@ -36,7 +36,7 @@ from pipeckpt.plan_hand import check_layout
 from pipeckpt.plan_layout import Answer, search_config
 from pipeckpt.plan_model import Built, batch, build, built, plannable
 from pipeckpt.plan_model import loss as _loss  # noqa: F401  (the loss the tests profile with)
-from pipeckpt.plan_pick import given_modes
+from pipeckpt.plan_pick import given_layout, given_modes
 from pipeckpt.plan_ranks import rank_run, takes_tensor_parallel
 from pipeckpt.plan_settings import strategy_settings
 from pipeckpt.plan_table import COLUMNS, draw, format_prediction, mib
@@ -198,8 +198,12 @@ def run(argv: Sequence[str]) -> Tuple[Union[Prediction, RankTable, Answer], Memo
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if isinstance(cfg.strategy, DictConfig) and cfg.strategy.get("layout") == "auto":
-        png, modes = options.png or "layout_frontier.png", given_modes(cfg, overrides)
-        return search_config(cfg, png=png, top=options.top, modes=modes), options, None
+        png, modes, pins = (
+            options.png or "layout_frontier.png",
+            given_modes(cfg, overrides),
+            given_layout(cfg, overrides),
+        )
+        return search_config(cfg, png=png, top=options.top, modes=modes, pins=pins), options, None
     if options.top is not None:
         raise config_error(
             f"memory.top={options.top}",

@@ -25,6 +25,7 @@ from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
 from pipeckpt.layout.floor import step_floor
 from pipeckpt.layout.links import Mesh, all_reduce_s
+from pipeckpt.layout.pins import Pins
 from pipeckpt.layout.rank_work import sharded_collectives_s
 from pipeckpt.layout.report import draw, format_search, progress_printer
 from pipeckpt.layout.search import Estimate, Searched, search
@@ -275,30 +276,35 @@ def search_config(
     only: Optional[Sequence[Candidate]] = None,
     top: Optional[int] = None,
     modes: Optional[str] = None,
+    pins: Pins = Pins(),
 ) -> Answer:
     """The layouts of the configured model on the configured cluster, ranked (the plan command's
     ``strategy.layout=auto``); a PNG of the memory-time frontier where ``png`` names one; ``only``:
     these layouts instead of every one (each fitted and predicted as the search does); ``top``: only
     the ``top`` fastest, found without fitting the layouts that cannot be among them
     (:func:`pipeckpt.layout.search.search`'s floor); ``modes``: the one checkpoint mode every stage
-    of every layout keeps (:func:`pipeckpt.plan_pick.given_modes`), else each layout's are chosen."""
+    of every layout keeps (:func:`pipeckpt.plan_pick.given_modes`), else each layout's are chosen;
+    ``pins``: the settings every layout keeps (:class:`pipeckpt.layout.pins.Pins`), the rest searched."""
     torch.manual_seed(cfg.seed)
     with _searching(cfg) as (memory, model, where, shapes):
+        global_batch = int(cfg.data.batch_size)
         found = (
-            candidates(
-                where.world,
+            pins.kept(
+                candidates(
+                    where.world, model, global_batch=global_batch, devices_per_node=where.devices_per_node
+                ),
                 model,
-                global_batch=int(cfg.data.batch_size),
-                devices_per_node=where.devices_per_node,
+                where.world,
+                global_batch,
             )
             if only is None
             else only
         )
-        for c in found if only is not None else ():  # a balance by hand: its values were the settings'
+        for c in found:  # a balance given by hand: its values were the settings', its sum needs the model
             if c.balance:
                 check_balance(c.balance, model.layers)
         price = _cost(cfg, memory, where, shapes)
-        if only is None:  # each pipelined layout cut by parameters (the engine's default) and by time
+        if only is None and not pins.balance:  # each pipelined layout cut by parameters and by time
             found = with_time_cuts(found, price.costs)
         if modes is not None and only is None:
             found = [replace(c, modes=(modes,) * c.stages) for c in found]

@@ -14,15 +14,17 @@ import os
 from typing import Any, Dict, Optional, Sequence
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.processes import SETTINGS, check_time_limit
 from pipeckpt.engines.distributed.startup import from_rank_zero, outside_launcher
+from pipeckpt.layout.pins import PINNABLE, Pins
 from pipeckpt.layout.report import format_row
 from pipeckpt.plan_layout import check_searchable, search_config
+from pipeckpt.settings import PipeSettings
 
-__all__ = ["apply_layout", "given_modes", "PICK_VARIABLE"]
+__all__ = ["apply_layout", "given_layout", "given_modes", "PICK_VARIABLE"]
 
 #: The environment variable the launching process hands its pick to the processes it starts in.
 PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
@@ -39,6 +41,21 @@ def _devices(cfg: DictConfig) -> int:
     """Processes per node: ``trainer.devices`` (1 where it is not a count)."""
     devices = cfg.trainer.get("devices")
     return int(devices) if isinstance(devices, int) else 1
+
+
+def given_layout(cfg: DictConfig, overrides: Sequence[str]) -> Pins:
+    """The layout settings the command line names (``strategy.tensor_parallel=2``, among
+    ``overrides``), which a search keeps while it searches the rest. A value in a config file is a
+    default, not the user's choice. The settings' own checks (counts, a balance's values, the
+    schedule's name) run here, before any work; how the pins combine, the search answers (the
+    engine's rules between settings, such as DDP refusing tensor parallelism, are for the layouts
+    it picks, not for the pins alone)."""
+    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    values = {k: cfg.strategy.get(k) for k in PINNABLE if f"strategy.{k}" in named}
+    values = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v for k, v in values.items()}
+    values = {k: v for k, v in values.items() if v is not None}
+    PipeSettings(**{"engine": "distributed", **values})
+    return Pins(values)
 
 
 def given_modes(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
@@ -73,13 +90,17 @@ def apply_layout(
     (as a search hands it on), applied without a search."""
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
-    modes = given_modes(cfg, overrides)
+    modes, pins = given_modes(cfg, overrides), given_layout(cfg, overrides)
     if pick is None:
         pick = _from_parent()
     if pick is None:
         nodes = int(cfg.trainer.get("num_nodes") or 1)
         outside = outside_launcher(devices=_devices(cfg), num_nodes=nodes)
-        pick = _searched_pick(cfg, say, modes) if outside is None else _rank_zeros(cfg, say, modes, outside)
+        pick = (
+            _searched_pick(cfg, say, modes, pins)
+            if outside is None
+            else _rank_zeros(cfg, say, modes, pins, outside)
+        )
     os.environ[PICK_VARIABLE] = json.dumps(dict(pick, by=os.getpid()))  # for the processes this one starts
     picked = cfg.copy()
     with open_dict(picked):
@@ -105,7 +126,7 @@ def _from_parent() -> Optional[Dict[str, Any]]:
 
 
 def _rank_zeros(
-    cfg: DictConfig, say: Any, modes: Optional[str], outside: ClusterEnvironment
+    cfg: DictConfig, say: Any, modes: Optional[str], pins: Pins, outside: ClusterEnvironment
 ) -> Dict[str, Any]:
     """Global rank 0's pick, on every process an outside launcher started: rank 0 searches, the
     others wait for its pick within the strategy's ``start_timeout``."""
@@ -117,7 +138,7 @@ def _rank_zeros(
     text = from_rank_zero(
         outside,
         "layout",
-        lambda: json.dumps(_searched_pick(cfg, say, modes)),
+        lambda: json.dumps(_searched_pick(cfg, say, modes, pins)),
         window_s=window,
         what="the layout search (strategy.layout=auto)",
     )
@@ -127,9 +148,11 @@ def _rank_zeros(
     return pick
 
 
-def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str]) -> Dict[str, Any]:
+def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str], pins: Pins) -> Dict[str, Any]:
     """The search's pick, printed with its runners-up: the settings, replicas and table row."""
-    answer = search_config(cfg, top=SHOWN, modes=modes)  # the pick and its runners-up: nothing else fitted
+    answer = search_config(
+        cfg, top=SHOWN, modes=modes, pins=pins
+    )  # the pick and its runners-up: nothing else fitted
     best = answer.searched.best
     say(answer.text(top=SHOWN), flush=True)
     row = format_row(1, best)
