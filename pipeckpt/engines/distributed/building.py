@@ -171,7 +171,7 @@ class EngineBuilding:
         where nothing is sharded and the schedule splits each backward. Torch runs an input pass
         with ``last_backward=False`` and a stage's own weight pass outside any backward DDP sees, so
         DDP's reducer never ran: each replica trained on its own data alone (dp2_zbv_* in
-        tests/engines/distributed/test_distributed_engine.py). Unwrapped, the stages split too."""
+        tests/engines/distributed/test_distributed_engine_replicas.py). Unwrapped, the stages split too."""
         return self.kind.traits.split_backward and self.topology.dp > 1 and self._sharding() is None
 
     def _sharding(self) -> Optional[Sharding]:

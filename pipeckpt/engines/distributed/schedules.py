@@ -39,7 +39,7 @@ class _Traits:
     min_microbatches_per_stage: bool = False  # at least as many micro-batches as stages
 
 
-# What pipeckpt knows of each schedule class, proven by tests/engines/distributed/test_distributed_engine.py.
+# What pipeckpt knows of each schedule class, proven by tests/engines/distributed/test_distributed_engine*.py.
 _TRAITS: Dict[str, _Traits] = {
     "ScheduleGPipe": _Traits(),
     "Schedule1F1B": _Traits(min_microbatches_per_stage=True),
