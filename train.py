@@ -76,15 +76,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     def validate(ckpt_path: Optional[str] = None) -> float:
         return trainer.validate(model, datamodule, ckpt_path=ckpt_path, verbose=False)[0]["val_loss"]
 
+    # trainer.limit_val_batches=0 is Lightning's switch for no validation: it returns no results then
+    validating = bool(cfg.validate) and trainer.limit_val_batches != 0
     summary: dict[str, Any] = {"output_dir": cfg.output_dir, "is_global_zero": trainer.is_global_zero}
-    if cfg.validate:
+    if validating:
         summary["val_loss_start"] = validate(cfg.ckpt_path)
         say(f"val_loss at start: {summary['val_loss_start']:.4f}", flush=True)
     trainer.fit(model, datamodule, ckpt_path=cfg.ckpt_path)
     summary["fit_s"] = time.perf_counter() - this_run.started
     summary["global_step"] = trainer.global_step
     summary["first_step"] = this_run.first_step
-    if cfg.validate:
+    if validating:
         # On the final weights, from the checkpoint holding them: with no path, Lightning would
         # validate a requeued SLURM job's preemption checkpoint instead.
         summary["val_loss_end"] = validate(_final_checkpoint(trainer, cfg.output_dir))

@@ -90,6 +90,11 @@ def test_a_mode_list_sets_each_stages_mode(tmp_path):
     assert [s["mode"] for s in stages(tmp_path)] == ["always", "always", "except_last", "never"]
 
 
+def test_validation_turned_off_in_lightnings_way_trains_without_validating(tmp_path):
+    done = train(tmp_path, "model=mlp", "trainer.limit_val_batches=0")  # was an IndexError
+    assert "val_loss at" not in done.stdout and not (tmp_path / "final.ckpt").exists()
+
+
 def test_mlp_model(tmp_path):
     start, end = val_losses(train(tmp_path, "model=mlp").stdout)
     assert end < start
