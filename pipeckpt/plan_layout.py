@@ -100,15 +100,26 @@ def check_searchable(cfg: DictConfig, given: str = "strategy.layout=auto", fix: 
             "distributed engine runs",
             "add strategy.engine=distributed" + fix,
         )
-    if not isinstance(cfg.model, DictConfig) or not isinstance(cfg.model.get("seq_len"), int):
+    if tokens_per_sample(cfg) is None:
         target = cfg.model.get("_target_") if isinstance(cfg.model, DictConfig) else cfg.model
         raise config_error(
-            f"{given} with model._target_={target} (model.seq_len: {OmegaConf.select(cfg, 'model.seq_len')})",
+            f"{given} with model._target_={target} (model.seq_len: {OmegaConf.select(cfg, 'model.seq_len')}, "
+            f"data.seq_len: {OmegaConf.select(cfg, 'data.seq_len', default=None)})",
             "the search prices a layout by the tokens of a sequence model: an integer model.seq_len "
-            "(model=gpt, llama3 or hf)",
+            "(model=gpt, llama3 or hf), or data.seq_len for a model of your own (model=custom)",
             "train a sequence model, or give the layout by hand (strategy.stages, strategy.dp, "
             "strategy.schedule, strategy.chunks) without it" + fix,
         )
+
+
+def tokens_per_sample(cfg: DictConfig) -> Optional[int]:
+    """The tokens of one sample: the model's ``seq_len``, else the data's (a model of your own,
+    ``model=custom``, that takes no such argument); None where neither is an integer."""
+    for key in ("model.seq_len", "data.seq_len"):
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _this_machine(where: Cluster) -> bool:
@@ -164,7 +175,7 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
     below its matmul peak, which no FLOP count sees). Elsewhere: from the model's Hugging Face config
     where it has one (the published FLOP count), else from one fake profile of the whole layers (any
     micro-batch: the costs are per token; a fake profile's times are its FLOPs)."""
-    seq_len, precision = int(cfg.model.seq_len), str(cfg.trainer.precision)
+    seq_len, precision = int(tokens_per_sample(cfg) or 0), str(cfg.trainer.precision)
     global_batch = int(cfg.data.batch_size)
     module = shapes.built(1).module
     config = getattr(module, "hf_config", None)

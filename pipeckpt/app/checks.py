@@ -60,6 +60,8 @@ def _num(x: Optional[float]) -> str:
 
 def check_config(cfg: DictConfig) -> None:
     """Refuses the first setting of ``cfg`` out of its range or at odds with another setting."""
+    _check_model_named(cfg)
+    _check_followed_keys_exist(cfg)
     _check_ranges(cfg, "")
     _check_model(cfg)
     _check_data_follows_model(cfg)
@@ -139,6 +141,39 @@ _FOLLOWS_MODEL: Dict[str, Callable[[Any, Any], bool]] = {
     "num_classes": _equal,
     "vocab_size": _at_most,
 }
+
+
+def _check_model_named(cfg: DictConfig) -> None:
+    """``model=custom`` names the module by its import path (conf/model/custom.yaml leaves it unset)."""
+    model = cfg.get("model")
+    if isinstance(model, DictConfig) and OmegaConf.is_missing(model, "_target_"):
+        raise config_error(
+            "model=custom without model._target_",
+            "a model of your own is named by its LightningModule's import path, its arguments by "
+            "+model.NAME=VALUE",
+            "add model._target_=my_package.MyModule (importable from where you run the command)",
+        )
+
+
+def _check_followed_keys_exist(cfg: DictConfig) -> None:
+    """A data setting that follows the model's (``data.seq_len: ${model.seq_len}``) under a model
+    whose config has no such key (a model of your own, ``model=custom``): said in the user's names,
+    before anything reads it (OmegaConf's own error is an InterpolationKeyError traceback)."""
+    data, model = cfg.get("data"), cfg.get("model")
+    if not isinstance(data, DictConfig) or not isinstance(model, DictConfig):
+        return
+    raw = OmegaConf.to_container(data, resolve=False)
+    assert isinstance(raw, dict)
+    for key, value in raw.items():
+        key = str(key)
+        followed = value[2:-1] if isinstance(value, str) and value.startswith("${model.") else None
+        if followed is not None and value.endswith("}") and followed[len("model.") :] not in model:
+            raise config_error(
+                f"data.{key} (it follows {followed}) with model._target_={model.get('_target_')}",
+                f"the model's config has no {followed[len('model.') :]}: a model of your own "
+                "(model=custom) takes only its own arguments",
+                f"set data.{key}=VALUE on the command line",
+            )
 
 
 def _check_data_follows_model(cfg: DictConfig) -> None:

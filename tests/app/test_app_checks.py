@@ -28,6 +28,7 @@ MODEL_OF_DATA = {
 # What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
 # until the data's setup, so any names do).
 SETTINGS_OF_DATA = {"dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"]}
+SETTINGS_OF_MODEL = {"custom": ["model._target_=support.user_modules.UserGPT2", "data.seq_len=32"]}
 
 
 def compose_train(tmp_path: Path, *overrides: str):
@@ -54,6 +55,8 @@ def test_every_config_in_conf_passes_the_checks(tmp_path, group, option):
     overrides = [f"{group}={option}"]
     if group == "data":
         overrides += [f"model={MODEL_OF_DATA[option]}", *SETTINGS_OF_DATA.get(option, [])]
+    if group == "model":  # model=custom names a module of the user's own and the data's length
+        overrides += SETTINGS_OF_MODEL.get(option, [])
     check_config(compose_train(tmp_path, *overrides))
 
 

@@ -26,6 +26,8 @@ MODEL_OF_DATA = {
 # What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
 # until the data's setup, so any names do).
 SETTINGS_OF_DATA = {"dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"]}
+# model=custom names a module of the user's own (here tests/support/user_modules.py) and the data's length
+SETTINGS_OF_MODEL = {"custom": ["model._target_=support.user_modules.UserGPT2", "data.seq_len=32"]}
 
 
 def options(group: str) -> list[str]:
@@ -60,6 +62,8 @@ def test_every_config_composes_and_builds(tmp_path, group, option):
     overrides = [f"{group}={option}"]
     if group == "data":
         overrides += [f"model={MODEL_OF_DATA[option]}", *SETTINGS_OF_DATA.get(option, [])]
+    if group == "model":
+        overrides += SETTINGS_OF_MODEL.get(option, [])
     if (group, option) == ("ckpt", "auto"):
         overrides.append("memory.budget=1GiB")  # auto plans to a budget; without one it is an error
     objects = build(compose_train(tmp_path, *overrides))
