@@ -95,7 +95,8 @@ class Engine(ABC):
                 "the layout is searched with the model and the cluster before the Trainer starts its "
                 "processes, and the strategy is built with the layout found",
                 "run train.py strategy.layout=auto (pipeckpt.plan_pick.apply_layout picks the layout "
-                "and builds the strategy with it; docs/LAYOUT.md, 'The search'), or give the layout",
+                "and builds the strategy with it; your own LightningModule by model=custom "
+                "model._target_=my_package.MyModule; docs/LAYOUT.md, 'The search'), or give the layout",
             )
         given = [n for n in PipeSettings.per_engine() if n not in cls.own_settings]
         given = [n for n in given if getattr(settings, n) is not None]
