@@ -19,7 +19,7 @@ from pipeckpt.boundaries.pipeline_of import ModulePipeline
 from pipeckpt.engines import engine_class
 from pipeckpt.engines.distributed.tensor_parallel import check_sequence_parallel
 from pipeckpt.layout import cost
-from pipeckpt.layout.balance import with_time_cuts
+from pipeckpt.layout.balance import by_time, with_time_cuts
 from pipeckpt.layout.candidates import Candidate, Model, candidates
 from pipeckpt.layout.cluster import Cluster, cluster
 from pipeckpt.layout.fit import Memory, Shapes
@@ -315,6 +315,7 @@ def search_config(
             if c.balance:
                 check_balance(c.balance, model.layers)
         price = _cost(cfg, memory, where, shapes)
+        found = [_named_cut(c, price.costs) for c in found]
         if only is None and not pins.balance:  # each pipelined layout cut by parameters and by time
             found = with_time_cuts(found, price.costs)
         if modes is not None and only is None:
@@ -334,6 +335,11 @@ def search_config(
     if png is not None:
         draw(searched, png, where.device.memory_bytes)
     return answer
+
+
+def _named_cut(c: Candidate, costs: cost.ModelCosts) -> Candidate:
+    """``c``, its balance (given by the user) described as cut by hand where it is not the cut by time."""
+    return replace(c, cut_by_hand=True) if c.balance and c.balance != by_time(costs, c.stages) else c
 
 
 def by_hand(cfg: DictConfig, settings: Dict[str, Any]) -> List[str]:

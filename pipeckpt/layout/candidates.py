@@ -51,6 +51,8 @@ class Candidate:
     sequence: bool = False
     # layers per stage (empty: the engine's default cut, by parameters; else cut by time)
     balance: Tuple[int, ...] = ()
+    # the balance is the user's own and not the cut by time (described so, not "by time")
+    cut_by_hand: bool = False
 
     @property
     def dp(self) -> int:
@@ -71,7 +73,7 @@ class Candidate:
         how = (", reshard" if self.reshard else "") + (", reduce every" if self.reduce_every else "")
         shard = f" (fsdp {self.dp_shard}{how})" if self.dp_shard > 1 else ""
         sp = " (sp)" if self.sequence else ""
-        cut = " by time" if self.balance else ""  # layers per stage cut by time (layout.balance)
+        cut = (" by hand" if self.cut_by_hand else " by time") if self.balance else ""  # layout.balance
         return f"pp{self.pp}{cut} x tp{self.tp}{sp} x dp{self.dp}{shard}"
 
     def settings(self) -> Dict[str, Any]:

@@ -38,6 +38,7 @@ def test_without_pins_the_same_search_ranks_other_schedules_too(tmp_path: Path) 
 def test_a_pinned_balance_cuts_every_layout_so_and_no_twin_is_cut_by_time(tmp_path: Path) -> None:
     ranked = _ranked(tmp_path, "strategy.balance=[4,3]")
     assert ranked and all(r.candidate.balance == (4, 3) and r.candidate.stages == 2 for r in ranked)
+    assert ranked[0].candidate.describe().startswith("pp2 by hand x")  # not its cut by time
 
 
 def test_a_pinned_degree_the_model_cannot_take_is_refused_saying_why() -> None:
