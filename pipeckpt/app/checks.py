@@ -144,15 +144,21 @@ _FOLLOWS_MODEL: Dict[str, Callable[[Any, Any], bool]] = {
 
 
 def _check_model_named(cfg: DictConfig) -> None:
-    """``model=custom`` names the module by its import path (conf/model/custom.yaml leaves it unset)."""
-    model = cfg.get("model")
-    if isinstance(model, DictConfig) and OmegaConf.is_missing(model, "_target_"):
-        raise config_error(
-            "model=custom without model._target_",
-            "a model of your own is named by its LightningModule's import path, its arguments by "
-            "+model.NAME=VALUE",
-            "add model._target_=my_package.MyModule (importable from where you run the command)",
-        )
+    """``model=custom`` and ``data=custom`` name their module by its import path (conf/model/custom.yaml
+    and conf/data/custom.yaml leave it unset)."""
+    named = (
+        ("model", "a model", "LightningModule", "MyModule"),
+        ("data", "data", "LightningDataModule", "MyData"),
+    )
+    for group, what, kind, example in named:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig) and OmegaConf.is_missing(node, "_target_"):
+            raise config_error(
+                f"{group}=custom without {group}._target_",
+                f"{what} of your own is named by its {kind}'s import path, its arguments by "
+                f"+{group}.NAME=VALUE",
+                f"add {group}._target_=my_package.{example} (importable from where you run the command)",
+            )
 
 
 def _check_followed_keys_exist(cfg: DictConfig) -> None:

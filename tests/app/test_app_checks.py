@@ -24,10 +24,17 @@ MODEL_OF_DATA = {
     "synthetic_vectors": "mlp",
     "synthetic_images": "convnet",
     "dataset": "hf",
+    "custom": "custom",
 }
 # What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
-# until the data's setup, so any names do).
-SETTINGS_OF_DATA = {"dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"]}
+# until the data's setup, so any names do); data=custom's classes, the user's own (tests/support).
+SETTINGS_OF_DATA = {
+    "dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"],
+    "custom": [
+        "data._target_=support.user_modules.UserTokens",
+        "model._target_=support.user_modules.UserGPT2",
+    ],
+}
 SETTINGS_OF_MODEL = {"custom": ["model._target_=support.user_modules.UserGPT2", "data.seq_len=32"]}
 
 

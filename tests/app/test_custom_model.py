@@ -51,3 +51,24 @@ def test_train_py_trains_a_users_own_module_with_the_searched_pick(tmp_path: Pat
     done = train_py([*mine, *AUTO], tmp_path / "run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "strategy.layout=auto: training with " in done.stdout
+
+
+def test_a_users_own_data_module_feeds_the_search_its_batch_and_length(tmp_path: Path) -> None:
+    data = [
+        "data=custom",
+        "data._target_=support.user_modules.UserTokens",
+        "data.seq_len=16",
+        "data.batch_size=8",
+    ]
+    answer, _, _ = run([*MINE[:2], *data, *AUTO, f"memory.png={tmp_path / 'frontier.png'}"])
+    assert isinstance(answer, Answer) and answer.searched.ranked
+    best = answer.searched.best
+    assert (
+        best.estimate.tokens_per_s_per_device * best.estimate.step_s * best.candidate.world
+        == pytest.approx(8 * 16)
+    )
+
+
+def test_data_custom_without_its_import_path_is_refused_naming_the_setting() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"^data=custom without data._target_: data of your own"):
+        run([*MINE[:2], "data=custom", *AUTO])

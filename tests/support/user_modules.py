@@ -1,7 +1,8 @@
-"""A user's own LightningModule, as one writes it for one device, for the configs' ``model=custom``:
-Hugging Face's ``GPT2LMHeadModel`` (nobody here wrote it) behind a few lines of glue that take the
-bundled text's ``(inputs, targets)`` batches. Not one of pipeckpt's app models: the search and
-train.py must build it from its import path and its own arguments alone."""
+"""A user's own LightningModule and LightningDataModule, as one writes them for one device, for the
+configs' ``model=custom`` and ``data=custom``: Hugging Face's ``GPT2LMHeadModel`` (nobody here wrote
+it) behind a few lines of glue that take ``(inputs, targets)`` batches of token ids, and random such
+batches. Not pipeckpt's app classes: the search and train.py must build them from their import paths
+and their own arguments alone."""
 
 from typing import Any, Tuple
 
@@ -9,6 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import pipeckpt
@@ -44,3 +46,22 @@ class UserGPT2(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class UserTokens(L.LightningDataModule):
+    """Random token ids, each sample's targets its inputs shifted by one, seeded."""
+
+    def __init__(self, batch_size: int = 16, seq_len: int = 32, vocab: int = 256, samples: int = 256) -> None:
+        super().__init__()
+        self.batch_size, self.seq_len, self.vocab, self.samples = batch_size, seq_len, vocab, samples
+
+    def _loader(self, seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, self.vocab, (self.samples, self.seq_len + 1), generator=g)
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(1)
