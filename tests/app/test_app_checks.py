@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from support import forkserver
+from support.config_options import MODEL_OF_DATA, SETTINGS_OF_DATA, SETTINGS_OF_MODEL
 
 from pipeckpt import PipeckptConfigError
 from pipeckpt.app.checks import Range, check_config, check_overrides
@@ -17,25 +18,6 @@ from pipeckpt.app.config import register
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 GROUPS = ["model", "data", "strategy", "ckpt", "trainer", "experiment"]
-MODEL_OF_DATA = {
-    "text": "gpt",
-    "hf_text": "hf",
-    "synthetic": "gpt",
-    "synthetic_vectors": "mlp",
-    "synthetic_images": "convnet",
-    "dataset": "hf",
-    "custom": "custom",
-}
-# What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
-# until the data's setup, so any names do); data=custom's classes, the user's own (tests/support).
-SETTINGS_OF_DATA = {
-    "dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"],
-    "custom": [
-        "data._target_=support.user_modules.UserTokens",
-        "model._target_=support.user_modules.UserGPT2",
-    ],
-}
-SETTINGS_OF_MODEL = {"custom": ["model._target_=support.user_modules.UserGPT2", "data.seq_len=32"]}
 
 
 def compose_train(tmp_path: Path, *overrides: str):

@@ -26,7 +26,7 @@ from support.config_fuzz import (
     fuzz,
     local_stage_count,
     model_problems,
-    settings_problems,
+    refused_by_the_strategy,
 )
 from support.config_fuzz import MODE as _MODE
 from support.config_fuzz import mode_names as _mode_names
@@ -125,12 +125,7 @@ def _expected_warning(kw: Dict[str, Any]) -> bool:
 def test_local_settings_fail_cleanly_before_a_step_or_train_one(case):
     kw, layers, devices = case
     assume(not awaiting_fix(kw))
-    early = settings_problems(kw)
-    if early:
-        event("refused by PipelineStrategy(...)")
-        with pytest.raises(PipeckptConfigError) as error:
-            PipelineStrategy(**kw)
-        assert_names_one_of(error.value, early)
+    if refused_by_the_strategy(kw):
         return
     strategy = PipelineStrategy(**kw)
     module = CountingToy(depth=layers)

@@ -8,33 +8,13 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from support.config_options import MODEL_OF_DATA, SETTINGS_OF_DATA, SETTINGS_OF_MODEL
 
 import pipeckpt
 from pipeckpt.app.config import register
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["model", "data", "strategy", "ckpt", "trainer", "logger", "callbacks", "experiment"]
-# A data option only fits the model it was written for.
-MODEL_OF_DATA = {
-    "text": "gpt",
-    "hf_text": "hf",
-    "synthetic": "gpt",
-    "synthetic_vectors": "mlp",
-    "synthetic_images": "convnet",
-    "dataset": "hf",
-    "custom": "custom",
-}
-# What a data option needs set besides its model: the dataset's file and tokenizer (neither is read
-# until the data's setup, so any names do); data=custom's classes, the user's own (tests/support).
-SETTINGS_OF_DATA = {
-    "dataset": ["data.path=rows.jsonl", "data.tokenizer=tokenizer_dir"],
-    "custom": [
-        "data._target_=support.user_modules.UserTokens",
-        "model._target_=support.user_modules.UserGPT2",
-    ],
-}
-# model=custom names a module of the user's own (here tests/support/user_modules.py) and the data's length
-SETTINGS_OF_MODEL = {"custom": ["model._target_=support.user_modules.UserGPT2", "data.seq_len=32"]}
 
 
 def options(group: str) -> list[str]:

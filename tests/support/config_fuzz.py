@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -270,3 +271,19 @@ BAD_LOCAL: Dict[str, Sequence[Any]] = {
     "compile": ["yes", 1, None, "inductor", "max_autotune", ["eager"]],
     "engine": ["remote", "Local", None, 5, ["local"]],
 }
+
+
+def refused_by_the_strategy(kw: Dict[str, Any]) -> bool:
+    """Whether the reference model refuses ``kw`` without a model or a world; if so,
+    ``PipelineStrategy(**kw)`` has raised, naming one of its problems (checked here)."""
+    from hypothesis import event
+
+    from pipeckpt import PipelineStrategy
+
+    early = settings_problems(kw)
+    if early:
+        event("refused by PipelineStrategy(...)")
+        with pytest.raises(PipeckptConfigError) as error:
+            PipelineStrategy(**kw)
+        assert_names_one_of(error.value, early)
+    return bool(early)
