@@ -173,10 +173,11 @@ def _check_followed_keys_exist(cfg: DictConfig) -> None:
     for key, value in raw.items():
         key = str(key)
         followed = value[2:-1] if isinstance(value, str) and value.startswith("${model.") else None
-        if followed is not None and value.endswith("}") and followed[len("model.") :] not in model:
+        name = (followed or "")[len("model.") :].split(".")[0]
+        if followed is not None and value.endswith("}") and name not in model:
             raise config_error(
                 f"data.{key} (it follows {followed}) with model._target_={model.get('_target_')}",
-                f"the model's config has no {followed[len('model.') :]}: a model of your own "
+                f"the model's config has no {name}: a model of your own "
                 "(model=custom) takes only its own arguments",
                 f"set data.{key}=VALUE on the command line",
             )

@@ -30,7 +30,7 @@ _KEEPS: Dict[str, Callable[[Candidate, Any], bool]] = {
     "tensor_parallel": lambda c, v: c.tp == int(v),
     "dp": lambda c, v: c.dp == int(v),
     "dp_shard": lambda c, v: c.dp_shard == int(v),
-    "data_parallel": lambda c, v: (c.dp_shard > 1) == (str(v) == "fsdp"),
+    "data_parallel": lambda c, v: c.settings()["data_parallel"] == str(v),  # as the pick trains it
     "schedule": _same_schedule,
     "chunks": lambda c, v: c.chunks == int(v),
     "balance": lambda c, v: c.stages == len(v),

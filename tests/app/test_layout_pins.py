@@ -74,3 +74,8 @@ def test_train_pys_pick_keeps_the_pinned_degrees(monkeypatch: pytest.MonkeyPatch
     picked = apply_layout(compose_train(overrides), say=lambda *a, **k: None, overrides=overrides)
     assert (picked.strategy.stages, picked.strategy.dp, picked.strategy.layout) == (4, 1, "manual")
     assert picked.data.batch_size == 16 and os.environ[PICK_VARIABLE]
+
+
+def test_a_pinned_data_parallel_is_what_every_ranked_layout_trains_with(tmp_path: Path) -> None:
+    ranked = _ranked(tmp_path, "strategy.data_parallel=fsdp")
+    assert ranked and all(r.candidate.settings()["data_parallel"] == "fsdp" for r in ranked)
