@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 from bench_distributed import Measure, loader
-from harness.ranks import ranks_arguments, run_ranks
+from harness.ranks import joined, ranks_arguments, run_ranks
 from harness.trainers import QUIET_CPU
 
 MODEL = dict(in_features=8, hidden=8, depth=2, num_classes=2)
@@ -100,13 +100,7 @@ def local(args: Any) -> str:
 
 
 def worker(spec_path: str) -> None:
-    torch.set_num_threads(1)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    import argparse
-
-    args = argparse.Namespace(**spec["args"])
-    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    spec, args = joined(spec_path)
     rows: List[Dict[str, Any]] = []
     for r in range(args.rounds):
         for m in (1, MANY) if r % 2 == 0 else (MANY, 1):

@@ -24,11 +24,9 @@ import statistics
 import time
 from typing import Any, Dict, List
 
-import torch
-import torch.distributed as dist
 from bench_distributed import model_settings, train
 from harness.machine import machine
-from harness.ranks import ranks_arguments, run_ranks
+from harness.ranks import joined, ranks_arguments, run_ranks
 
 from pipeckpt import PipelineStrategy
 from pipeckpt.app.models import MLP
@@ -44,11 +42,7 @@ SCHEDULES = {
 
 
 def worker(spec_path: str) -> None:
-    torch.set_num_threads(1)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    args = argparse.Namespace(**spec["args"])
-    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    spec, args = joined(spec_path)
     names = list(SCHEDULES)
     results = []
     for round_ in range(args.rounds):

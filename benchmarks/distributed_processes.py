@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed_measure import MICROBATCHES, SCHEDULES, train
+from harness.ranks import joined
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from pipeckpt import PipelineStrategy
@@ -100,12 +101,7 @@ def raw_schedule(schedule: str, m: int, args: argparse.Namespace, model: Dict[st
 
 
 def worker(spec_path: str) -> None:
-    torch.set_num_threads(1)
-    with open(spec_path) as f:
-        spec = json.load(f)
-    args = argparse.Namespace(**spec["args"])
-    # Lightning finds this process group already up and keeps it.
-    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    spec, args = joined(spec_path)
     results = [{"free": free_halves(args, spec["model"]), "rank": dist.get_rank()}]
     for schedule in SCHEDULES:
         for m in MICROBATCHES:

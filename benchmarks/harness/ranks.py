@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 if TYPE_CHECKING:
     import argparse
@@ -61,6 +61,23 @@ def run_ranks(script: str, ranks: int, spec: Dict[str, Any], *, timeout: float) 
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 results += json.load(f)
         return results
+
+
+def joined(spec_path: str) -> Tuple[Dict[str, Any], "argparse.Namespace"]:
+    """One rank's side of :func:`run_ranks`: one torch thread, the spec it wrote (its ``args`` as the
+    benchmark's namespace), and the gloo group of the ranks it started, joined (a Lightning strategy
+    finds it up and keeps it)."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=world)
+    return spec, argparse.Namespace(**spec["args"])
 
 
 def ranks_arguments(description: str, *, out: str, rounds: int, batch: int) -> "argparse.ArgumentParser":
