@@ -7,8 +7,9 @@ Agreed between processes instead of reseeded (Lightning's ``reset_seed``, which 
 throws away what the script drew since ``seed_everything`` (the model's initial weights), which the
 local engine's one process keeps, so the two engines' dropout would differ."""
 
+import contextlib
 import random
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import numpy as np
 import torch
@@ -39,6 +40,17 @@ def restore(state: Dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def forked_random_states() -> Iterator[None]:
+    """Within: draw freely; after: every generator (torch's, CUDA's, Python's, numpy's) as before,
+    so work done for the run (a layout search) leaves the script's draws as they were."""
+    state = collect()
+    try:
+        yield
+    finally:
+        restore(state)
 
 
 def agree(device: torch.device) -> None:

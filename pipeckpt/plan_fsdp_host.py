@@ -73,13 +73,15 @@ def _worker(
         with built(cfg, drawn, fake=False) as whole, built(cfg, drawn, fake=False) as parted:
             for layer in filter(_trains, parted.sequential):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-            # the module the root, as the engine makes its stage: one root's hooks a backward, and
-            # what is left outside the layers sharded with it
-            root = fully_shard(parted.module, mesh=mesh, reshard_after_forward=False)
+            # the step the root, as the engine makes its stage: one root's hooks a backward, and
+            # what is left outside the layers sharded with it, gathered whatever the step calls (a
+            # user's training_step that calls its model's submodule, not its own forward)
+            stepped = _Steps(parted.module)
+            root = fully_shard(stepped, mesh=mesh, reshard_after_forward=False)
             replicated = DistributedDataParallel(_Steps(whole.module))
             kinds = {
                 "whole": (replicated, _optimizers(whole), None),
-                "sharded": (_Steps(parted.module), _optimizers(parted), root),
+                "sharded": (stepped, _optimizers(parted), root),
             }
             for r in range(rounds + 1):  # the first round warms up
                 for m in (1, 2):

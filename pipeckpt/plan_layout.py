@@ -32,6 +32,7 @@ from pipeckpt.layout.search import Estimate, Searched, search
 from pipeckpt.memory.sharding import PRECISIONS
 from pipeckpt.plan_fsdp_host import SHARDS
 from pipeckpt.plan_fsdp_host import fit as fit_fsdp
+from pipeckpt.plan_given import by_hand as script_by_hand
 from pipeckpt.plan_model import batch
 from pipeckpt.plan_shapes import SearchShapes, heads_of
 from pipeckpt.plan_tp_host import fit
@@ -345,7 +346,10 @@ def _named_cut(c: Candidate, costs: cost.ModelCosts) -> Candidate:
 def by_hand(cfg: DictConfig, settings: Dict[str, Any]) -> List[str]:
     """The overrides that train a pick's ``settings`` (:meth:`Candidate.settings`) by hand, in place of
     ``strategy.layout=auto``: the degrees, schedule, chunks, balance, FSDP policies and modes, and the
-    batch per replica (under auto, ``data.batch_size`` is the global batch)."""
+    batch per replica (under auto, ``data.batch_size`` is the global batch). For a script's
+    ``PipelineStrategy(layout="auto")``, the strategy's arguments (:func:`pipeckpt.plan_given.by_hand`)."""
+    if cfg.get("given_as"):
+        return script_by_hand(settings, int(cfg.data.batch_size))
     out = []
     for key, value in settings.items():
         if key == "checkpoint":

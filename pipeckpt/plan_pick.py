@@ -24,7 +24,7 @@ from pipeckpt.layout.report import format_row
 from pipeckpt.plan_layout import check_searchable, search_config
 from pipeckpt.settings import PipeSettings
 
-__all__ = ["apply_layout", "given_layout", "given_modes", "PICK_VARIABLE"]
+__all__ = ["apply_layout", "agreed_pick", "given_layout", "given_modes", "handed_on", "PICK_VARIABLE"]
 
 #: The environment variable the launching process hands its pick to the processes it starts in.
 PICK_VARIABLE = "PIPECKPT_LAYOUT_PICK"
@@ -91,17 +91,7 @@ def apply_layout(
     if not isinstance(cfg.strategy, DictConfig) or cfg.strategy.get("layout") != "auto":
         return cfg
     modes, pins = given_modes(cfg, overrides), given_layout(cfg, overrides)
-    if pick is None:
-        pick = _from_parent()
-    if pick is None:
-        nodes = int(cfg.trainer.get("num_nodes") or 1)
-        outside = outside_launcher(devices=_devices(cfg), num_nodes=nodes)
-        pick = (
-            _searched_pick(cfg, say, modes, pins)
-            if outside is None
-            else _rank_zeros(cfg, say, modes, pins, outside)
-        )
-    os.environ[PICK_VARIABLE] = json.dumps(dict(pick, by=os.getpid()))  # for the processes this one starts
+    pick = agreed_pick(cfg, say, modes, pins) if pick is None else handed_on(pick)
     picked = cfg.copy()
     with open_dict(picked):
         for key, value in pick["settings"].items():
@@ -111,6 +101,29 @@ def apply_layout(
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
     return picked
+
+
+def agreed_pick(cfg: DictConfig, say: Any, modes: Optional[str], pins: Pins) -> Dict[str, Any]:
+    """The run's pick, the same on every process: the one this process's parent handed on, else
+    global rank 0's search under a launcher outside Lightning, else this process's own search;
+    handed on to the processes this one starts. Shared by :func:`apply_layout` and
+    ``PipelineStrategy(layout="auto")`` (:mod:`pipeckpt.strategy_layout`)."""
+    pick = _from_parent()
+    if pick is None:
+        nodes = int(cfg.trainer.get("num_nodes") or 1)
+        outside = outside_launcher(devices=_devices(cfg), num_nodes=nodes)
+        pick = (
+            _searched_pick(cfg, say, modes, pins)
+            if outside is None
+            else _rank_zeros(cfg, say, modes, pins, outside)
+        )
+    return handed_on(pick)
+
+
+def handed_on(pick: Dict[str, Any]) -> Dict[str, Any]:
+    """``pick``, written where the processes this one starts find it (:data:`PICK_VARIABLE`)."""
+    os.environ[PICK_VARIABLE] = json.dumps(dict(pick, by=os.getpid()))
+    return pick
 
 
 def _from_parent() -> Optional[Dict[str, Any]]:
@@ -144,7 +157,8 @@ def _rank_zeros(
     )
     pick: Dict[str, Any] = json.loads(text)
     if outside.global_rank() != 0:
-        say(f"strategy.layout=auto: training with {pick['row'].strip()} (rank 0's search)", flush=True)
+        given = cfg.get("given_as") or "strategy.layout=auto"
+        say(f"{given}: training with {pick['row'].strip()} (rank 0's search)", flush=True)
     return pick
 
 
@@ -156,5 +170,5 @@ def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str], pins: Pins) 
     best = answer.searched.best
     say(answer.text(top=SHOWN), flush=True)
     row = format_row(1, best)
-    say(f"strategy.layout=auto: training with {row.strip()}", flush=True)
+    say(f"{cfg.get('given_as') or 'strategy.layout=auto'}: training with {row.strip()}", flush=True)
     return {"settings": best.candidate.settings(), "dp": best.candidate.dp, "row": row}

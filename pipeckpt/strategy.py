@@ -44,6 +44,7 @@ from pipeckpt.stages.stage import Stage
 from pipeckpt.state import preemption, termination
 from pipeckpt.state.files import AtomicCheckpointIO
 from pipeckpt.state.fit import check_fits
+from pipeckpt.strategy_layout import replica_share, searched_later, searching_launcher
 from pipeckpt.strategy_meta import MetaBuildStrategy
 from pipeckpt.weights.pretrained import marked_in
 
@@ -58,6 +59,7 @@ class PipelineStrategy(MetaBuildStrategy):
     Args:
         settings: every field of :class:`pipeckpt.settings.PipeSettings` by name (``stages``,
             ``balance``, ``chunks``, ``checkpoint``, ``engine``, ...; docs/SETTINGS.md lists them).
+        cluster: the devices ``layout="auto"`` searches for (:mod:`pipeckpt.strategy_layout`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Lightning's own strategy arguments.
     """
@@ -72,10 +74,11 @@ class PipelineStrategy(MetaBuildStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        cluster: Optional[Any] = None,
         **settings: Unpack[PipeSettingsArgs],
     ) -> None:
         check_names(settings, "PipelineStrategy")
-        self.settings = PipeSettings(**settings)
+        self.settings, self.layout_search = searched_later(settings, cluster)
         engine = engine_class(self.settings.engine)
         engine.check_settings(self.settings)  # every check before any work
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -105,7 +108,8 @@ class PipelineStrategy(MetaBuildStrategy):
         if checkpoint_io_unset(self):  # neither the strategy nor plugins=[...] chose one
             # Written into the target directory and renamed: a kill never leaves half a checkpoint.
             self.checkpoint_io = AtomicCheckpointIO()
-        self._launcher = self.engine.launcher(self.cluster_environment, self._world())
+        launcher = self.engine.launcher(self.cluster_environment, self._world())
+        self._launcher = searching_launcher(self, launcher)  # layout="auto": searched at the launch
 
     @override
     def setup_environment(self) -> None:
@@ -182,7 +186,7 @@ class PipelineStrategy(MetaBuildStrategy):
     # -- the step ---------------------------------------------------------------
 
     def _step(self, hook: str, context: Any, args: Any, kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        args, kwargs = self.precision_plugin.convert_input((replica_share(self, hook, args), kwargs))
         assert self.lightning_module is not None
         with context():
             return self.engine.run(hook, self.lightning_module, args, kwargs)

@@ -48,7 +48,12 @@ class ProcessStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        """This replica's share: every process of one pipeline reads the same batches."""
+        """This replica's share: every process of one pipeline reads the same batches. Under
+        ``layout="auto"`` every process reads every batch, each replica training its share of it
+        (:func:`pipeckpt.strategy_layout.replica_share`)."""
+        search = getattr(self, "layout_search", None)
+        if search is not None and search.pick is not None:
+            return {"num_replicas": 1, "rank": 0}
         return self.engine.sampler_kwargs(self.global_rank)
 
     @override

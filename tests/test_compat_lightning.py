@@ -250,3 +250,51 @@ def test_split_threads_between_gives_each_process_its_share_unless_omp_num_threa
         assert torch.get_num_threads() == share + 1
     finally:
         torch.set_num_threads(threads)
+
+
+class _Recorded:
+    """A launcher that records what Lightning hands ``launch``, and runs nothing."""
+
+    is_interactive_compatible = True
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self.calls.append((function, args, kwargs))
+
+    def kill(self, signum) -> None:
+        pass
+
+
+def _recording_trainer():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class Recording(SingleDeviceStrategy):
+        configured = 0
+
+        def _configure_launcher(self) -> None:
+            self.configured += 1
+            self._launcher = _Recorded()
+
+    return Trainer(strategy=Recording(torch.device("cpu")), logger=False, enable_progress_bar=False)
+
+
+def test_fit_arguments_reads_the_loaders_and_datamodule_lightnings_fit_hands_its_launcher():
+    from lightning.pytorch import LightningDataModule
+
+    trainer, loader = _recording_trainer(), [torch.zeros(1)]
+    trainer.fit(LightningModule(), loader)
+    trainer.fit(LightningModule(), datamodule=(data := LightningDataModule()))
+    trainer.validate(LightningModule(), loader)
+    fit, fit_data, validate = trainer.strategy.launcher.calls
+    assert _compat.fit_arguments(*fit) == (loader, None)
+    assert _compat.fit_arguments(*fit_data) == (None, data)
+    assert _compat.fit_arguments(*validate) == (None, None)  # not a fit
+
+
+def test_relaunch_makes_the_strategys_launcher_again():
+    trainer = _recording_trainer()
+    first = trainer.strategy.launcher
+    _compat.relaunch(trainer.strategy)
+    assert trainer.strategy.configured == 2 and trainer.strategy.launcher is not first

@@ -5,7 +5,8 @@ Each entry says why no public API serves; ``tests/test_compat_lightning.py`` che
 behaviour.
 """
 
-from typing import Any, List
+import inspect
+from typing import Any, List, Tuple
 
 import torch
 from lightning.fabric.utilities.distributed import (
@@ -116,6 +117,25 @@ def start_local_ranks(launcher: Any) -> None:
     launcher._call_children_scripts()
 
 
+def fit_arguments(function: Any, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+    """``(train_dataloaders, datamodule)`` of the fit a launcher's ``launch`` was handed, or
+    ``(None, None)`` for another entry point. Lightning hands ``launch`` its private ``_fit_impl``
+    with fit's arguments by position; they are read here by its parameters' names (``fit``'s own)."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs).arguments
+    except TypeError:
+        return None, None
+    if "train_dataloaders" not in bound:
+        return None, None
+    return bound.get("train_dataloaders"), bound.get("datamodule")
+
+
+def relaunch(strategy: Any) -> None:
+    """The strategy's launcher made again (its engine changed): Lightning's accelerator connector
+    calls the protected ``_configure_launcher`` once, when the Trainer is built."""
+    strategy._configure_launcher()
+
+
 def fit_train_loader(trainer: Any) -> Any:
     """The training loader of the fit being set up: the one passed to ``fit``, else the datamodule's
     or the module's ``train_dataloader()`` (None when there is none). Lightning keeps where it comes
@@ -168,6 +188,8 @@ __all__ = [
     "SubprocessScriptLauncher",
     "checkpoint_io_unset",
     "configured_optimizers",
+    "fit_arguments",
+    "relaunch",
     "default_process_group_backend",
     "fit_train_loader",
     "give_device_mesh",

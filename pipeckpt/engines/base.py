@@ -87,16 +87,15 @@ class Engine(ABC):
     def check_settings(cls, settings: PipeSettings) -> None:
         """Engine-specific checks that need neither model nor world; raise ``config_error``.
         Here: a per-engine setting this engine does not run is refused, and ``layout='auto'``, which
-        is searched before the strategy is built (:func:`pipeckpt.plan_pick.apply_layout`), never
-        reaches it."""
+        is searched before an engine runs (:mod:`pipeckpt.strategy_layout`,
+        :func:`pipeckpt.plan_pick.apply_layout`), never reaches it."""
         if settings.layout == "auto":
             raise config_error(
-                "layout='auto' in PipelineStrategy(...)",
-                "the layout is searched with the model and the cluster before the Trainer starts its "
-                "processes, and the strategy is built with the layout found",
-                "run train.py strategy.layout=auto (pipeckpt.plan_pick.apply_layout picks the layout "
-                "and builds the strategy with it; your own LightningModule by model=custom "
-                "model._target_=my_package.MyModule; docs/LAYOUT.md, 'The search'), or give the layout",
+                "layout='auto' handed to an engine",
+                "an engine runs a layout; 'auto' is searched before any engine runs, with the model "
+                "and the cluster",
+                "build PipelineStrategy(layout='auto', cluster=...), which searches at trainer.fit, "
+                "or run train.py strategy.layout=auto (docs/LAYOUT.md, 'The search')",
             )
         given = [n for n in PipeSettings.per_engine() if n not in cls.own_settings]
         given = [n for n in given if getattr(settings, n) is not None]

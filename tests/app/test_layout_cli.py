@@ -130,8 +130,8 @@ def test_layout_auto_on_a_model_without_a_sequence_length_is_refused_naming_the_
         )
 
 
-def test_the_strategy_built_with_layout_auto_says_where_the_search_runs() -> None:
-    with pytest.raises(PipeckptConfigError, match=r"layout='auto' in PipelineStrategy.*model=custom"):
+def test_the_strategy_built_with_layout_auto_without_a_cluster_names_the_presets() -> None:
+    with pytest.raises(PipeckptConfigError, match=r"^layout='auto' with cluster=None: .*cluster='local'"):
         PipelineStrategy(engine="distributed", layout="auto")
 
 

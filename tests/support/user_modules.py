@@ -18,15 +18,25 @@ import pipeckpt
 
 class UserGPT2(L.LightningModule):
     def __init__(
-        self, layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 256, positions: int = 128
+        self,
+        layers: int = 4,
+        width: int = 64,
+        heads: int = 4,
+        vocab: int = 256,
+        positions: int = 128,
+        dropout: float = 0.1,
     ):
         super().__init__()
+        self.save_hyperparameters()
         config = GPT2Config(
             vocab_size=vocab,
             n_positions=positions,
             n_embd=width,
             n_layer=layers,
             n_head=heads,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
             use_cache=False,
         )
         self.model = GPT2LMHeadModel(config)
@@ -53,6 +63,7 @@ class UserTokens(L.LightningDataModule):
 
     def __init__(self, batch_size: int = 16, seq_len: int = 32, vocab: int = 256, samples: int = 256) -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.batch_size, self.seq_len, self.vocab, self.samples = batch_size, seq_len, vocab, samples
 
     def _loader(self, seed: int) -> DataLoader:
