@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import lightning as L
 import pytest
@@ -27,13 +27,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "support" / "auto_script.py"
 ROOT = SCRIPT.parents[2]
 
 
-def _script(tmp_path: Path, name: str, *args: str) -> Dict[str, Any]:
-    """The script's result (rank 0's JSON), run as a user's shell runs it."""
+def _script(tmp_path: Path, name: str, *args: str, launcher: Sequence[str] = ()) -> Dict[str, Any]:
+    """The script's result (rank 0's JSON), run as a user's shell runs it (``launcher``: the Python
+    module that starts it, torchrun's)."""
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != PICK_VARIABLE}
     env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     done = forkserver.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=tmp_path, env=env, timeout=900
+        [sys.executable, *launcher, str(SCRIPT), "--out", str(out), *args], cwd=tmp_path, env=env, timeout=900
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result: Dict[str, Any] = json.loads(out.read_text())
@@ -74,6 +75,16 @@ def test_a_scripts_search_on_this_machine_times_the_users_module(
     module's own forward, under FSDP included), and the pick trains."""
     searched = _script(tmp_path, "local", "--auto", "--cluster", "local")
     assert "times from one micro-batch timed layer by layer on this machine" in searched["stdout"]
+    assert searched["val_loss"] == pytest.approx(one_device["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_trains_rank_zeros_pick(tmp_path: Path, one_device: Dict[str, Any]) -> None:
+    """Every process runs the script (torchrun): global rank 0 searches alone and hands its pick on
+    through the run's store; the run trains it with one device's numbers."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    searched = _script(tmp_path, "torchrun", "--auto", "--set", "dp=2", launcher=torchrun)
+    assert searched["pick"]["dp"] == 2
     assert searched["val_loss"] == pytest.approx(one_device["val_loss"], rel=1e-5)
 
 
