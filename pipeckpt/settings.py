@@ -135,8 +135,8 @@ class PipeSettings:
         default="manual",
         metadata=_help(
             "'manual' (the stages, degrees, schedule, chunks and modes as given) or 'auto': searched "
-            "for the model on the cluster before the processes start, keeping those named on the "
-            "command line (docs/LAYOUT.md)"
+            "for the model on the cluster before the processes start, keeping those named (on the "
+            "command line, or beside it in PipelineStrategy(layout='auto', cluster=...); docs/LAYOUT.md)"
         ),
     )
     schedule: Optional[str] = field(

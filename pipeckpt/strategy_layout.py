@@ -44,6 +44,11 @@ GIVEN = "PipelineStrategy(layout='auto')"
 SEARCH = "pipeckpt.plan_script:pick_for"
 
 
+#: The settings of ``checkpoint="auto"`` on a manual layout: the search fits every layout to the
+#: cluster's devices instead.
+_BUDGET = ("memory_budget", "memory_search")
+
+
 class LayoutSearch:
     """What ``layout="auto"`` keeps until the pick: the settings the script named (kept by the
     search, :class:`~pipeckpt.layout.pins.Pins`), the cluster, and then the pick."""
@@ -90,6 +95,13 @@ def searched_later(named: Mapping[str, Any], cluster: Any) -> Tuple[PipeSettings
             f"checkpoint={list(given)} with layout='auto'",
             "the search chooses the stage count, so a mode it keeps is one for every stage",
             "give one mode (checkpoint='always'), or none to let the search choose each stage's",
+        )
+    budget = {k: named[k] for k in _BUDGET if named.get(k) is not None}
+    if budget:
+        raise config_error(
+            f"{', '.join(f'{k}={v!r}' for k, v in budget.items())} with layout='auto'",
+            "the search fits every rank of every layout to its device's memory, the cluster's",
+            "drop it, or describe the device's memory in cluster (a mapping: device.memory_bytes)",
         )
     placeholder = PipeSettings(**{**named, "layout": "manual", "checkpoint": "never"})
     return placeholder, LayoutSearch(named, cluster)
@@ -159,8 +171,7 @@ def adopt(strategy: Any, pick: Dict[str, Any]) -> None:
     """The strategy runs ``pick``: its settings (the script's, the pick's layout), the engine that
     runs them and its launcher."""
     search: LayoutSearch = strategy.layout_search
-    named = {k: v for k, v in search.named.items() if k not in ("memory_budget", "memory_search")}
-    settings = PipeSettings(**{**named, **pick["settings"], "layout": "manual"})
+    settings = PipeSettings(**{**search.named, **pick["settings"], "layout": "manual"})
     engine = engine_class(settings.engine)
     engine.check_settings(settings)
     strategy.settings, strategy.engine = settings, engine(settings)

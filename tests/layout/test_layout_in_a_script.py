@@ -115,6 +115,15 @@ def test_a_mode_per_stage_under_auto_is_refused_as_the_stage_count_is_searched()
         )
 
 
+def test_a_memory_budget_under_auto_is_refused_naming_the_clusters_device_memory() -> None:
+    with pytest.raises(
+        PipeckptConfigError, match=r"^memory_budget='1GiB' with layout='auto': .*memory_bytes"
+    ):
+        PipelineStrategy(
+            engine="distributed", layout="auto", cluster="h100_8", checkpoint="auto", memory_budget="1GiB"
+        )
+
+
 def test_a_mode_named_is_kept_on_every_stage_and_auto_is_the_searchs_to_choose() -> None:
     assert LayoutSearch({"engine": "distributed", "checkpoint": "always"}, "h100_8").modes() == "always"
     assert LayoutSearch({"checkpoint": "auto"}, "h100_8").modes() is None
