@@ -241,9 +241,30 @@ def _cost(cfg: DictConfig, memory: Memory, where: Cluster, shapes: SearchShapes)
     return Pricing(estimate, floor, costs)
 
 
+def _check_unbudgeted(cfg: DictConfig) -> None:
+    """A budget (``memory.budget``, ``memory.search``) is what ``ckpt=auto`` plans one layout to;
+    the search fits every rank of every layout to its device's memory instead, so one named beside
+    it would be ignored."""
+    named = {k: cfg.strategy.get(f"memory_{k}") for k in ("budget", "search")}
+    named = {k: v for k, v in named.items() if v is not None}
+    if named:
+        values = ", ".join(
+            f"memory.{k}={OmegaConf.to_container(v) if not isinstance(v, str) else v}"
+            for k, v in named.items()
+        )
+        raise config_error(
+            f"{values} with strategy.layout=auto",
+            "the search fits every rank of every layout to its device's memory, the cluster's; a "
+            "budget plans one layout's modes",
+            "drop it, or describe the device's memory in a cluster of your own "
+            "(cluster.device.memory_bytes; docs/LAYOUT.md, 'Describing a cluster')",
+        )
+
+
 @contextlib.contextmanager
 def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, SearchShapes]]:
     check_searchable(cfg)
+    _check_unbudgeted(cfg)
     where = configured_cluster(cfg)
     precision = str(cfg.trainer.precision)
     drawn = batch(cfg)

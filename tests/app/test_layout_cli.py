@@ -8,6 +8,7 @@ the acceptance command on ``cluster=local`` and the 4-process training run are s
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -185,3 +186,30 @@ def test_train_py_under_torchrun_trains_rank_0s_pick_on_every_rank(tmp_path: Pat
     row = next(line for line in out.splitlines() if line.startswith(" 1 pp")).strip()
     assert f"strategy.layout=auto: training with {row} (rank 0's search)" in out, out
     assert "2 steps in" in out
+
+
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (["ckpt=auto", "memory.budget=1GiB"], "memory.budget=1GiB"),
+        (["memory.search=[modes]"], "memory.search="),
+    ],
+)
+def test_a_budget_beside_layout_auto_is_refused_as_the_search_fits_each_device(
+    given: List[str], named: str
+) -> None:
+    """Until 2026-12-06 the search fitted every layout to the cluster's devices and dropped the
+    budget without a word."""
+    with pytest.raises(
+        PipeckptConfigError, match=rf"^{re.escape(named)}.* with strategy.layout=auto: .*memory_bytes"
+    ):
+        run(
+            [
+                "model=gpt",
+                "strategy.engine=distributed",
+                "trainer.devices=2",
+                "strategy.layout=auto",
+                "cluster=h100_8",
+                *given,
+            ]
+        )
