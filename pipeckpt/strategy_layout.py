@@ -130,22 +130,17 @@ class _Searching:
         self.first.kill(signum)
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        module = self.strategy.lightning_module
-        loaders, datamodule = fit_arguments(function, args, kwargs)
-        if module is None or (loaders is None and datamodule is None and not _has_loader(module)):
+        module, fit = self.strategy.lightning_module, fit_arguments(function, args, kwargs)
+        if module is None or fit is None:
             raise config_error(
                 f"{GIVEN} before a fit",
                 "the layout is searched for the model and its first training batch, at trainer.fit",
                 "call trainer.fit(model, ...) first, or give the layout by hand",
             )
         where, name = SEARCH.split(":")
-        pick = getattr(importlib.import_module(where), name)(self.strategy, module, loaders, datamodule)
+        pick = getattr(importlib.import_module(where), name)(self.strategy, module, *fit)
         adopt(self.strategy, pick)
         return self.strategy.launcher.launch(function, *args, trainer=trainer, **kwargs)
-
-
-def _has_loader(module: Any) -> bool:
-    return callable(getattr(module, "train_dataloader", None))
 
 
 def tensors(batch: Any) -> List[Tensor]:

@@ -290,7 +290,7 @@ def test_fit_arguments_reads_the_loaders_and_datamodule_lightnings_fit_hands_its
     fit, fit_data, validate = trainer.strategy.launcher.calls
     assert _compat.fit_arguments(*fit) == (loader, None)
     assert _compat.fit_arguments(*fit_data) == (None, data)
-    assert _compat.fit_arguments(*validate) == (None, None)  # not a fit
+    assert _compat.fit_arguments(*validate) is None  # not a fit
 
 
 def test_relaunch_makes_the_strategys_launcher_again():

@@ -6,7 +6,7 @@ behaviour.
 """
 
 import inspect
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from lightning.fabric.utilities.distributed import (
@@ -117,16 +117,18 @@ def start_local_ranks(launcher: Any) -> None:
     launcher._call_children_scripts()
 
 
-def fit_arguments(function: Any, args: Any, kwargs: Any) -> Tuple[Any, Any]:
-    """``(train_dataloaders, datamodule)`` of the fit a launcher's ``launch`` was handed, or
-    ``(None, None)`` for another entry point. Lightning hands ``launch`` its private ``_fit_impl``
-    with fit's arguments by position; they are read here by its parameters' names (``fit``'s own)."""
+def fit_arguments(function: Any, args: Any, kwargs: Any) -> Optional[Tuple[Any, Any]]:
+    """``(train_dataloaders, datamodule)`` of the fit a launcher's ``launch`` was handed, or None
+    for another entry point (validate, test, predict). Lightning hands ``launch`` its private
+    ``_fit_impl`` with fit's arguments by position; they are read here by its parameters' names
+    (``fit``'s own)."""
     try:
+        parameters = inspect.signature(function).parameters
         bound = inspect.signature(function).bind(*args, **kwargs).arguments
-    except TypeError:
-        return None, None
-    if "train_dataloaders" not in bound:
-        return None, None
+    except (TypeError, ValueError):
+        return None
+    if "train_dataloaders" not in parameters:
+        return None
     return bound.get("train_dataloaders"), bound.get("datamodule")
 
 

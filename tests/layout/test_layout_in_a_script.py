@@ -103,6 +103,15 @@ def test_a_cluster_that_is_no_preset_is_refused_at_fit_before_any_process_starts
     assert getattr(trainer.strategy.launcher, "procs", []) == []  # no rank was started
 
 
+def test_validating_before_any_fit_is_refused_as_the_search_needs_a_training_batch() -> None:
+    strategy = PipelineStrategy(engine="distributed", layout="auto", cluster="h100_8")
+    trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+    with pytest.raises(
+        PipeckptConfigError, match=r"^PipelineStrategy\(layout='auto'\) before a fit: .*trainer.fit"
+    ):
+        trainer.validate(UserGPT2(layers=2), datamodule=UserTokens())
+
+
 def test_a_cluster_with_a_manual_layout_is_refused_as_unused() -> None:
     with pytest.raises(PipeckptConfigError, match=r"^cluster='h100_8' with layout='manual': .*drop cluster"):
         PipelineStrategy(engine="distributed", cluster="h100_8")
