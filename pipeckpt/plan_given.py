@@ -58,12 +58,12 @@ def _arguments(module: L.LightningModule) -> Dict[str, Any]:
     """The arguments that build ``module`` again: those ``save_hyperparameters()`` kept, checked to
     cover every argument its class takes (a default would build another model silently)."""
     cls = type(module)
+    parameters = inspect.signature(cls.__init__).parameters
     taken = [
-        n
-        for n, p in inspect.signature(cls.__init__).parameters.items()
-        if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        n for n, p in parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
-    kept = dict(module.hparams)
+    anything = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    kept = {k: v for k, v in module.hparams.items() if anything or k in taken}  # as the class takes them
     missing = [n for n in taken if n not in kept]
     if missing:
         raise config_error(

@@ -44,7 +44,7 @@ GIVEN = "PipelineStrategy(layout='auto')"
 SEARCH = "pipeckpt.plan_script:pick_for"
 
 
-#: The settings of ``checkpoint="auto"`` on a manual layout: the search fits every layout to the
+#: What ``checkpoint="auto"`` plans one layout's modes to: the search fits every layout to the
 #: cluster's devices instead.
 _BUDGET = ("memory_budget", "memory_search")
 
@@ -58,14 +58,17 @@ class LayoutSearch:
         self.pick: Optional[Dict[str, Any]] = None
 
     def modes(self) -> Optional[str]:
-        """The mode every stage keeps where the script named one (not ``"auto"``)."""
+        """The mode every stage keeps where the script named one; None: the search chooses."""
         given = self.named.get("checkpoint")
-        return None if given in (None, "auto") else str(given)
+        return None if given is None else str(given)
 
 
 def searched_later(named: Mapping[str, Any], cluster: Any) -> Tuple[PipeSettings, Optional[LayoutSearch]]:
     """The strategy's settings until the pick (the layout ``"manual"`` as given: the engine runs
-    nothing before it), and what the search keeps; every check before any work."""
+    nothing before it), and what the search keeps; every check before any work. ``checkpoint="auto"``
+    under ``layout="auto"`` leaves each stage's mode to the search, as naming none does."""
+    if named.get("layout") == "auto" and named.get("checkpoint") == "auto":
+        named = {k: v for k, v in named.items() if k != "checkpoint"}
     settings = PipeSettings(**named)
     if settings.layout != "auto":
         if cluster is not None:

@@ -134,9 +134,10 @@ def test_a_memory_budget_under_auto_is_refused_naming_the_clusters_device_memory
 
 
 def test_a_mode_named_is_kept_on_every_stage_and_auto_is_the_searchs_to_choose() -> None:
-    assert LayoutSearch({"engine": "distributed", "checkpoint": "always"}, "h100_8").modes() == "always"
-    assert LayoutSearch({"checkpoint": "auto"}, "h100_8").modes() is None
-    assert LayoutSearch({}, "h100_8").modes() is None
+    kept = PipelineStrategy(engine="distributed", layout="auto", cluster="h100_8", checkpoint="always")
+    chosen = PipelineStrategy(engine="distributed", layout="auto", cluster="h100_8", checkpoint="auto")
+    assert kept.layout_search.modes() == "always"
+    assert chosen.layout_search.modes() is None and LayoutSearch({}, "h100_8").modes() is None
 
 
 class _Unkept(L.LightningModule):
