@@ -67,8 +67,10 @@ def searched_later(named: Mapping[str, Any], cluster: Any) -> Tuple[PipeSettings
     """The strategy's settings until the pick (the layout ``"manual"`` as given: the engine runs
     nothing before it), and what the search keeps; every check before any work. ``checkpoint="auto"``
     under ``layout="auto"`` leaves each stage's mode to the search, as naming none does."""
-    if named.get("layout") == "auto" and named.get("checkpoint") == "auto":
-        named = {k: v for k, v in named.items() if k != "checkpoint"}
+    if named.get("layout") == "auto":
+        _check_unbudgeted(named)
+        if named.get("checkpoint") == "auto":
+            named = {k: v for k, v in named.items() if k != "checkpoint"}
     settings = PipeSettings(**named)
     if settings.layout != "auto":
         if cluster is not None:
@@ -99,6 +101,11 @@ def searched_later(named: Mapping[str, Any], cluster: Any) -> Tuple[PipeSettings
             "the search chooses the stage count, so a mode it keeps is one for every stage",
             "give one mode (checkpoint='always'), or none to let the search choose each stage's",
         )
+    placeholder = PipeSettings(**{**named, "layout": "manual", "checkpoint": "never"})
+    return placeholder, LayoutSearch(named, cluster)
+
+
+def _check_unbudgeted(named: Mapping[str, Any]) -> None:
     budget = {k: named[k] for k in _BUDGET if named.get(k) is not None}
     if budget:
         raise config_error(
@@ -106,8 +113,6 @@ def searched_later(named: Mapping[str, Any], cluster: Any) -> Tuple[PipeSettings
             "the search fits every rank of every layout to its device's memory, the cluster's",
             "drop it, or describe the device's memory in cluster (a mapping: device.memory_bytes)",
         )
-    placeholder = PipeSettings(**{**named, "layout": "manual", "checkpoint": "never"})
-    return placeholder, LayoutSearch(named, cluster)
 
 
 def searching_launcher(strategy: Any, launcher: Any) -> Any:
