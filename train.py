@@ -38,7 +38,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeckpt import PipeckptCheckpointError, PipeckptConfigError, PipeckptSaveError
 from pipeckpt.app.checks import check_config, check_overrides
@@ -51,6 +51,7 @@ from pipeckpt.report.render import format_table
 from pipeckpt.report.stage_report import StageReport
 from pipeckpt.sizes import human
 from pipeckpt.state.final_checkpoint import save_final
+from pipeckpt.strategy_layout import log_pick
 
 register()
 
@@ -72,6 +73,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, strategy=strategy, logger=logger, callbacks=[*callbacks, this_run]
     )
     say = print if trainer.is_global_zero else (lambda *args, **kwargs: None)
+    if cfg.get("layout_pick"):  # strategy.layout=auto: the pick among the run's hyperparameters
+        log_pick(trainer.loggers, OmegaConf.to_container(cfg.layout_pick))
 
     def validate(ckpt_path: Optional[str] = None) -> float:
         return trainer.validate(model, datamodule, ckpt_path=ckpt_path, verbose=False)[0]["val_loss"]

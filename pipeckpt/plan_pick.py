@@ -20,7 +20,7 @@ from pipeckpt._errors import config_error
 from pipeckpt.engines.distributed.processes import SETTINGS, check_time_limit
 from pipeckpt.engines.distributed.startup import from_rank_zero, outside_launcher
 from pipeckpt.layout.pins import PINNABLE, Pins
-from pipeckpt.layout.report import format_row
+from pipeckpt.layout.report import format_row, pick_record
 from pipeckpt.plan_layout import check_searchable, search_config
 from pipeckpt.settings import PipeSettings
 
@@ -100,6 +100,7 @@ def apply_layout(
         picked.strategy.memory_budget = None
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
+        picked.layout_pick = {k: pick[k] for k in ("record", "settings")}  # train.py logs it
     return picked
 
 
@@ -171,4 +172,9 @@ def _searched_pick(cfg: DictConfig, say: Any, modes: Optional[str], pins: Pins) 
     say(answer.text(top=SHOWN), flush=True)
     row = format_row(1, best)
     say(f"{cfg.get('given_as') or 'strategy.layout=auto'}: training with {row.strip()}", flush=True)
-    return {"settings": best.candidate.settings(), "dp": best.candidate.dp, "row": row}
+    return {
+        "settings": best.candidate.settings(),
+        "dp": best.candidate.dp,
+        "row": row,
+        "record": pick_record(best),
+    }

@@ -15,7 +15,7 @@ loader says, as on one device.
 """
 
 import importlib
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -28,6 +28,7 @@ from pipeckpt.settings import PipeSettings
 __all__ = [
     "GIVEN",
     "LayoutSearch",
+    "log_pick",
     "batch_samples",
     "tensors",
     "searched_later",
@@ -148,6 +149,7 @@ class _Searching:
         where, name = SEARCH.split(":")
         pick = getattr(importlib.import_module(where), name)(self.strategy, module, *fit)
         adopt(self.strategy, pick)
+        log_pick(trainer.loggers if trainer is not None else [], pick)
         return self.strategy.launcher.launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -168,6 +170,14 @@ def batch_samples(batch: Any) -> int:
             "give a training loader whose batches hold tensors, or give the layout by hand",
         )
     return int(found[0].shape[0])
+
+
+def log_pick(loggers: Sequence[Any], pick: Mapping[str, Any]) -> None:
+    """The pick among the run's hyperparameters (a CSV run's ``hparams.yaml``, TensorBoard's
+    HPARAMS): the layout with its predictions, and the settings that train it by hand, for whoever
+    reads the run later. The loggers write on global rank 0 only."""
+    for logger in loggers:
+        logger.log_hyperparams({"layout": dict(pick["record"]), "layout_settings": dict(pick["settings"])})
 
 
 def adopt(strategy: Any, pick: Dict[str, Any]) -> None:

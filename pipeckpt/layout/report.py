@@ -9,7 +9,7 @@ byte of device memory buys among every layout that fits.
 import sys
 import time
 from collections import Counter
-from typing import Callable, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from pipeckpt.layout.search import Ranked, Searched, why_lost
 from pipeckpt.sizes import human
@@ -45,6 +45,21 @@ def format_row(i: int, r: Ranked) -> str:
         f"{e.step_s * 1e3:>9.2f} {e.tokens_per_s_per_device:>10.0f} {100 * e.mfu:>6.1f} "
         f"{100 * r.bubble_share:>8.1f} {100 * r.comm_share:>6.1f}  {modes_text(c.modes)}"
     )
+
+
+def pick_record(r: Ranked) -> Dict[str, Any]:
+    """A layout and its predictions as a run's hyperparameters record them (plain values)."""
+    c, e = r.candidate, r.estimate
+    return {
+        "layout": c.describe(),
+        "schedule": c.schedule,
+        "virtual_stages": c.virtual_stages,
+        "chunks": c.chunks,
+        "modes": modes_text(c.modes),
+        "predicted_peak_bytes_per_rank": int(r.fitted.peak),
+        "predicted_step_s": float(e.step_s),
+        "predicted_tokens_per_s_per_device": float(e.tokens_per_s_per_device),
+    }
 
 
 def format_search(searched: Searched, *, top: int = 8, device: str = "") -> str:

@@ -6,6 +6,7 @@ length is refused naming it, before any work."""
 from pathlib import Path
 
 import pytest
+import yaml
 from support.layout_configs import train_py
 
 from pipeckpt import PipeckptConfigError
@@ -51,6 +52,8 @@ def test_train_py_trains_a_users_own_module_with_the_searched_pick(tmp_path: Pat
     done = train_py([*mine, *AUTO], tmp_path / "run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "strategy.layout=auto: training with " in done.stdout
+    (hparams,) = (tmp_path / "run").glob("logs/version_*/hparams.yaml")  # the pick, logged
+    assert yaml.safe_load(hparams.read_text())["layout"]["layout"].startswith("pp")
 
 
 def test_a_users_own_data_module_feeds_the_search_its_batch_and_length(tmp_path: Path) -> None:

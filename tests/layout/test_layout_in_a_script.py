@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Sequence
 import lightning as L
 import pytest
 import torch
+import yaml
 from support import forkserver
 from support.user_modules import UserGPT2, UserTokens
 
@@ -64,6 +65,9 @@ def test_a_scripts_searched_layout_trains_as_one_device_does(
     assert searched["val_loss"] == pytest.approx(one_device["val_loss"], rel=1e-5)
     assert "PipelineStrategy(layout='auto'): training with 1 " in searched["stdout"]
     assert "the pick by hand, without a search: PipelineStrategy(engine='distributed'" in searched["stdout"]
+    (hparams,) = tmp_path.glob("logs/version_*/hparams.yaml")  # the pick among the run's hyperparameters
+    logged = yaml.safe_load(hparams.read_text())
+    assert logged["layout_settings"] == searched["pick"] and logged["layout"]["predicted_step_s"] > 0
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `support` as the search names it
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger
 
 from pipeckpt import PipelineStrategy
 from support.user_modules import UserGPT2, UserTokens
@@ -54,7 +55,8 @@ def main() -> None:
         strategy = PipelineStrategy(
             engine="distributed", layout="auto", cluster=args.cluster, timeout=300, **settings
         )
-        trainer = L.Trainer(strategy=strategy, devices=args.devices, **common)
+        logger = CSVLogger(Path(args.out).parent, name="logs")  # the pick among its hyperparameters
+        trainer = L.Trainer(strategy=strategy, devices=args.devices, **{**common, "logger": logger})
     else:
         trainer = L.Trainer(devices=1, **common)
     trainer.fit(model, datamodule=data)
