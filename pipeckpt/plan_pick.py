@@ -100,7 +100,7 @@ def apply_layout(
         picked.strategy.memory_budget = None
         picked.strategy.memory_search = None
         picked.data.batch_size = int(cfg.data.batch_size) // int(pick["dp"])
-        picked.layout_pick = {k: pick[k] for k in ("record", "settings")}  # train.py logs it
+        picked.layout_pick = {k: pick[k] for k in ("record", "settings") if k in pick}  # train.py logs it
     return picked
 
 

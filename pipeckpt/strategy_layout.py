@@ -176,8 +176,9 @@ def log_pick(loggers: Sequence[Any], pick: Mapping[str, Any]) -> None:
     """The pick among the run's hyperparameters (a CSV run's ``hparams.yaml``, TensorBoard's
     HPARAMS): the layout with its predictions, and the settings that train it by hand, for whoever
     reads the run later. The loggers write on global rank 0 only."""
+    logged = {"layout": pick.get("record"), "layout_settings": pick.get("settings")}
     for logger in loggers:
-        logger.log_hyperparams({"layout": dict(pick["record"]), "layout_settings": dict(pick["settings"])})
+        logger.log_hyperparams({k: dict(v) for k, v in logged.items() if v is not None})
 
 
 def adopt(strategy: Any, pick: Dict[str, Any]) -> None:
