@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeckpt._errors import config_error
-from pipeckpt.strategy_layout import GIVEN, batch_samples, tensors
+from pipeckpt.strategy_layout import GIVEN, cut
 
 __all__ = ["GivenBatch", "by_hand", "script_config"]
 
@@ -42,9 +42,10 @@ def _sequence_length(module: L.LightningModule, batch: Any) -> int:
     kept = module.hparams.get("seq_len")
     if isinstance(kept, int) and not isinstance(kept, bool):
         return kept
-    ids = [t for t in tensors(batch) if t.dim() == 2 and not t.is_floating_point()]
+    leaves = cut(batch, 1).tensors
+    ids = [t for t in leaves if t.dim() == 2 and not t.is_floating_point()]
     if not ids:
-        shapes = [list(t.shape) for t in tensors(batch)]
+        shapes = [list(t.shape) for t in leaves]
         raise config_error(
             f"{GIVEN} with {type(module).__name__} and a first training batch of shapes {shapes}",
             "the search prices a layout by the tokens of a sequence model: a batch holding token "
@@ -96,7 +97,7 @@ def script_config(
     data = {
         "_target_": f"{GivenBatch.__module__}.{GivenBatch.__qualname__}",
         "path": str(path),
-        "batch_size": batch_samples(batch),
+        "batch_size": cut(batch, 1).size,
         "seq_len": _sequence_length(module, batch),
     }
     try:

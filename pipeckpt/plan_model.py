@@ -61,7 +61,11 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def batch(cfg: DictConfig) -> Any:
     """The first training batch of the configured data (drawn for real: its seed is a real draw)."""
-    datamodule = instantiate(cfg.data)
+    return first_batch(instantiate(cfg.data))
+
+
+def first_batch(datamodule: Any) -> Any:
+    """``datamodule``'s first training batch: ``setup("fit")``, then its training loader's first."""
     datamodule.setup("fit")
     return next(iter(datamodule.train_dataloader()))
 

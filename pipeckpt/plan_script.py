@@ -19,6 +19,7 @@ from pipeckpt._rng import forked_random_states
 from pipeckpt.layout.cluster import cluster as described
 from pipeckpt.layout.pins import PINNABLE, Pins
 from pipeckpt.plan_given import script_config
+from pipeckpt.plan_model import first_batch
 from pipeckpt.plan_pick import agreed_pick
 from pipeckpt.strategy_layout import LayoutSearch
 
@@ -33,7 +34,9 @@ def pick_for(strategy: Any, module: Any, loaders: Any, datamodule: Any) -> Dict[
         described(search.cluster)  # a preset's name or a description, checked field by field
     pins = Pins({k: v for k, v in search.named.items() if k in PINNABLE and v is not None})
     say = lambda *a, **k: rank_zero_info(" ".join(str(x) for x in a))  # noqa: E731
-    with tempfile.TemporaryDirectory(prefix="pipeckpt-layout-") as folder:
+    # the batch drawn and the search run under a copy of every random state: the run draws on as if
+    # nobody had
+    with forked_random_states(), tempfile.TemporaryDirectory(prefix="pipeckpt-layout-") as folder:
         cfg = script_config(
             module,
             _first_batch(module, loaders, datamodule),
@@ -44,24 +47,20 @@ def pick_for(strategy: Any, module: Any, loaders: Any, datamodule: Any) -> Dict[
             num_nodes=strategy.num_nodes,
             precision=str(strategy.precision_plugin.precision),
         )
-        with forked_random_states():
-            return agreed_pick(cfg, say, search.modes(), pins)
+        return agreed_pick(cfg, say, search.modes(), pins)
 
 
 def _first_batch(module: Any, loaders: Any, datamodule: Any) -> Any:
-    """The first training batch, drawn as the search's own configs draw theirs (the data module's
-    ``setup("fit")``, then its training loader; else the loader given, or the module's own), under
-    a copy of every random state: the run draws on as if nobody had."""
+    """The first training batch, drawn as the search's own configs draw theirs (the data module's,
+    :func:`pipeckpt.plan_model.first_batch`); else the loader given's, or the module's own."""
     if isinstance(loaders, LightningDataModule):  # trainer.fit(model, datamodule) by position
         datamodule, loaders = loaders, None
-    with forked_random_states():
-        if loaders is None and datamodule is not None:
-            datamodule.setup("fit")
-            loaders = datamodule.train_dataloader()
-        elif loaders is None:
-            loaders = module.train_dataloader()
-        if isinstance(loaders, Mapping):  # several loaders: the first one's batch
-            loaders = next(iter(loaders.values()))
-        elif isinstance(loaders, (list, tuple)) and loaders and isinstance(loaders[0], DataLoader):
-            loaders = loaders[0]
-        return next(iter(loaders))
+    if loaders is None and datamodule is not None:
+        return first_batch(datamodule)
+    if loaders is None:
+        loaders = module.train_dataloader()
+    if isinstance(loaders, Mapping):  # several loaders: the first one's batch
+        loaders = next(iter(loaders.values()))
+    elif isinstance(loaders, (list, tuple)) and loaders and isinstance(loaders[0], DataLoader):
+        loaders = loaders[0]
+    return next(iter(loaders))

@@ -15,10 +15,7 @@ loader says, as on one device.
 """
 
 import importlib
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
-
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from pipeckpt._compat import fit_arguments, relaunch
 from pipeckpt._errors import config_error
@@ -29,8 +26,7 @@ __all__ = [
     "GIVEN",
     "LayoutSearch",
     "log_pick",
-    "batch_samples",
-    "tensors",
+    "cut",
     "searched_later",
     "replica_share",
     "searching_launcher",
@@ -153,23 +149,14 @@ class _Searching:
         return self.strategy.launcher.launch(function, *args, trainer=trainer, **kwargs)
 
 
-def tensors(batch: Any) -> List[Tensor]:
-    """Every tensor in ``batch`` (tuples, lists, dicts of them), in order."""
-    found: List[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
-    return found
+def cut(batch: Any, parts: int) -> Any:
+    """``batch`` cut along its samples into ``parts`` equal shares by the distributed engine's own
+    rules and code (its micro-batches: every tensor leaf split along dim 0, all of one sample count,
+    refused naming the batch otherwise); ``.size`` its samples, ``[i]`` a share, ``.tensors`` its
+    tensor leaves. Imported when used: the engine brings torch.distributed."""
+    from pipeckpt.engines.distributed.replay import Microbatches
 
-
-def batch_samples(batch: Any) -> int:
-    """The samples in ``batch``: its first tensor's first dimension."""
-    found = tensors(batch)
-    if not found or found[0].dim() == 0:
-        raise config_error(
-            f"{GIVEN} with a first training batch of {type(batch).__name__}",
-            "the search splits a batch of tensors by their first dimension (the samples)",
-            "give a training loader whose batches hold tensors, or give the layout by hand",
-        )
-    return int(found[0].shape[0])
+    return Microbatches(batch, parts)
 
 
 def log_pick(loggers: Sequence[Any], pick: Mapping[str, Any]) -> None:
@@ -202,7 +189,8 @@ def replica_share(strategy: Any, hook: str, args: Tuple[Any, ...]) -> Tuple[Any,
     replicas = strategy.engine.topology.dp if picked else 1
     if replicas == 1 or not args:
         return args
-    samples = batch_samples(args[0])
+    shares = cut(args[0], replicas)
+    samples = shares.size
     if samples % replicas:
         raise config_error(
             f"a training batch of {samples} samples under {GIVEN}'s {replicas} replicas",
@@ -211,6 +199,4 @@ def replica_share(strategy: Any, hook: str, args: Tuple[Any, ...]) -> Tuple[Any,
             "make every batch's size divisible by the replicas (drop_last=True on the training "
             "DataLoader drops a shorter last batch)",
         )
-    mine = strategy.engine.topology.replica_of(strategy.global_rank)
-    share = apply_to_collection(args[0], Tensor, lambda t: t.tensor_split(replicas)[mine])
-    return (share, *args[1:])
+    return (shares[strategy.engine.topology.replica_of(strategy.global_rank)], *args[1:])

@@ -123,11 +123,11 @@ def fit_arguments(function: Any, args: Any, kwargs: Any) -> Optional[Tuple[Any, 
     ``_fit_impl`` with fit's arguments by position; they are read here by its parameters' names
     (``fit``'s own)."""
     try:
-        parameters = inspect.signature(function).parameters
-        bound = inspect.signature(function).bind(*args, **kwargs).arguments
+        signature = inspect.signature(function)
+        bound = signature.bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return None
-    if "train_dataloaders" not in parameters:
+    if "train_dataloaders" not in signature.parameters:
         return None
     return bound.get("train_dataloaders"), bound.get("datamodule")
 
