@@ -246,6 +246,12 @@ def _decided(cfg: DictConfig, options: MemoryOptions, extra: Dict[str, Any]) -> 
     return replace(options, fake=fake, fake_reason=reason)
 
 
+def _on_cpu(cfg: DictConfig) -> bool:
+    """Whether the configured run trains on CPU, where Lightning's process group is gloo's."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
 def _per_rank_run(
     cfg: DictConfig, settings: PipeSettings, options: MemoryOptions, drawn: Any
 ) -> Tuple[RankTable, MemoryOptions]:
@@ -258,6 +264,7 @@ def _per_rank_run(
         reduce_every_microbatch=options.reduce_every,
         precision=str(cfg.trainer.precision),
         sequence_parallel=bool(settings.sequence_parallel) and (options.tp or 1) > 1,
+        gloo=_on_cpu(cfg),
     )
     if settings.modes == "auto":
         raise config_error(

@@ -296,6 +296,7 @@ def _searching(cfg: DictConfig) -> Iterator[Tuple[Memory, Model, Cluster, Search
                 global_batch=int(cfg.data.batch_size),
                 precision=precision,
                 optimizer=optimizer,
+                gloo=_this_machine(where),
             )
             yield memory, model, where, shapes
     finally:

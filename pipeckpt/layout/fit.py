@@ -105,6 +105,8 @@ class Memory:
         precision: Lightning's precision name (compute and master dtypes).
         optimizer: whose state to count.
         modes: the checkpoint modes ``choose`` may give a stage.
+        gloo: the ranks reduce over gloo (``cluster=local``): its reduce-scatter's staging copy is
+            counted (:class:`~pipeckpt.memory.sharding.Layout`).
     """
 
     def __init__(
@@ -116,8 +118,10 @@ class Memory:
         precision: str = "32-true",
         optimizer: Union[str, torch.optim.Optimizer, type] = "adamw",
         modes: Sequence[object] = DEFAULT_MODES,
+        gloo: bool = False,
     ) -> None:
         self.shapes, self.device_bytes, self.global_batch = shapes, device_bytes, global_batch
+        self.gloo = gloo  # the ranks reduce over gloo (cluster=local): Layout.gloo
         self.precision, self.optimizer, self.modes = precision, optimizer, list(modes)
         self._built: Dict[int, Tuple[nn.Sequential, Tuple[Tuple[str, str], ...]]] = {}
         self._profiles: Dict[Tuple[int, int, bool], ModelProfile] = {}
@@ -143,6 +147,7 @@ class Memory:
             reshard_after_forward=c.reshard,
             reduce_every_microbatch=c.reduce_every,
             sequence_parallel=c.tp > 1 and c.sequence,
+            gloo=self.gloo,
         )
 
     def state_bytes(self, c: Candidate) -> int:

@@ -154,7 +154,9 @@ def _terms(
     if _OUTSIDE.match(at):
         collectives = max(collectives, state.outside_collectives)
     elif reducing:
-        collectives = state.reducing
+        collectives = state.reducing + state.staged_reducing
+    if backward and not stepping and not reducing:  # gloo's copy of a reduce-scatter before it
+        collectives += state.staged
     return (
         rest + state.params + grads + state.optimizer + unsharded + collectives,
         grads,

@@ -63,6 +63,9 @@ class Layout:
             layers counted are one rank's share already.
         sequence_parallel: each layer's norms and residual stream split along the sequence over
             ``tp`` too (profiled so: :mod:`pipeckpt.memory.sequence_local`).
+        gloo: the ranks reduce over gloo (a CPU run), whose reduce-scatter stages its input in a
+            copy of the same bytes and may free that copy after the call has returned
+            (``RankState.staged``; tests/memory/test_gloo_staging.py). NCCL makes none.
     """
 
     fsdp: int = 1
@@ -72,6 +75,7 @@ class Layout:
     tp_plan: Tuple[Tuple[str, str], ...] = ()
     reduce_every_microbatch: bool = False
     sequence_parallel: bool = False
+    gloo: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp"):
@@ -130,6 +134,12 @@ class RankState:
     # one layer's gradient and reduce-scatter input, the buffers of a layer's backward that reduces
     # (reduced_in_backward).
     synced_collectives: int = 0
+    # gloo's staging copy of the largest reduce-scatter input a backward runs (a unit outside the
+    # layers every micro-batch; the layers too where they reduce in it), which gloo may free after
+    # its call has returned: an op after it can still hold it (Layout.gloo). 0 on NCCL.
+    staged: int = 0
+    # the same of the step's deferred reduction: a unit's copy beside the next unit's buffers.
+    staged_reducing: int = 0
 
 
 def reduced_in_backward(state: RankState) -> RankState:
@@ -151,7 +161,14 @@ def reduced_every_microbatch(state: RankState) -> RankState:
     stage keeps them (its reshard after backward stays off until the step's end)."""
     if state.grads_backward is None:
         return state  # no FSDP: nothing deferred
-    return replace(state, grads_backward=None, reducing=0, collectives=state.synced_collectives)
+    return replace(
+        state,
+        grads_backward=None,
+        reducing=0,
+        collectives=state.synced_collectives,
+        staged=max(state.staged, state.staged_reducing),
+        staged_reducing=0,
+    )
 
 
 def shard_numel(shape: Sequence[int], degree: int) -> int:
@@ -233,6 +250,10 @@ def rank_state(
     deferred, own = whole[: len(units)], whole[len(units) :]
     own_shards = sum(shard_numel(s, layout.fsdp) for u in shapes[len(units) :] for s, t in u if t)
     upcast = max(deferred, default=0) * compute if compute != master else 0
+    # a reduce-scatter's buffers: its gradient as copied in, and its input; on gloo the input and its
+    # staging copy inside the call, the gradient freed by then
+    copied_in = master + (max(compute, master) if layout.gloo else compute)
+    staged = master if layout.gloo else 0
     state = RankState(
         params=held,
         grads=sharded,
@@ -242,8 +263,10 @@ def rank_state(
         unsharded_backward=sum(gathered) * compute if layout.reshard_after_forward else None,
         grads_backward=(sum(deferred) + own_shards) * master,
         reducing=max(deferred, default=0) * master,
-        outside_collectives=max(own, default=0) * (compute + master),
-        synced_collectives=max(deferred, default=0) * (compute + master),
+        outside_collectives=max(own, default=0) * copied_in,
+        synced_collectives=max(deferred, default=0) * copied_in,
+        staged=max(own, default=0) * staged,
+        staged_reducing=max(deferred, default=0) * staged,
     )
     return reduced_every_microbatch(state) if layout.reduce_every_microbatch else state
 

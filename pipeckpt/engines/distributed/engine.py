@@ -121,6 +121,7 @@ class DistributedEngine(EngineBuilding, EngineCheckpoints, Engine):
             precision=precision,
             tp_plan=tuple((s.tensor_parallel_plan or {}).items()),
             sequence_parallel=bool(s.sequence_parallel),
+            gloo=self._device.type == "cpu",  # Lightning's process group on CPU
         )
 
     @classmethod
