@@ -185,8 +185,9 @@ def measured(results: List[Dict[str, Any]], rows: List[Dict[str, Any]], rounds: 
 
 def _key(row: Dict[str, Any]) -> Tuple[str, int]:
     """A row's layout as a re-prediction matches it: its name and its stage count (the name of a
-    looped layout does not say its stages per rank)."""
-    return row["layout"], len(row["modes"])
+    looped layout does not say its stages per rank). Sequence parallelism's ``(sp)`` is left out: the
+    runs saved before the name said it (2026-12-05) are matched too."""
+    return row["layout"].replace(" (sp)", ""), len(row["modes"])
 
 
 def _shown(row: Dict[str, Any]) -> str:

@@ -251,9 +251,11 @@ def rank_state(
     own_shards = sum(shard_numel(s, layout.fsdp) for u in shapes[len(units) :] for s, t in u if t)
     upcast = max(deferred, default=0) * compute if compute != master else 0
     # a reduce-scatter's buffers: its gradient as copied in, and its input; on gloo the input and its
-    # staging copy inside the call, the gradient freed by then
-    copied_in = master + (max(compute, master) if layout.gloo else compute)
-    staged = master if layout.gloo else 0
+    # staging copy inside the call, the gradient freed by then (no call at a shard degree of 1: FSDP2
+    # copies the input to its output)
+    scattered = layout.gloo and layout.fsdp > 1
+    copied_in = master + (max(compute, master) if scattered else compute)
+    staged = master if scattered else 0
     state = RankState(
         params=held,
         grads=sharded,

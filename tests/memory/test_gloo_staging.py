@@ -59,6 +59,15 @@ def test_on_gloo_a_rank_counts_a_copy_of_the_largest_input_its_reduce_scatters_m
     assert nccl.staged == nccl.staged_reducing == 0
 
 
+def test_at_a_shard_degree_of_1_nothing_is_reduce_scattered_and_nothing_staged() -> None:
+    # tensor parallelism runs under FSDP2 at any shard degree; at 1 FSDP2 copies its input to its
+    # output without calling the process group
+    layers = list(_layers())
+    state = rank_state(layers[1:-1], Layout(fsdp=1, tp=2, gloo=True), "adamw", [layers[0]])
+    assert state.staged == state.staged_reducing == 0
+    assert state == rank_state(layers[1:-1], Layout(fsdp=1, tp=2), "adamw", [layers[0]])
+
+
 def test_on_gloo_the_copy_is_held_from_a_backward_on_and_at_the_deferred_reduction_not_at_the_step() -> None:
     layers = _layers()
     fitted = profile(layers, torch.randint(256, (2, 16)), fake=True)
