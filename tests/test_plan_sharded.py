@@ -100,3 +100,21 @@ def test_sequence_parallelism_on_a_model_built_as_one_ranks_share_is_refused(
     args = [*ARGS, "trainer.devices=4", "strategy.tensor_parallel=2", "strategy.data_parallel=fsdp"]
     assert main([*args, "memory.tp=2", "strategy.sequence_parallel=true"]) == 1
     assert "sequence_parallel=True on an nn.Sequential pipeline" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("accelerator, gloo", [("cpu", True), ("gpu", False)])
+def test_a_cpu_runs_ranks_count_glooss_staging_copy_of_a_reduce_scatter(
+    capsys: pytest.CaptureFixture[str], accelerator: str, gloo: bool
+) -> None:
+    # on CPU Lightning's process group is gloo's, whose reduce-scatter copies its input
+    # (tests/memory/test_gloo_staging.py); gradients reduced in every backward show it
+    args = [*ARGS, "memory.fsdp=2", "memory.reduce_every=true", f"trainer.accelerator={accelerator}"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = dict(zip(lines[1].split(), lines[2].split()))
+    assert row["at"] == "B1"  # a backward: its reduce-scatter's buffers counted
+    layers = list(llama_layers(llama_config("tiny", seq_len=128)))
+    layout = Layout(fsdp=2, precision="bf16-mixed", reduce_every_microbatch=True, gloo=gloo)
+    state = rank_state(layers[:2], layout, "adamw")
+    assert float(row["collectives"]) == round((state.collectives + state.staged) / MiB, 2)
+    assert (state.staged > 0) == gloo
