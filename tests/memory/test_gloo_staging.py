@@ -1,11 +1,11 @@
 """gloo's reduce-scatter stages its input in a copy of the same bytes, which the memory model
 counts on a CPU run (``Layout.gloo``; pipeckpt/memory/sharding.py, ``RankState.staged``).
 
-Why counted: no operator of torch's makes that copy (gloo's C++ does), so a profile never sees it,
-and gloo may free it after its call has returned (4 of 30 calls on this project's machine,
-benchmarks/RESULTS_layout.md, "gloo's staging copy"): the op after a reduce-scatter can hold it. The
-allocator held 8 to 18 MiB more than the operator count on the measured FSDP ranks, and the model
-under-predicted three of them by 10.0% to 14.0%."""
+Why counted: no operator of torch's makes that copy (gloo's C++ does), so a profile never sees
+it, and gloo may free it after its call has returned (14 and 23 of 30 calls in two runs of
+benchmarks/bench_gloo_staging.py here; benchmarks/RESULTS_layout.md, "gloo's staging copy"): the
+op after a reduce-scatter can hold it. The allocator held 12 to 18 MiB more than the operator count
+on the measured FSDP ranks, and the model under-predicted three of them by 10.0% to 14.0%."""
 
 import json
 from dataclasses import replace
