@@ -103,7 +103,7 @@ def test_sequence_parallelism_on_a_model_built_as_one_ranks_share_is_refused(
 
 
 @pytest.mark.parametrize("accelerator, gloo", [("cpu", True), ("gpu", False)])
-def test_a_cpu_runs_ranks_count_glooss_staging_copy_of_a_reduce_scatter(
+def test_a_cpu_runs_ranks_count_gloos_staging_copy_of_a_reduce_scatter(
     capsys: pytest.CaptureFixture[str], accelerator: str, gloo: bool
 ) -> None:
     # on CPU Lightning's process group is gloo's, whose reduce-scatter copies its input
