@@ -15,34 +15,28 @@ Command::
 
 import argparse
 import os
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.profiler import ProfilerActivity, profile
-
-_BEFORE, _AFTER = 1_000_003, 1_000_033  # bytes no tensor of the run has (prime)
+from harness.allocated_bytes import SENTINELS, AllocatedBytes
 
 
 def _freed_after(numel: int, calls: int, call: Callable[[], None]) -> Dict[str, int]:
     """Of ``calls`` calls, how many made a copy of ``numel`` float32 elements, and how many still
-    held it at the allocation after the call."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as heard:
+    held it at the allocation after the call (each call between the harness's two sentinels)."""
+    with AllocatedBytes() as heard:
         for _ in range(calls):
-            torch.empty(_BEFORE, dtype=torch.uint8)
+            AllocatedBytes.mark(0)
             call()
-            torch.empty(_AFTER, dtype=torch.uint8)
+            AllocatedBytes.mark(1)
             torch.randn(512, 512) @ torch.randn(512, 512)
-    results = heard.profiler.kineto_results  # type: ignore[union-attr]
-    sizes: List[int] = [
-        b for _, b in sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
-    ]
     copy, held, made, late, inside = numel * 4, 0, 0, 0, False
-    for nbytes in sizes:
-        if nbytes == -_BEFORE:
+    for _, nbytes in heard.events():
+        if nbytes == -SENTINELS[0]:
             inside = True
-        elif nbytes == _AFTER:
+        elif nbytes == SENTINELS[1]:
             late += held > 0
             inside = False
         elif nbytes == copy:

@@ -70,8 +70,12 @@ class AllocatedBytes:
         """Allocates and frees the sentinel ``which`` (0: the step begins, 1: it has ended)."""
         torch.empty(SENTINELS[which], dtype=torch.uint8)
 
+    def events(self) -> List[Tuple[int, int]]:
+        """(time, bytes) of each allocation (> 0) and free (< 0) heard, in time order (after
+        :meth:`__exit__`)."""
+        results = self._profile.profiler.kineto_results  # type: ignore[union-attr]
+        return sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
+
     def peak(self) -> int:
         """The step's most bytes above the allocator's level as it began (after :meth:`__exit__`)."""
-        results = self._profile.profiler.kineto_results  # type: ignore[union-attr]
-        events = sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
-        return peak_between(events)
+        return peak_between(self.events())

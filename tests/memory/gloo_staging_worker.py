@@ -1,6 +1,6 @@
 """One rank of tests/memory/test_gloo_staging.py (started by tests/support/ranks.py): gloo's
 ``reduce_scatter_tensor``, FSDP2's call (``_fsdp_collectives.foreach_reduce``, synchronous), with
-torch's profiler hearing every allocation of the CPU allocator; writes ``staging.rank<R>.json``:
+the benchmarks' CPU allocator count (harness.allocated_bytes) around it; writes ``staging.rank<R>.json``:
 the bytes of each allocation made inside the call and of the input."""
 
 import json
@@ -10,11 +10,8 @@ from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
+from harness.allocated_bytes import SENTINELS, AllocatedBytes  # the benchmarks' allocator count
 from support.ranks import serve
-from torch.profiler import ProfilerActivity, profile
-
-# Bytes no tensor of the run has (prime), allocated just before and just after the call.
-_BEFORE, _AFTER = 1_000_003, 1_000_033
 
 
 def run(spec: Dict[str, Any], out: str, world: int) -> None:
@@ -24,14 +21,12 @@ def run(spec: Dict[str, Any], out: str, world: int) -> None:
     grads = torch.ones(numel)  # a unit's whole gradient, as FSDP2 copies it in
     shard = torch.empty(numel // world)
     dist.reduce_scatter_tensor(shard, grads)  # once before: the group's own buffers are made
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as heard:
-        torch.empty(_BEFORE, dtype=torch.uint8)
+    with AllocatedBytes() as heard:
+        AllocatedBytes.mark(0)
         dist.reduce_scatter_tensor(shard, grads)
-        torch.empty(_AFTER, dtype=torch.uint8)
-    results = heard.profiler.kineto_results  # type: ignore[union-attr]
-    events = sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
-    sizes = [nbytes for _, nbytes in events]
-    inside = sizes[sizes.index(-_BEFORE) + 1 : sizes.index(_AFTER)]
+        AllocatedBytes.mark(1)
+    sizes = [nbytes for _, nbytes in heard.events()]
+    inside = sizes[sizes.index(-SENTINELS[0]) + 1 : sizes.index(SENTINELS[1])]
     made = [nbytes for nbytes in inside if nbytes > 0]
     seen = {"input": grads.nbytes, "made": made, "reduced": shard[0].item()}
     Path(out, f"staging.rank{rank}.json").write_text(json.dumps(seen))
