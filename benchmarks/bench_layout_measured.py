@@ -19,9 +19,11 @@ measured peak per pipeline rank is the most any of that rank's replicas held.
 
 Reported per world: predicted against measured step time (Spearman's rank correlation), the pick's
 measured time against the measured best, and each layout's predicted peak against the measured
-one. The ``cluster=local`` figures are measured afresh at the start (unless ``--no-calibrate``), so
-they are the quiet machine's; ``--repredict`` writes the saved run's figures back into that cache
-file, so the new predictions use the machine as it was measured.
+one. The ``cluster=local`` figures are measured afresh at the start (unless ``--no-calibrate``, which
+reads the user's cached ones), so they are the quiet machine's; ``--repredict`` predicts with the
+saved run's figures, so the new predictions use the machine as it was measured. Either way they are
+kept in a cache directory of the run's own, removed at its end: the user's cached figures are
+neither replaced nor deleted.
 
 Command::
 
@@ -31,10 +33,13 @@ Command::
     python benchmarks/bench_layout_measured.py --quick       # a tiny GPT, 2 processes: checks the harness
 """
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
@@ -288,6 +293,15 @@ def _header(figures: Dict[str, Any], args: Any, when: str) -> List[str]:
     ]
 
 
+def _own_cache() -> None:
+    """Points ``cluster=local``'s cache (``$XDG_CACHE_HOME``, which the ranks inherit) at a directory
+    of this run's own, removed when it ends: the figures it measures or restores never replace the
+    ones the user's own searches cached."""
+    own = tempfile.mkdtemp(prefix="bench-layout-measured-")
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+    os.environ["XDG_CACHE_HOME"] = own
+
+
 def main() -> None:
     parser = ranks_arguments(__doc__.splitlines()[0], out="/dev/stdout", rounds=3, batch=16)
     parser.set_defaults(timeout=3000)  # one world's ranks: Llama on 4 processes takes ~35 min on 2 cores
@@ -312,6 +326,8 @@ def main() -> None:
     from pipeckpt.layout.calibrate import cache_file
     from pipeckpt.layout.calibrate import measured as calibration
 
+    if args.repredict or not args.no_calibrate:
+        _own_cache()
     if args.repredict:
         saved = json.loads(Path(args.repredict).read_text())
         cache_file().parent.mkdir(parents=True, exist_ok=True)
@@ -322,9 +338,7 @@ def main() -> None:
             answer, rows = repredicted(entry)
             lines += table(entry["name"], entry["world"], answer, rows, entry["seconds"])
     else:
-        if not args.no_calibrate:
-            cache_file().unlink(missing_ok=True)
-        figures = calibration()
+        figures = calibration()  # measured afresh into the run's own cache, unless --no-calibrate
         cases = QUICK if args.quick else {k: CASES[k] for k in args.models.split(",")}
         worlds = [2] if args.quick else [int(w) for w in args.worlds.split(",")]
         kept = {

@@ -118,6 +118,22 @@ def test_a_directory_and_a_config_together_are_refused(tmp_path, tiny):
     assert message.startswith(f"model.path={tiny} with model.config=")
 
 
+T5 = "{model_type:t5,d_model:32,d_ff:64,num_layers:1,num_heads:2,d_kv:16,vocab_size:256}"
+
+
+def test_a_config_of_an_encoder_decoder_is_refused_naming_its_model_type(tmp_path):
+    message = refusal(tmp_path, "model=hf", f"model.config={T5}")
+    assert message.startswith("model.config (model_type 't5'): model=hf trains a causal language model")
+    assert "pipeline_of" in message  # the fix: the user's own script
+
+
+def test_a_directory_of_an_encoder_decoder_is_refused_naming_it(tmp_path):
+    config = transformers.AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    message = refusal(tmp_path, "model=hf", f"model.path={tmp_path / 't5'}")
+    assert message.startswith(f"model.path={tmp_path / 't5'} (model_type 't5'): model=hf trains a causal")
+
+
 def test_a_config_dict_builds_that_model_type_with_its_fields(tmp_path):
     cfg = compose_train(tmp_path, "model=hf", "model.config={model_type:gpt2,n_layer:3,n_embd:32,n_head:2}")
     check_config(cfg)

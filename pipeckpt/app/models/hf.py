@@ -127,6 +127,8 @@ def checked_config(
     unless ``ignore_keys`` matches them: None, as in the app's first checks, leaves those to the
     model's own check, which knows ``model.ignore_keys``)."""
     built = hf_config(path, config, trust_remote_code=trust_remote_code)
+    if not isinstance(built, SimpleNamespace):
+        _check_causal(built, path, config)
     positions = getattr(built, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise config_error(
@@ -137,6 +139,27 @@ def checked_config(
     if path is not None and not isinstance(built, SimpleNamespace):
         check_weights(path, built, bool(trust_remote_code), ignore_keys)
     return built
+
+
+def _check_causal(built: Any, path: Optional[str], config: ConfigSource) -> None:
+    """Refuses a config that ``AutoModelForCausalLM`` builds no model from (T5, BERT's encoder, ...),
+    before any work: transformers' own error lists every family it knows, after the run has begun."""
+    import transformers
+
+    auto_map = getattr(built, "auto_map", None) or {}
+    if type(built) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING or "AutoModelForCausalLM" in auto_map:
+        return
+    kind = getattr(built, "model_type", type(built).__name__)
+    setting = f"model.path={path}" if path is not None else f"model.config (model_type {kind!r})"
+    if path is not None:
+        setting += f" (model_type {kind!r})"
+    raise config_error(
+        setting,
+        f"model=hf trains a causal language model (what AutoModelForCausalLM builds), and {kind!r} "
+        "is not one: an encoder-decoder (T5, ...) or an encoder alone has no next-token loss here",
+        "choose a decoder family (llama, gpt2, qwen2, mistral, mixtral, ...), or pipeline this model in "
+        "a script of your own with pipeckpt.pipeline_of (docs/REAL_MODELS.md)",
+    )
 
 
 def check_tokens(built: Any, path: Optional[str], tokenizer: Optional[str]) -> None:
