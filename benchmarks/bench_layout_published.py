@@ -10,6 +10,9 @@ Sources:
 - torchtitan, Llama 3.1 on H100 (Grand Teton: 8 H100 96GB HBM2e, 500 W, NVLink, 400 Gb/s RDMA per
   GPU), end of 2024: https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
   Table 1 (8B, FSDP 8), Table 3 (8B, FSDP 128; the H100 fit), Table 5 (405B, PP 8 x TP 8 x FSDP 8).
+  Its docs/performance.md of 2024 (before that file's tables moved to the page above): Llama 3.1
+  405B on 128 H100 (95GB) as FSDP 16 x TP 8, local batch 2, full AC, in bf16 without Float8 or
+  torch.compile: 109 tokens/s per GPU at 29.0% MFU (the only published 405B run in plain bf16).
 - Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   SC'21 (arXiv:2104.04473), Table 1 (GPT, V = 51,200, s = 2048, A100 80GB on Selene); achieved
   teraFLOP/s per GPU become tokens/s per GPU through their Eq. 3, which counts the recompute:
@@ -174,6 +177,22 @@ RUNS: List[Run] = [
         stage_layers=(7, *(8,) * 14, 7),
         note="2 stages per rank: torchtitan's default for a looped schedule without split points (the "
         "table does not say); otherwise as the 1F1B row",
+    ),
+    Run(
+        name="Llama 3.1 405B, TP 8 x FSDP 16, local batch 2, full AC, bf16",
+        source="torchtitan performance.md (2024)",
+        preset="h100_8x8",
+        nodes=16,
+        config=LLAMA_405B,
+        layout=Layout(1, 8, 1, 16, "gpipe", 1, 1, ("always",)),
+        sequence_parallel=True,
+        global_batch=32,
+        seq_len=8192,
+        published=109,
+        published_text="109 tok/s/GPU (29.0% MFU)",
+        reshard=True,
+        note="128 H100 (95GB), no Float8, no torch.compile (the table's 'None' row); seq 8192, which its "
+        "29.0% MFU implies; reshard after forward (torchtitan's default without PP)",
     ),
     megatron("1.7B", 2304, 24, 24, 1, 1, 32, 512, 137, fit=True),
     megatron("3.6B", 3072, 32, 30, 2, 1, 64, 512, 138),

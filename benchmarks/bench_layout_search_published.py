@@ -62,7 +62,9 @@ def cases(runs: Sequence[Run]) -> List[Tuple[Run, List[Run]]]:
 
 
 def published_layout(run: Run) -> Candidate:
-    return replace(run.layout, reshard=run.reshard)
+    """The run's layout as published: its resharding, and sequence parallelism where its tp splits
+    the sequence too (torchtitan's plan does), as the search's own twin of it has."""
+    return replace(run.layout, reshard=run.reshard, sequence=run.sequence_parallel and run.layout.tp > 1)
 
 
 def _config(config: Dict[str, Any]) -> str:
@@ -96,7 +98,17 @@ def overrides(run: Run) -> List[str]:
 def _same(a: Candidate, b: Candidate) -> bool:
     """``a`` (the search's) is the published layout ``b``, under the engine's cut by parameters (its
     twin cut by time is the search's own layout, not the published one)."""
-    fields = ("pp", "tp", "dp_replicate", "dp_shard", "schedule", "virtual_stages", "chunks", "reshard")
+    fields = (
+        "pp",
+        "tp",
+        "dp_replicate",
+        "dp_shard",
+        "schedule",
+        "virtual_stages",
+        "chunks",
+        "reshard",
+        "sequence",
+    )
     return not a.balance and all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
