@@ -213,3 +213,28 @@ def test_a_budget_beside_layout_auto_is_refused_as_the_search_fits_each_device(
                 *given,
             ]
         )
+
+
+LAB = """name: lab
+nodes: 1
+devices_per_node: 4
+device:
+  name: L40S
+  memory_bytes: 51539607552
+  peak_flops: {bf16-mixed: 362e12, 32-true: 91.6e12}
+  memory_bytes_per_s: 864e9
+  efficiency: 0.5
+intra_node_bytes_per_s: 32e9
+inter_node_bytes_per_s: 12.5e9
+latency_s: 2e-5
+"""
+
+
+def test_a_cluster_described_in_a_folder_of_the_users_own_is_searched_on(tmp_path: Path) -> None:
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "lab.yaml").write_text(LAB)
+    png = f"memory.png={tmp_path / 'frontier.png'}"
+    answer, _, _ = run([*AUTO, "cluster=lab", f"hydra.searchpath=[file://{tmp_path}]", png])
+    assert isinstance(answer, Answer)
+    assert (answer.cluster.device.name, answer.cluster.device.memory_bytes) == ("L40S", 48 * 2**30)
+    assert len(answer.searched.ranked) >= 3
