@@ -128,7 +128,7 @@ def checked_config(
     model's own check, which knows ``model.ignore_keys``)."""
     built = hf_config(path, config, trust_remote_code=trust_remote_code)
     if not isinstance(built, SimpleNamespace):
-        _check_causal(built, path, config)
+        _check_causal(built, path)
     positions = getattr(built, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise config_error(
@@ -141,8 +141,8 @@ def checked_config(
     return built
 
 
-def _check_causal(built: Any, path: Optional[str], config: ConfigSource) -> None:
-    """Refuses a config that ``AutoModelForCausalLM`` builds no model from (T5, BERT's encoder, ...),
+def _check_causal(built: Any, path: Optional[str]) -> None:
+    """Refuses a config that ``AutoModelForCausalLM`` builds no model from (T5, DistilBERT, ViT, ...),
     before any work: transformers' own error lists every family it knows, after the run has begun."""
     import transformers
 
