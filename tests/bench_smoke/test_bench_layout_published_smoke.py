@@ -15,7 +15,9 @@ def ratios() -> Dict[str, str]:
     """Each row's name and its "predicted / published" cell, as the script prints them."""
     out = run_benchmark("bench_layout_published.py").stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
-    return {cells[0].strip(): cells[5].strip() for cells in rows if len(cells) == 10 and cells[0] != " run "}
+    return {
+        cells[0].strip(): cells[5].strip() for cells in rows if len(cells) == 10 and cells[0].strip() != "run"
+    }
 
 
 def test_every_published_run_but_the_float8_interleaved_one_is_predicted_within_25_percent() -> None:

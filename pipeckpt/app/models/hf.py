@@ -150,11 +150,9 @@ def _check_causal(built: Any, path: Optional[str]) -> None:
     if type(built) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING or "AutoModelForCausalLM" in auto_map:
         return
     kind = getattr(built, "model_type", type(built).__name__)
-    setting = f"model.path={path}" if path is not None else f"model.config (model_type {kind!r})"
-    if path is not None:
-        setting += f" (model_type {kind!r})"
+    setting = f"model.path={path}" if path is not None else "model.config"
     raise config_error(
-        setting,
+        f"{setting} (model_type {kind!r})",
         f"model=hf trains a causal language model (what AutoModelForCausalLM builds), and {kind!r} "
         "is not one: an encoder-decoder (T5, ...) or an encoder alone has no next-token loss here",
         "choose a decoder family (llama, gpt2, qwen2, mistral, mixtral, ...), or pipeline this model in "
